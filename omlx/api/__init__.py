@@ -1,0 +1,1 @@
+"""The HTTP edge: app factory, routes, SSE and the error mapping."""

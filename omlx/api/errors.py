@@ -1,0 +1,95 @@
+"""The one place where errors become HTTP responses (OpenAI envelope)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from omlx.errors import OmlxError
+
+log = logging.getLogger(__name__)
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "overloaded_error",
+}
+
+
+def error_body(
+    message: str, error_type: str, code: str | None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def omlx_error_body(exc: OmlxError) -> dict[str, Any]:
+    return error_body(exc.message, exc.error_type, exc.code, exc.param)
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
+    return out
+
+
+def describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable sentence per problem, naming the field; plus the first field."""
+    problems, first = [], None
+    for err in exc.errors():
+        param = _loc_to_param(tuple(err.get("loc", ())))
+        if err.get("type") == "json_invalid":
+            problems.append("request body is not valid JSON")
+            continue
+        if err.get("type") == "missing":
+            problems.append(f"'{param}' is required")
+        elif param:
+            problems.append(f"'{param}': {err.get('msg')}")
+        else:
+            problems.append(f"request body: {err.get('msg')}")
+        first = first or param or None
+    return "; ".join(problems) or "invalid request", first
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OmlxError)
+    async def _omlx(request: Request, exc: OmlxError) -> JSONResponse:
+        if exc.http_status >= 500:
+            log.error("%s %s failed: %s", request.method, request.url.path, exc.message)
+        return JSONResponse(
+            omlx_error_body(exc), status_code=exc.http_status, headers=exc.headers()
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation(exc)
+        return JSONResponse(
+            error_body(message, "invalid_request_error", "invalid_request", param), status_code=400
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error_type = _STATUS_TYPES.get(exc.status_code, "server_error")
+        return JSONResponse(
+            error_body(str(exc.detail), error_type, None),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}", "server_error", "internal_error"),
+            status_code=500,
+        )

@@ -1,0 +1,147 @@
+"""Drive engine requests from a route: submit, merge streams, watch the client."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request as HttpRequest
+
+from omlx.api.errors import omlx_error_body
+from omlx.api.sse import DONE, KEEPALIVE, sse_data
+from omlx.engine.model_engine import ModelEngine
+from omlx.engine.stream import RequestStream, StreamEvent
+from omlx.scheduler import Request
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Generation:
+    """The requests of one HTTP call (several for a list of prompts)."""
+
+    engine: ModelEngine
+    requests: list[Request]
+    streams: list[RequestStream] = field(default_factory=list)
+    start_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+
+    def submit(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            for request in self.requests:
+                stream = RequestStream(request.request_id, loop)
+                self.engine.submit(request, stream)
+                self.streams.append(stream)
+        except BaseException:
+            self.abort_unfinished()
+            raise
+
+    def abort_unfinished(self) -> None:
+        for stream in self.streams:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+
+    async def events(self, keepalive_s: float) -> AsyncIterator[tuple[int, StreamEvent] | None]:
+        """(choice index, event) as they come; None when ``keepalive_s`` passed quietly."""
+        queue: asyncio.Queue[tuple[int, StreamEvent]] = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            while True:
+                event = await stream.get()
+                assert event is not None
+                queue.put_nowait((index, event))
+                if event.finished:
+                    return
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                try:
+                    index, event = await asyncio.wait_for(queue.get(), keepalive_s)
+                except TimeoutError:
+                    yield None
+                    continue
+                if self.first_token_s is None and event.num_output_tokens:
+                    self.first_token_s = time.perf_counter()
+                remaining -= event.finished
+                yield index, event
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def log_done(self, kind: str, prompt: int, output: int, reasons: list[str]) -> None:
+        total = time.perf_counter() - self.start_s
+        ttft = (self.first_token_s or time.perf_counter()) - self.start_s
+        log.info(
+            "%s model=%s prompt=%d output=%d finish=%s ttft=%.3fs total=%.3fs",
+            kind,
+            self.engine.name,
+            prompt,
+            output,
+            ",".join(reasons),
+            ttft,
+            total,
+        )
+
+
+async def until_disconnect(http_request: HttpRequest) -> None:
+    """Returns when the client goes away (the body has been read already)."""
+    while True:
+        message = await http_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def unless_disconnected(
+    http_request: HttpRequest, work: Awaitable[T], on_gone: Callable[[], None]
+) -> T:
+    """Await ``work``; if the client disconnects first, call ``on_gone`` and raise."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(until_disconnect(http_request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    on_gone()
+    raise ClientGone
+
+
+async def sse_stream(
+    gen: Generation,
+    keepalive_s: float,
+    chunk: Callable[[int, StreamEvent], dict[str, Any] | None],
+    tail: Callable[[], list[dict[str, Any]]],
+) -> AsyncIterator[str]:
+    """SSE frames for a generation; the client going away aborts its requests."""
+    try:
+        async for item in gen.events(keepalive_s):
+            if item is None:
+                yield KEEPALIVE
+                continue
+            index, event = item
+            if event.error is not None:
+                yield sse_data(omlx_error_body(event.error))
+                break
+            payload = chunk(index, event)
+            if payload is not None:
+                yield sse_data(payload)
+        else:
+            for payload in tail():
+                yield sse_data(payload)
+        yield DONE
+    finally:
+        gen.abort_unfinished()

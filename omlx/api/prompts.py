@@ -1,0 +1,149 @@
+"""Turn validated request bodies into scheduler Requests (runs on the event loop)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from omlx.api.schemas import ChatCompletionRequest, CompletionRequest
+from omlx.engine.model_engine import ModelEngine
+from omlx.errors import ContextLengthExceededError, InvalidRequestError
+from omlx.scheduler import Request, SamplingParams
+from omlx.settings import GenerationSettings, SamplingSettings
+
+log = logging.getLogger(__name__)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _message_text(content: Any, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind not in ("text", "input_text"):
+            raise InvalidRequestError(
+                f"messages[{index}].content[{j}]: content type '{kind}' is not supported; "
+                "send text parts only",
+                param=f"messages[{index}].content",
+            )
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    messages = []
+    for i, msg in enumerate(body.messages):
+        out: dict[str, Any] = {
+            "role": "system" if msg.role == "developer" else msg.role,
+            "content": _message_text(msg.content, i),
+        }
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(msg, key) is not None:
+                out[key] = getattr(msg, key)
+        messages.append(out)
+    return messages
+
+
+def chat_prompt_ids(engine: ModelEngine, body: ChatCompletionRequest) -> list[int]:
+    messages = chat_messages(body)
+    tokenizer = engine.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        # No template: a plain transcript the base model can continue.
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return list(tokenizer.encode(text))
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.tools:
+        kwargs["tools"] = body.tools
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+    except Exception as exc:  # jinja raises its own errors for bad conversations
+        raise InvalidRequestError(
+            f"the model's chat template rejected the messages: {exc}", param="messages"
+        ) from exc
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def completion_prompt_ids(engine: ModelEngine, body: CompletionRequest) -> list[list[int]]:
+    prompt = body.prompt
+    vocab = _vocab_size(engine)
+    if isinstance(prompt, str):
+        prompts = [list(engine.tokenizer.encode(prompt))]
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]  # type: ignore[arg-type]
+    elif all(isinstance(p, str) for p in prompt):
+        prompts = [list(engine.tokenizer.encode(p)) for p in prompt]  # type: ignore[arg-type]
+    else:
+        prompts = [list(p) for p in prompt]  # type: ignore[arg-type]
+    if not prompts:
+        raise InvalidRequestError("'prompt' must not be empty", param="prompt")
+    for ids in prompts:
+        if not ids:
+            raise InvalidRequestError("'prompt' must not be empty", param="prompt")
+        bad = next((t for t in ids if t < 0 or (vocab and t >= vocab)), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad} in 'prompt' is outside the vocabulary (0..{vocab - 1})",
+                param="prompt",
+            )
+    return prompts
+
+
+def _vocab_size(engine: ModelEngine) -> int:
+    config = engine.loaded.config
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(size) if size else 0
+
+
+def sampling_params(
+    body: ChatCompletionRequest | CompletionRequest,
+    num_prompt_tokens: int,
+    engine: ModelEngine,
+    defaults: SamplingSettings,
+    generation: GenerationSettings,
+) -> SamplingParams:
+    """Request values over global defaults; checks the context window."""
+    if body.logprobs:
+        raise InvalidRequestError("logprobs are not supported yet", param="logprobs")
+    window = engine.context_window
+    if num_prompt_tokens >= window:
+        raise ContextLengthExceededError(
+            f"the prompt is {num_prompt_tokens} tokens but the context window of "
+            f"'{engine.name}' is {window}; shorten the prompt",
+            param="messages",
+        )
+    room = window - num_prompt_tokens
+    requested = body.requested_max_tokens()
+    if requested is not None and requested > room:
+        raise ContextLengthExceededError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({requested}) exceeds the "
+            f"context window of {window}; set max_tokens to at most {room}",
+            param="max_tokens",
+        )
+    max_tokens = requested if requested is not None else min(generation.max_tokens, room)
+    stop_ids = set(body.stop_token_ids or ()) | set(engine.loaded.eos_token_ids)
+
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    return SamplingParams(
+        temperature=pick(body.temperature, defaults.temperature),
+        top_p=pick(body.top_p, defaults.top_p),
+        top_k=pick(body.top_k, defaults.top_k),
+        min_p=pick(body.min_p, defaults.min_p),
+        repetition_penalty=pick(body.repetition_penalty, defaults.repetition_penalty),
+        seed=body.seed,
+        max_tokens=max_tokens,
+        stop=body.stop_strings(),
+        stop_token_ids=frozenset(stop_ids),
+    )
+
+
+def make_request(request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
+    return Request(request_id, tuple(prompt_ids), sampling)

@@ -1,0 +1,64 @@
+"""Run the app with uvicorn: blocking for the CLI, or in a thread for tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+
+from omlx.api.app import create_app
+from omlx.engine.pool import EnginePool
+from omlx.engine.worker import MLXWorker
+from omlx.settings import Settings
+
+
+class Server:
+    """The MLX worker, the engine pool and uvicorn, started and stopped together."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.worker = MLXWorker()
+        self.pool = EnginePool(
+            settings.model_dirs, settings.scheduler, settings.generation, self.worker
+        )
+        self.app = create_app(settings, self.pool)
+        config = uvicorn.Config(
+            self.app,
+            host=settings.server.host,
+            port=settings.server.port,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
+        self._uvicorn = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.settings.server.host}:{self.settings.server.port}"
+
+    def run(self) -> None:
+        """Blocking; returns after SIGINT/SIGTERM."""
+        self.worker.start()
+        try:
+            self._uvicorn.run()
+        finally:
+            self.worker.stop()
+
+    def start_in_thread(self, timeout_s: float = 30.0) -> None:
+        self.worker.start()
+        # uvicorn only installs signal handlers on the main thread.
+        self._thread = threading.Thread(target=self._uvicorn.run, name="uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.worker.stop()

@@ -1,0 +1,14 @@
+"""Server-sent events framing for streaming responses."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+DONE = "data: [DONE]\n\n"
+KEEPALIVE = ": keep-alive\n\n"
+
+
+def sse_data(payload: dict[str, Any]) -> str:
+    """One ``data:`` event; compact JSON never contains a raw newline."""
+    return "data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False) + "\n\n"

@@ -1,0 +1,16 @@
+"""What the routes share: settings and the engine pool."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from omlx.engine.pool import EnginePool
+from omlx.settings import Settings
+
+
+@dataclass(slots=True)
+class ServerState:
+    settings: Settings
+    pool: EnginePool
+    started_s: float = field(default_factory=time.time)

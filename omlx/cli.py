@@ -1,0 +1,208 @@
+"""`omlx serve | models | config`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import logging.handlers
+import sys
+from pathlib import Path
+from typing import Any
+
+from omlx import __version__
+from omlx.errors import OmlxError, SettingsError
+from omlx.settings import Settings, load_settings, resolve_base_path, set_file_value
+
+log = logging.getLogger("omlx")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omlx", description="Local LLM server on MLX")
+    parser.add_argument("--version", action="version", version=f"omlx {__version__}")
+    parser.add_argument("--base-path", help="data folder (default ~/.omlx or OMLX_BASE_PATH)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start the HTTP server")
+    serve.add_argument(
+        "--model-dir",
+        action="append",
+        dest="model_dirs",
+        metavar="DIR",
+        help="folder with model folders (repeatable)",
+    )
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--cors-origin", action="append", dest="cors_origins", metavar="ORIGIN")
+    serve.add_argument("--max-concurrent-requests", type=int)
+    serve.add_argument("--max-queued-requests", type=int)
+    serve.add_argument("--prefill-step-size", type=int)
+    serve.add_argument("--max-context-window", type=int)
+    serve.add_argument("--max-tokens", type=int)
+    serve.add_argument("--default-model")
+    serve.add_argument(
+        "--no-install-default",
+        action="store_true",
+        help="do not import the built-in model when no model is found",
+    )
+
+    models = sub.add_parser("models", help="list, import and install models")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    msub.add_parser("list", help="models found in the model dirs")
+    imp = msub.add_parser("import-gguf", help="convert a llama GGUF into an MLX model folder")
+    imp.add_argument("file", type=Path)
+    imp.add_argument("--name", help="folder name (default: the file's name)")
+    imp.add_argument("--dtype", choices=["float32", "float16", "keep"], default="float32")
+    inst = msub.add_parser("install-default", help="import the built-in SmolLM2 model")
+    inst.add_argument("--force", action="store_true")
+
+    config = sub.add_parser("config", help="show or change settings.json")
+    csub = config.add_subparsers(dest="config_command", required=True)
+    csub.add_parser("show", help="the effective settings (file + env + defaults)")
+    setp = csub.add_parser("set", help="set KEY (e.g. server.port) to VALUE in settings.json")
+    setp.add_argument("key")
+    setp.add_argument("value", help="JSON value or plain string")
+    return parser
+
+
+_SERVE_FLAGS = {
+    "host": ("server", "host"),
+    "port": ("server", "port"),
+    "log_level": ("server", "log_level"),
+    "cors_origins": ("server", "cors_origins"),
+    "model_dirs": ("models", "model_dirs"),
+    "default_model": ("models", "default_model"),
+    "max_concurrent_requests": ("scheduler", "max_concurrent_requests"),
+    "max_queued_requests": ("scheduler", "max_queued_requests"),
+    "prefill_step_size": ("scheduler", "prefill_step_size"),
+    "max_context_window": ("generation", "max_context_window"),
+    "max_tokens": ("generation", "max_tokens"),
+}
+
+
+def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Nested settings dict from the flags the user actually gave."""
+    out: dict[str, Any] = {}
+    if args.base_path:
+        out["base_path"] = args.base_path
+    for flag, (group, field) in _SERVE_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            out.setdefault(group, {})[field] = value
+    if getattr(args, "no_install_default", False):
+        out.setdefault("models", {})["install_default_model"] = False
+    return out
+
+
+def setup_logging(settings: Settings) -> None:
+    level = getattr(logging, settings.server.log_level.upper())
+    root = logging.getLogger()
+    root.setLevel(level)
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    stderr = logging.StreamHandler(sys.stderr)
+    stderr.setFormatter(logging.Formatter(LOG_FORMAT))
+    root.addHandler(stderr)
+    try:
+        settings.log_dir.mkdir(parents=True, exist_ok=True)
+        file = logging.handlers.RotatingFileHandler(
+            settings.log_dir / "server.log", maxBytes=10_000_000, backupCount=5, encoding="utf-8"
+        )
+    except OSError as exc:
+        log.warning("cannot write logs to %s: %s", settings.log_dir, exc)
+        return
+    file.setFormatter(logging.Formatter(LOG_FORMAT))
+    root.addHandler(file)
+
+
+def _serve(settings: Settings) -> int:
+    setup_logging(settings)
+    import mlx.core as mx
+
+    from omlx.api.server import Server
+    from omlx.blas import active_blas
+    from omlx.models.discovery import discover_models
+
+    log.info(
+        "omlx %s, MLX %s on %s, BLAS: %s",
+        __version__,
+        mx.__version__,
+        mx.default_device(),
+        active_blas(),
+    )
+    if settings.models.install_default_model and not discover_models(settings.model_dirs):
+        from omlx.models.builtin import install_default_model
+
+        log.info("no model found in %s: installing the built-in model", settings.model_dirs[0])
+        install_default_model(settings.model_dirs[0])
+    server = Server(settings)
+    log.info("listening on %s (OpenAI API at %s/v1)", server.base_url, server.base_url)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    return 0
+
+
+def _models(args: argparse.Namespace, settings: Settings) -> int:
+    from omlx.models.discovery import discover_models
+
+    if args.models_command == "list":
+        models = discover_models(settings.model_dirs)
+        if not models:
+            print(f"no models in {', '.join(str(d) for d in settings.model_dirs)}")
+        for name, info in sorted(models.items()):
+            print(
+                f"{name}\t{info.kind}\t{info.model_type}\t{info.size_bytes / 1e6:.1f} MB"
+                f"\t{info.path}"
+            )
+        return 0
+    if args.models_command == "import-gguf":
+        from omlx.models.gguf import import_gguf
+
+        name = args.name or args.file.name.removesuffix(".gguf")
+        out = import_gguf(args.file, settings.model_dirs[0] / name, dtype=args.dtype)
+        print(f"imported {args.file} -> {out}")
+        return 0
+    from omlx.models.builtin import install_default_model
+
+    out = install_default_model(settings.model_dirs[0], force=args.force)
+    print(f"built-in model ready at {out}")
+    return 0
+
+
+def _config(args: argparse.Namespace, settings: Settings) -> int:
+    if args.config_command == "show":
+        print(json.dumps(settings.model_dump(mode="json"), indent=2))
+        return 0
+    try:
+        value = json.loads(args.value)
+    except json.JSONDecodeError:
+        value = args.value
+    base = resolve_base_path(args.base_path)
+    set_file_value(base, args.key, value)
+    print(f"{args.key} = {json.dumps(value)} written to {base / 'settings.json'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = load_settings(cli_overrides(args))
+        if args.command == "serve":
+            return _serve(settings)
+        if args.command == "models":
+            return _models(args, settings)
+        return _config(args, settings)
+    except SettingsError as exc:
+        print(f"omlx: {exc.message}", file=sys.stderr)
+        return 2
+    except OmlxError as exc:
+        print(f"omlx: {exc.message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

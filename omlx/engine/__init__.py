@@ -1,0 +1,1 @@
+"""Model engines, the MLX worker thread, the batched runner and output streams."""

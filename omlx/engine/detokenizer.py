@@ -1,0 +1,89 @@
+"""Incremental detokenization and stop-string matching.
+
+``IncrementalDetokenizer`` decodes a small sliding window of token ids and
+emits only text that is complete: a window whose decode ends in U+FFFD (half a
+UTF-8 character) is held back until the next token completes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+# Prompt tokens decoded as left context so the first generated token keeps its
+# leading space (SentencePiece decoders strip it at the start of a decode).
+_CONTEXT_TOKENS = 4
+_REPLACEMENT = "\ufffd"
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int] = ()):
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly completed text (maybe empty)."""
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset :])
+        if len(text) <= len(prefix) or text.endswith(_REPLACEMENT):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return text[len(prefix) :]
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete character at the very end)."""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return text[len(prefix) :] if len(text) > len(prefix) else ""
+
+
+class StopStringMatcher:
+    """Finds stop strings across token boundaries.
+
+    Text that could be the start of a stop string is held back until it is
+    either completed (stop: the stop string and anything after it is dropped)
+    or ruled out.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was hit)."""
+        if not self._stops:
+            return text, False
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buf[: min(hits)], True
+        hold = self._partial_suffix(buf)
+        self._held = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that starts some stop string."""
+        best = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(buf)), best, -1):
+                if stop.startswith(buf[-n:]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,206 @@
+"""One loaded model: tokenizer, scheduler and runner.
+
+The event loop calls ``submit`` / ``abort`` and the tokenizing helpers; the MLX
+worker thread calls ``step``. Events flow back through ``RequestStream``s, one
+``call_soon_threadsafe`` per step and event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from omlx.engine.stream import RequestStream, StreamEvent, deliver
+from omlx.errors import EngineError, OmlxError, QueueFullError
+from omlx.models.loader import LoadedModel
+from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    @property
+    def has_work(self) -> bool: ...
+    def add(self, requests: list[Request]) -> None: ...
+    def remove(self, request_ids: list[str]) -> None: ...
+    def step(self) -> list[TokenOutput]: ...
+    def reset(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Poster(Protocol):
+    def post(self, fn: Any, *args: Any) -> None: ...
+
+
+@dataclass(slots=True)
+class _Live:
+    request: Request
+    stream: RequestStream
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+
+
+class ModelEngine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        runner: Runner,
+        scheduler: Scheduler,
+        worker: Poster,
+        *,
+        context_window: int,
+    ):
+        self.loaded = loaded
+        self.name = loaded.info.name
+        self.tokenizer = loaded.tokenizer
+        self.context_window = context_window
+        self._runner = runner
+        self._scheduler = scheduler
+        self._worker = worker
+        self._live: dict[str, _Live] = {}
+        # Front-door count of submitted, unfinished requests (event loop + MLX thread).
+        self._lock = threading.Lock()
+        self._num_in_flight = 0
+        # Decoding runs on the MLX thread with its own tokenizer object so it
+        # never shares a Rust tokenizer borrow with encoding on the event loop.
+        self._decoder = _private_decoder(loaded.tokenizer)
+
+    # ---- event-loop side -------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    def submit(self, request: Request, stream: RequestStream) -> None:
+        """Queue a request; raises QueueFullError when the engine is at capacity."""
+        with self._lock:
+            if self._num_in_flight >= self._scheduler.capacity:
+                raise QueueFullError(
+                    f"model '{self.name}' is at capacity ({self._num_in_flight} requests "
+                    "running or queued); retry shortly",
+                    retry_after_s=1,
+                )
+            self._num_in_flight += 1
+        self._worker.post(self._add, request, stream)
+
+    def abort(self, request_id: str) -> None:
+        self._worker.post(self._abort, request_id)
+
+    # ---- MLX thread --------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self._scheduler.has_work
+
+    def _add(self, request: Request, stream: RequestStream) -> None:
+        try:
+            self._scheduler.add(request)
+        except OmlxError as exc:
+            self._release(1)
+            stream.loop.call_soon_threadsafe(stream.push, StreamEvent(error=exc))
+            return
+        detok = IncrementalDetokenizer(self._decoder, request.prompt_ids)
+        self._live[request.request_id] = _Live(
+            request, stream, detok, StopStringMatcher(request.sampling.stop)
+        )
+
+    def _abort(self, request_id: str) -> None:
+        where = self._scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        if where is RequestStatus.RUNNING:
+            self._runner.remove([request_id])
+        if where is not None:
+            self._live.pop(request_id, None)
+            self._release(1)
+
+    def step(self) -> None:
+        """Admit, run one batched step, turn tokens into stream events."""
+        outbox: list[tuple[RequestStream, StreamEvent]] = []
+        try:
+            self._runner.add(self._scheduler.schedule())
+            outputs = self._runner.step()
+        except Exception as exc:  # an MLX failure: fail what is running, keep serving
+            log.exception("engine step failed for %s", self.name)
+            self._fail_all(EngineError(f"generation failed: {exc}"), outbox)
+        else:
+            finished = []
+            for update in self._scheduler.update_from_output(outputs):
+                if self._on_update(update, outbox):
+                    finished.append(update.request_id)
+            self._runner.remove(finished)
+            self._release(len(finished))
+        self._flush(outbox)
+
+    def _on_update(self, update: RequestUpdate, outbox: list) -> bool:
+        """Returns True when the request finished with this token."""
+        live = self._live[update.request_id]
+        text = live.detok.add(update.token_id) if update.visible else ""
+        status = update.status
+        if status.is_finished:
+            text += live.detok.flush()
+        text, hit_stop = live.stops.feed(text)
+        if hit_stop:
+            if not status.is_finished:
+                self._scheduler.finish(update.request_id, RequestStatus.FINISHED_STOPPED)
+            status = RequestStatus.FINISHED_STOPPED
+        elif status.is_finished and not hit_stop:
+            text += live.stops.flush()
+        if text or status.is_finished:
+            outbox.append(
+                (
+                    live.stream,
+                    StreamEvent(
+                        text=text,
+                        num_prompt_tokens=live.request.num_prompt_tokens,
+                        num_output_tokens=update.num_output_tokens,
+                        finish_reason=status.finish_reason,
+                    ),
+                )
+            )
+        if status.is_finished:
+            del self._live[update.request_id]
+        return status.is_finished
+
+    def _fail_all(self, error: OmlxError, outbox: list) -> None:
+        for rid, live in list(self._live.items()):
+            if self._scheduler.finish(rid, RequestStatus.FINISHED_ERROR) is not None:
+                self._release(1)
+            outbox.append((live.stream, StreamEvent(error=error)))
+        self._live.clear()
+        self._runner.reset()
+
+    def _release(self, n: int) -> None:
+        if n:
+            with self._lock:
+                self._num_in_flight -= n
+
+    @staticmethod
+    def _flush(outbox: list[tuple[RequestStream, StreamEvent]]) -> None:
+        by_loop: dict[Any, list] = defaultdict(list)
+        for stream, event in outbox:
+            by_loop[stream.loop].append((stream, event))
+        for loop, batch in by_loop.items():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(deliver, batch)
+
+    def shutdown(self) -> None:
+        """MLX thread: abort everything and free the runner."""
+        outbox: list = []
+        for rid, live in list(self._live.items()):
+            self._scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
+            outbox.append((live.stream, StreamEvent(finish_reason="abort")))
+        self._release(len(self._live))
+        self._live.clear()
+        self._runner.close()
+        self._flush(outbox)
+
+
+def _private_decoder(tokenizer: Any) -> Any:
+    """A separate tokenizer object for decoding on the MLX thread."""
+    from tokenizers import Tokenizer
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(backend, Tokenizer):
+        return Tokenizer.from_str(backend.to_str())
+    return tokenizer

@@ -1,0 +1,121 @@
+"""The batched forward step: continuous batching on mlx-lm's BatchGenerator.
+
+MLX thread only. The runner knows nothing about finish reasons: the scheduler
+decides those and the engine removes finished requests.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+)
+
+from omlx.scheduler import Request, SamplingParams, TokenOutput
+
+Sampler = Callable[[mx.array], mx.array]
+
+# BatchGenerator requires a positive per-request limit; ours (the scheduler's)
+# always fires first or at the same step.
+_NO_STOPS = StopSequences()
+
+
+def make_request_sampler(params: SamplingParams) -> Sampler:
+    """Greedy requests share one sampler (one batched argmax); others get their own
+    PRNG key so a seed reproduces the same tokens whatever else is in the batch."""
+    if params.is_greedy:
+        return greedy_sampler
+    key = mx.random.key(params.seed if params.seed is not None else secrets.randbits(63))
+    filters: list[Callable[[mx.array], mx.array]] = []
+    if 0.0 < params.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, params.top_p))
+    if params.min_p > 0.0:
+        filters.append(lambda x: apply_min_p(x, params.min_p, 1))
+    if params.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, params.top_k))
+    inv_temp = 1.0 / params.temperature
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, sub = mx.random.split(key)
+        for f in filters:
+            logprobs = f(logprobs)
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
+
+    return sample
+
+
+def make_request_processors(params: SamplingParams) -> list[Any]:
+    if params.repetition_penalty == 1.0:
+        return []
+    return make_logits_processors(repetition_penalty=params.repetition_penalty)
+
+
+class BatchRunner:
+    def __init__(
+        self, model: Any, *, max_batch_size: int, prefill_step_size: int, stream: mx.Stream
+    ):
+        self._model = model
+        self._options = dict(
+            completion_batch_size=max_batch_size,
+            prefill_batch_size=max_batch_size,
+            prefill_step_size=prefill_step_size,
+            stream=stream,
+        )
+        self._gen = BatchGenerator(model, **self._options)
+        self._uid_to_rid: dict[int, str] = {}
+        self._rid_to_uid: dict[str, int] = {}
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._uid_to_rid)
+
+    def add(self, requests: Iterable[Request]) -> None:
+        requests = list(requests)
+        if not requests:
+            return
+        uids = self._gen.insert(
+            [list(r.prompt_ids) for r in requests],
+            max_tokens=[r.sampling.max_tokens for r in requests],
+            samplers=[make_request_sampler(r.sampling) for r in requests],
+            logits_processors=[make_request_processors(r.sampling) for r in requests],
+            stop_sequences=[_NO_STOPS] * len(requests),
+        )
+        for uid, request in zip(uids, requests, strict=True):
+            self._uid_to_rid[uid] = request.request_id
+            self._rid_to_uid[request.request_id] = uid
+
+    def remove(self, request_ids: Iterable[str]) -> None:
+        uids = [self._rid_to_uid.pop(rid) for rid in request_ids if rid in self._rid_to_uid]
+        for uid in uids:
+            del self._uid_to_rid[uid]
+        if uids:
+            self._gen.remove(uids)
+
+    def step(self) -> list[TokenOutput]:
+        """One decode step for running sequences plus one prefill chunk."""
+        _, generated = self._gen.next()
+        return [
+            TokenOutput(self._uid_to_rid[r.uid], r.token)
+            for r in generated
+            if r.uid in self._uid_to_rid
+        ]
+
+    def reset(self) -> None:
+        """Drop every sequence (after an MLX error left the batch unusable)."""
+        self._gen.close()
+        self._gen = BatchGenerator(self._model, **self._options)
+        self._uid_to_rid.clear()
+        self._rid_to_uid.clear()
+
+    def close(self) -> None:
+        self._gen.close()

@@ -1,0 +1,75 @@
+"""Per-request output streams: the MLX thread produces, the event loop consumes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from omlx.errors import OmlxError
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    """A delta of generated text; the last event of a request has finish_reason."""
+
+    text: str = ""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    error: OmlxError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class RequestStream:
+    """Events for one request, bound to the event loop that awaits them.
+
+    When the producer is ahead, ``get`` merges everything queued into one event.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self._events: list[StreamEvent] = []
+        self._ready = asyncio.Event()
+        self.finished = False
+
+    def push(self, event: StreamEvent) -> None:
+        """Event-loop side: append an event and wake the reader."""
+        self._events.append(event)
+        self._ready.set()
+
+    async def get(self, timeout_s: float | None = None) -> StreamEvent | None:
+        """Next (merged) event, or None if ``timeout_s`` passed with nothing new."""
+        if not self._events:
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout_s)
+            except TimeoutError:
+                return None
+        events, self._events = self._events, []
+        self._ready.clear()
+        merged = _merge(events)
+        self.finished = merged.finished
+        return merged
+
+
+def _merge(events: Sequence[StreamEvent]) -> StreamEvent:
+    if len(events) == 1:
+        return events[0]
+    last = events[-1]
+    return StreamEvent(
+        text="".join(e.text for e in events),
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        finish_reason=last.finish_reason,
+        error=next((e.error for e in events if e.error is not None), None),
+    )
+
+
+def deliver(batch: Sequence[tuple[RequestStream, StreamEvent]]) -> None:
+    """Push a step's events; runs on the event loop (one wake-up per step)."""
+    for stream, event in batch:
+        stream.push(event)

@@ -1,0 +1,112 @@
+"""The one thread that owns all MLX work for all loaded models.
+
+MLX streams are per thread, and arrays crossing threads have crashed other
+servers, so model loads, forward steps and sampling all run here. Other
+threads talk to it through an inbox of callables.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5
+
+
+class Steppable(Protocol):
+    @property
+    def has_work(self) -> bool: ...
+    def step(self) -> None: ...
+
+
+class MLXWorker:
+    def __init__(self) -> None:
+        self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._engines: list[Steppable] = []
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
+        self.stream: Any = None  # the MLX stream of this thread, made on it
+
+    def start(self) -> None:
+        self._thread.start()
+        self.submit(lambda: None).result()  # wait until the thread has its stream
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if not self._thread.is_alive():
+            return
+        self._stopping.set()
+        self._inbox.put(None)
+        self._thread.join(timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` on the MLX thread; the future holds its result or error."""
+        future: Future = Future()
+
+        def call() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self._inbox.put(call)
+        return future
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Fire and forget; errors are logged."""
+        self._inbox.put(lambda: fn(*args))
+
+    def attach(self, engine: Steppable) -> None:
+        """MLX thread: start stepping an engine."""
+        self._engines.append(engine)
+
+    def detach(self, engine: Steppable) -> None:
+        """MLX thread: stop stepping an engine."""
+        self._engines.remove(engine)
+
+    def _run(self) -> None:
+        import mlx.core as mx
+
+        self.stream = mx.new_stream(mx.default_device())
+        with mx.stream(self.stream):
+            while not self._stopping.is_set():
+                busy = [e for e in self._engines if e.has_work]
+                self._drain(block=not busy)
+                # Round robin: every busy model gets one step per turn.
+                for engine in busy:
+                    if engine in self._engines:
+                        self._step(engine)
+
+    def _drain(self, *, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item is not None:
+                try:
+                    item()
+                except Exception:
+                    log.exception("MLX worker task failed")
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    @staticmethod
+    def _step(engine: Steppable) -> None:
+        try:
+            engine.step()
+        except Exception:
+            log.exception("engine step crashed")

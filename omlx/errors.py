@@ -1,0 +1,106 @@
+"""The error tree. Each error knows its HTTP status, OpenAI error type and code.
+
+Only ``omlx.api`` turns these into HTTP responses; everything else raises them.
+"""
+
+from __future__ import annotations
+
+
+class OmlxError(Exception):
+    http_status = 500
+    error_type = "server_error"
+    code = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class InvalidRequestError(OmlxError):
+    http_status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    code = "context_length_exceeded"
+
+
+class AuthenticationError(OmlxError):
+    http_status = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFoundError(OmlxError):
+    http_status = 404
+    error_type = "not_found_error"
+    code = "model_not_found"
+
+    def __init__(self, model: str, available: list[str]):
+        names = ", ".join(available) if available else "none (put a model folder in a model dir)"
+        super().__init__(
+            f"The model '{model}' does not exist. Available models: {names}", param="model"
+        )
+        self.available = available
+
+
+class NotFoundError(OmlxError):
+    http_status = 404
+    error_type = "not_found_error"
+    code = "not_found"
+
+
+class QueueFullError(OmlxError):
+    http_status = 503
+    error_type = "overloaded_error"
+    code = "queue_full"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class ServiceUnavailableError(OmlxError):
+    http_status = 503
+    error_type = "overloaded_error"
+    code = "service_unavailable"
+
+
+class ModelLoadError(OmlxError):
+    """A model folder exists but cannot be loaded (bad files, unsupported type)."""
+
+    http_status = 500
+    error_type = "server_error"
+    code = "model_load_failed"
+
+
+class ImportFailedError(OmlxError):
+    """A GGUF (or other) import cannot be done; the message says why."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+    code = "import_failed"
+
+
+class EngineError(OmlxError):
+    http_status = 500
+    error_type = "server_error"
+    code = "engine_error"
+
+
+class SettingsError(OmlxError):
+    """Invalid settings (file, env or flag); the message names the field."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_settings"

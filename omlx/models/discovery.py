@@ -1,0 +1,84 @@
+"""Find MLX model folders under the model dirs and tell what kind each is.
+
+A model folder holds ``config.json`` and safetensors weights. Folders are found
+one level deep (``<dir>/<name>``) and two levels deep (``<dir>/<org>/<name>``,
+named ``org/name``). Folders whose names start with "." are skipped (imports
+in progress write into hidden temp folders).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_EMBEDDING_ARCHS = ("BertModel", "XLMRobertaModel", "NomicBertModel", "ModernBertModel")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    path: Path
+    model_type: str  # config.json's model_type, e.g. "llama"
+    kind: str  # "llm", "vlm" or "embedding"
+    size_bytes: int
+
+
+def detect_kind(config: dict) -> str:
+    archs = config.get("architectures") or []
+    if any(a in _EMBEDDING_ARCHS or a.endswith("ForMaskedLM") for a in archs):
+        return "embedding"
+    if "vision_config" in config:
+        return "vlm"
+    return "llm"
+
+
+def _read_config(folder: Path) -> dict | None:
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        log.warning("skipping %s: unreadable config.json (%s)", folder, exc)
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _weights_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def _model_at(folder: Path, name: str) -> ModelInfo | None:
+    if not (folder / "config.json").is_file():
+        return None
+    config = _read_config(folder)
+    size = _weights_bytes(folder)
+    if config is None or size == 0:
+        return None
+    return ModelInfo(
+        name, folder, str(config.get("model_type", "unknown")), detect_kind(config), size
+    )
+
+
+def _visible_dirs(folder: Path) -> list[Path]:
+    try:
+        return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return []
+
+
+def discover_models(model_dirs: Iterable[Path]) -> dict[str, ModelInfo]:
+    """Map of model name -> info. The first model dir wins on a name clash."""
+    found: dict[str, ModelInfo] = {}
+    for root in model_dirs:
+        for child in _visible_dirs(root):
+            candidates = [(child, child.name)]
+            if not (child / "config.json").exists():
+                candidates = [(g, f"{child.name}/{g.name}") for g in _visible_dirs(child)]
+            for folder, name in candidates:
+                info = _model_at(folder, name)
+                if info is not None and name not in found:
+                    found[name] = info
+    return found

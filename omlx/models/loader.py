@@ -1,0 +1,88 @@
+"""Load a model folder through mlx-lm's public ``load``. Runs on the MLX thread."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omlx.errors import ModelLoadError
+from omlx.models.discovery import ModelInfo
+
+log = logging.getLogger(__name__)
+
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    info: ModelInfo
+    model: Any  # mlx.nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict
+    eos_token_ids: frozenset[int]
+    # The model's own context length (None when the config does not say).
+    native_context: int | None
+    load_s: float
+
+
+def native_context_length(config: dict) -> int | None:
+    for section in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _generation_eos(path: Path) -> set[int]:
+    try:
+        gen = json.loads((path / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return set()
+    eos = gen.get("eos_token_id")
+    if isinstance(eos, int):
+        return {eos}
+    return {e for e in eos or [] if isinstance(e, int)}
+
+
+def load_model(info: ModelInfo) -> LoadedModel:
+    """Load weights and tokenizer; every failure becomes ModelLoadError with the reason."""
+    if info.kind != "llm":
+        raise ModelLoadError(
+            f"model '{info.name}' is a {info.kind} model; only text LLMs can be served for now"
+        )
+    from mlx_lm import load  # deferred: importing mlx-lm costs ~1 s at server start
+
+    start = time.perf_counter()
+    try:
+        model, tokenizer, config = load(str(info.path), return_config=True)
+    except ValueError as exc:
+        raise ModelLoadError(
+            f"cannot load '{info.name}': unsupported or invalid model ({exc})"
+        ) from exc
+    except (OSError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load '{info.name}' from {info.path}: {exc}") from exc
+    eos = set(tokenizer.eos_token_ids) | _generation_eos(info.path)
+    if not eos:
+        log.warning("model %s declares no end-of-sequence token", info.name)
+    loaded = LoadedModel(
+        info,
+        model,
+        tokenizer,
+        config,
+        frozenset(eos),
+        native_context_length(config),
+        time.perf_counter() - start,
+    )
+    log.info(
+        "loaded %s (%s, %.1f MB) in %.2f s",
+        info.name,
+        info.model_type,
+        info.size_bytes / 1e6,
+        loaded.load_s,
+    )
+    return loaded

