@@ -53,7 +53,14 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
         return {
             "status": "ok",
             "version": __version__,
-            "loaded_models": [e.name for e in state.pool.loaded()],
+            "loaded_models": [
+                {
+                    "name": e.name,
+                    "requests_in_flight": e.num_in_flight,
+                    "finished": dict(e.finish_counts),
+                }
+                for e in state.pool.loaded()
+            ],
         }
 
     return app

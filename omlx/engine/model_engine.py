@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
-from omlx.errors import EngineError, OmlxError, QueueFullError
+from omlx.errors import EngineError, OmlxError, QueueFullError, ServiceUnavailableError
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
 
@@ -65,6 +65,8 @@ class ModelEngine:
         # Front-door count of submitted, unfinished requests (event loop + MLX thread).
         self._lock = threading.Lock()
         self._num_in_flight = 0
+        # Finished requests by reason ("stop", "length", "abort", "error", "rejected").
+        self.finish_counts: Counter[str] = Counter()
         # Decoding runs on the MLX thread with its own tokenizer object so it
         # never shares a Rust tokenizer borrow with encoding on the event loop.
         self._decoder = _private_decoder(loaded.tokenizer)
@@ -98,7 +100,7 @@ class ModelEngine:
         try:
             self._scheduler.add(request)
         except OmlxError as exc:
-            self._release(1)
+            self._release("rejected")
             stream.loop.call_soon_threadsafe(stream.push, StreamEvent(error=exc))
             return
         detok = IncrementalDetokenizer(self._decoder, request.prompt_ids)
@@ -112,7 +114,7 @@ class ModelEngine:
             self._runner.remove([request_id])
         if where is not None:
             self._live.pop(request_id, None)
-            self._release(1)
+            self._release("abort")
 
     def step(self) -> None:
         """Admit, run one batched step, turn tokens into stream events."""
@@ -126,14 +128,15 @@ class ModelEngine:
         else:
             finished = []
             for update in self._scheduler.update_from_output(outputs):
-                if self._on_update(update, outbox):
+                reason = self._on_update(update, outbox)
+                if reason is not None:
                     finished.append(update.request_id)
+                    self._release(reason)
             self._runner.remove(finished)
-            self._release(len(finished))
         self._flush(outbox)
 
-    def _on_update(self, update: RequestUpdate, outbox: list) -> bool:
-        """Returns True when the request finished with this token."""
+    def _on_update(self, update: RequestUpdate, outbox: list) -> str | None:
+        """Returns the finish reason when the request finished with this token."""
         live = self._live[update.request_id]
         text = live.detok.add(update.token_id) if update.visible else ""
         status = update.status
@@ -160,20 +163,21 @@ class ModelEngine:
             )
         if status.is_finished:
             del self._live[update.request_id]
-        return status.is_finished
+        return status.finish_reason
 
     def _fail_all(self, error: OmlxError, outbox: list) -> None:
         for rid, live in list(self._live.items()):
             if self._scheduler.finish(rid, RequestStatus.FINISHED_ERROR) is not None:
-                self._release(1)
+                self._release("error")
             outbox.append((live.stream, StreamEvent(error=error)))
         self._live.clear()
         self._runner.reset()
 
-    def _release(self, n: int) -> None:
-        if n:
-            with self._lock:
-                self._num_in_flight -= n
+    def _release(self, reason: str) -> None:
+        """MLX thread: one request left the engine."""
+        with self._lock:
+            self._num_in_flight -= 1
+        self.finish_counts[reason] += 1
 
     @staticmethod
     def _flush(outbox: list[tuple[RequestStream, StreamEvent]]) -> None:
@@ -187,10 +191,11 @@ class ModelEngine:
     def shutdown(self) -> None:
         """MLX thread: abort everything and free the runner."""
         outbox: list = []
+        gone = ServiceUnavailableError(f"model '{self.name}' was unloaded (server stopping)")
         for rid, live in list(self._live.items()):
             self._scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
-            outbox.append((live.stream, StreamEvent(finish_reason="abort")))
-        self._release(len(self._live))
+            self._release("abort")
+            outbox.append((live.stream, StreamEvent(error=gone)))
         self._live.clear()
         self._runner.close()
         self._flush(outbox)

@@ -1,0 +1,275 @@
+"""The OpenAI-compatible API through the official `openai` client, on a live server."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from omlx.api.server import Server
+
+MODEL = "tiny-llama"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def chat(client: openai.OpenAI, messages=CHAT, **kw) -> openai.types.chat.ChatCompletion:
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, **{"temperature": 0, "max_tokens": 24, **kw}
+    )
+
+
+def chat_stream(client: openai.OpenAI, messages=CHAT, **kw) -> tuple[str, list]:
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            stream=True,
+            **{"temperature": 0, "max_tokens": 24, **kw},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+def wait_idle(server: Server, timeout_s: float = 10.0) -> None:
+    """Until no loaded model has requests in flight (aborts are asynchronous)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        health = httpx.get(server.base_url + "/health").json()
+        if all(m["requests_in_flight"] == 0 for m in health["loaded_models"]):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"requests still in flight: {health}")
+
+
+def test_health_answers_before_any_model_is_loaded(server: Server) -> None:
+    body = httpx.get(server.base_url + "/health").json()
+    assert body["status"] == "ok" and body["version"]
+
+
+def test_models_list(client: openai.OpenAI) -> None:
+    ids = {m.id for m in client.models.list()}
+    assert {"tiny-llama", "tiny-qwen3"} <= ids
+
+
+def test_chat_non_streaming_has_text_usage_and_finish_reason(client: openai.OpenAI) -> None:
+    out = chat(client, max_tokens=12)
+    assert out.object == "chat.completion" and out.model == MODEL
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 12
+    assert out.usage.prompt_tokens > 5
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+
+
+def test_streamed_chat_text_equals_non_streamed(client: openai.OpenAI) -> None:
+    full = chat(client, max_tokens=30)
+    text, chunks = chat_stream(client, max_tokens=30)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks)
+
+
+def test_stream_include_usage_sends_a_final_usage_chunk(client: openai.OpenAI) -> None:
+    _, chunks = chat_stream(client, max_tokens=7, stream_options={"include_usage": True})
+    last = chunks[-1]
+    assert last.choices == []
+    assert last.usage.completion_tokens == 7
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 7
+
+
+def test_stop_string_truncates_output(client: openai.OpenAI) -> None:
+    full = chat(client, max_tokens=40).choices[0].message.content
+    stop = full[12:15]
+    expected = full[: full.index(stop)]
+    out = chat(client, max_tokens=40, stop=[stop, "never-appears"])
+    assert out.choices[0].message.content == expected
+    assert out.choices[0].finish_reason == "stop"
+    text, chunks = chat_stream(client, max_tokens=40, stop=stop)
+    assert text == expected and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_completions_streaming_and_not(client: openai.OpenAI) -> None:
+    kw = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
+    out = client.completions.create(**kw)
+    assert out.object == "text_completion"
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 16
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_completions_with_a_list_of_prompts_gives_one_choice_each(client: openai.OpenAI) -> None:
+    prompts = ["Once upon a time", "1 2 3 4"]
+    kw = {"model": MODEL, "max_tokens": 10, "temperature": 0}
+    singles = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    out = client.completions.create(prompt=prompts, **kw)
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == singles
+    assert out.usage.completion_tokens == 20
+    streamed = ["", ""]
+    for chunk in client.completions.create(prompt=prompts, stream=True, **kw):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == singles
+
+
+def test_completions_accept_token_ids(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=4)
+    assert out.usage.prompt_tokens == 4 and out.usage.completion_tokens == 4
+
+
+def test_sixteen_concurrent_streams_each_equal_their_solo_output(
+    client: openai.OpenAI, server: Server
+) -> None:
+    questions = [
+        [{"role": "user", "content": f"Question {i}: count to {i * 7}"}] for i in range(16)
+    ]
+    solo = [
+        chat(client, q, max_tokens=20 + i).choices[0].message.content
+        for i, q in enumerate(questions)
+    ]
+
+    def one(i: int) -> str:
+        return chat_stream(client, questions[i], max_tokens=20 + i)[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(one, range(16)))
+    assert together == solo
+    wait_idle(server)
+
+
+def aborted_count(server: Server) -> int:
+    health = httpx.get(server.base_url + "/health").json()
+    model = next(m for m in health["loaded_models"] if m["name"] == MODEL)
+    return model["finished"].get("abort", 0)
+
+
+def wait_aborted(server: Server, expected: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while aborted_count(server) < expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert aborted_count(server) == expected
+
+
+def test_client_disconnect_mid_stream_aborts_and_the_server_keeps_serving(
+    client: openai.OpenAI, server: Server
+) -> None:
+    chat(client, max_tokens=1)  # the model is loaded
+    before = aborted_count(server)
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 1000, "stream": True}
+    with (
+        httpx.Client(base_url=server.base_url, timeout=30) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(4)]
+        assert any(line.startswith("data: ") for line in got)
+    # Leaving the block closed the connection mid-stream.
+    wait_aborted(server, before + 1)
+    wait_idle(server)
+    assert chat(client, max_tokens=5).choices[0].finish_reason == "length"
+
+
+def test_non_streaming_client_disconnect_aborts_the_request(
+    client: openai.OpenAI, server: Server
+) -> None:
+    chat(client, max_tokens=1)
+    before = aborted_count(server)
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 1000}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=0.2)
+    wait_aborted(server, before + 1)
+    wait_idle(server)
+
+
+# ---- errors: status and OpenAI envelope ------------------------------------------
+
+
+def error_of(exc: openai.APIStatusError) -> dict:
+    body = exc.response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_unknown_model_is_404_listing_available_models(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="nope", messages=CHAT)
+    err = error_of(info.value)
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    assert "tiny-llama" in err["message"] and "tiny-qwen3" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"temperature": 5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids[0]"),
+    ],
+)
+def test_out_of_range_input_is_400_naming_the_field(server: Server, extra, field) -> None:
+    body = {"model": MODEL, "messages": CHAT, **extra}
+    resp = httpx.post(server.base_url + "/v1/chat/completions", json=body)
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == field
+    assert field in err["message"]
+
+
+def test_missing_and_malformed_bodies_are_400(server: Server) -> None:
+    url = server.base_url + "/v1/chat/completions"
+    missing = httpx.post(url, json={"model": MODEL})
+    assert (
+        missing.status_code == 400
+        and "'messages' is required" in missing.json()["error"]["message"]
+    )
+    broken = httpx.post(
+        url, content=b'{"model": "x", ', headers={"content-type": "application/json"}
+    )
+    assert broken.status_code == 400 and "JSON" in broken.json()["error"]["message"]
+
+
+def test_prompt_longer_than_the_context_window_is_400(client: openai.OpenAI) -> None:
+    long_prompt = [{"role": "user", "content": "the cache " * 800}]
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, long_prompt)
+    err = error_of(info.value)
+    assert err["code"] == "context_length_exceeded" and "1024" in err["message"]
+
+
+def test_max_tokens_beyond_the_context_window_is_400_with_the_allowed_value(
+    client: openai.OpenAI,
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, max_tokens=5000)
+    err = error_of(info.value)
+    assert err["param"] == "max_tokens" and "at most" in err["message"]
+
+
+def test_token_ids_outside_the_vocabulary_are_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[1, 10_000_000])
+    assert "vocabulary" in error_of(info.value)["message"]
+
+
+def test_unsupported_features_are_refused_not_ignored(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, response_format={"type": "json_object"})
+    assert error_of(info.value)["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError):
+        chat(client, logprobs=True)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, image)
+    assert "image_url" in error_of(info.value)["message"]
