@@ -115,6 +115,21 @@ class _FileSource(PydanticBaseSettingsSource):
         return dict(self._data)
 
 
+class _FileOnly(Settings):
+    """Validates file contents alone (the environment must not leak in)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
 def resolve_base_path(cli_base: str | Path | None = None) -> Path:
     raw = cli_base or os.environ.get(ENV_PREFIX + "BASE_PATH") or "~/.omlx"
     return Path(raw).expanduser()
@@ -207,7 +222,7 @@ def set_file_value(base: Path, dotted_key: str, value: Any) -> dict[str, Any]:
             raise SettingsError(f"'{part}' in {path} is not an object")
     node[leaf] = value
     try:
-        Settings.model_validate({**data, "base_path": base})
+        _FileOnly(**data, base_path=base)
     except ValidationError as exc:
         raise SettingsError(describe_validation_error(exc)) from None
     write_json_atomic(path, data)

@@ -52,7 +52,9 @@ def describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
             problems.append("request body is not valid JSON")
             continue
         if err.get("type") == "missing":
-            problems.append(f"'{param}' is required")
+            problems.append(
+                f"'{param}' is required" if param else "a JSON request body is required"
+            )
         elif param:
             problems.append(f"'{param}': {err.get('msg')}")
         else:

@@ -127,7 +127,9 @@ def sampling_params(
             param="max_tokens",
         )
     max_tokens = requested if requested is not None else min(generation.max_tokens, room)
-    stop_ids = set(body.stop_token_ids or ()) | set(engine.loaded.eos_token_ids)
+    stop_ids = set(body.stop_token_ids or ())
+    if not body.ignore_eos:
+        stop_ids |= engine.loaded.eos_token_ids
 
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value

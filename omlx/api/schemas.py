@@ -41,6 +41,8 @@ class _Sampling(_Body):
     seed: int | None = None
     stop: StopField
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    # Extension (as in vLLM): keep generating past end-of-sequence, for benchmarks.
+    ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)

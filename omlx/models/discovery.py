@@ -46,8 +46,12 @@ def _read_config(folder: Path) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
-def _weights_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+def _weights_bytes(folder: Path) -> int | None:
+    try:
+        return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    except OSError as exc:  # e.g. a dangling symlink into a deleted cache
+        log.warning("skipping %s: unreadable weights (%s)", folder, exc)
+        return None
 
 
 def _model_at(folder: Path, name: str) -> ModelInfo | None:
@@ -55,7 +59,7 @@ def _model_at(folder: Path, name: str) -> ModelInfo | None:
         return None
     config = _read_config(folder)
     size = _weights_bytes(folder)
-    if config is None or size == 0:
+    if config is None or not size:
         return None
     return ModelInfo(
         name, folder, str(config.get("model_type", "unknown")), detect_kind(config), size

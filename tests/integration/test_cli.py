@@ -1,0 +1,108 @@
+"""`omlx serve` as a user runs it: a real process, real flags, real signals."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from tests.fixtures.servers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def omlx(*args: str, base: Path, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "omlx.cli", "--base-path", str(base), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        **kw,
+    )
+
+
+def test_version() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "omlx.cli", "--version"], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.startswith("omlx ")
+
+
+def test_serve_chats_logs_and_stops_on_sigint(tiny_models_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "omlx.cli",
+        "--base-path",
+        str(tmp_path),
+        "serve",
+        "--model-dir",
+        str(tiny_models_dir),
+        "--port",
+        str(port),
+        "--no-install-default",
+        "--max-concurrent-requests",
+        "4",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        out = client.chat.completions.create(
+            model="tiny-qwen3", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert out.usage.completion_tokens == 3
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert "BLAS:" in err  # the active BLAS is logged at start
+    log = (tmp_path / "logs" / "server.log").read_text()
+    assert "loaded tiny-qwen3" in log and "chat model=tiny-qwen3" in log
+
+
+def test_invalid_settings_fail_at_start_naming_the_field(tmp_path: Path) -> None:
+    bad_flag = omlx("serve", "--port", "70000", base=tmp_path)
+    assert bad_flag.returncode == 2
+    assert "server.port" in bad_flag.stderr and "Traceback" not in bad_flag.stderr
+
+    (tmp_path / "settings.json").write_text(json.dumps({"scheduler": {"prefill_step_size": 1}}))
+    bad_file = omlx("serve", base=tmp_path)
+    assert bad_file.returncode == 2
+    assert "scheduler.prefill_step_size" in bad_file.stderr
+    assert "Traceback" not in bad_file.stderr
+
+    bad_env = omlx(
+        "config",
+        "show",
+        base=tmp_path / "other",
+        env={"OMLX_SERVER__LOG_LEVEL": "loud", "PATH": "/usr/bin:/bin"},
+    )
+    assert bad_env.returncode == 2 and "server.log_level" in bad_env.stderr
+
+
+def test_models_list_shows_discovered_models(tiny_models_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "settings.json").write_text(
+        json.dumps({"models": {"model_dirs": [str(tiny_models_dir)]}})
+    )
+    out = omlx("models", "list", base=tmp_path)
+    assert out.returncode == 0
+    names = [line.split("\t")[0] for line in out.stdout.splitlines()]
+    assert names == ["tiny-llama", "tiny-qwen3"]

@@ -1,0 +1,366 @@
+"""Scheduler admission, capacity, abort and finish reasons, driven like ModelEngine.step."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Sequence
+
+import pytest
+
+from omlx.errors import QueueFullError
+from omlx.scheduler import (
+    Request,
+    RequestStatus,
+    RequestUpdate,
+    SamplingParams,
+    Scheduler,
+    TokenOutput,
+)
+
+
+class FakeRunner:
+    """Same interface as ``omlx.engine.runner.BatchRunner``, without MLX.
+
+    Every sequence it holds produces one token per ``step``: the next token of
+    its script if one was given, otherwise a deterministic function of
+    (request id, position).
+    """
+
+    def __init__(self, scripts: dict[str, Sequence[int]] | None = None):
+        self._scripts = dict(scripts or {})
+        self._positions: dict[str, int] = {}
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._positions)
+
+    def add(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self._positions[request.request_id] = 0
+
+    def remove(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._positions.pop(rid, None)
+
+    def step(self) -> list[TokenOutput]:
+        outputs = []
+        for rid, pos in self._positions.items():
+            outputs.append(TokenOutput(rid, self._token(rid, pos)))
+            self._positions[rid] = pos + 1
+        return outputs
+
+    def _token(self, rid: str, pos: int) -> int:
+        script = self._scripts.get(rid)
+        if script is not None and pos < len(script):
+            return script[pos]
+        # crc32, not hash(): str hashes change with PYTHONHASHSEED.
+        return zlib.crc32(f"{rid}:{pos}".encode()) % 100
+
+
+Step = tuple[list[Request], list[TokenOutput], list[RequestUpdate]]
+
+
+def make_request(rid: str, max_tokens: int = 4, stop_token_ids: Iterable[int] = ()) -> Request:
+    sampling = SamplingParams(max_tokens=max_tokens, stop_token_ids=frozenset(stop_token_ids))
+    return Request(rid, prompt_ids=(1, 2, 3), sampling=sampling)
+
+
+def engine_step(scheduler: Scheduler, runner: FakeRunner) -> Step:
+    """What ModelEngine.step does, minus detokenizing and streams."""
+    admitted = scheduler.schedule()
+    runner.add(admitted)
+    outputs = runner.step()
+    updates = scheduler.update_from_output(outputs)
+    runner.remove([u.request_id for u in updates if u.status.is_finished])
+    return admitted, outputs, updates
+
+
+def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 200) -> list[Step]:
+    steps: list[Step] = []
+    while scheduler.has_work:
+        assert len(steps) < max_steps, "scheduler never drained"
+        steps.append(engine_step(scheduler, runner))
+    return steps
+
+
+def steps_producing(steps: list[Step], rid: str) -> list[int]:
+    return [
+        i for i, (_, outputs, _) in enumerate(steps) if any(o.request_id == rid for o in outputs)
+    ]
+
+
+# ---- admission ------------------------------------------------------------
+
+
+def test_admits_in_arrival_order_whatever_finishes_first():
+    scheduler = Scheduler(max_running=2, max_waiting=10)
+    lengths = {"r0": 5, "r1": 1, "r2": 3, "r3": 1, "r4": 2, "r5": 1}
+    for rid, n in lengths.items():
+        scheduler.add(make_request(rid, max_tokens=n))
+
+    steps = run_to_completion(scheduler, FakeRunner())
+
+    admitted = [r.request_id for admitted, _, _ in steps for r in admitted]
+    assert admitted == list(lengths)
+
+
+def test_never_more_than_max_running_at_any_step():
+    scheduler = Scheduler(max_running=3, max_waiting=20)
+    runner = FakeRunner()
+    for i in range(12):
+        scheduler.add(make_request(f"r{i}", max_tokens=1 + i % 4))
+
+    peak = 0
+    while scheduler.has_work:
+        assert scheduler.num_running <= 3
+        running_before = set(scheduler.running_ids())
+        admitted, outputs, _ = engine_step(scheduler, runner)
+        producing = {o.request_id for o in outputs}
+        assert producing == running_before | {r.request_id for r in admitted}
+        assert len(producing) <= 3
+        assert scheduler.num_running <= 3
+        peak = max(peak, len(producing))
+    assert peak == 3
+    assert not runner.has_work
+
+
+def test_queued_request_starts_in_the_step_after_a_slot_frees():
+    scheduler = Scheduler(max_running=1, max_waiting=5)
+    scheduler.add(make_request("a", max_tokens=3))
+    scheduler.add(make_request("b", max_tokens=2))
+    scheduler.add(make_request("c", max_tokens=1))
+
+    steps = run_to_completion(scheduler, FakeRunner())
+
+    assert steps_producing(steps, "a") == [0, 1, 2]
+    assert steps_producing(steps, "b") == [3, 4]
+    assert steps_producing(steps, "c") == [5]
+    assert len(steps) == 6
+
+
+def test_schedule_fills_every_free_slot_at_once():
+    scheduler = Scheduler(max_running=3, max_waiting=5)
+    for rid in ("a", "b", "c", "d"):
+        scheduler.add(make_request(rid))
+
+    assert [r.request_id for r in scheduler.schedule()] == ["a", "b", "c"]
+    assert (scheduler.num_running, scheduler.num_waiting) == (3, 1)
+    assert scheduler.schedule() == []
+
+
+def test_max_running_must_be_positive():
+    with pytest.raises(ValueError, match="max_running"):
+        Scheduler(max_running=0, max_waiting=1)
+
+
+# ---- capacity ---------------------------------------------------------------
+
+
+def test_capacity_is_running_plus_waiting_and_the_boundary_is_accepted():
+    scheduler = Scheduler(max_running=2, max_waiting=1)
+    assert scheduler.capacity == 3
+    for rid in ("a", "b", "c"):
+        scheduler.add(make_request(rid))
+
+    with pytest.raises(QueueFullError) as info:
+        scheduler.add(make_request("d"))
+
+    assert info.value.http_status == 503
+    assert info.value.headers() == {"Retry-After": "1"}
+    assert scheduler.num_waiting == 3
+
+
+def test_queue_full_counts_running_requests_too():
+    scheduler = Scheduler(max_running=2, max_waiting=1)
+    for rid in ("a", "b", "c"):
+        scheduler.add(make_request(rid))
+    scheduler.schedule()
+    assert (scheduler.num_running, scheduler.num_waiting) == (2, 1)
+
+    with pytest.raises(QueueFullError):
+        scheduler.add(make_request("d"))
+
+
+def test_room_frees_when_a_request_finishes():
+    scheduler = Scheduler(max_running=1, max_waiting=0)
+    runner = FakeRunner()
+    scheduler.add(make_request("a", max_tokens=1))
+    with pytest.raises(QueueFullError):
+        scheduler.add(make_request("b"))
+
+    engine_step(scheduler, runner)
+
+    scheduler.add(make_request("b"))
+    assert scheduler.num_waiting == 1
+
+
+def test_duplicate_ids_are_rejected_while_waiting_and_while_running():
+    scheduler = Scheduler(max_running=1, max_waiting=5)
+    scheduler.add(make_request("a"))
+    with pytest.raises(ValueError, match="duplicate"):
+        scheduler.add(make_request("a"))
+
+    scheduler.schedule()
+    with pytest.raises(ValueError, match="duplicate"):
+        scheduler.add(make_request("a"))
+    assert (scheduler.num_running, scheduler.num_waiting) == (1, 0)
+
+
+# ---- abort -------------------------------------------------------------------
+
+
+def test_abort_waiting_request_returns_waiting_and_it_never_runs():
+    scheduler = Scheduler(max_running=1, max_waiting=5)
+    runner = FakeRunner()
+    scheduler.add(make_request("a", max_tokens=2))
+    scheduler.add(make_request("b", max_tokens=2))
+    scheduler.add(make_request("c", max_tokens=2))
+
+    assert scheduler.finish("b", RequestStatus.FINISHED_ABORTED) is RequestStatus.WAITING
+    steps = run_to_completion(scheduler, runner)
+
+    assert steps_producing(steps, "b") == []
+    assert [r.request_id for admitted, _, _ in steps for r in admitted] == ["a", "c"]
+
+
+def test_abort_running_request_returns_running_and_frees_its_slot():
+    scheduler = Scheduler(max_running=1, max_waiting=5)
+    runner = FakeRunner()
+    scheduler.add(make_request("a", max_tokens=10))
+    scheduler.add(make_request("b", max_tokens=1))
+    engine_step(scheduler, runner)
+
+    assert scheduler.finish("a", RequestStatus.FINISHED_ABORTED) is RequestStatus.RUNNING
+    runner.remove(["a"])  # ModelEngine._abort does this for RUNNING
+    admitted, outputs, updates = engine_step(scheduler, runner)
+
+    assert [r.request_id for r in admitted] == ["b"]
+    assert [o.request_id for o in outputs] == ["b"]
+    assert [(u.request_id, u.status) for u in updates] == [("b", RequestStatus.FINISHED_LENGTH)]
+    assert scheduler.running_ids() == []
+
+
+def test_abort_of_unknown_or_finished_request_returns_none():
+    scheduler = Scheduler(max_running=1, max_waiting=5)
+    scheduler.add(make_request("a", max_tokens=1))
+    run_to_completion(scheduler, FakeRunner())
+
+    assert scheduler.finish("a", RequestStatus.FINISHED_ABORTED) is None
+    assert scheduler.finish("nope", RequestStatus.FINISHED_ABORTED) is None
+
+    scheduler.add(make_request("b"))
+    assert scheduler.finish("b", RequestStatus.FINISHED_ABORTED) is RequestStatus.WAITING
+    assert scheduler.finish("b", RequestStatus.FINISHED_ABORTED) is None
+
+
+def test_aborted_request_gets_no_update_for_a_token_already_produced():
+    scheduler = Scheduler(max_running=2, max_waiting=5)
+    runner = FakeRunner()
+    scheduler.add(make_request("a", max_tokens=10))
+    scheduler.add(make_request("b", max_tokens=10))
+    engine_step(scheduler, runner)
+
+    outputs = runner.step()  # the runner already made a token for "a" ...
+    scheduler.finish("a", RequestStatus.FINISHED_ABORTED)  # ... when the abort lands
+    updates = scheduler.update_from_output(outputs)
+
+    assert {o.request_id for o in outputs} == {"a", "b"}
+    assert [u.request_id for u in updates] == ["b"]
+    assert updates[0].num_output_tokens == 2
+
+
+# ---- finish reasons -----------------------------------------------------------
+
+
+def test_stop_token_finishes_stopped_and_is_not_visible():
+    scheduler = Scheduler(max_running=1, max_waiting=1)
+    runner = FakeRunner(scripts={"a": [5, 6, 99, 7]})
+    scheduler.add(make_request("a", max_tokens=10, stop_token_ids={99}))
+
+    steps = run_to_completion(scheduler, runner)
+
+    updates = [u for _, _, ups in steps for u in ups]
+    assert [u.token_id for u in updates] == [5, 6, 99]
+    assert [u.visible for u in updates] == [True, True, False]
+    assert [u.status for u in updates] == [
+        RequestStatus.RUNNING,
+        RequestStatus.RUNNING,
+        RequestStatus.FINISHED_STOPPED,
+    ]
+    assert [u.num_output_tokens for u in updates] == [1, 2, 3]
+    assert not runner.has_work
+
+
+def test_max_tokens_finishes_with_length_at_exactly_max_tokens_outputs():
+    scheduler = Scheduler(max_running=1, max_waiting=1)
+    scheduler.add(make_request("a", max_tokens=4))
+
+    steps = run_to_completion(scheduler, FakeRunner())
+
+    updates = [u for _, _, ups in steps for u in ups]
+    assert [u.num_output_tokens for u in updates] == [1, 2, 3, 4]
+    assert [u.status for u in updates[:3]] == [RequestStatus.RUNNING] * 3
+    assert updates[-1].status is RequestStatus.FINISHED_LENGTH
+    assert updates[-1].status.finish_reason == "length"
+    assert all(u.visible for u in updates)
+
+
+def test_stop_token_at_the_length_limit_counts_as_stop():
+    scheduler = Scheduler(max_running=1, max_waiting=1)
+    runner = FakeRunner(scripts={"a": [5, 99]})
+    scheduler.add(make_request("a", max_tokens=2, stop_token_ids={99}))
+
+    steps = run_to_completion(scheduler, runner)
+
+    last = steps[-1][2][0]
+    assert (last.status, last.visible, last.num_output_tokens) == (
+        RequestStatus.FINISHED_STOPPED,
+        False,
+        2,
+    )
+
+
+def test_each_request_counts_its_own_outputs():
+    scheduler = Scheduler(max_running=2, max_waiting=2)
+    scheduler.add(make_request("a", max_tokens=3))
+    scheduler.add(make_request("b", max_tokens=5))
+
+    steps = run_to_completion(scheduler, FakeRunner())
+
+    last = {u.request_id: u for _, _, ups in steps for u in ups}
+    assert last["a"].num_output_tokens == 3
+    assert last["b"].num_output_tokens == 5
+    assert len(steps) == 5
+
+
+# ---- value types ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "greedy"),
+    [
+        (SamplingParams(), False),
+        (SamplingParams(temperature=0.0), True),
+        (SamplingParams(temperature=0.7, top_k=1), True),
+        (SamplingParams(temperature=0.7, top_k=40), False),
+        (SamplingParams(temperature=0.01), False),
+    ],
+)
+def test_sampling_params_is_greedy(params, greedy):
+    assert params.is_greedy is greedy
+
+
+@pytest.mark.parametrize(
+    ("status", "reason"),
+    [
+        (RequestStatus.WAITING, None),
+        (RequestStatus.RUNNING, None),
+        (RequestStatus.FINISHED_STOPPED, "stop"),
+        (RequestStatus.FINISHED_LENGTH, "length"),
+        (RequestStatus.FINISHED_ABORTED, "abort"),
+        (RequestStatus.FINISHED_ERROR, "error"),
+    ],
+)
+def test_request_status_finish_reason(status, reason):
+    assert status.finish_reason == reason
+    assert status.is_finished is (reason is not None)
