@@ -52,10 +52,12 @@ def chat_prompt(tokenizer, i: int) -> list[int]:
 def raw_single(model, tokenizer, tokens: int) -> float:
     from mlx_lm import stream_generate
 
-    last = None
-    for last in stream_generate(model, tokenizer, chat_prompt(tokenizer, 0), max_tokens=tokens):
+    response = None
+    for response in stream_generate(  # noqa: B007 (the last response holds the stats)
+        model, tokenizer, chat_prompt(tokenizer, 0), max_tokens=tokens
+    ):
         pass
-    return last.generation_tps
+    return response.generation_tps
 
 
 def raw_batch(model, tokenizer, n: int, tokens: int) -> float:
@@ -135,9 +137,21 @@ def vm_hwm_mb(pid: int) -> float:
 
 def run_server(model_dir: Path, model: str, tokens: int, port: int) -> dict[str, float]:
     base = Path(tempfile.mkdtemp(prefix="omlx-bench-"))
-    cmd = [sys.executable, "-m", "omlx.cli", "--base-path", str(base), "serve",
-           "--model-dir", str(model_dir), "--port", str(port),
-           "--max-concurrent-requests", "16", "--no-install-default"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "omlx.cli",
+        "--base-path",
+        str(base),
+        "serve",
+        "--model-dir",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--max-concurrent-requests",
+        "16",
+        "--no-install-default",
+    ]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -179,8 +193,10 @@ def main() -> None:
         ("aggregate tok/s, 8 concurrent", raw["batch8"], srv["batch8"], 0.90),
         ("aggregate tok/s, 16 concurrent", raw["batch16"], srv["batch16"], 0.90),
     ]
-    print(f"model {args.model}, {args.tokens} tokens per request, "
-          f"python {sys.version.split()[0]}, pid {os.getpid()}")
+    print(
+        f"model {args.model}, {args.tokens} tokens per request, "
+        f"python {sys.version.split()[0]}, pid {os.getpid()}"
+    )
     print(f"{'metric':34} {'mlx-lm':>9} {'omlx':>9} {'ratio':>7} {'target':>7}")
     for name, base, ours, target in rows:
         flag = "ok" if ours / base >= target else "MISS"

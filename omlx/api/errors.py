@@ -67,7 +67,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OmlxError)
     async def _omlx(request: Request, exc: OmlxError) -> JSONResponse:
         if exc.http_status >= 500:
-            log.error("%s %s failed: %s", request.method, request.url.path, exc.message)
+            level = logging.WARNING if exc.http_status == 503 else logging.ERROR
+            log.log(level, "%s %s failed: %s", request.method, request.url.path, exc.message)
         return JSONResponse(
             omlx_error_body(exc), status_code=exc.http_status, headers=exc.headers()
         )

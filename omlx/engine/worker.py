@@ -30,6 +30,7 @@ class MLXWorker:
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._engines: list[Steppable] = []
         self._stopping = threading.Event()
+        self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
         self.stream: Any = None  # the MLX stream of this thread, made on it
 
@@ -38,15 +39,15 @@ class MLXWorker:
         self.submit(lambda: None).result()  # wait until the thread has its stream
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if not self._thread.is_alive():
+        if not self.is_alive:
             return
         self._stopping.set()
         self._inbox.put(None)
-        self._thread.join(timeout_s)
+        self._done.wait(timeout_s)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._done.is_set()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the MLX thread; the future holds its result or error."""
@@ -87,6 +88,14 @@ class MLXWorker:
                 for engine in busy:
                     if engine in self._engines:
                         self._step(engine)
+        # Decode steps leave the next token computing asynchronously.
+        mx.synchronize(self.stream)
+        self._done.set()
+        # Park instead of exiting: MLX's thread-local compile cache is destroyed
+        # in the thread's exit handlers and needs the GIL; if that races with
+        # interpreter shutdown the process aborts. A parked daemon thread just
+        # ends with the process.
+        threading.Event().wait()
 
     def _drain(self, *, block: bool) -> None:
         try:

@@ -9,8 +9,6 @@ import pytest
 from omlx.api.server import Server
 from tests.fixtures.servers import live_server
 
-CONTEXT_WINDOW = 1024
-
 
 @pytest.fixture(scope="module")
 def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
@@ -18,7 +16,6 @@ def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         tmp_path_factory.mktemp("base"),
         tiny_models_dir,
         scheduler={"max_concurrent_requests": 16, "prefill_step_size": 64},
-        generation={"max_context_window": CONTEXT_WINDOW},
     ) as srv:
         yield srv
 

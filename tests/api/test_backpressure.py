@@ -21,7 +21,9 @@ def test_a_full_queue_answers_503_with_retry_after(tiny_models_dir: Path, tmp_pa
         scheduler={"max_concurrent_requests": 1, "max_queued_requests": 1},
     ) as server:
         url = server.base_url + "/v1/chat/completions"
-        body = {"model": MODEL, "messages": CHAT, "max_tokens": 1000, "stream": True}
+        # Near the 4096-token context: these hold their slots for the whole test.
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 4000, "stream": True}
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
         with httpx.Client(timeout=60) as http:
             # One request runs and one waits: both are accepted.
             streams = [http.stream("POST", url, json=body) for _ in range(2)]
@@ -32,7 +34,6 @@ def test_a_full_queue_answers_503_with_retry_after(tiny_models_dir: Path, tmp_pa
             assert third.headers["retry-after"] == "1"
             err = third.json()["error"]
             assert err["code"] == "queue_full" and "retry" in err["message"]
-            client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
             with pytest.raises(openai.InternalServerError) as info:
                 client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
             assert info.value.status_code == 503

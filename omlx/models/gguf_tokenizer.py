@@ -1,0 +1,184 @@
+"""Rebuild a Hugging Face tokenizer from a GGUF file's ``tokenizer.ggml.*`` metadata.
+
+Only byte-level BPE (``tokenizer.ggml.model == "gpt2"``) is supported: its
+tokens and merges are stored verbatim, so the rebuilt tokenizer is exact once
+the pre-tokenizer (``tokenizer.ggml.pre``) is mapped to what llama.cpp runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from omlx.errors import ImportFailedError
+
+log = logging.getLogger(__name__)
+
+# llama.cpp token types (tokenizer.ggml.token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre values llama.cpp splits with the GPT-2 regex, and those
+# that first isolate every digit (StarCoder-style, SmolLM's tokenizer).
+_GPT2_PRE = ("default", "gpt2", "mpt", "olmo")
+_DIGITS_PRE = ("smollm", "starcoder", "refact", "codeshell")
+_LLAMA3_PRE = ("llama-bpe", "llama3")
+SUPPORTED_PRE = _GPT2_PRE + _DIGITS_PRE + _LLAMA3_PRE
+
+
+@dataclass(frozen=True, slots=True)
+class ImportedTokenizer:
+    tokenizer: Tokenizer
+    tokenizer_config: dict[str, Any]
+    special_tokens_map: dict[str, str]
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+
+    def save(self, folder: Path) -> None:
+        self.tokenizer.save(str(folder / "tokenizer.json"))
+        _write_json(folder / "tokenizer_config.json", self.tokenizer_config)
+        _write_json(folder / "special_tokens_map.json", self.special_tokens_map)
+
+
+def build_tokenizer(metadata: dict[str, Any], *, model_max_length: int) -> ImportedTokenizer:
+    """Tokenizer plus its config files; unsupported or missing pieces raise ImportFailedError."""
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ImportFailedError(
+            f"tokenizer model {kind!r} is not supported: only byte-level BPE ('gpt2') "
+            "tokenizers can be imported"
+        )
+    tokens = _required(metadata, "tokenizer.ggml.tokens")
+    merges = _required(metadata, "tokenizer.ggml.merges")
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    tokenizer = _bpe_tokenizer(tokens, merges, pre)
+    _add_special_tokens(tokenizer, tokens, metadata.get("tokenizer.ggml.token_type"))
+
+    ids = _special_ids(metadata, len(tokens))
+    names = {role: tokens[i] for role, i in ids.items() if i is not None}
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    tokenizer.post_processor = _post_processor(names, ids, add_bos=add_bos, add_eos=add_eos)
+
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **{f"{role}_token": name for role, name in names.items() if role in _ROLES},
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+    }
+    if template := metadata.get("tokenizer.chat_template"):
+        config["chat_template"] = template
+    special_map = {f"{role}_token": name for role, name in names.items() if role in _ROLES}
+    eos_ids = [i for role in ("eos", "eot", "eom") if (i := ids[role]) is not None]
+    return ImportedTokenizer(
+        tokenizer, config, special_map, ids["bos"], list(dict.fromkeys(eos_ids))
+    )
+
+
+_ROLES = ("bos", "eos", "unk", "pad")
+_ID_KEYS = {
+    "bos": "bos_token_id",
+    "eos": "eos_token_id",
+    "unk": "unknown_token_id",
+    "pad": "padding_token_id",
+    # End of turn / end of message: chat models stop on these too.
+    "eot": "eot_token_id",
+    "eom": "eom_token_id",
+}
+
+
+def _required(metadata: dict[str, Any], key: str) -> Any:
+    if key not in metadata:
+        raise ImportFailedError(f"the GGUF has no {key}: its tokenizer cannot be rebuilt")
+    return metadata[key]
+
+
+def _special_ids(metadata: dict[str, Any], vocab_size: int) -> dict[str, int | None]:
+    ids: dict[str, int | None] = {}
+    for role, key in _ID_KEYS.items():
+        value = metadata.get(f"tokenizer.ggml.{key}")
+        if value is not None and not 0 <= int(value) < vocab_size:
+            raise ImportFailedError(f"tokenizer.ggml.{key} = {value} is outside the vocabulary")
+        ids[role] = None if value is None else int(value)
+    return ids
+
+
+def _bpe_tokenizer(tokens: list[str], merges: list[str], pre: str) -> Tokenizer:
+    if pre not in SUPPORTED_PRE:
+        raise ImportFailedError(
+            f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
+            f"supported: {', '.join(SUPPORTED_PRE)}"
+        )
+    if pre == "default":
+        log.warning("GGUF names no pre-tokenizer; using GPT-2's split (as llama.cpp warns)")
+    # The first id wins when a token string repeats (some vocabularies pad with duplicates).
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)
+    pairs = [_merge_pair(m) for m in merges]
+    # Llama 3's tokenizer takes whole words found in the vocab before merging.
+    bpe = models.BPE(vocab, pairs, ignore_merges=pre in _LLAMA3_PRE)
+    tokenizer = Tokenizer(bpe)
+    tokenizer.pre_tokenizer = _pre_tokenizer(pre)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _merge_pair(merge: str) -> tuple[str, str]:
+    left, sep, right = merge.partition(" ")
+    if not sep:
+        raise ImportFailedError(f"malformed BPE merge {merge!r} in tokenizer.ggml.merges")
+    return left, right
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _LLAMA3_PRE:
+        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False)
+        no_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        return pre_tokenizers.Sequence([split, no_regex])
+    return byte_level
+
+
+def _add_special_tokens(tokenizer: Tokenizer, tokens: list[str], token_types: Any) -> None:
+    if token_types is None:
+        return
+    types = [int(t) for t in token_types]
+    control = [_added(tokens[i], special=True) for i, t in enumerate(types) if t == _CONTROL]
+    user = [_added(tokens[i], special=False) for i, t in enumerate(types) if t == _USER_DEFINED]
+    tokenizer.add_special_tokens(control)
+    tokenizer.add_tokens(user)
+
+
+def _added(content: str, *, special: bool) -> AddedToken:
+    return AddedToken(content, special=special, normalized=False)
+
+
+def _post_processor(
+    names: dict[str, str], ids: dict[str, int | None], *, add_bos: bool, add_eos: bool
+) -> processors.PostProcessor | None:
+    # transformers' generic fast tokenizer adds BOS/EOS only through the post-processor.
+    prefix = [names["bos"]] if add_bos and "bos" in names else []
+    suffix = [names["eos"]] if add_eos and "eos" in names else []
+    if not prefix and not suffix:
+        return processors.ByteLevel(trim_offsets=False)
+    single = " ".join([*prefix, "$A", *suffix])
+    pair = " ".join([*prefix, "$A", *suffix, *prefix, "$B", *suffix])
+    specials = [(names[r], ids[r]) for r in ("bos", "eos") if names.get(r) in prefix + suffix]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

