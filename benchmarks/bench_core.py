@@ -4,15 +4,16 @@
 
 Measures, with temperature 0 and ``ignore_eos`` so every run makes the same
 number of tokens:
-  - raw ``mlx_lm.stream_generate`` decode tok/s vs omlx single-stream HTTP decode
-    tok/s (first to last streamed token);
+  - raw mlx-lm ``generate_step`` (the loop inside ``stream_generate``) decode
+    tok/s vs omlx single-stream HTTP decode tok/s (first to last streamed token);
   - raw ``BatchGenerator`` aggregate tok/s at batch 8 and 16 vs omlx with 8 and 16
     concurrent streaming clients (completion tokens / wall time, prefill included
     on both sides);
   - time from ``omlx serve`` start to ``/health`` 200, model load time, and the
     server's peak RSS (VmHWM).
 The raw runs happen in this process before the server starts, never at the
-same time, so both sides get the whole machine.
+same time, so both sides get the whole machine. Each number is the median of
+``--repeats`` runs (this 2-core machine varies by +-15% from run to run).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,14 +51,16 @@ def chat_prompt(tokenizer, i: int) -> list[int]:
 
 
 def raw_single(model, tokenizer, tokens: int) -> float:
-    from mlx_lm import stream_generate
+    """mlx-lm's own decode loop (``generate_step``, what ``stream_generate`` runs),
+    for exactly ``tokens`` tokens like the server run (which ignores EOS), rated
+    the same way: (tokens - 1) / (last token time - first token time)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
 
-    response = None
-    for response in stream_generate(  # noqa: B007 (the last response holds the stats)
-        model, tokenizer, chat_prompt(tokenizer, 0), max_tokens=tokens
-    ):
-        pass
-    return response.generation_tps
+    stamps = []
+    for _ in generate_step(mx.array(chat_prompt(tokenizer, 0)), model, max_tokens=tokens):
+        stamps.append(time.perf_counter())
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
 def raw_batch(model, tokenizer, n: int, tokens: int) -> float:
@@ -75,18 +78,6 @@ def raw_batch(model, tokenizer, n: int, tokens: int) -> float:
     elapsed = time.perf_counter() - start
     gen.close()
     return produced / elapsed
-
-
-def measure_raw(model_path: Path, tokens: int) -> dict[str, float]:
-    from mlx_lm import load
-
-    model, tokenizer = load(str(model_path))
-    raw_single(model, tokenizer, 8)  # warm up
-    return {
-        "single": raw_single(model, tokenizer, tokens),
-        "batch8": raw_batch(model, tokenizer, 8, tokens),
-        "batch16": raw_batch(model, tokenizer, 16, tokens),
-    }
 
 
 async def stream_one(http: httpx.AsyncClient, model: str, i: int, tokens: int) -> dict:
@@ -113,19 +104,16 @@ async def stream_one(http: httpx.AsyncClient, model: str, i: int, tokens: int) -
     return {"stamps": stamps, "tokens": usage["completion_tokens"]}
 
 
-async def measure_http(base_url: str, model: str, tokens: int) -> dict[str, float]:
-    async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
-        await stream_one(http, model, 0, 8)  # load + warm up
-        solo = await stream_one(http, model, 0, tokens)
-        # Detokenized chunks can merge tokens; the rate uses the token count.
-        single = (solo["tokens"] - 1) / (solo["stamps"][-1] - solo["stamps"][0])
-        out = {"single": single}
-        for n in (8, 16):
-            start = time.perf_counter()
-            results = await asyncio.gather(*(stream_one(http, model, i, tokens) for i in range(n)))
-            elapsed = time.perf_counter() - start
-            out[f"batch{n}"] = sum(r["tokens"] for r in results) / elapsed
-    return out
+async def http_single(http: httpx.AsyncClient, model: str, tokens: int) -> float:
+    solo = await stream_one(http, model, 0, tokens)
+    # Detokenized chunks can merge tokens; the rate uses the token count.
+    return (solo["tokens"] - 1) / (solo["stamps"][-1] - solo["stamps"][0])
+
+
+async def http_aggregate(http: httpx.AsyncClient, model: str, n: int, tokens: int) -> float:
+    start = time.perf_counter()
+    results = await asyncio.gather(*(stream_one(http, model, i, tokens) for i in range(n)))
+    return sum(r["tokens"] for r in results) / (time.perf_counter() - start)
 
 
 def vm_hwm_mb(pid: int) -> float:
@@ -135,7 +123,8 @@ def vm_hwm_mb(pid: int) -> float:
     return float("nan")
 
 
-def run_server(model_dir: Path, model: str, tokens: int, port: int) -> dict[str, float]:
+def start_server(model_dir: Path, port: int, log: Path) -> tuple[subprocess.Popen, float]:
+    """Start ``omlx serve``; returns the process and seconds until /health answered."""
     base = Path(tempfile.mkdtemp(prefix="omlx-bench-"))
     cmd = [
         sys.executable,
@@ -153,25 +142,41 @@ def run_server(model_dir: Path, model: str, tokens: int, port: int) -> dict[str,
         "--no-install-default",
     ]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.01)
-        ready_s = time.perf_counter() - start
-        results = asyncio.run(measure_http(url, model, tokens))
-        results["startup_s"] = ready_s
-        results["peak_rss_mb"] = vm_hwm_mb(proc.pid)
-    finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=30)
-    match = re.search(r"loaded \S+ .* in ([0-9.]+) s", err)
-    results["load_s"] = float(match.group(1)) if match else float("nan")
-    return results
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=log.open("w"))
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc, time.perf_counter() - start
+        except httpx.TransportError:
+            if proc.poll() is not None:
+                raise SystemExit(f"omlx serve exited: {log.read_text()[-2000:]}") from None
+            time.sleep(0.01)
+
+
+async def compare(args: argparse.Namespace, url: str) -> dict[str, list[tuple[float, float]]]:
+    """(mlx-lm, omlx) pairs per metric; each pair runs back to back, never together."""
+    from mlx_lm import load
+
+    model, tokenizer = load(str(args.model_dir / args.model))
+    pairs: dict[str, list[tuple[float, float]]] = {"single": [], "batch8": [], "batch16": []}
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        await stream_one(http, args.model, 0, 8)  # load + warm up
+        raw_single(model, tokenizer, 8)
+        for _ in range(args.repeats):
+            pairs["single"].append(
+                (
+                    raw_single(model, tokenizer, args.tokens),
+                    await http_single(http, args.model, args.tokens),
+                )
+            )
+            for n in (8, 16):
+                pairs[f"batch{n}"].append(
+                    (
+                        raw_batch(model, tokenizer, n, args.tokens),
+                        await http_aggregate(http, args.model, n, args.tokens),
+                    )
+                )
+    return pairs
 
 
 def main() -> None:
@@ -180,30 +185,43 @@ def main() -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--repeats", type=int, default=3, help="median of this many pairs")
     args = parser.parse_args()
-    model_path = args.model_dir / args.model
-    if not model_path.exists():
+    if not (args.model_dir / args.model).exists():
         from omlx.models.builtin import install_default_model
 
         install_default_model(args.model_dir)
-    raw = measure_raw(model_path, args.tokens)
-    srv = run_server(args.model_dir, args.model, args.tokens, args.port)
-    rows = [
-        ("single stream decode tok/s", raw["single"], srv["single"], 0.95),
-        ("aggregate tok/s, 8 concurrent", raw["batch8"], srv["batch8"], 0.90),
-        ("aggregate tok/s, 16 concurrent", raw["batch16"], srv["batch16"], 0.90),
-    ]
+    log = Path(tempfile.mkdtemp(prefix="omlx-bench-log-")) / "server.log"
+    proc, ready_s = start_server(args.model_dir, args.port, log)
+    try:
+        pairs = asyncio.run(compare(args, f"http://127.0.0.1:{args.port}"))
+        peak_rss_mb = vm_hwm_mb(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    match = re.search(r"loaded \S+ .* in ([0-9.]+) s", log.read_text())
+    targets = {
+        "single": ("single stream decode tok/s", 0.95),
+        "batch8": ("aggregate tok/s, 8 concurrent", 0.90),
+        "batch16": ("aggregate tok/s, 16 concurrent", 0.90),
+    }
     print(
-        f"model {args.model}, {args.tokens} tokens per request, "
-        f"python {sys.version.split()[0]}, pid {os.getpid()}"
+        f"model {args.model}, {args.tokens} tokens per request, median of {args.repeats} "
+        f"interleaved pairs, python {sys.version.split()[0]}"
     )
-    print(f"{'metric':34} {'mlx-lm':>9} {'omlx':>9} {'ratio':>7} {'target':>7}")
-    for name, base, ours, target in rows:
+    print(f"{'metric':34} {'mlx-lm':>9} {'omlx':>9} {'ratio':>7} {'target':>7}  ratios")
+    for key, (name, target) in targets.items():
+        base = statistics.median(p[0] for p in pairs[key])
+        ours = statistics.median(p[1] for p in pairs[key])
+        ratios = " ".join(f"{o / b:.2f}" for b, o in pairs[key])
         flag = "ok" if ours / base >= target else "MISS"
-        print(f"{name:34} {base:9.1f} {ours:9.1f} {ours / base:7.2f} {target:>6.2f} {flag}")
-    print(f"serve start -> /health 200: {srv['startup_s']:.2f} s")
-    print(f"model load: {srv['load_s']:.2f} s")
-    print(f"server peak RSS: {srv['peak_rss_mb']:.0f} MB")
+        print(
+            f"{name:34} {base:9.1f} {ours:9.1f} {ours / base:7.2f} {target:>6.2f} {flag:4} "
+            f" {ratios}"
+        )
+    print(f"serve start -> /health 200: {ready_s:.2f} s")
+    print(f"model load: {float(match.group(1)) if match else float('nan'):.2f} s")
+    print(f"server peak RSS: {peak_rss_mb:.0f} MB")
 
 
 if __name__ == "__main__":

@@ -147,3 +147,67 @@ def test_stop_strings_and_stop_token_ids_end_generation(make_pool) -> None:
         assert (event.text, event.finish_reason, event.num_output_tokens) == ("", "stop", 1)
 
     asyncio.run(main())
+
+
+async def _first_tokens_then(engine: ModelEngine, prompt: str, n_first: int, others, **kw):
+    """Run ``prompt`` alone until it streamed ``n_first`` tokens, then add ``others``."""
+    params = SamplingParams(
+        **{"temperature": 0.0, **kw}, stop_token_ids=frozenset(engine.loaded.eos_token_ids)
+    )
+    stream = RequestStream(f"lead-{next(_ids)}", asyncio.get_running_loop())
+    engine.submit(
+        Request(stream.request_id, tuple(engine.tokenizer.encode(prompt)), params), stream
+    )
+    text, joined, tasks = "", False, []
+    while True:
+        event = await stream.get()
+        assert event is not None and event.error is None
+        text += event.text
+        if not joined and event.num_output_tokens >= n_first:
+            joined = True
+            tasks = [asyncio.create_task(generate(engine, p, max_tokens=m)) for p, m in others]
+        if event.finish_reason:
+            return (text, event.finish_reason, event.num_output_tokens), await asyncio.gather(
+                *tasks
+            )
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+def test_a_lone_request_keeps_its_output_when_others_join_mid_decode(make_pool, model) -> None:
+    # A lone request decodes unbatched; when others arrive it moves into the batch
+    # with its cache and sampler, and nothing about its output changes.
+    pool = make_pool(prefill_step_size=16)
+
+    async def main() -> None:
+        engine = await pool.get_engine(model)
+        others = [(p, 12) for p in PROMPTS[1:4]]
+        lead_alone = await generate(engine, PROMPTS[3], max_tokens=40)
+        others_alone = [await generate(engine, p, max_tokens=m) for p, m in others]
+        for n_first in (1, 5, 20):
+            lead, rest = await _first_tokens_then(
+                engine, PROMPTS[3], n_first, others, max_tokens=40
+            )
+            assert lead == lead_alone and list(rest) == others_alone
+        seeded = {"temperature": 1.0, "seed": 7, "max_tokens": 30}
+        alone = await generate(engine, PROMPTS[0], **seeded)
+        lead, _ = await _first_tokens_then(engine, PROMPTS[0], 10, others, **seeded)
+        assert lead == alone
+        assert engine.num_in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_a_lone_request_joins_the_batch_mid_prefill(make_pool) -> None:
+    pool = make_pool(prefill_step_size=16)
+
+    async def main() -> None:
+        engine = await pool.get_engine("tiny-llama")
+        long_prompt = PROMPTS[3] * 8  # many 16-token chunks
+        expected = await generate(engine, long_prompt, max_tokens=10)
+        short_alone = await generate(engine, PROMPTS[0], max_tokens=10)
+        first = asyncio.create_task(generate(engine, long_prompt, max_tokens=10))
+        await asyncio.sleep(0.005)  # a few prefill chunks in
+        second = await generate(engine, PROMPTS[0], max_tokens=10)
+        assert await first == expected and second == short_alone
+
+    asyncio.run(main())
