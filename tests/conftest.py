@@ -21,8 +21,9 @@ def smollm2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model dir with random tiny llama and qwen3 models."""
+    """A model dir with random tiny llama and qwen3 models, and a slower llama."""
     root = tmp_path_factory.mktemp("tiny-models")
     build_tiny_model(root / "tiny-llama", "llama", seed=0)
     build_tiny_model(root / "tiny-qwen3", "qwen3", seed=1)
+    build_tiny_model(root / "slow-llama", "slow-llama", seed=2)
     return root

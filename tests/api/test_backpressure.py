@@ -11,6 +11,8 @@ import pytest
 from tests.fixtures.servers import live_server
 
 MODEL = "tiny-llama"
+# Decodes ~60 tok/s: a 4000-token request holds its slot for about a minute.
+SLOW = "slow-llama"
 CHAT = [{"role": "user", "content": "hello"}]
 
 
@@ -21,8 +23,7 @@ def test_a_full_queue_answers_503_with_retry_after(tiny_models_dir: Path, tmp_pa
         scheduler={"max_concurrent_requests": 1, "max_queued_requests": 1},
     ) as server:
         url = server.base_url + "/v1/chat/completions"
-        # Near the 4096-token context: these hold their slots for the whole test.
-        body = {"model": MODEL, "messages": CHAT, "max_tokens": 4000, "stream": True}
+        body = {"model": SLOW, "messages": CHAT, "max_tokens": 4000, "stream": True}
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
         with httpx.Client(timeout=60) as http:
             # One request runs and one waits: both are accepted.
@@ -35,7 +36,7 @@ def test_a_full_queue_answers_503_with_retry_after(tiny_models_dir: Path, tmp_pa
             err = third.json()["error"]
             assert err["code"] == "queue_full" and "retry" in err["message"]
             with pytest.raises(openai.InternalServerError) as info:
-                client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+                client.chat.completions.create(model=SLOW, messages=CHAT, max_tokens=2)
             assert info.value.status_code == 503
             for stream in streams:
                 stream.__exit__(None, None, None)

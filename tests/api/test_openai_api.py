@@ -17,7 +17,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 def chat(client: openai.OpenAI, messages=CHAT, **kw) -> openai.types.chat.ChatCompletion:
     return client.chat.completions.create(
-        model=MODEL, messages=messages, **{"temperature": 0, "max_tokens": 24, **kw}
+        messages=messages, **{"model": MODEL, "temperature": 0, "max_tokens": 24, **kw}
     )
 
 
@@ -143,9 +143,13 @@ def test_sixteen_concurrent_streams_each_equal_their_solo_output(
     wait_idle(server)
 
 
+# Decodes ~60 tok/s: a 4000-token request is still running a minute later.
+SLOW = "slow-llama"
+
+
 def aborted_count(server: Server) -> int:
     health = httpx.get(server.base_url + "/health").json()
-    model = next(m for m in health["loaded_models"] if m["name"] == MODEL)
+    model = next(m for m in health["loaded_models"] if m["name"] == SLOW)
     return model["finished"].get("abort", 0)
 
 
@@ -159,9 +163,9 @@ def wait_aborted(server: Server, expected: int, timeout_s: float = 10.0) -> None
 def test_client_disconnect_mid_stream_aborts_and_the_server_keeps_serving(
     client: openai.OpenAI, server: Server
 ) -> None:
-    chat(client, max_tokens=1)  # the model is loaded
+    chat(client, model=SLOW, max_tokens=1)  # the model is loaded
     before = aborted_count(server)
-    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4000, "stream": True}
+    body = {"model": SLOW, "messages": CHAT, "max_tokens": 4000, "stream": True}
     with (
         httpx.Client(base_url=server.base_url, timeout=30) as http,
         http.stream("POST", "/v1/chat/completions", json=body) as resp,
@@ -179,9 +183,9 @@ def test_client_disconnect_mid_stream_aborts_and_the_server_keeps_serving(
 def test_non_streaming_client_disconnect_aborts_the_request(
     client: openai.OpenAI, server: Server
 ) -> None:
-    chat(client, max_tokens=1)
+    chat(client, model=SLOW, max_tokens=1)
     before = aborted_count(server)
-    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4000}
+    body = {"model": SLOW, "messages": CHAT, "max_tokens": 4000}
     try:
         resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=0.05)
     except httpx.ReadTimeout:
@@ -277,3 +281,14 @@ def test_unsupported_features_are_refused_not_ignored(client: openai.OpenAI) -> 
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, image)
     assert "image_url" in error_of(info.value)["message"]
+
+
+def test_completions_echo_prefixes_the_prompt(client: openai.OpenAI) -> None:
+    kw = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}
+    plain = client.completions.create(**kw).choices[0].text
+    echoed = client.completions.create(echo=True, **kw).choices[0].text
+    assert echoed == "Once upon a time" + plain
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(echo=True, stream=True, **kw)
+    )
+    assert streamed == echoed

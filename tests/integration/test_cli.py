@@ -105,4 +105,4 @@ def test_models_list_shows_discovered_models(tiny_models_dir: Path, tmp_path: Pa
     out = omlx("models", "list", base=tmp_path)
     assert out.returncode == 0
     names = [line.split("\t")[0] for line in out.stdout.splitlines()]
-    assert names == ["tiny-llama", "tiny-qwen3"]
+    assert names == ["slow-llama", "tiny-llama", "tiny-qwen3"]
