@@ -23,7 +23,6 @@ system_packages() {
     [ "$(uname -s)" = Linux ] || return 0
     command -v apt-get >/dev/null || { log "no apt-get: install OpenBLAS yourself"; return 0; }
     local want=(libopenblas0-pthread)
-    if [ "${1:-}" = test ]; then want+=(chromium xvfb); fi
     local missing=()
     for p in "${want[@]}"; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import logging.handlers
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,25 @@ def setup_logging(settings: Settings) -> None:
     root.addHandler(file)
 
 
+def _port_in_use(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def _serve(settings: Settings) -> int:
+    host, port = settings.server.host, settings.server.port
+    if _port_in_use(host, port):
+        print(
+            f"omlx: {host}:{port} is already in use (another server?); stop it or pass --port",
+            file=sys.stderr,
+        )
+        return 1
     setup_logging(settings)
     import mlx.core as mx
 

@@ -115,19 +115,25 @@ class _FileSource(PydanticBaseSettingsSource):
         return dict(self._data)
 
 
-class _FileOnly(Settings):
-    """Validates file contents alone (the environment must not leak in)."""
+def _sourced(file_data: dict[str, Any] | None, *, use_env: bool) -> type[Settings]:
+    """Settings reading init kwargs, then (optionally) the environment, then file data."""
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings,)
+    class _Sourced(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources = [init_settings, env_settings] if use_env else [init_settings]
+            if file_data:
+                sources.append(_FileSource(settings_cls, file_data))
+            return tuple(sources)
+
+    return _Sourced
 
 
 def resolve_base_path(cli_base: str | Path | None = None) -> Path:
@@ -162,20 +168,8 @@ def load_settings(cli: dict[str, Any] | None = None) -> Settings:
     base = resolve_base_path(cli.pop("base_path", None))
     file_data = read_settings_file(base / SETTINGS_FILE)
 
-    class _Loaded(Settings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (init_settings, env_settings, _FileSource(settings_cls, file_data))
-
     try:
-        loaded = _Loaded(**cli, base_path=base)
+        loaded = _sourced(file_data, use_env=True)(**cli, base_path=base)
     except ValidationError as exc:
         raise SettingsError(describe_validation_error(exc)) from None
     fields = {name: getattr(loaded, name) for name in Settings.model_fields}
@@ -222,7 +216,8 @@ def set_file_value(base: Path, dotted_key: str, value: Any) -> dict[str, Any]:
             raise SettingsError(f"'{part}' in {path} is not an object")
     node[leaf] = value
     try:
-        _FileOnly(**data, base_path=base)
+        # The file alone: an environment variable must not fail (or pass) it.
+        _sourced(None, use_env=False)(**data, base_path=base)
     except ValidationError as exc:
         raise SettingsError(describe_validation_error(exc)) from None
     write_json_atomic(path, data)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -106,3 +107,14 @@ def test_models_list_shows_discovered_models(tiny_models_dir: Path, tmp_path: Pa
     assert out.returncode == 0
     names = [line.split("\t")[0] for line in out.stdout.splitlines()]
     assert names == ["slow-llama", "tiny-llama", "tiny-qwen3"]
+
+
+def test_serve_on_a_taken_port_says_so(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = omlx("serve", "--port", str(port), "--no-install-default", base=tmp_path)
+    assert out.returncode == 1
+    assert f"127.0.0.1:{port} is already in use" in out.stderr and "--port" in out.stderr
+    assert "Traceback" not in out.stderr
