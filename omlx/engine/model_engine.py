@@ -70,6 +70,22 @@ class ModelEngine:
         # Decoding runs on the MLX thread with its own tokenizer object so it
         # never shares a Rust tokenizer borrow with encoding on the event loop.
         self._decoder = _private_decoder(loaded.tokenizer)
+        self._grammar_lock = threading.Lock()
+        self._grammar_compiler: Any = None
+
+    def grammar_compiler(self) -> Any:
+        """This model's GrammarCompiler, made on first use (~0.2 s). Blocking:
+        call through ``asyncio.to_thread``."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                from omlx.grammar.compiler import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(
+                    _hf_tokenizer(self.loaded.tokenizer),
+                    self.loaded.vocab_size,
+                    self.loaded.eos_token_ids,
+                )
+            return self._grammar_compiler
 
     # ---- event-loop side -------------------------------------------------
     @property
@@ -199,6 +215,22 @@ class ModelEngine:
         self._live.clear()
         self._runner.close()
         self._flush(outbox)
+
+
+def _hf_tokenizer(tokenizer: Any) -> Any:
+    """A transformers fast tokenizer cloned from the public backend (xgrammar needs one)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from omlx.errors import InvalidRequestError
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        raise InvalidRequestError(
+            "structured output needs a model with a fast (tokenizer.json) "
+            "tokenizer; this model's tokenizer is not supported"
+        )
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(backend.to_str()))
 
 
 def _private_decoder(tokenizer: Any) -> Any:

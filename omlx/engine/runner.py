@@ -55,10 +55,15 @@ def make_request_sampler(params: SamplingParams) -> Sampler:
     return sample
 
 
-def make_request_processors(params: SamplingParams) -> list[Any]:
-    if params.repetition_penalty == 1.0:
-        return []
-    return make_logits_processors(repetition_penalty=params.repetition_penalty)
+def make_request_processors(request: Request) -> list[Any]:
+    """Repetition penalty, then the grammar mask (last, so nothing re-allows a token)."""
+    params = request.sampling
+    processors = []
+    if params.repetition_penalty != 1.0:
+        processors += make_logits_processors(repetition_penalty=params.repetition_penalty)
+    if request.grammar is not None:
+        processors.append(request.grammar.new_processor())
+    return processors
 
 
 class BatchRunner:
@@ -104,7 +109,7 @@ class BatchRunner:
             request.request_id,
             list(request.prompt_ids),
             make_request_sampler(request.sampling),
-            make_request_processors(request.sampling),
+            make_request_processors(request),
             self._prefill_step_size,
         )
 
@@ -131,7 +136,7 @@ class BatchRunner:
             segments,
             max_tokens=[r.sampling.max_tokens for r in requests],
             samplers=[make_request_sampler(r.sampling) for r in requests],
-            logits_processors=[make_request_processors(r.sampling) for r in requests],
+            logits_processors=[make_request_processors(r) for r in requests],
             stop_sequences=[_NO_STOPS] * len(requests),
         )
         self._track(uids, requests)

@@ -26,6 +26,8 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     # The model's own context length (None when the config does not say).
     native_context: int | None
+    # Rows of the output layer (may exceed the tokenizer's vocabulary).
+    vocab_size: int
     load_s: float
 
 
@@ -69,6 +71,8 @@ def load_model(info: ModelInfo) -> LoadedModel:
     eos = set(tokenizer.eos_token_ids) | _generation_eos(info.path)
     if not eos:
         log.warning("model %s declares no end-of-sequence token", info.name)
+    text_config = config.get("text_config") or {}
+    vocab_size = int(config.get("vocab_size") or text_config.get("vocab_size") or len(tokenizer))
     loaded = LoadedModel(
         info,
         model,
@@ -76,6 +80,7 @@ def load_model(info: ModelInfo) -> LoadedModel:
         config,
         frozenset(eos),
         native_context_length(config),
+        vocab_size,
         time.perf_counter() - start,
     )
     log.info(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestStatus(enum.Enum):
@@ -55,6 +56,8 @@ class Request:
     request_id: str
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
+    # A grammar the output must follow (omlx.grammar.BoundGrammar), or None.
+    grammar: Any = None
     arrival_s: float = field(default_factory=time.monotonic)
 
     @property

@@ -1,0 +1,91 @@
+"""Request fields that constrain the output: OpenAI ``response_format`` and the
+``structured_outputs`` extension (json, regex, grammar, choice)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from omlx.api.schemas import ChatCompletionRequest, CompletionRequest
+from omlx.engine.model_engine import ModelEngine
+from omlx.errors import InvalidRequestError
+from omlx.grammar.spec import GrammarSpec
+
+_EXTENSION_KINDS = ("json", "regex", "grammar", "choice")
+
+
+def grammar_spec(body: ChatCompletionRequest | CompletionRequest) -> GrammarSpec | None:
+    """The constraint a request asks for, validated; None for free text."""
+    from_format = _from_response_format(body.response_format)
+    from_extension = _from_extension(body.structured_outputs)
+    if from_format and from_extension:
+        raise InvalidRequestError(
+            "use either response_format or structured_outputs, not both", param="structured_outputs"
+        )
+    return from_format or from_extension
+
+
+def _from_response_format(fmt: dict[str, Any] | None) -> GrammarSpec | None:
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind != "json_schema":
+        raise InvalidRequestError(
+            f"response_format type '{kind}' is not one of text, json_object, json_schema",
+            param="response_format.type",
+        )
+    spec = (fmt or {}).get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise InvalidRequestError(
+            "response_format.json_schema.schema must be a JSON schema object",
+            param="response_format.json_schema.schema",
+        )
+    return GrammarSpec.json_schema(
+        spec["schema"], strict=bool(spec.get("strict")), param="response_format.json_schema.schema"
+    )
+
+
+def _from_extension(ext: dict[str, Any] | None) -> GrammarSpec | None:
+    if not ext:
+        return None
+    given = [k for k in _EXTENSION_KINDS if ext.get(k) is not None]
+    if len(given) != 1:
+        raise InvalidRequestError(
+            "structured_outputs takes exactly one of: " + ", ".join(_EXTENSION_KINDS),
+            param="structured_outputs",
+        )
+    kind = given[0]
+    value = ext[kind]
+    param = f"structured_outputs.{kind}"
+    if kind == "json":
+        schema = value
+        if isinstance(value, str):
+            import json
+
+            try:
+                schema = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(f"invalid JSON schema: {exc}", param=param) from exc
+        if not isinstance(schema, dict):
+            raise InvalidRequestError("a JSON schema object is required", param=param)
+        return GrammarSpec.json_schema(schema, strict=True, param=param)
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+            raise InvalidRequestError("choice must be a non-empty list of strings", param=param)
+        return GrammarSpec.choice(value, param)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{kind} must be a non-empty string", param=param)
+    return GrammarSpec(kind, value, False, param)
+
+
+async def bind_grammar(engine: ModelEngine, spec: GrammarSpec | None) -> Any:
+    """Compile ``spec`` for the engine's tokenizer off the event loop (cached)."""
+    if spec is None:
+        return None
+    from omlx.grammar.processor import BoundGrammar
+
+    compiler = await asyncio.to_thread(engine.grammar_compiler)
+    compiled = await asyncio.to_thread(compiler.compile, spec)
+    return BoundGrammar(compiled, compiler)

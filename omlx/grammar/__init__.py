@@ -1,0 +1,1 @@
+"""Structured output: xgrammar on a torch stub, compiled grammars, logits masks."""

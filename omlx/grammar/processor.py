@@ -1,0 +1,73 @@
+"""Apply one request's grammar to its logits inside the batch. MLX thread only."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_TABLES: dict[Any, mx.array] = {}
+
+
+def _byte_table(dtype: Any) -> mx.array:
+    """(256, 8): for each byte value, 0 where the bit is set and -inf where not."""
+    table = _TABLES.get(dtype)
+    if table is None:
+        bits = (np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1
+        table = mx.array(np.where(bits == 1, 0.0, -np.inf), dtype=dtype)
+        _TABLES[dtype] = table
+    return table
+
+
+def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
+    """Logits (1, V) with -inf where xgrammar's int32 bitmask (1, ceil(V/32)) is 0."""
+    as_bytes = mx.array(bitmask.view(np.uint8))
+    additive = _byte_table(logits.dtype)[as_bytes].reshape(1, -1)
+    return logits + additive[:, : logits.shape[-1]]
+
+
+class GrammarLogitsProcessor:
+    """mlx-lm logits processor holding one request's grammar matcher.
+
+    mlx-lm passes the context ending with the token just fed to the model. From
+    the second call on, that token is the previous sample: it is accepted into
+    the matcher before the next mask is computed.
+    """
+
+    def __init__(self, matcher: Any, vocab_size: int):
+        self._matcher = matcher
+        words = (vocab_size + 31) // 32
+        self._bitmask = np.zeros((1, words), dtype=np.int32)
+        self._first = True
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if not self._first and not self._matcher.is_terminated():
+            token = int(tokens[-1].item())
+            if not self._matcher.accept_token(token):
+                log.warning("grammar rejected sampled token %d", token)
+        self._first = False
+        if self._matcher.is_terminated():
+            return logits  # only stop tokens remain; the request is ending
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        return apply_bitmask(logits, self._bitmask)
+
+
+@dataclass(frozen=True, slots=True)
+class BoundGrammar:
+    """A compiled grammar and the compiler that makes matchers for it.
+
+    Requests carry this; the runner asks it for a fresh processor per request.
+    """
+
+    compiled: Any
+    compiler: Any  # omlx.grammar.compiler.GrammarCompiler
+
+    def new_processor(self) -> GrammarLogitsProcessor:
+        return GrammarLogitsProcessor(
+            self.compiler.matcher(self.compiled), self.compiler.vocab_size
+        )
