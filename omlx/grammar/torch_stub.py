@@ -84,7 +84,7 @@ class Tensor:
         return f"tensor({self.data!r}, dtype={self.dtype!r}) [omlx torch stub]"
 
 
-class LongTensor:
+class LongTensor(Tensor):
     pass
 
 
