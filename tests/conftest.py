@@ -6,8 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from omlx.grammar import torch_stub
 from omlx.models.builtin import INSTALL_HINT, builtin_gguf_path, install_default_model
 from tests.fixtures.tiny_models import build_tiny_model
+
+# Before anything imports xgrammar (as the server does): it needs torch at import.
+torch_stub.install()
 
 
 @pytest.fixture(scope="session")
