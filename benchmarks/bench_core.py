@@ -80,7 +80,9 @@ def raw_batch(model, tokenizer, n: int, tokens: int) -> float:
     return produced / elapsed
 
 
-async def stream_one(http: httpx.AsyncClient, model: str, i: int, tokens: int) -> dict:
+async def stream_one(
+    http: httpx.AsyncClient, model: str, i: int, tokens: int, extra: dict | None = None
+) -> dict:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" ({i})"}],
@@ -89,6 +91,7 @@ async def stream_one(http: httpx.AsyncClient, model: str, i: int, tokens: int) -
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     stamps, usage = [], None
     async with http.stream("POST", "/v1/chat/completions", json=body) as resp:

@@ -53,6 +53,9 @@ class GrammarLogitsProcessor:
         self._first = False
         if self._matcher.is_terminated():
             return logits  # only stop tokens remain; the request is ending
+        # Start the forward pass now: the CPU-side bitmask fill (~2 ms for a 49k
+        # vocab) then overlaps the model compute instead of idling the device.
+        mx.async_eval(logits)
         self._matcher.fill_next_token_bitmask(self._bitmask)
         return apply_bitmask(logits, self._bitmask)
 
