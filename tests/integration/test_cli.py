@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 
-from tests.fixtures.servers import free_port
+from tests.fixtures.servers import serve_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,41 +34,15 @@ def test_version() -> None:
 
 
 def test_serve_chats_logs_and_stops_on_sigint(tiny_models_dir: Path, tmp_path: Path) -> None:
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "omlx.cli",
-        "--base-path",
-        str(tmp_path),
-        "serve",
-        "--model-dir",
-        str(tiny_models_dir),
-        "--port",
-        str(port),
-        "--no-install-default",
-        "--max-concurrent-requests",
-        "4",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+    flags = ("--max-concurrent-requests", "4")
+    with serve_process(tmp_path, tiny_models_dir, *flags) as (proc, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x")
         out = client.chat.completions.create(
             model="tiny-qwen3", messages=[{"role": "user", "content": "hi"}], max_tokens=3
         )
         assert out.usage.completion_tokens == 3
-    finally:
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+    # Leaving the block sent SIGINT, as Ctrl-C does.
+    err = proc.stderr.read()
     assert proc.returncode == 0, err
     assert "Traceback" not in err
     assert "BLAS:" in err  # the active BLAS is logged at start

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 
-from tests.fixtures.servers import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.servers import serve_process
 
 
 def test_structured_output_without_xgrammar_is_a_400_saying_how_to_fix_it(
@@ -21,32 +17,11 @@ def test_structured_output_without_xgrammar_is_a_400_saying_how_to_fix_it(
     shadow = tmp_path / "shadow" / "xgrammar"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'xgrammar'\")\n")
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(shadow.parent)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "omlx.cli",
-        "--base-path",
-        str(tmp_path / "base"),
-        "serve",
-        "--model-dir",
-        str(tiny_models_dir),
-        "--port",
-        str(port),
-        "--no-install-default",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(url + "/health")
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
+    with serve_process(tmp_path / "base", tiny_models_dir, env=env, stderr=subprocess.DEVNULL) as (
+        _,
+        url,
+    ):
         body = {
             "model": "tiny-llama",
             "messages": [{"role": "user", "content": "hi"}],
@@ -62,6 +37,3 @@ def test_structured_output_without_xgrammar_is_a_400_saying_how_to_fix_it(
         assert "xgrammar" in message and "pip install --no-deps xgrammar" in message
         free = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         assert free.status_code == 200
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
