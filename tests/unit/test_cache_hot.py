@@ -11,6 +11,7 @@ import pytest
 
 from omlx.cache.hot import HotTier
 from omlx.cache.ssd import BlockPayload, SSDStore
+from tests.fixtures.ssd_gate import Gate
 
 MODEL_A = "model-a@1"
 MODEL_B = "model-b@1"
@@ -57,24 +58,6 @@ def hot_with_stores(stores: Stores, max_blocks: int, mode: str) -> tuple[HotTier
     ssd = stores.open(MODEL_A)
     hot.attach(MODEL_A, ssd)
     return hot, ssd
-
-
-class Gate:
-    """Holds an SSDStore's writer thread inside its file write until release()."""
-
-    def __init__(self, store: SSDStore):
-        self._write = store._write_file
-        self.entered = threading.Event()
-        self.released = threading.Event()
-        store._write_file = self  # type: ignore[method-assign]
-
-    def __call__(self, path: Path, header: bytes, chunks: list[bytes]) -> None:
-        self._write(path, header, chunks)
-        self.entered.set()
-        assert self.released.wait(10)
-
-    def release(self) -> None:
-        self.released.set()
 
 
 def wait_for(condition: object, timeout_s: float = 5.0) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from omlx.cache import safetensors_io
 from omlx.cache.ssd import BlockPayload, SSDStore
+from tests.fixtures.ssd_gate import Gate
 
 MODEL = "tiny-llama@abc123"
 LAYOUT = ("KVCache", "KVCache")
@@ -58,24 +59,6 @@ def fill(path: Path, n: int, **kwargs) -> list[str]:
         time.sleep(0.002)  # distinct mtimes, so the restart LRU order is defined
     assert s.close()
     return [make_payload(i).key for i in range(n)]
-
-
-class Gate:
-    """Replaces SSDStore._write_file: writes the temp file, then waits for release()."""
-
-    def __init__(self, store: SSDStore):
-        self._write = store._write_file
-        self.entered = threading.Event()
-        self.released = threading.Event()
-        store._write_file = self  # type: ignore[method-assign]
-
-    def __call__(self, path: Path, header: bytes, chunks: list[bytes]) -> None:
-        self._write(path, header, chunks)
-        self.entered.set()
-        assert self.released.wait(5)
-
-    def release(self) -> None:
-        self.released.set()
 
 
 def block_files(path: Path) -> list[Path]:
