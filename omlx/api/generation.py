@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -128,20 +129,23 @@ async def sse_stream(
 ) -> AsyncIterator[str]:
     """SSE frames for a generation; the client going away aborts its requests."""
     try:
-        async for item in gen.events(keepalive_s):
-            if item is None:
-                yield KEEPALIVE
-                continue
-            index, event = item
-            if event.error is not None:
-                yield sse_data(omlx_error_body(event.error))
-                break
-            payload = chunk(index, event)
-            if payload is not None:
-                yield sse_data(payload)
-        else:
-            for payload in tail():
-                yield sse_data(payload)
+        # aclosing: a disconnect cancels us mid-iteration; close the inner
+        # generator (and its pump tasks) now rather than at garbage collection.
+        async with aclosing(gen.events(keepalive_s)) as events:
+            async for item in events:
+                if item is None:
+                    yield KEEPALIVE
+                    continue
+                index, event = item
+                if event.error is not None:
+                    yield sse_data(omlx_error_body(event.error))
+                    break
+                payload = chunk(index, event)
+                if payload is not None:
+                    yield sse_data(payload)
+            else:
+                for payload in tail():
+                    yield sse_data(payload)
         yield DONE
     finally:
         gen.abort_unfinished()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -84,14 +85,15 @@ async def _respond(
         return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def collect() -> None:
-        async for item in gen.events(keepalive_s=3600.0):
-            if item is None:
-                continue
-            index, event = item
-            if event.error is not None:
-                gen.abort_unfinished()
-                raise event.error
-            on_event(index, event)
+        async with aclosing(gen.events(keepalive_s=3600.0)) as events:
+            async for item in events:
+                if item is None:
+                    continue
+                index, event = item
+                if event.error is not None:
+                    gen.abort_unfinished()
+                    raise event.error
+                on_event(index, event)
 
     try:
         await unless_disconnected(request, collect(), gen.abort_unfinished)
