@@ -1,0 +1,419 @@
+"""Memory budget arithmetic for prefill admission. Pure: no MLX, no psutil.
+
+The scheduler, engines and enforcer feed in readings and counts; this module
+answers three questions with one estimate:
+
+* front door (``preflight``): can this request fit even with nothing else in flight?
+* admission (``admit``): may it start now, or must it wait in the queue?
+* forward gate (``gate``): may the next prefill chunk run, given a fresh reading?
+
+Predicted peak = current bytes + KV of the new tokens + the attention transient
+of one chunk + a transient margin for what no estimate models (MoE dequant
+spikes, logits, allocator slack). All three checks compare it with the hard
+limit, which is the configured ceiling itself.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omlx.sizes import format_bytes, parse_byte_size
+
+__all__ = [
+    "AdmitAction",
+    "AdmitDecision",
+    "Limits",
+    "MemoryReading",
+    "ModelDims",
+    "PrefillEstimate",
+    "PrefillMemoryExceeded",
+    "admit",
+    "attention_transient_bytes",
+    "conservative_dims",
+    "estimate_prefill",
+    "fused_sdpa_applies",
+    "gate",
+    "guard_dims",
+    "model_dims",
+    "preflight",
+    "resolve_limits",
+]
+
+logger = logging.getLogger(__name__)
+
+GIB = 1024**3
+# Reserve for macOS and other apps under "auto": 15% of RAM, at least 2 GiB, at most half.
+AUTO_RESERVE_FRACTION = 0.15
+AUTO_RESERVE_MIN_BYTES = 2 * GIB
+# Head dims MLX's fused scaled_dot_product_attention kernel handles; others materialise scores.
+FUSED_SDPA_HEAD_DIMS = frozenset({64, 80, 128})
+# Unfused path holds bf16 scores and bf16 softmax output at once: 2 + 2 bytes per element.
+SCORE_BYTES_PER_ELEMENT = 4
+FUSED_BYTES_PER_ELEMENT = 4
+
+_LM_SUBCONFIGS = ("text_config", "language_config", "llm_config", "language_model")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
+_KV_HEAD_KEYS = ("num_key_value_heads", "n_head_kv", "num_kv_heads", "n_kv_heads")
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
+_HEAD_DIM_KEYS = ("head_dim",)
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The language model's shape, as far as prefill memory is concerned."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_attention_heads: int
+    hidden_size: int
+    kv_dtype_bytes: int = 2  # bf16/fp16 on Metal; callers pass 4 for float32
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+
+
+def model_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int) -> ModelDims | None:
+    """Resolve dimensions from a config.json dict, or None when they cannot all be found.
+
+    A nested LM sub-config (text/language/llm config, language_model) wins over
+    the top level whenever it names a layer count, because VLM packs may put the
+    vision encoder's numbers at the top level. Legacy names (GPT-2 ``n_layer``,
+    ``n_head``, ``n_embd``; falcon ``n_head_kv``) are accepted. Missing KV heads
+    mean multi-head attention (falcon ``multi_query`` means one); missing
+    ``head_dim`` means hidden / heads.
+    """
+    source = _language_model_config(config)
+    num_layers = _first_int(source, _LAYER_KEYS)
+    num_heads = _first_int(source, _HEAD_KEYS)
+    if num_layers is None or num_heads is None:
+        return None
+    num_kv_heads = _first_int(source, _KV_HEAD_KEYS)
+    if num_kv_heads is None:
+        num_kv_heads = 1 if source.get("multi_query") is True else num_heads
+    hidden = _first_int(source, _HIDDEN_KEYS)
+    head_dim = _first_int(source, _HEAD_DIM_KEYS)
+    if head_dim is None:
+        if hidden is None or hidden % num_heads:
+            return None
+        head_dim = hidden // num_heads
+    return ModelDims(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_attention_heads=num_heads,
+        hidden_size=hidden if hidden is not None else num_heads * head_dim,
+        kv_dtype_bytes=_positive(kv_dtype_bytes, "kv_dtype_bytes"),
+    )
+
+
+def conservative_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int) -> ModelDims:
+    """Dimensions for a config ``model_dims`` cannot resolve: never a reason to skip the guard.
+
+    Every field the config does name is kept; the rest come from a large
+    70B-class model (80 layers, 64 heads, 8 KV heads) with head_dim 256, which
+    the fused kernel does not cover, so the full score matrix is counted. This
+    over-estimates small models, which costs concurrency, never safety.
+    """
+    source = _language_model_config(config)
+    num_heads = _first_int(source, _HEAD_KEYS) or 64
+    head_dim = _first_int(source, _HEAD_DIM_KEYS) or 256
+    return ModelDims(
+        num_layers=_first_int(source, _LAYER_KEYS) or 80,
+        num_kv_heads=_first_int(source, _KV_HEAD_KEYS) or min(8, num_heads),
+        head_dim=head_dim,
+        num_attention_heads=num_heads,
+        hidden_size=_first_int(source, _HIDDEN_KEYS) or num_heads * head_dim,
+        kv_dtype_bytes=_positive(kv_dtype_bytes, "kv_dtype_bytes"),
+    )
+
+
+def guard_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int, model: str) -> ModelDims:
+    """The dimensions the guard uses for ``model``: resolved, or the conservative fallback.
+
+    Logs the outcome every time (INFO when resolved, WARNING on fallback), so a
+    guard running on guessed numbers is never silent.
+    """
+    dims = model_dims(config, kv_dtype_bytes=kv_dtype_bytes)
+    if dims is not None:
+        logger.info("memguard %s: dims %s", model, dims)
+        return dims
+    dims = conservative_dims(config, kv_dtype_bytes=kv_dtype_bytes)
+    logger.warning("memguard %s: config dims unresolved, conservative fallback %s", model, dims)
+    return dims
+
+
+def _language_model_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    for key in _LM_SUBCONFIGS:
+        sub = config.get(key)
+        if isinstance(sub, Mapping) and _first_int(sub, _LAYER_KEYS) is not None:
+            return sub
+    return config
+
+
+def _first_int(source: Mapping[str, Any], keys: tuple[str, ...]) -> int | None:
+    for key in keys:
+        value = source.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _positive(value: int, field: str) -> int:
+    if value <= 0:
+        raise ValueError(f"{field} must be positive, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Limits:
+    """One immutable set of limits, published as a unit so readers never see a mix."""
+
+    hard_bytes: int
+    soft_bytes: int
+    transient_margin_bytes: int
+
+
+def resolve_limits(
+    max_process_memory: str | int,
+    *,
+    total_ram_bytes: int,
+    soft_fraction: float = 0.85,
+    transient_margin_bytes: int,
+) -> Limits:
+    """Turn the ``max_process_memory`` setting into limits; the hard limit is the ceiling itself.
+
+    ``"auto"`` = RAM minus a reserve of 15% of RAM, at least 2 GiB (macOS and a
+    browser need a few GiB whatever the machine) and at most half of RAM (so an
+    8 GiB machine still gets 6 GiB and a 2 GiB one 1 GiB). Otherwise bytes,
+    ``"24GB"`` or ``"NN%"`` of RAM. Raises ValueError naming the field for a
+    ceiling above physical RAM or a margin that leaves no room.
+    """
+    _positive(total_ram_bytes, "total_ram_bytes")
+    if isinstance(max_process_memory, str) and max_process_memory.strip().lower() == "auto":
+        reserve = max(AUTO_RESERVE_MIN_BYTES, int(total_ram_bytes * AUTO_RESERVE_FRACTION))
+        hard = total_ram_bytes - min(reserve, total_ram_bytes // 2)
+    else:
+        hard = parse_byte_size(
+            max_process_memory, total_bytes=total_ram_bytes, field="max_process_memory"
+        )
+    if hard > total_ram_bytes:
+        raise ValueError(
+            f"max_process_memory: {format_bytes(hard)} is above physical RAM "
+            f"({format_bytes(total_ram_bytes)})"
+        )
+    if not 0 < soft_fraction <= 1:
+        raise ValueError(f"soft_fraction must be in (0, 1], got {soft_fraction}")
+    if not 0 <= transient_margin_bytes < hard:
+        raise ValueError(
+            f"prefill_transient_margin: {transient_margin_bytes} bytes must be at least 0 "
+            f"and below max_process_memory ({format_bytes(hard)})"
+        )
+    return Limits(hard, int(hard * soft_fraction), transient_margin_bytes)
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """One sample of process memory. ``recent_peak_bytes`` is the enforcer's windowed maximum."""
+
+    mlx_active_bytes: int
+    process_footprint_bytes: int
+    recent_peak_bytes: int
+    taken_at_s: float
+
+    @property
+    def resident_bytes(self) -> int:
+        """What is held now: the larger of MLX's view and the OS's view."""
+        return max(self.mlx_active_bytes, self.process_footprint_bytes)
+
+    @property
+    def high_water(self) -> int:
+        return max(self.resident_bytes, self.recent_peak_bytes)
+
+    def current_bytes(self, *, others_in_flight: bool) -> int:
+        """High water while other requests run; resident bytes when this request is alone.
+
+        With nothing else in flight the recent peak belongs to finished work (or
+        to this request's own earlier chunks, whose transient the estimate counts
+        again), so it is stale and would only refuse a request that fits.
+        """
+        return self.high_water if others_in_flight else self.resident_bytes
+
+
+def fused_sdpa_applies(head_dim: int) -> bool:
+    """True when MLX's fused attention kernel covers this head size (no score matrix)."""
+    return head_dim in FUSED_SDPA_HEAD_DIMS
+
+
+def attention_transient_bytes(
+    dims: ModelDims, *, chunk_tokens: int, num_context_tokens: int
+) -> int:
+    """Transient of one chunk attending over ``num_context_tokens`` (cached + earlier + chunk)."""
+    if fused_sdpa_applies(dims.head_dim):
+        return chunk_tokens * dims.num_attention_heads * dims.head_dim * FUSED_BYTES_PER_ELEMENT
+    return chunk_tokens * num_context_tokens * dims.num_attention_heads * SCORE_BYTES_PER_ELEMENT
+
+
+@dataclass(frozen=True)
+class PrefillEstimate:
+    current_bytes: int
+    kv_bytes: int
+    attention_bytes: int
+    margin_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.current_bytes + self.kv_bytes + self.attention_bytes + self.margin_bytes
+
+
+def estimate_prefill(
+    dims: ModelDims,
+    reading: MemoryReading,
+    *,
+    num_new_tokens: int,
+    num_cached_tokens: int,
+    chunk_tokens: int,
+    limits: Limits,
+    others_in_flight: bool,
+) -> PrefillEstimate:
+    """Predicted peak of a whole prefill: all new KV plus the largest chunk transient.
+
+    The last chunk attends over every token (cached + new), so its transient
+    bounds every earlier chunk's; this is what makes an admitted request pass
+    the forward gate when memory holds still.
+    """
+    if num_new_tokens < 0 or num_cached_tokens < 0:
+        raise ValueError("token counts must not be negative")
+    _positive(chunk_tokens, "chunk_tokens")
+    attention = attention_transient_bytes(
+        dims,
+        chunk_tokens=min(chunk_tokens, num_new_tokens),
+        num_context_tokens=num_cached_tokens + num_new_tokens,
+    )
+    return PrefillEstimate(
+        current_bytes=reading.current_bytes(others_in_flight=others_in_flight),
+        kv_bytes=dims.kv_bytes_per_token * num_new_tokens,
+        attention_bytes=attention,
+        margin_bytes=limits.transient_margin_bytes,
+    )
+
+
+class PrefillMemoryExceeded(Exception):
+    """A prefill that cannot fit under the hard limit even with nothing else in flight.
+
+    The API layer maps it to HTTP 400 with code ``prefill_memory_exceeded``.
+    """
+
+    def __init__(self, *, estimated_bytes: int, limit_bytes: int, hint: str) -> None:
+        super().__init__(
+            f"prefill needs about {format_bytes(estimated_bytes)} but max_process_memory is "
+            f"{format_bytes(limit_bytes)}; {hint}"
+        )
+        self.estimated_bytes = estimated_bytes
+        self.limit_bytes = limit_bytes
+        self.hint = hint
+
+
+def preflight(
+    dims: ModelDims,
+    *,
+    baseline_bytes: int,
+    num_new_tokens: int,
+    num_cached_tokens: int,
+    chunk_tokens: int,
+    limits: Limits,
+) -> PrefillEstimate:
+    """Front door: the estimate with only ``baseline_bytes`` (weights + runtime) resident.
+
+    Raises PrefillMemoryExceeded when even that cannot fit: waiting would never
+    help, so the request is refused instead of queued.
+    """
+    estimate = estimate_prefill(
+        dims,
+        MemoryReading(baseline_bytes, baseline_bytes, 0, taken_at_s=0.0),
+        num_new_tokens=num_new_tokens,
+        num_cached_tokens=num_cached_tokens,
+        chunk_tokens=chunk_tokens,
+        limits=limits,
+        others_in_flight=False,
+    )
+    if estimate.peak_bytes > limits.hard_bytes:
+        raise PrefillMemoryExceeded(
+            estimated_bytes=estimate.peak_bytes,
+            limit_bytes=limits.hard_bytes,
+            hint=_hint(estimate, limits),
+        )
+    return estimate
+
+
+def _hint(estimate: PrefillEstimate, limits: Limits) -> str:
+    if estimate.current_bytes + estimate.margin_bytes >= limits.hard_bytes:
+        return "the model alone fills it: raise max_process_memory or load a smaller model."
+    if estimate.attention_bytes > estimate.kv_bytes:
+        return "the attention transient dominates: lower prefill_step_size or shorten the prompt."
+    return "shorten the prompt or raise max_process_memory."
+
+
+class AdmitAction(enum.Enum):
+    ADMIT = "admit"
+    DEFER = "defer"
+
+
+@dataclass(frozen=True)
+class AdmitDecision:
+    action: AdmitAction
+    reason: str  # for the memadmit log line
+
+    @property
+    def admitted(self) -> bool:
+        return self.action is AdmitAction.ADMIT
+
+
+def admit(estimate: PrefillEstimate, limits: Limits, *, num_in_flight: int) -> AdmitDecision:
+    """Admission for a waiting request that already passed ``preflight``.
+
+    ``num_in_flight`` counts running AND mid-prefill requests. With none, the
+    request is admitted whatever the estimate says: it fit at the front door and
+    nothing would drain, so deferring could deadlock the queue. Otherwise a
+    peak over the hard limit defers it (it stays queued, re-checked next step).
+    """
+    peak, hard = format_bytes(estimate.peak_bytes), format_bytes(limits.hard_bytes)
+    if num_in_flight == 0:
+        return AdmitDecision(AdmitAction.ADMIT, f"nothing in flight (peak {peak}, hard {hard})")
+    if estimate.peak_bytes > limits.hard_bytes:
+        return AdmitDecision(
+            AdmitAction.DEFER, f"peak {peak} > hard {hard} with {num_in_flight} in flight"
+        )
+    return AdmitDecision(AdmitAction.ADMIT, f"peak {peak} <= hard {hard}")
+
+
+def gate(
+    dims: ModelDims,
+    fresh_reading: MemoryReading,
+    *,
+    chunk_tokens: int,
+    num_cached_tokens: int,
+    limits: Limits,
+    others_in_flight: bool,
+) -> bool:
+    """True when the next prefill chunk may run; False to end the request before the forward.
+
+    ``num_cached_tokens`` is everything already in this request's cache
+    (prefix hit + earlier chunks). Chunk peak = resident + chunk KV + chunk
+    attention + margin. While others are in flight their recent peak (+ margin)
+    may recur, so it is a floor; alone, the recent peak is stale and ignored.
+    """
+    _positive(chunk_tokens, "chunk_tokens")
+    attention = attention_transient_bytes(
+        dims, chunk_tokens=chunk_tokens, num_context_tokens=num_cached_tokens + chunk_tokens
+    )
+    peak = fresh_reading.resident_bytes + dims.kv_bytes_per_token * chunk_tokens + attention
+    if others_in_flight:
+        peak = max(peak, fresh_reading.recent_peak_bytes)
+    return peak + limits.transient_margin_bytes <= limits.hard_bytes
