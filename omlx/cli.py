@@ -46,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-tokens", type=int)
     serve.add_argument("--default-model")
     serve.add_argument(
+        "--max-process-memory",
+        metavar="SIZE",
+        help='hard memory ceiling: "auto", "NN%%" of RAM or e.g. "24GB"',
+    )
+    serve.add_argument("--prefill-transient-margin", metavar="SIZE")
+    serve.add_argument(
         "--no-install-default",
         action="store_true",
         help="do not import the built-in model when no model is found",
@@ -82,6 +88,8 @@ _SERVE_FLAGS = {
     "prefill_step_size": ("scheduler", "prefill_step_size"),
     "max_context_window": ("generation", "max_context_window"),
     "max_tokens": ("generation", "max_tokens"),
+    "max_process_memory": ("memory", "max_process_memory"),
+    "prefill_transient_margin": ("memory", "prefill_transient_margin"),
 }
 
 

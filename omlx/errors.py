@@ -21,6 +21,10 @@ class OmlxError(Exception):
     def headers(self) -> dict[str, str]:
         return {}
 
+    def extra_fields(self) -> dict[str, object]:
+        """Fields added to the error object next to message/type/param/code."""
+        return {}
+
 
 class InvalidRequestError(OmlxError):
     http_status = 400
@@ -30,6 +34,20 @@ class InvalidRequestError(OmlxError):
 
 class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
+
+
+class PrefillMemoryExceededError(InvalidRequestError):
+    """A prompt whose prefill can never fit under the memory ceiling."""
+
+    code = "prefill_memory_exceeded"
+
+    def __init__(self, message: str, *, estimated_bytes: int, limit_bytes: int):
+        super().__init__(message, param="messages")
+        self.estimated_bytes = estimated_bytes
+        self.limit_bytes = limit_bytes
+
+    def extra_fields(self) -> dict[str, object]:
+        return {"estimated_bytes": self.estimated_bytes, "limit_bytes": self.limit_bytes}
 
 
 class AuthenticationError(OmlxError):

@@ -14,7 +14,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -67,6 +74,36 @@ class GenerationSettings(_Group):
     max_tokens: int = Field(4096, ge=1)
 
 
+def _check_size(value: str | int, field: str, *, allow_auto: bool) -> str | int:
+    from omlx.sizes import parse_byte_size
+
+    if allow_auto and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    # Percentages are checked against a stand-in total; the real RAM is applied at start.
+    parse_byte_size(value, total_bytes=1 << 40, field=field)
+    return value
+
+
+class MemorySettings(_Group):
+    # The hard ceiling itself: "auto" (RAM minus a reserve that grows with RAM),
+    # "NN%" of RAM, or a size such as "24GB".
+    max_process_memory: str | int = "auto"
+    soft_fraction: float = Field(0.85, gt=0.0, le=1.0)
+    # Room for transients no estimate models (seed 000 measured GBs on big MoE models).
+    prefill_transient_margin: str | int = "1GB"
+    poll_interval_s: float = Field(1.0, gt=0.0, le=60.0)
+
+    @field_validator("max_process_memory")
+    @classmethod
+    def _ceiling(cls, value: str | int) -> str | int:
+        return _check_size(value, "max_process_memory", allow_auto=True)
+
+    @field_validator("prefill_transient_margin")
+    @classmethod
+    def _margin(cls, value: str | int) -> str | int:
+        return _check_size(value, "prefill_transient_margin", allow_auto=False)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -81,6 +118,7 @@ class Settings(BaseSettings):
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
+    memory: MemorySettings = Field(default_factory=MemorySettings)
 
     @model_validator(mode="after")
     def _expand_paths(self) -> Settings:

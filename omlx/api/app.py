@@ -50,9 +50,16 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:
         state: ServerState = request.app.state.omlx
+        reading = state.pool.probe.reading()
+        limits = state.pool.limits
         return {
             "status": "ok",
             "version": __version__,
+            "memory": {
+                "limit_bytes": limits.hard_bytes,
+                "soft_limit_bytes": limits.soft_bytes,
+                "current_bytes": reading.resident_bytes,
+            },
             "loaded_models": [
                 {
                     "name": e.name,

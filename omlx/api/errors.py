@@ -32,7 +32,9 @@ def error_body(
 
 
 def omlx_error_body(exc: OmlxError) -> dict[str, Any]:
-    return error_body(exc.message, exc.error_type, exc.code, exc.param)
+    body = error_body(exc.message, exc.error_type, exc.code, exc.param)
+    body["error"].update(exc.extra_fields())
+    return body
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str:

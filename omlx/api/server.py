@@ -20,7 +20,11 @@ class Server:
         self.settings = settings
         self.worker = MLXWorker()
         self.pool = EnginePool(
-            settings.model_dirs, settings.scheduler, settings.generation, self.worker
+            settings.model_dirs,
+            settings.scheduler,
+            settings.generation,
+            self.worker,
+            settings.memory,
         )
         self.app = create_app(settings, self.pool)
         config = uvicorn.Config(

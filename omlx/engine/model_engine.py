@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
 from omlx.errors import EngineError, OmlxError, QueueFullError, ServiceUnavailableError
+from omlx.memory.guard import MemoryGuard
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
 
@@ -53,11 +54,13 @@ class ModelEngine:
         worker: Poster,
         *,
         context_window: int,
+        guard: MemoryGuard,
     ):
         self.loaded = loaded
         self.name = loaded.info.name
         self.tokenizer = loaded.tokenizer
         self.context_window = context_window
+        self.guard = guard
         self._runner = runner
         self._scheduler = scheduler
         self._worker = worker
@@ -93,7 +96,9 @@ class ModelEngine:
         return self._num_in_flight
 
     def submit(self, request: Request, stream: RequestStream) -> None:
-        """Queue a request; raises QueueFullError when the engine is at capacity."""
+        """Queue a request. Raises PrefillMemoryExceededError for a prompt that can
+        never fit under the memory limit, QueueFullError when at capacity."""
+        self.guard.check_prefill(request.num_prompt_tokens)
         with self._lock:
             if self._num_in_flight >= self._scheduler.capacity:
                 raise QueueFullError(

@@ -10,10 +10,14 @@ from omlx.engine.model_engine import ModelEngine
 from omlx.engine.runner import BatchRunner
 from omlx.engine.worker import MLXWorker
 from omlx.errors import ModelNotFoundError
+from omlx.memory.budget import guard_dims
+from omlx.memory.guard import MemoryGuard, memory_limits
+from omlx.memory.probe import MemoryProbe, total_ram_bytes
 from omlx.models.discovery import ModelInfo, discover_models
 from omlx.models.loader import LoadedModel, load_model
 from omlx.scheduler import Scheduler
-from omlx.settings import GenerationSettings, SchedulerSettings
+from omlx.settings import GenerationSettings, MemorySettings, SchedulerSettings
+from omlx.sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +29,24 @@ class EnginePool:
         scheduler: SchedulerSettings,
         generation: GenerationSettings,
         worker: MLXWorker,
+        memory: MemorySettings | None = None,
     ):
         self.model_dirs = model_dirs
         self._scheduler_settings = scheduler
         self._generation = generation
         self._worker = worker
+        memory = memory or MemorySettings()
+        ram = total_ram_bytes()
+        self.limits = memory_limits(memory, ram)
+        self.probe = MemoryProbe(memory.poll_interval_s)
+        log.info(
+            "memguard: hard limit %s (max_process_memory=%s, RAM %s), soft %s, transient margin %s",
+            format_bytes(self.limits.hard_bytes),
+            memory.max_process_memory,
+            format_bytes(ram),
+            format_bytes(self.limits.soft_bytes),
+            format_bytes(self.limits.transient_margin_bytes),
+        )
         self._engines: dict[str, ModelEngine] = {}
         self._load_locks: dict[str, asyncio.Lock] = {}
 
@@ -80,7 +97,20 @@ class EnginePool:
         window = self._generation.max_context_window
         if loaded.native_context:
             window = min(window, loaded.native_context)
-        return ModelEngine(loaded, runner, scheduler, self._worker, context_window=window)
+        dims = guard_dims(
+            loaded.config, kv_dtype_bytes=_activation_bytes(loaded.model), model=loaded.info.name
+        )
+        guard = MemoryGuard(
+            loaded.info.name,
+            dims,
+            limits=self.limits,
+            baseline_bytes=self.probe.reading(fresh=True).resident_bytes,
+            chunk_tokens=sched.prefill_step_size,
+        )
+        log.info(guard.describe())
+        return ModelEngine(
+            loaded, runner, scheduler, self._worker, context_window=window, guard=guard
+        )
 
     async def close(self) -> None:
         """Abort all work and unload every model."""
@@ -93,3 +123,14 @@ class EnginePool:
     def _unload_on_worker(self, engine: ModelEngine) -> None:
         self._worker.detach(engine)
         engine.shutdown()
+
+
+def _activation_bytes(model: object) -> int:
+    """Bytes per element of the model's floating parameters (the KV cache dtype)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    for _, param in tree_flatten(model.parameters()):  # type: ignore[attr-defined]
+        if mx.issubdtype(param.dtype, mx.floating):
+            return int(param.dtype.size)
+    return 2

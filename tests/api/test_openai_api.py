@@ -290,3 +290,26 @@ def test_completions_echo_prefixes_the_prompt(client: openai.OpenAI) -> None:
         c.choices[0].text for c in client.completions.create(echo=True, stream=True, **kw)
     )
     assert streamed == echoed
+
+
+def test_a_prompt_over_the_memory_limit_is_400_with_the_numbers(
+    client: openai.OpenAI, server: Server
+) -> None:
+    import dataclasses
+
+    chat(client, max_tokens=1)  # loaded
+    engine = next(e for e in server.pool.loaded() if e.name == MODEL)
+    guard = engine.guard
+    before = guard.limits
+    ceiling = guard.baseline_bytes + before.transient_margin_bytes + 2**20
+    guard.publish(dataclasses.replace(before, hard_bytes=ceiling))
+    try:
+        with pytest.raises(openai.BadRequestError) as info:
+            chat(client, [{"role": "user", "content": "the cache " * 1200}])
+        err = info.value.response.json()["error"]
+        assert err["code"] == "prefill_memory_exceeded" and err["type"] == "invalid_request_error"
+        assert err["limit_bytes"] == ceiling and err["estimated_bytes"] > ceiling
+        assert "memory limit" in err["message"]
+        assert chat(client, max_tokens=2).choices[0].finish_reason == "length"
+    finally:
+        guard.publish(before)

@@ -110,3 +110,11 @@ def test_import_gguf_command_makes_a_listed_model(tmp_path: Path) -> None:
     bad.write_bytes(b"definitely not a gguf file")
     refused = omlx("models", "import-gguf", str(bad), base=tmp_path)
     assert refused.returncode == 1 and "GGUF" in refused.stderr
+
+
+def test_invalid_memory_settings_fail_at_start_naming_the_field(tmp_path: Path) -> None:
+    bad = omlx("serve", "--max-process-memory", "lots", base=tmp_path)
+    assert bad.returncode == 2 and "max_process_memory" in bad.stderr
+    too_big = omlx("serve", "--max-process-memory", "1000TB", "--no-install-default", base=tmp_path)
+    assert too_big.returncode == 2 and "max_process_memory" in too_big.stderr
+    assert "Traceback" not in bad.stderr + too_big.stderr

@@ -1,0 +1,85 @@
+"""One model's memory guard: the front-door preflight every engine path runs.
+
+Limits are published as one immutable object (a reference swap), so a model
+loaded after start is guarded as soon as it has a guard.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from omlx.errors import PrefillMemoryExceededError, SettingsError
+from omlx.memory.budget import (
+    Limits,
+    ModelDims,
+    PrefillMemoryExceeded,
+    preflight,
+    resolve_limits,
+)
+from omlx.settings import MemorySettings
+from omlx.sizes import format_bytes, parse_byte_size
+
+log = logging.getLogger(__name__)
+
+
+def memory_limits(settings: MemorySettings, total_ram_bytes: int) -> Limits:
+    """The hard/soft limits from settings; SettingsError naming the field if invalid."""
+    try:
+        margin = parse_byte_size(
+            settings.prefill_transient_margin, field="memory.prefill_transient_margin"
+        )
+        return resolve_limits(
+            settings.max_process_memory,
+            total_ram_bytes=total_ram_bytes,
+            soft_fraction=settings.soft_fraction,
+            transient_margin_bytes=margin,
+        )
+    except ValueError as exc:
+        raise SettingsError(f"invalid memory setting: {exc}") from None
+
+
+class MemoryGuard:
+    def __init__(
+        self, model: str, dims: ModelDims, *, limits: Limits, baseline_bytes: int, chunk_tokens: int
+    ):
+        self.model = model
+        self.dims = dims
+        self.limits = limits
+        # Process memory with this model loaded and nothing in flight.
+        self.baseline_bytes = baseline_bytes
+        self.chunk_tokens = chunk_tokens
+
+    def publish(self, limits: Limits) -> None:
+        self.limits = limits
+
+    def check_prefill(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> None:
+        """Raise PrefillMemoryExceededError (HTTP 400) for a prompt that cannot fit
+        under the hard limit even with nothing else in flight."""
+        try:
+            preflight(
+                self.dims,
+                baseline_bytes=self.baseline_bytes,
+                num_new_tokens=num_prompt_tokens - num_cached_tokens,
+                num_cached_tokens=num_cached_tokens,
+                chunk_tokens=self.chunk_tokens,
+                limits=self.limits,
+            )
+        except PrefillMemoryExceeded as exc:
+            raise PrefillMemoryExceededError(
+                f"this prompt ({num_prompt_tokens} tokens) needs about "
+                f"{format_bytes(exc.estimated_bytes)} at its prefill peak, over the "
+                f"{format_bytes(exc.limit_bytes)} memory limit; {exc.hint}",
+                estimated_bytes=exc.estimated_bytes,
+                limit_bytes=exc.limit_bytes,
+            ) from None
+
+    def describe(self) -> str:
+        d, lim = self.dims, self.limits
+        return (
+            f"memguard {self.model}: hard {format_bytes(lim.hard_bytes)}, soft "
+            f"{format_bytes(lim.soft_bytes)}, margin "
+            f"{format_bytes(lim.transient_margin_bytes)}, baseline "
+            f"{format_bytes(self.baseline_bytes)}; dims layers={d.num_layers} "
+            f"kv_heads={d.num_kv_heads} head_dim={d.head_dim} heads={d.num_attention_heads}"
+            f", KV {d.kv_bytes_per_token} B/token, prefill chunk {self.chunk_tokens}"
+        )
