@@ -15,7 +15,13 @@ from typing import Any, Protocol
 
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
-from omlx.errors import EngineError, OmlxError, QueueFullError, ServiceUnavailableError
+from omlx.errors import (
+    EngineError,
+    InvalidRequestError,
+    OmlxError,
+    QueueFullError,
+    ServiceUnavailableError,
+)
 from omlx.memory.guard import MemoryGuard
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
@@ -226,8 +232,6 @@ def _hf_tokenizer(tokenizer: Any) -> Any:
     """A transformers fast tokenizer cloned from the public backend (xgrammar needs one)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
-
-    from omlx.errors import InvalidRequestError
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if not isinstance(backend, Tokenizer):

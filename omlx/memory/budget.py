@@ -137,12 +137,11 @@ def conservative_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int) -> Mode
 def guard_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int, model: str) -> ModelDims:
     """The dimensions the guard uses for ``model``: resolved, or the conservative fallback.
 
-    Logs the outcome every time (INFO when resolved, WARNING on fallback), so a
-    guard running on guessed numbers is never silent.
+    Warns on fallback, so a guard running on guessed numbers is never silent (the
+    resolved state, dims included, is logged once by the guard that uses them).
     """
     dims = model_dims(config, kv_dtype_bytes=kv_dtype_bytes)
     if dims is not None:
-        logger.info("memguard %s: dims %s", model, dims)
         return dims
     dims = conservative_dims(config, kv_dtype_bytes=kv_dtype_bytes)
     logger.warning("memguard %s: config dims unresolved, conservative fallback %s", model, dims)

@@ -92,6 +92,14 @@ def test_constrained_and_free_requests_batch_without_mixing(client: openai.OpenA
     assert re.fullmatch(r"[0-9]{2,6}", solo[2][0])
 
 
+def _delta(sse_line: str) -> str:
+    """The content of one chat-stream SSE line ("" for keep-alives, [DONE], usage)."""
+    if not sse_line.startswith("data: {"):
+        return ""
+    choices = json.loads(sse_line[6:])["choices"]
+    return (choices[0]["delta"].get("content") or "") if choices else ""
+
+
 def test_a_constrained_request_keeps_its_grammar_when_others_join(
     client: openai.OpenAI, server: Server
 ) -> None:
@@ -110,20 +118,12 @@ def test_a_constrained_request_keeps_its_grammar_when_others_join(
     ) as resp:
         lines = resp.iter_lines()
         for line in lines:  # decode alone (unbatched) for a few tokens
-            if line.startswith("data: {"):
-                text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-                if len(text) >= 4:
-                    break
+            text += _delta(line)
+            if len(text) >= 4:
+                break
         with ThreadPoolExecutor(3) as pool:  # others join: it moves into the batch
             others = [pool.submit(ask, client, max_tokens=20) for _ in range(3)]
-            for line in lines:
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    text += (
-                        chunk["choices"][0]["delta"].get("content") or ""
-                        if chunk["choices"]
-                        else ""
-                    )
+            text += "".join(_delta(line) for line in lines)
             [f.result() for f in others]
     assert text == expected[0]
 
