@@ -104,6 +104,30 @@ class MemorySettings(_Group):
         return _check_size(value, "prefill_transient_margin", allow_auto=False)
 
 
+class CacheSettings(_Group):
+    enabled: bool = True
+    # Tokens per block; only full blocks are shared (plus a prompt's partial tail).
+    block_size: int = Field(256, ge=16, le=8192)
+    # RAM tier shared by all loaded models: bytes ("4GB") or "NN%" of RAM.
+    hot_cache_max_size: str | int = "10%"
+    hot_cache_mode: Literal["write-back", "write-through", "hot-only"] = "write-back"
+    # Empty means ``<base>/cache``.
+    ssd_cache_dir: Path | None = None
+    # Bytes, or "auto": ``ssd_auto_fraction`` of the disk space the cache could use.
+    ssd_cache_max_size: str | int = "auto"
+    ssd_auto_fraction: float = Field(0.1, gt=0.0, le=0.9)
+
+    @field_validator("hot_cache_max_size")
+    @classmethod
+    def _hot(cls, value: str | int) -> str | int:
+        return _check_size(value, "hot_cache_max_size", allow_auto=False)
+
+    @field_validator("ssd_cache_max_size")
+    @classmethod
+    def _ssd(cls, value: str | int) -> str | int:
+        return _check_size(value, "ssd_cache_max_size", allow_auto=True)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -119,6 +143,7 @@ class Settings(BaseSettings):
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     memory: MemorySettings = Field(default_factory=MemorySettings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
 
     @model_validator(mode="after")
     def _expand_paths(self) -> Settings:
@@ -133,6 +158,10 @@ class Settings(BaseSettings):
     @property
     def settings_path(self) -> Path:
         return self.base_path / SETTINGS_FILE
+
+    @property
+    def cache_dir(self) -> Path:
+        return (self.cache.ssd_cache_dir or self.base_path / "cache").expanduser()
 
     @property
     def log_dir(self) -> Path:

@@ -17,18 +17,26 @@ class Choice:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
 
     def add(self, event: StreamEvent) -> None:
         self.text += event.text
         self.finish_reason = event.finish_reason or self.finish_reason
         self.num_prompt_tokens = event.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens = event.num_output_tokens or self.num_output_tokens
+        self.num_cached_tokens = event.num_cached_tokens or self.num_cached_tokens
 
 
-def usage_of(choices: list[Choice]) -> dict[str, int]:
+def usage_of(choices: list[Choice]) -> dict[str, Any]:
     prompt = sum(c.num_prompt_tokens for c in choices)
     output = sum(c.num_output_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
+    cached = sum(c.num_cached_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": output,
+        "total_tokens": prompt + output,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 class _Format:

@@ -19,13 +19,7 @@ class Server:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.worker = MLXWorker()
-        self.pool = EnginePool(
-            settings.model_dirs,
-            settings.scheduler,
-            settings.generation,
-            self.worker,
-            settings.memory,
-        )
+        self.pool = EnginePool(settings, self.worker)
         self.app = create_app(settings, self.pool)
         config = uvicorn.Config(
             self.app,

@@ -13,6 +13,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from omlx.cache.prefix import PrefixCache
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
 from omlx.errors import (
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 class Runner(Protocol):
     @property
     def has_work(self) -> bool: ...
-    def add(self, requests: list[Request]) -> None: ...
+    def add(self, requests: list[Request]) -> dict[str, int]: ...
     def remove(self, request_ids: list[str]) -> None: ...
     def step(self) -> list[TokenOutput]: ...
     def reset(self) -> None: ...
@@ -49,6 +50,7 @@ class _Live:
     stream: RequestStream
     detok: IncrementalDetokenizer
     stops: StopStringMatcher
+    num_cached_tokens: int = 0
 
 
 class ModelEngine:
@@ -61,12 +63,14 @@ class ModelEngine:
         *,
         context_window: int,
         guard: MemoryGuard,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.loaded = loaded
         self.name = loaded.info.name
         self.tokenizer = loaded.tokenizer
         self.context_window = context_window
         self.guard = guard
+        self.prefix_cache = prefix_cache
         self._runner = runner
         self._scheduler = scheduler
         self._worker = worker
@@ -147,7 +151,9 @@ class ModelEngine:
         """Admit, run one batched step, turn tokens into stream events."""
         outbox: list[tuple[RequestStream, StreamEvent]] = []
         try:
-            self._runner.add(self._scheduler.schedule())
+            cached = self._runner.add(self._scheduler.schedule())
+            for rid, num in cached.items():
+                self._live[rid].num_cached_tokens = num
             outputs = self._runner.step()
         except Exception as exc:  # an MLX failure: fail what is running, keep serving
             log.exception("engine step failed for %s", self.name)
@@ -184,6 +190,7 @@ class ModelEngine:
                         text=text,
                         num_prompt_tokens=live.request.num_prompt_tokens,
                         num_output_tokens=update.num_output_tokens,
+                        num_cached_tokens=live.num_cached_tokens,
                         finish_reason=status.finish_reason,
                     ),
                 )

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import shutil
 from pathlib import Path
+from typing import Literal
 
+from omlx.cache.hot import HotTier
+from omlx.cache.kv_codec import layer_layout
+from omlx.cache.prefix import PrefixCache, model_identity
+from omlx.cache.ssd import SSDStore
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.runner import BatchRunner
 from omlx.engine.worker import MLXWorker
@@ -16,26 +23,18 @@ from omlx.memory.probe import MemoryProbe, total_ram_bytes
 from omlx.models.discovery import ModelInfo, discover_models
 from omlx.models.loader import LoadedModel, load_model
 from omlx.scheduler import Scheduler
-from omlx.settings import GenerationSettings, MemorySettings, SchedulerSettings
-from omlx.sizes import format_bytes
+from omlx.settings import Settings
+from omlx.sizes import format_bytes, parse_byte_size
 
 log = logging.getLogger(__name__)
 
 
 class EnginePool:
-    def __init__(
-        self,
-        model_dirs: list[Path],
-        scheduler: SchedulerSettings,
-        generation: GenerationSettings,
-        worker: MLXWorker,
-        memory: MemorySettings | None = None,
-    ):
-        self.model_dirs = model_dirs
-        self._scheduler_settings = scheduler
-        self._generation = generation
+    def __init__(self, settings: Settings, worker: MLXWorker):
+        self.settings = settings
+        self.model_dirs = settings.model_dirs
         self._worker = worker
-        memory = memory or MemorySettings()
+        memory = settings.memory
         ram = total_ram_bytes()
         self.limits = memory_limits(memory, ram)
         self.probe = MemoryProbe(memory.poll_interval_s)
@@ -49,6 +48,7 @@ class EnginePool:
         )
         self._engines: dict[str, ModelEngine] = {}
         self._load_locks: dict[str, asyncio.Lock] = {}
+        self.hot_cache = _make_hot_tier(settings, ram)
 
     def available(self) -> dict[str, ModelInfo]:
         """Re-scan the model dirs (cheap: a few stat calls per folder)."""
@@ -86,15 +86,17 @@ class EnginePool:
         return engine
 
     def _make_engine(self, loaded: LoadedModel) -> ModelEngine:
-        sched = self._scheduler_settings
+        sched = self.settings.scheduler
+        prefix = self._make_prefix_cache(loaded)
         runner = BatchRunner(
             loaded.model,
             max_batch_size=sched.max_concurrent_requests,
             prefill_step_size=sched.prefill_step_size,
             stream=self._worker.stream,
+            prefix_cache=prefix,
         )
         scheduler = Scheduler(sched.max_concurrent_requests, sched.max_queued_requests)
-        window = self._generation.max_context_window
+        window = self.settings.generation.max_context_window
         if loaded.native_context:
             window = min(window, loaded.native_context)
         dims = guard_dims(
@@ -109,8 +111,50 @@ class EnginePool:
         )
         log.info(guard.describe())
         return ModelEngine(
-            loaded, runner, scheduler, self._worker, context_window=window, guard=guard
+            loaded,
+            runner,
+            scheduler,
+            self._worker,
+            context_window=window,
+            guard=guard,
+            prefix_cache=prefix,
         )
+
+    def _make_prefix_cache(self, loaded: LoadedModel) -> PrefixCache | None:
+        """MLX thread. None when the cache is off or the model's layers cannot be cached."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cfg = self.settings.cache
+        if self.hot_cache is None:
+            return None
+        name = loaded.info.name
+        layout = layer_layout(make_prompt_cache(loaded.model))
+        if layout is None:
+            kinds = sorted({type(c).__name__ for c in make_prompt_cache(loaded.model)})
+            log.warning("prefix cache off for %s: cache types %s are not supported", name, kinds)
+            return None
+        identity = model_identity(name, loaded.info.path)
+        ssd = None
+        if cfg.hot_cache_mode != "hot-only":
+            directory = self.settings.cache_dir / _safe_dir_name(name)
+            ssd = SSDStore(
+                directory,
+                model_identity=identity,
+                layer_layout=layout,
+                block_size=cfg.block_size,
+                max_size_bytes=_ssd_budget(cfg.ssd_cache_max_size, directory),
+                auto_fraction=cfg.ssd_auto_fraction,
+            )
+        prefix = PrefixCache(identity, layout, cfg.block_size, self.hot_cache, ssd)
+        log.info(
+            "prefix cache for %s: %s, block %d tokens, %s%s",
+            name,
+            identity,
+            cfg.block_size,
+            "sliceable KV" if prefix.sliceable else "boundary snapshots (recurrent layers)",
+            f", SSD {ssd.cache_dir} ({len(ssd.keys())} blocks)" if ssd else ", RAM only",
+        )
+        return prefix
 
     async def close(self) -> None:
         """Abort all work and unload every model."""
@@ -123,6 +167,8 @@ class EnginePool:
     def _unload_on_worker(self, engine: ModelEngine) -> None:
         self._worker.detach(engine)
         engine.shutdown()
+        if engine.prefix_cache is not None:
+            engine.prefix_cache.close()
 
 
 def _activation_bytes(model: object) -> int:
@@ -134,3 +180,32 @@ def _activation_bytes(model: object) -> int:
         if mx.issubdtype(param.dtype, mx.floating):
             return int(param.dtype.size)
     return 2
+
+
+def _make_hot_tier(settings: Settings, ram_bytes: int) -> HotTier | None:
+    cfg = settings.cache
+    if not cfg.enabled:
+        log.info("prefix cache disabled (cache.enabled=false)")
+        return None
+    budget = parse_byte_size(
+        cfg.hot_cache_max_size, total_bytes=ram_bytes, field="cache.hot_cache_max_size"
+    )
+    log.info(
+        "prefix cache: RAM tier %s (%s), SSD tier %s",
+        format_bytes(budget),
+        cfg.hot_cache_mode,
+        "off" if cfg.hot_cache_mode == "hot-only" else settings.cache_dir,
+    )
+    return HotTier(budget, mode=cfg.hot_cache_mode)
+
+
+def _ssd_budget(value: str | int, directory: Path) -> int | Literal["auto"]:
+    if value == "auto":
+        return "auto"
+    directory.mkdir(parents=True, exist_ok=True)
+    total = shutil.disk_usage(directory).total
+    return parse_byte_size(value, total_bytes=total, field="cache.ssd_cache_max_size")
+
+
+def _safe_dir_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"

@@ -6,12 +6,15 @@ decides those and the engine removes finished requests.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
@@ -20,8 +23,11 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
+from omlx.cache.prefix import CacheHit, PrefixCache
 from omlx.engine.solo import SoloSequence
 from omlx.scheduler import Request, SamplingParams, TokenOutput
+
+log = logging.getLogger(__name__)
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -67,10 +73,20 @@ def make_request_processors(request: Request) -> list[Any]:
 
 
 class BatchRunner:
+    """``prefix_cache``: look prompts up before prefill; store a request's blocks
+    once its prompt is in the cache and again when it leaves."""
+
     def __init__(
-        self, model: Any, *, max_batch_size: int, prefill_step_size: int, stream: mx.Stream
+        self,
+        model: Any,
+        *,
+        max_batch_size: int,
+        prefill_step_size: int,
+        stream: mx.Stream,
+        prefix_cache: PrefixCache | None = None,
     ):
         self._model = model
+        self._prefix = prefix_cache
         self._options = dict(
             completion_batch_size=max_batch_size,
             prefill_batch_size=max_batch_size,
@@ -86,23 +102,49 @@ class BatchRunner:
         self._solo_request: Request | None = None
         # Tokens sampled by a solo sequence just before it joined the batch.
         self._unreported: list[TokenOutput] = []
+        # Prompt + produced tokens of each request (what its cache holds), for storing.
+        self._tokens: dict[str, list[int]] = {}
+        self._prompt_len: dict[str, int] = {}
+        # Cache stores run at the start of the next step, after the events of
+        # this one went out (never on a request's time to first token).
+        self._deferred: list[Callable[[], None]] = []
 
     @property
     def has_work(self) -> bool:
-        return bool(self._uid_to_rid or self._solo or self._unreported)
+        return bool(self._uid_to_rid or self._solo or self._unreported or self._deferred)
 
-    def add(self, requests: Iterable[Request]) -> None:
+    def add(self, requests: Iterable[Request]) -> dict[str, int]:
+        """Start requests; returns the prompt tokens each got from the prefix cache."""
         requests = list(requests)
         if not requests:
-            return
+            return {}
+        hits = {r.request_id: self._lookup(r) for r in requests}
+        if self._prefix is not None:
+            for r in requests:
+                self._tokens[r.request_id] = list(r.prompt_ids)
+                self._prompt_len[r.request_id] = len(r.prompt_ids)
         if len(requests) == 1 and self._solo is None and not self._uid_to_rid:
-            self._start_solo(requests[0])
-            return
-        if self._solo is not None:
-            self._solo_to_batch()
-        self._insert(requests, [[list(r.prompt_ids)] for r in requests])
+            self._start_solo(requests[0], hits[requests[0].request_id])
+        else:
+            if self._solo is not None:
+                self._solo_to_batch()
+            self._insert(requests, [hits[r.request_id] for r in requests])
+        return {rid: hit.num_tokens for rid, hit in hits.items() if hit is not None}
 
-    def _start_solo(self, request: Request) -> None:
+    def _lookup(self, request: Request) -> CacheHit | None:
+        if self._prefix is None:
+            return None
+        return self._prefix.lookup(request.prompt_ids, make_prompt_cache(self._model))
+
+    def _start_solo(self, request: Request, hit: CacheHit | None) -> None:
+        prefix = self._prefix
+        hook = None
+        if prefix is not None and prefix.needs_snapshots:
+            rid = request.request_id
+
+            def hook(position: int, layers: list[Any]) -> None:
+                prefix.snapshot(rid, position, layers)
+
         self._solo_request = request
         self._solo = SoloSequence(
             self._model,
@@ -111,6 +153,10 @@ class BatchRunner:
             make_request_sampler(request.sampling),
             make_request_processors(request),
             self._prefill_step_size,
+            cache=hit.layers if hit else None,
+            num_cached=hit.num_tokens if hit else 0,
+            block_size=prefix.block_size if prefix is not None else 0,
+            on_boundary=hook,
         )
 
     def _solo_to_batch(self) -> None:
@@ -131,10 +177,18 @@ class BatchRunner:
         )
         self._track(uids, [request])
 
-    def _insert(self, requests: list[Request], segments: list[list[list[int]]]) -> None:
+    def _insert(self, requests: list[Request], hits: list[CacheHit | None]) -> None:
+        segments, caches, contexts = [], [], []
+        for request, hit in zip(requests, hits, strict=True):
+            done = hit.num_tokens if hit is not None else 0
+            segments.append([list(request.prompt_ids[done:])])
+            caches.append(hit.layers if hit is not None else None)
+            contexts.append(list(request.prompt_ids[:done]))
         uids = self._gen.insert_segments(
             segments,
             max_tokens=[r.sampling.max_tokens for r in requests],
+            caches=caches,
+            all_tokens=contexts,
             samplers=[make_request_sampler(r.sampling) for r in requests],
             logits_processors=[make_request_processors(r) for r in requests],
             stop_sequences=[_NO_STOPS] * len(requests),
@@ -147,18 +201,42 @@ class BatchRunner:
             self._rid_to_uid[request.request_id] = uid
 
     def remove(self, request_ids: Iterable[str]) -> None:
+        """Take requests out (finished or aborted); their blocks go to the prefix cache."""
         request_ids = set(request_ids)
+        leaving: dict[str, tuple[list[Any], int] | None] = dict.fromkeys(request_ids)
         if self._solo is not None and self._solo.request_id in request_ids:
+            solo = self._solo
             self._solo = self._solo_request = None
+            leaving[solo.request_id] = (solo.cache, solo.num_cached)
         self._unreported = [t for t in self._unreported if t.request_id not in request_ids]
-        uids = [self._rid_to_uid.pop(rid) for rid in request_ids if rid in self._rid_to_uid]
-        for uid in uids:
+        gone = {self._rid_to_uid.pop(rid): rid for rid in request_ids if rid in self._rid_to_uid}
+        for uid in gone:
             del self._uid_to_rid[uid]
-        if uids:
-            self._gen.remove(uids)
+        if gone:
+            caches = self._gen.remove(list(gone), return_prompt_caches=self._prefix is not None)
+            for uid, (layers, _) in caches.items():
+                leaving[gone[uid]] = (layers, _cache_length(layers))
+        for rid, held in leaving.items():
+            tokens = self._tokens.pop(rid, None)
+            self._prompt_len.pop(rid, None)
+            if self._prefix is not None:
+                self._deferred.append(partial(self._store_and_forget, rid, tokens, held))
+
+    def _store_and_forget(
+        self, request_id: str, tokens: list[int] | None, held: tuple[list[Any], int] | None
+    ) -> None:
+        assert self._prefix is not None
+        try:
+            if tokens is not None and held is not None:
+                layers, num_cached = held
+                num = min(num_cached, len(tokens)) if num_cached >= 0 else len(tokens)
+                self._prefix.store(request_id, tokens, layers, num, tail=False)
+        finally:
+            self._prefix.forget(request_id)
 
     def step(self) -> list[TokenOutput]:
         """One decode step for running sequences plus one prefill chunk."""
+        self._run_deferred()
         outputs, self._unreported = self._unreported, []
         if self._solo is not None:
             token = self._solo.step()
@@ -171,10 +249,51 @@ class BatchRunner:
                 for r in generated
                 if r.uid in self._uid_to_rid
             )
+        if self._prefix is not None:
+            self._note_tokens(outputs)
         return outputs
+
+    # -- prefix cache ------------------------------------------------------
+
+    def _note_tokens(self, outputs: list[TokenOutput]) -> None:
+        """Record produced tokens; a request's first one means its prompt is cached."""
+        for out in outputs:
+            tokens = self._tokens.get(out.request_id)
+            if tokens is None:
+                continue
+            if len(tokens) == self._prompt_len.get(out.request_id):
+                self._deferred.append(partial(self._store_prompt, out.request_id, len(tokens)))
+            tokens.append(out.token_id)
+
+    def _run_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for fn in deferred:
+            try:
+                fn()
+            except Exception:  # the cache is an optimisation: never fail a request over it
+                log.exception("prefix cache store failed")
+
+    def _store_prompt(self, request_id: str, prompt_len: int) -> None:
+        """The request's prompt blocks, including the partial tail before its last token."""
+        layers = None
+        if self._solo is not None and self._solo.request_id == request_id:
+            layers = self._solo.cache
+        elif (uid := self._rid_to_uid.get(request_id)) is not None:
+            found = self._gen.extract_cache([uid]).get(uid)
+            layers = found[0] if found else None
+        tokens = self._tokens.get(request_id)
+        if layers is None or tokens is None or self._prefix is None:
+            return
+        self._prefix.store(request_id, tokens, layers, prompt_len - 1, tail=True)
 
     def reset(self) -> None:
         """Drop every sequence (after an MLX error left the batch unusable)."""
+        for rid in self._tokens:
+            if self._prefix is not None:
+                self._prefix.forget(rid)
+        self._tokens.clear()
+        self._prompt_len.clear()
+        self._deferred.clear()
         self._gen.close()
         self._gen = BatchGenerator(self._model, **self._options)
         self._uid_to_rid.clear()
@@ -183,4 +302,14 @@ class BatchRunner:
         self._unreported.clear()
 
     def close(self) -> None:
+        self._run_deferred()
         self._gen.close()
+
+
+def _cache_length(layers: list[Any]) -> int:
+    """Tokens held by an extracted cache (its KV layers' offset; -1 if it has none)."""
+    for layer in layers:
+        offset = getattr(layer, "offset", None)
+        if isinstance(offset, int):
+            return offset
+    return -1

@@ -36,7 +36,17 @@ class Handoff:
     processors: list[Any]
 
 
+# Called after a prefill chunk that ends on a block boundary (or at the last
+# prompt token before decoding): (tokens in the cache, the cache).
+BoundaryHook = Callable[[int, list[Any]], None]
+
+
 class SoloSequence:
+    """``cache``/``num_cached``: a prompt cache already holding the first
+    ``num_cached`` prompt tokens (a prefix-cache hit). With ``block_size`` and
+    ``on_boundary``, prefill chunks end on every block boundary and the hook
+    sees the cache there (for models whose state cannot be sliced later)."""
+
     def __init__(
         self,
         model: Any,
@@ -45,19 +55,37 @@ class SoloSequence:
         sampler: Callable[[mx.array], mx.array],
         processors: list[Any],
         prefill_step_size: int,
+        *,
+        cache: list[Any] | None = None,
+        num_cached: int = 0,
+        block_size: int = 0,
+        on_boundary: BoundaryHook | None = None,
     ):
         self.request_id = request_id
         self._model = model
         self._sampler = sampler
         self._processors = processors
         self._step_size = prefill_step_size
-        self._cache = make_prompt_cache(model)
-        self._cached: list[int] = []
-        self._prompt = list(prompt_ids)
+        self._cache = cache if cache is not None else make_prompt_cache(model)
+        self._cached: list[int] = list(prompt_ids[:num_cached])
+        self._prompt = list(prompt_ids[num_cached:])
+        self._block_size = block_size
+        self._on_boundary = on_boundary
         self._y: mx.array | None = None  # sampled, computing, not handed out yet
         # Everything fed so far, as a lazy array (only when processors need it).
-        self._context: mx.array | None = None
+        self._context: mx.array | None = (
+            mx.array(self._cached) if processors and self._cached else None
+        )
         self._num_steps = 0
+
+    @property
+    def cache(self) -> list[Any]:
+        return self._cache
+
+    @property
+    def num_cached(self) -> int:
+        """Tokens held by the cache (prompt, then output)."""
+        return len(self._cached)
 
     def step(self) -> int | None:
         """One prefill chunk (returns None) or one decode step (returns a token)."""
@@ -90,11 +118,19 @@ class SoloSequence:
 
     def _prefill_chunk(self) -> None:
         n = min(self._step_size, len(self._prompt) - 1)
+        pos = len(self._cached)
+        if self._on_boundary is not None and self._block_size:
+            n = min(n, (pos // self._block_size + 1) * self._block_size - pos)
         chunk, self._prompt = self._prompt[:n], self._prompt[n:]
         self._model(mx.array(chunk)[None], cache=self._cache)
         mx.eval([c.state for c in self._cache])
         self._cached.extend(chunk)
         self._remember(mx.array(chunk))
+        end = pos + n
+        if self._on_boundary is not None and (
+            end % self._block_size == 0 or len(self._prompt) == 1
+        ):
+            self._on_boundary(end, self._cache)
         mx.clear_cache()
 
     def _remember(self, fed: mx.array) -> None:

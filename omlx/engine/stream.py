@@ -16,6 +16,8 @@ class StreamEvent:
     text: str = ""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    # Prompt tokens served from the prefix cache.
+    num_cached_tokens: int = 0
     finish_reason: str | None = None
     error: OmlxError | None = None
 
@@ -64,6 +66,7 @@ def _merge(events: Sequence[StreamEvent]) -> StreamEvent:
         text="".join(e.text for e in events),
         num_prompt_tokens=last.num_prompt_tokens,
         num_output_tokens=last.num_output_tokens,
+        num_cached_tokens=last.num_cached_tokens,
         finish_reason=last.finish_reason,
         error=next((e.error for e in events if e.error is not None), None),
     )

@@ -8,18 +8,31 @@ import pytest
 
 from omlx.engine.pool import EnginePool
 from omlx.engine.worker import MLXWorker
-from omlx.settings import GenerationSettings, SchedulerSettings
+from omlx.settings import Settings
+
+
+def pool_settings(base: Path, model_dir: Path, cache: dict | None = None, **scheduler: int):
+    """Settings for a test pool: models from ``model_dir``, everything else under ``base``."""
+    return Settings(
+        base_path=base,
+        models={"model_dirs": [model_dir]},
+        scheduler=scheduler,
+        cache=cache or {"enabled": False},
+    )
 
 
 @pytest.fixture
-def make_pool(tiny_models_dir: Path) -> Iterator:
-    """Build an EnginePool on a running MLX worker; everything is torn down after."""
+def make_pool(tiny_models_dir: Path, tmp_path: Path) -> Iterator:
+    """Build an EnginePool on a running MLX worker; everything is torn down after.
+    The prefix cache is off unless ``cache`` settings are given."""
     made: list[tuple[EnginePool, MLXWorker]] = []
 
-    def make(model_dir: Path = tiny_models_dir, **scheduler: int) -> EnginePool:
+    def make(
+        model_dir: Path = tiny_models_dir, cache: dict | None = None, **scheduler: int
+    ) -> EnginePool:
         worker = MLXWorker()
         worker.start()
-        pool = EnginePool([model_dir], SchedulerSettings(**scheduler), GenerationSettings(), worker)
+        pool = EnginePool(pool_settings(tmp_path, model_dir, cache, **scheduler), worker)
         made.append((pool, worker))
         return pool
 

@@ -15,11 +15,12 @@ from omlx.engine.pool import EnginePool
 from omlx.engine.stream import RequestStream
 from omlx.engine.worker import MLXWorker
 from omlx.scheduler import Request, SamplingParams
-from omlx.settings import GenerationSettings, SchedulerSettings
+from omlx.settings import Settings
 
 worker = MLXWorker()
 worker.start()
-pool = EnginePool([Path(sys.argv[1])], SchedulerSettings(), GenerationSettings(), worker)
+settings = Settings(base_path=sys.argv[2], models={"model_dirs": [Path(sys.argv[1])]})
+pool = EnginePool(settings, worker)
 
 async def main():
     engine = await pool.get_engine("tiny-llama")
@@ -34,12 +35,12 @@ worker.stop()
 """
 
 
-def test_process_exits_cleanly_after_generating(tiny_models_dir: Path) -> None:
+def test_process_exits_cleanly_after_generating(tiny_models_dir: Path, tmp_path: Path) -> None:
     # The abort this guards against (a thread-local MLX cache torn down during
     # interpreter shutdown) was a race that hit most runs; four runs catch it.
     for _ in range(4):
         done = subprocess.run(
-            [sys.executable, "-c", SCRIPT, str(tiny_models_dir)],
+            [sys.executable, "-c", SCRIPT, str(tiny_models_dir), str(tmp_path)],
             cwd=ROOT,
             capture_output=True,
             text=True,

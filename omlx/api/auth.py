@@ -1,0 +1,249 @@
+"""Optional API key: header checks, admin sessions, bind safety, log redaction.
+
+With no key set everything is open; the bind check keeps that to loopback unless
+the user opts in. The key is always read through ``key_fn`` so a change made in
+the admin settings takes effect at once (and invalidates existing sessions).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request, Response
+
+from omlx.errors import AuthenticationError, InvalidRequestError, SettingsError
+
+log = logging.getLogger(__name__)
+
+SESSION_COOKIE = "omlx_session"
+DEFAULT_SESSION_TTL_S = 7 * 24 * 3600.0
+_HOW_TO_SEND = "send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+
+
+def _digest(secret: bytes) -> bytes:
+    return hashlib.sha256(secret).digest()
+
+
+@dataclass(slots=True)
+class _Session:
+    expires_at: float
+    key_digest: bytes
+
+
+class ApiKeyAuth:
+    """Checks requests against the current key; keeps admin sessions in memory."""
+
+    def __init__(
+        self,
+        key_fn: Callable[[], str | None],
+        session_ttl_s: float = DEFAULT_SESSION_TTL_S,
+        clock: Callable[[], float] = time.time,
+    ):
+        self._key_fn = key_fn
+        self.session_ttl_s = session_ttl_s
+        self._clock = clock
+        # Keyed by a digest of the token, so raw tokens are not kept around.
+        self._sessions: dict[bytes, _Session] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._key_fn())
+
+    def check_api(self, request: Request) -> None:
+        """Raise AuthenticationError unless auth is off or a header carries the key."""
+        if not self.enabled:
+            return
+        offered = _offered_keys(request)
+        if not offered:
+            raise AuthenticationError(f"missing API key; {_HOW_TO_SEND}")
+        if not any(self._matches(k) for k in offered):
+            raise AuthenticationError(f"invalid API key; {_HOW_TO_SEND}")
+
+    def check_admin(self, request: Request) -> None:
+        """Like check_api, but a valid ``omlx_session`` cookie is enough too."""
+        if not self.enabled:
+            return
+        token = request.cookies.get(SESSION_COOKIE)
+        if token and self._session_valid(token):
+            return
+        if any(self._matches(k) for k in _offered_keys(request)):
+            return
+        raise AuthenticationError(
+            f"admin requires the API key: log in, or {_HOW_TO_SEND}", code="admin_login_required"
+        )
+
+    def login(self, offered_key: str) -> str:
+        """A new session token if ``offered_key`` is the current key."""
+        key_digest = self._key_digest()
+        if key_digest is None or not hmac.compare_digest(_digest(offered_key.encode()), key_digest):
+            raise AuthenticationError("invalid API key")
+        token = secrets.token_urlsafe(32)
+        now = self._clock()
+        with self._lock:
+            self._drop_expired(now)
+            self._sessions[_digest(token.encode())] = _Session(now + self.session_ttl_s, key_digest)
+        return token
+
+    def logout(self, token: str) -> None:
+        with self._lock:
+            self._sessions.pop(_digest(token.encode()), None)
+
+    def _key_digest(self) -> bytes | None:
+        key = self._key_fn()
+        return _digest(key.encode()) if key else None
+
+    def _matches(self, offered: bytes) -> bool:
+        key_digest = self._key_digest()
+        # Digests have a fixed length, so the comparison does not leak the key's length.
+        return key_digest is not None and hmac.compare_digest(_digest(offered), key_digest)
+
+    def _session_valid(self, token: str) -> bool:
+        key_digest = self._key_digest()
+        with self._lock:
+            session = self._sessions.get(_digest(token.encode()))
+        if session is None or key_digest is None:
+            return False
+        return session.expires_at > self._clock() and hmac.compare_digest(
+            session.key_digest, key_digest
+        )
+
+    def _drop_expired(self, now: float) -> None:
+        expired = [t for t, s in self._sessions.items() if s.expires_at <= now]
+        for t in expired:
+            del self._sessions[t]
+
+
+def _offered_keys(request: Request) -> list[bytes]:
+    """Keys offered in headers, as raw bytes (Starlette decodes headers as latin-1)."""
+    offered = []
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        offered.append(value.strip().encode("latin-1"))
+    x_api_key = request.headers.get("x-api-key", "").strip()
+    if x_api_key:
+        offered.append(x_api_key.encode("latin-1"))
+    return offered
+
+
+async def require_api_key(request: Request) -> None:
+    """Dependency for API routes: ``dependencies=[Depends(require_api_key)]``."""
+    auth: ApiKeyAuth = request.app.state.auth
+    auth.check_api(request)
+
+
+async def require_admin(request: Request) -> None:
+    """Dependency for admin routes: the key, or a session cookie from login."""
+    auth: ApiKeyAuth = request.app.state.auth
+    auth.check_admin(request)
+
+
+async def _read_offered_key(request: Request) -> str:
+    try:
+        body = await request.json()
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise InvalidRequestError("request body is not valid JSON") from exc
+    key = body.get("api_key") if isinstance(body, dict) else None
+    if not isinstance(key, str) or not key:
+        raise InvalidRequestError(
+            'send a JSON body {"api_key": "<key>"} with a non-empty string', param="api_key"
+        )
+    return key
+
+
+def login_router() -> APIRouter:
+    """``POST /admin/api/login`` and ``POST /admin/api/logout`` (session cookie)."""
+    router = APIRouter()
+
+    @router.post("/admin/api/login")
+    async def login(request: Request, response: Response) -> dict[str, bool]:
+        auth: ApiKeyAuth = request.app.state.auth
+        if not auth.enabled:
+            return {"ok": True}  # nothing to log in to; admin is open
+        offered = await _read_offered_key(request)
+        try:
+            token = auth.login(offered)
+        except AuthenticationError:
+            client = request.client.host if request.client else "unknown"
+            log.warning("admin login with a wrong API key from %s", client)
+            raise
+        response.set_cookie(
+            SESSION_COOKIE,
+            token,
+            max_age=int(auth.session_ttl_s),
+            path="/",
+            httponly=True,
+            samesite="strict",
+        )
+        return {"ok": True}
+
+    @router.post("/admin/api/logout")
+    async def logout(request: Request, response: Response) -> dict[str, bool]:
+        auth: ApiKeyAuth = request.app.state.auth
+        token = request.cookies.get(SESSION_COOKIE)
+        if token:
+            auth.logout(token)
+        response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
+        return {"ok": True}
+
+    return router
+
+
+def is_loopback_host(host: str) -> bool:
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a hostname other than localhost may resolve anywhere
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped.is_loopback
+    return addr.is_loopback
+
+
+def check_bind(host: str, api_key: str | None, allow_unauthenticated_remote: bool) -> None:
+    """Refuse to serve beyond loopback without a key unless explicitly allowed."""
+    if api_key or allow_unauthenticated_remote or is_loopback_host(host):
+        return
+    raise SettingsError(
+        f"refusing to listen on {host!r} without an API key: anyone on the network could "
+        "use the server. Set server.api_key (or --api-key), or set "
+        "server.allow_unauthenticated_remote (or --allow-unauthenticated-remote) to accept that.",
+        param="server.host",
+    )
+
+
+class RedactKeyFilter(logging.Filter):
+    """Replaces the current key with ``***`` in records; attach it to handlers."""
+
+    def __init__(self, key_fn: Callable[[], str | None]):
+        super().__init__()
+        self._key_fn = key_fn
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = self._key_fn()
+        if not key:
+            return True
+        try:
+            message = record.getMessage()
+        except Exception:
+            return True  # a malformed call; let the handler report it as usual
+        if key in message:
+            record.msg, record.args = message.replace(key, "***"), None
+        if record.exc_info and not record.exc_text:
+            # Formatters reuse exc_text, so the traceback is redacted too.
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = record.exc_text.replace(key, "***")
+        if record.stack_info:
+            record.stack_info = record.stack_info.replace(key, "***")
+        return True

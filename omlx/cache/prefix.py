@@ -1,0 +1,227 @@
+"""One model's view of the prefix cache. MLX thread only.
+
+``lookup`` finds the longest cached prefix of a prompt (full blocks, then the
+longest stored partial tail after them) and restores it as a prompt cache;
+``store`` turns a request's cache into block payloads for the hot tier (which
+writes them to the SSD tier by its mode). Block keys chain the model identity
+and every token before the block's end, so a hit is exact.
+
+A prompt's last token is never served from the cache: its forward pass gives
+the logits of the first output token.
+
+Models with recurrent layers need the state at a block's end; ``snapshot``
+records it during prefill, keyed by request id, and ``forget`` drops a
+request's snapshots once it has stored (or left). Snapshots live in memory
+only, so nothing of a forgotten request can reach the disk afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from omlx.cache import kv_codec
+from omlx.cache.blocks import block_keys, chain_key, root_key
+from omlx.cache.hot import HotTier
+from omlx.cache.safetensors_io import BlockPayload
+from omlx.cache.ssd import SSDStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheHit:
+    layers: list[Any]  # a prompt cache holding ``num_tokens`` tokens
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class PrefixStats:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    tokens_saved: int = 0
+    blocks_stored: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "misses": self.misses,
+            "tokens_saved": self.tokens_saved,
+            "blocks_stored": self.blocks_stored,
+        }
+
+
+def model_identity(name: str, path: Path) -> str:
+    """The model's name plus a digest of what decides its KV values: the config
+    and the weight files' names and sizes. Changed weights -> other blocks."""
+    digest = hashlib.blake2b(digest_size=8)
+    config = path / "config.json"
+    if config.is_file():
+        digest.update(config.read_bytes())
+    for weights in sorted(path.glob("*.safetensors")):
+        digest.update(json.dumps([weights.name, weights.stat().st_size]).encode())
+    return f"{name}@{digest.hexdigest()}"
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        identity: str,
+        layout: tuple[str, ...],
+        block_size: int,
+        hot: HotTier,
+        ssd: SSDStore | None,
+    ):
+        self.identity = identity
+        self.layout = layout
+        self.block_size = block_size
+        self.sliceable = kv_codec.is_sliceable(layout)
+        self._hot = hot
+        self._ssd = ssd
+        self._root = root_key(identity)
+        # request id -> {token position: recurrent state right after it}
+        self._snapshots: dict[str, dict[int, kv_codec.Snapshot]] = {}
+        self._stats = PrefixStats()
+        self._stats_lock = threading.Lock()
+        hot.attach(identity, ssd)
+
+    @property
+    def needs_snapshots(self) -> bool:
+        return not self.sliceable
+
+    # -- lookup ------------------------------------------------------------
+
+    def lookup(self, prompt_ids: Sequence[int], template: list[Any]) -> CacheHit | None:
+        """The longest cached prefix of ``prompt_ids[:-1]``, restored into ``template``
+        (a new prompt cache), or None on a miss."""
+        limit = len(prompt_ids) - 1
+        size = self.block_size
+        payloads: list[BlockPayload] = []
+        parent = self._root
+        for key in block_keys(self.identity, prompt_ids[:limit], size):
+            payload = self._hot.get(self.identity, key.hex())
+            if payload is None:
+                break
+            payloads.append(payload)
+            parent = key
+        matched = len(payloads) * size
+        tail = self._find_tail(parent, prompt_ids[matched : min(limit, matched + size - 1)])
+        if tail is not None:
+            payloads.append(tail)
+        with self._stats_lock:
+            self._stats.lookups += 1
+            if not payloads:
+                self._stats.misses += 1
+                return None
+        num_tokens = sum(p.num_tokens for p in payloads)
+        try:
+            layers = kv_codec.restore(template, [p.tensors for p in payloads])
+        except (KeyError, ValueError) as exc:  # a block that does not fit this model
+            log.warning("prefix cache: cannot restore %d blocks: %s", len(payloads), exc)
+            with self._stats_lock:
+                self._stats.misses += 1
+            return None
+        with self._stats_lock:
+            self._stats.hits += 1
+            self._stats.tokens_saved += num_tokens
+        return CacheHit(layers, num_tokens)
+
+    def _find_tail(self, parent: bytes, rest: Sequence[int]) -> BlockPayload | None:
+        """The longest stored partial block after ``parent`` that prefixes ``rest``."""
+        for length in range(len(rest), 0, -1):
+            key = chain_key(parent, rest[:length]).hex()
+            if self._hot.contains(self.identity, key):
+                payload = self._hot.get(self.identity, key)
+                if payload is not None and payload.num_tokens == length:
+                    return payload
+        return None
+
+    # -- store -------------------------------------------------------------
+
+    def snapshot(self, request_id: str, position: int, layers: Sequence[Any]) -> None:
+        """Record the recurrent state right after token ``position - 1``."""
+        self._snapshots.setdefault(request_id, {})[position] = kv_codec.snapshot(layers)
+
+    def snapshot_positions(self, request_id: str) -> list[int]:
+        return sorted(self._snapshots.get(request_id, {}))
+
+    def forget(self, request_id: str) -> None:
+        self._snapshots.pop(request_id, None)
+
+    def store(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        layers: Sequence[Any],
+        num_tokens: int,
+        *,
+        tail: bool,
+    ) -> int:
+        """Store the full blocks of the first ``num_tokens`` tokens held by ``layers``
+        (and, with ``tail``, the partial block after them). Returns blocks written."""
+        size = self.block_size
+        snaps = self._snapshots.get(request_id, {})
+        stored = 0
+        parent = self._root
+        keys = block_keys(self.identity, token_ids[:num_tokens], size)
+        for i, key in enumerate(keys):
+            written = self._put(key, i * size, (i + 1) * size, layers, snaps)
+            if written is None:
+                return stored
+            stored += written
+            parent = key
+        end = len(keys) * size
+        if tail and num_tokens > end:
+            key = chain_key(parent, token_ids[end:num_tokens])
+            stored += bool(self._put(key, end, num_tokens, layers, snaps))
+        return stored
+
+    def _put(
+        self,
+        key: bytes,
+        start: int,
+        end: int,
+        layers: Sequence[Any],
+        snaps: dict[int, kv_codec.Snapshot],
+    ) -> bool | None:
+        """Put one block unless it is there already (False). None when it cannot be
+        made (no snapshot at its end), which ends the chain."""
+        hex_key = key.hex()
+        if self._hot.contains(self.identity, hex_key):
+            return False
+        state = None
+        if not self.sliceable:
+            state = snaps.get(end)
+            if state is None:
+                return None
+        tensors = kv_codec.block_tensors(layers, start, end, state)
+        payload = BlockPayload(
+            hex_key, self.identity, end - start, self.block_size, self.layout, tensors
+        )
+        self._hot.put(payload)
+        with self._stats_lock:
+            self._stats.blocks_stored += 1
+        return True
+
+    # -- admin -------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        with self._stats_lock:
+            out: dict[str, Any] = self._stats.as_dict()
+        out["ssd"] = asdict(self._ssd.stats()) if self._ssd is not None else None
+        return out
+
+    def close(self) -> None:
+        """Detach from the hot tier (write-back flushes to the SSD) and close the store."""
+        self._snapshots.clear()
+        self._hot.detach(self.identity)
+        if self._ssd is not None:
+            self._ssd.close()

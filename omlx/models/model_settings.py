@@ -1,0 +1,341 @@
+"""Per-model settings in ``<base>/model_settings.json``, applied without a restart.
+
+The file maps a model's folder name (as discovery names it) to the fields it
+overrides; a field left out (or ``None``) inherits the global setting. The
+store is the only writer: every change is validated, checked against the
+invariants below, then written atomically before it becomes visible.
+
+Invariants: at most one model is the default; an alias names one model and
+never another model's folder name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from omlx.errors import SettingsError
+from omlx.settings import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+MODEL_SETTINGS_FILE = "model_settings.json"
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class ModelSettings(BaseModel):
+    """One model's overrides. ``None`` (or an empty collection) inherits."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    alias: str | None = Field(None, min_length=1, max_length=128)
+    # Overrides the kind discovery detects (``ModelInfo.kind``).
+    model_type: Literal["llm", "vlm", "embedding"] | None = None
+    is_default: bool = False
+    # Never evicted or expired while loaded.
+    pinned: bool = False
+    # Idle seconds before unloading; None uses the global idle timeout.
+    ttl_s: float | None = Field(None, gt=0.0)
+    max_context_window: int | None = Field(None, ge=16)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # chat_template_kwargs keys a request may not override.
+    locked_template_kwargs: list[str] = Field(default_factory=list)
+    # The model's sampling values win over the request's.
+    force_sampling: bool = False
+
+    @field_validator("alias")
+    @classmethod
+    def _alias_shape(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if value.startswith("/"):
+            raise ValueError("must not start with '/'")
+        if any(ch.isspace() for ch in value):
+            raise ValueError("must not contain whitespace")
+        return value
+
+    def overrides(self) -> dict[str, Any]:
+        """The fields set away from their defaults, as stored in the file."""
+        return self.model_dump(mode="json", exclude_defaults=True)
+
+
+def parse_model_settings(data: ModelSettings | Mapping[str, Any]) -> ModelSettings:
+    """Validate ``data``; raises ``SettingsError`` whose message starts with the field."""
+    if isinstance(data, ModelSettings):
+        return data
+    if not isinstance(data, Mapping):
+        raise SettingsError(f"model settings must be an object, not {type(data).__name__}")
+    try:
+        return ModelSettings.model_validate(dict(data))
+    except ValidationError as exc:
+        raise _settings_error(exc) from None
+
+
+def _settings_error(exc: ValidationError) -> SettingsError:
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(model settings)"
+        hint = "unknown setting" if err["type"] == "extra_forbidden" else err["msg"]
+        parts.append(f"{field}: {hint} (got {err.get('input')!r})")
+    first = exc.errors()[0]["loc"]
+    return SettingsError("; ".join(parts), param=str(first[0]) if first else None)
+
+
+class ModelSettingsStore:
+    """Thread-safe per-model settings backed by one JSON file.
+
+    Loading never raises: a missing file is empty; an unreadable or invalid
+    file is logged at ERROR, kept as ``<file>.corrupt-<timestamp>``, and only
+    its valid entries (none for broken JSON) are used.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.RLock()
+        self._entries: dict[str, ModelSettings] = self._load()
+
+    # ---- reads ------------------------------------------------------------------
+
+    def get(self, name: str) -> ModelSettings:
+        with self._lock:
+            entry = self._entries.get(name)
+        # Deep: the template kwargs dict must not be shared with the store.
+        return entry.model_copy(deep=True) if entry else ModelSettings()
+
+    def all(self) -> dict[str, ModelSettings]:
+        with self._lock:
+            return {n: s.model_copy(deep=True) for n, s in self._entries.items()}
+
+    def default_model(self) -> str | None:
+        with self._lock:
+            return next((n for n, s in self._entries.items() if s.is_default), None)
+
+    def alias_of(self, name: str) -> str:
+        """The name clients see for ``name``: its alias, else the folder name."""
+        return self.get(name).alias or name
+
+    def resolve(self, requested: str, available: Iterable[str]) -> str | None:
+        """The folder name ``requested`` refers to among ``available``, or None.
+
+        A folder name wins over an alias that happens to spell it.
+        """
+        names = set(available)
+        if requested in names:
+            return requested
+        with self._lock:
+            for name, entry in self._entries.items():
+                if entry.alias == requested and name in names:
+                    return name
+        return None
+
+    # ---- writes -----------------------------------------------------------------
+
+    def put(
+        self,
+        name: str,
+        settings: ModelSettings | Mapping[str, Any],
+        *,
+        available: Iterable[str] = (),
+    ) -> ModelSettings:
+        """Replace ``name``'s settings and persist them.
+
+        ``available`` is the discovered folder names; an alias may not equal
+        one of them (nor another stored model's name) unless it is ``name``.
+        Setting ``is_default`` clears it on every other model.
+        Raises ``SettingsError`` naming the field.
+        """
+        entry = parse_model_settings(settings)
+        with self._lock:
+            self._check_alias(name, entry.alias, set(available))
+            entries = dict(self._entries)
+            if entry.is_default:
+                entries = {n: _without_default(s) for n, s in entries.items()}
+            entries[name] = entry
+            self._commit(entries)
+            return entry
+
+    def update(
+        self, name: str, changes: Mapping[str, Any], *, available: Iterable[str] = ()
+    ) -> ModelSettings:
+        """Merge ``changes`` into ``name``'s settings; a ``None`` value clears a field."""
+        with self._lock:
+            merged = {**self.get(name).overrides(), **changes}
+            return self.put(name, merged, available=available)
+
+    def reset(self, name: str) -> None:
+        """Forget every override of ``name``."""
+        with self._lock:
+            if name in self._entries:
+                entries = dict(self._entries)
+                del entries[name]
+                self._commit(entries)
+
+    # ---- internals --------------------------------------------------------------
+
+    def _check_alias(self, name: str, alias: str | None, available: set[str]) -> None:
+        if alias is None or alias == name:
+            return
+        if alias in available or alias in self._entries:
+            raise SettingsError(
+                f"alias: '{alias}' is the folder name of another model", param="alias"
+            )
+        for other, entry in self._entries.items():
+            if other != name and entry.alias == alias:
+                raise SettingsError(
+                    f"alias: '{alias}' is already the alias of '{other}'", param="alias"
+                )
+
+    def _commit(self, entries: dict[str, ModelSettings]) -> None:
+        """Write first, then swap: a failed write leaves memory as the file is."""
+        kept = {n: s for n, s in entries.items() if s.overrides()}
+        write_json_atomic(self.path, {n: s.overrides() for n, s in sorted(kept.items())})
+        self._entries = kept
+
+    def _load(self) -> dict[str, ModelSettings]:
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            log.error("cannot read %s (%s); per-model settings start empty", self.path, exc)
+            return {}
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            self._set_aside(f"not valid JSON ({exc})")
+            return {}
+        if not isinstance(data, dict):
+            self._set_aside(f"holds {type(data).__name__}, not an object")
+            return {}
+        entries, problems = _parse_entries(data)
+        if problems:
+            self._set_aside("; ".join(problems), keep_original=True)
+        return entries
+
+    def _set_aside(self, why: str, *, keep_original: bool = False) -> None:
+        backup = _free_path(self.path.with_name(f"{self.path.name}.corrupt-{_timestamp()}"))
+        try:
+            if keep_original:
+                shutil.copy2(self.path, backup)
+            else:
+                self.path.replace(backup)
+        except OSError as exc:
+            log.error("%s: %s; could not keep a copy (%s)", self.path, why, exc)
+            return
+        log.error("%s: %s; kept a copy as %s", self.path, why, backup.name)
+
+
+def _parse_entries(data: dict[str, Any]) -> tuple[dict[str, ModelSettings], list[str]]:
+    """Valid entries in name order, dropping what breaks the invariants."""
+    entries: dict[str, ModelSettings] = {}
+    problems: list[str] = []
+    aliases: set[str] = set()
+    has_default = False
+    for name in sorted(data):
+        try:
+            entry = parse_model_settings(data[name])
+        except SettingsError as exc:
+            problems.append(f"'{name}' dropped: {exc.message}")
+            continue
+        alias = entry.alias
+        if alias is not None and (alias in aliases or (alias != name and alias in data)):
+            problems.append(f"'{name}': alias '{entry.alias}' dropped (already taken)")
+            entry = entry.model_copy(update={"alias": None})
+        if entry.is_default and has_default:
+            problems.append(f"'{name}': is_default dropped (another model is the default)")
+            entry = _without_default(entry)
+        if entry.alias is not None:
+            aliases.add(entry.alias)
+        has_default = has_default or entry.is_default
+        entries[name] = entry
+    return entries, problems
+
+
+def _timestamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _free_path(path: Path) -> Path:
+    candidate, num = path, 1
+    while candidate.exists():
+        candidate, num = path.with_name(f"{path.name}.{num}"), num + 1
+    return candidate
+
+
+def _without_default(entry: ModelSettings) -> ModelSettings:
+    return entry.model_copy(update={"is_default": False}) if entry.is_default else entry
+
+
+# ---- applying settings to a request --------------------------------------------------
+
+
+def effective_sampling(
+    request: Mapping[str, Any], model: ModelSettings, global_defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The sampling values to use, for ``SAMPLING_KEYS`` only.
+
+    Per key: the request's non-None value, else the model's, else the global
+    default. With ``model.force_sampling`` the model's non-None values win over
+    the request's. Keys with no value anywhere are left out.
+    """
+    result: dict[str, Any] = {}
+    for key in SAMPLING_KEYS:
+        from_request = request.get(key)
+        from_model = getattr(model, key)
+        if from_model is not None and (model.force_sampling or from_request is None):
+            value = from_model
+        elif from_request is not None:
+            value = from_request
+        else:
+            value = global_defaults.get(key)
+        if value is not None:
+            result[key] = value
+    return result
+
+
+def effective_template_kwargs(
+    request_kwargs: Mapping[str, Any] | None, model: ModelSettings
+) -> dict[str, Any]:
+    """The model's chat template kwargs overridden by the request's.
+
+    A request may not override a key in ``model.locked_template_kwargs``: such
+    a value is ignored (logged at INFO), not an error. A locked key the model
+    does not set stays unset.
+    """
+    result = dict(model.chat_template_kwargs)
+    locked = set(model.locked_template_kwargs)
+    for key, value in (request_kwargs or {}).items():
+        if key in locked:
+            log.info("ignoring chat_template_kwargs.%s from the request: locked for the model", key)
+            continue
+        result[key] = value
+    return result
+
+
+def effective_limit(request_value: int | None, model_value: int | None, global_value: int) -> int:
+    """The first value set of request, model and global (used for ``max_tokens``)."""
+    if request_value is not None:
+        return request_value
+    return model_value if model_value is not None else global_value
+
+
+def effective_context_window(
+    model_value: int | None, global_value: int, native: int | None = None
+) -> int:
+    """The model's cap (else the global one), never above the model's native window."""
+    cap = model_value if model_value is not None else global_value
+    return cap if native is None else min(cap, native)

@@ -1,0 +1,91 @@
+"""Cache layers -> block bytes -> cache layers gives the very same next logits."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from omlx.cache import kv_codec
+from tests.fixtures.tiny_models import build_tiny_model
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    root = tmp_path_factory.mktemp("codec-models")
+    out = {}
+    for name, arch, seed in [("llama", "llama", 0), ("lfm2", "lfm2", 3)]:
+        model, tokenizer = mlx_lm.load(str(build_tiny_model(root / name, arch, seed=seed)))
+        out[name] = (model, tokenizer)
+    return out
+
+
+def _prefill_in_blocks(model, ids: list[int], num_blocks: int):
+    """Prefill block by block, keeping each block's tensors as the prefix cache would."""
+    cache = make_prompt_cache(model)
+    blocks = []
+    for i in range(num_blocks):
+        model(mx.array(ids[i * BLOCK : (i + 1) * BLOCK])[None], cache=cache)
+        state = kv_codec.snapshot(cache)
+        blocks.append(kv_codec.block_tensors(cache, i * BLOCK, (i + 1) * BLOCK, state))
+    return cache, blocks
+
+
+@pytest.mark.parametrize("name", ["llama", "lfm2"])
+def test_restored_cache_continues_exactly(models, name: str) -> None:
+    model, tokenizer = models[name]
+    ids = tokenizer.encode("Memory is shared by the processor and the graphics unit. " * 4)
+    assert len(ids) > 5 * BLOCK
+    cache, blocks = _prefill_in_blocks(model, ids, 4)
+    rest = mx.array(ids[4 * BLOCK : 4 * BLOCK + 8])[None]
+    expected = model(rest, cache=cache)
+    restored = kv_codec.restore(make_prompt_cache(model), blocks)
+    assert restored[-1].offset == 4 * BLOCK
+    got = model(rest, cache=restored)
+    assert mx.allclose(got, expected, atol=1e-5).item()
+
+
+def test_recurrent_state_comes_from_the_last_block(models) -> None:
+    """A hybrid model's restored state is the one at the end of the prefix; the
+    state of an earlier boundary gives other logits (so the check above can fail)."""
+    model, tokenizer = models["lfm2"]
+    ids = tokenizer.encode("Memory is shared by the processor and the graphics unit. " * 4)
+    cache, blocks = _prefill_in_blocks(model, ids, 4)
+    rest = mx.array(ids[4 * BLOCK : 4 * BLOCK + 8])[None]
+    expected = model(rest, cache=cache)
+    stale = {k: v for k, v in blocks[0].items() if ".state." in k}
+    wrong = kv_codec.restore(make_prompt_cache(model), [*blocks[:3], {**blocks[3], **stale}])
+    assert not mx.allclose(model(rest, cache=wrong), expected, atol=1e-3).item()
+
+
+def test_layouts(models) -> None:
+    llama, _ = models["llama"]
+    lfm2, _ = models["lfm2"]
+    assert kv_codec.layer_layout(make_prompt_cache(llama)) == ("kv", "kv")
+    layout = kv_codec.layer_layout(make_prompt_cache(lfm2))
+    assert layout == ("arrays:1", "kv", "arrays:1", "kv")
+    assert kv_codec.is_sliceable(("kv", "kv")) and not kv_codec.is_sliceable(layout)
+
+
+def test_unsupported_cache_types_are_refused() -> None:
+    from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
+
+    assert kv_codec.layer_layout([RotatingKVCache(max_size=8)]) is None
+    assert kv_codec.layer_layout([QuantizedKVCache()]) is None
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_dtypes_round_trip(dtype) -> None:
+    from mlx_lm.models.cache import KVCache
+
+    layer = KVCache()
+    keys = mx.random.normal((1, 2, BLOCK, 8)).astype(dtype)
+    layer.update_and_fetch(keys, keys * 2)
+    block = kv_codec.block_tensors([layer], 0, BLOCK, None)
+    restored = kv_codec.restore([KVCache()], [block])[0]
+    assert restored.keys.dtype == dtype
+    assert mx.array_equal(restored.keys, keys).item()
+    assert mx.array_equal(restored.values, keys * 2).item()

@@ -1,0 +1,147 @@
+"""The prefix cache wired into the engine, on real tiny models (dense and hybrid).
+
+Greedy output must be the same whether the prompt's prefix was computed now or
+restored from the RAM tier or, after a restart, from the SSD tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+import pytest
+
+from omlx.engine.model_engine import ModelEngine
+from omlx.engine.stream import RequestStream
+from omlx.scheduler import Request, SamplingParams
+from tests.fixtures.tiny_models import build_tiny_model
+
+_ids = itertools.count()
+BLOCK = 16
+CACHE = {"enabled": True, "block_size": BLOCK, "hot_cache_max_size": "256MB"}
+
+CONVERSATION = (
+    "The memory of the machine is shared between the processor and the graphics unit. "
+    "When one request fills it, every other program on the machine feels it. "
+)
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cache-models")
+    build_tiny_model(root / "tiny-llama", "llama", seed=0)
+    build_tiny_model(root / "tiny-lfm2", "lfm2", seed=3)
+    return root
+
+
+async def generate(engine: ModelEngine, ids: list[int], max_tokens: int = 12) -> tuple[str, int]:
+    """(text, prompt tokens served from the cache) of one greedy request."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    stream = RequestStream(f"req-{next(_ids)}", asyncio.get_running_loop())
+    engine.submit(Request(stream.request_id, tuple(ids), params), stream)
+    text, cached = "", 0
+    while True:
+        event = await stream.get()
+        assert event is not None and event.error is None, event
+        text += event.text
+        cached = max(cached, event.num_cached_tokens)
+        if event.finish_reason:
+            return text, cached
+
+
+async def settle(engine: ModelEngine) -> None:
+    """Let the worker run the stores it defers to the step after a request."""
+    for _ in range(50):
+        if not engine.has_work:
+            return
+        await asyncio.sleep(0.02)
+
+
+def encode(engine: ModelEngine, text: str) -> list[int]:
+    return list(engine.tokenizer.encode(text))
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-lfm2"])
+def test_hit_gives_the_cold_output(make_pool, models_dir: Path, model: str) -> None:
+    pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
+
+    async def main() -> None:
+        engine = await pool.get_engine(model)
+        prompt = encode(engine, CONVERSATION * 2)
+        assert len(prompt) > 4 * BLOCK
+        cold, cached = await generate(engine, prompt)
+        assert cached == 0
+        await settle(engine)
+        warm, cached = await generate(engine, prompt)
+        assert warm == cold
+        # Every prompt token but the last (whose logits start the answer).
+        assert cached == len(prompt) - 1
+        stats = engine.prefix_cache.stats()
+        assert stats["hits"] == 1 and stats["tokens_saved"] == len(prompt) - 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-lfm2"])
+def test_conversation_hits_every_previous_turn(make_pool, models_dir: Path, model: str) -> None:
+    pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
+
+    async def main() -> None:
+        engine = await pool.get_engine(model)
+        history: list[int] = []
+        previous = 0
+        for turn in range(3):
+            history += encode(engine, f"Turn {turn}: " + CONVERSATION)
+            answer, cached = await generate(engine, history)
+            await settle(engine)
+            # At least every full block of the previous turns' prompt.
+            assert cached >= previous // BLOCK * BLOCK
+            previous = len(history)
+            # The same conversation computed from nothing gives the same answer.
+            engine.prefix_cache._hot.clear(tier="hot")
+            cold, cold_cached = await generate(engine, history)
+            assert (cold, cold_cached) == (answer, 0)
+            await settle(engine)
+
+    asyncio.run(main())
+
+
+def test_hits_while_batching(make_pool, models_dir: Path) -> None:
+    pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
+
+    async def main() -> None:
+        engine = await pool.get_engine("tiny-llama")
+        shared = encode(engine, CONVERSATION)
+        prompts = [shared + encode(engine, f" Question {i}: what now?") for i in range(4)]
+        cold = [await generate(engine, p) for p in prompts]
+        await settle(engine)
+        engine.prefix_cache._hot.clear(tier="hot")
+        await generate(engine, shared + encode(engine, " warm up"))
+        await settle(engine)
+        # Four at once: the batch path restores the shared prefix for each.
+        together = await asyncio.gather(*(generate(engine, p) for p in prompts))
+        assert [t for t, _ in together] == [t for t, _ in cold]
+        assert all(c >= len(shared) // BLOCK * BLOCK for _, c in together)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-lfm2"])
+def test_restart_serves_from_ssd(make_pool, models_dir: Path, model: str) -> None:
+    async def run(expect_hit: bool) -> tuple[str, int, dict]:
+        pool = make_pool(models_dir, cache=CACHE)
+        engine = await pool.get_engine(model)
+        prompt = encode(engine, CONVERSATION * 2)
+        text, cached = await generate(engine, prompt)
+        await settle(engine)
+        stats = engine.prefix_cache.stats()
+        await pool.close()  # write-back: RAM blocks go to the SSD on unload
+        return text, cached, stats
+
+    cold, cached, _ = asyncio.run(run(False))
+    assert cached == 0
+    warm, cached, stats = asyncio.run(run(True))
+    assert warm == cold
+    assert cached > 0
+    assert stats["ssd"]["hits"] > 0

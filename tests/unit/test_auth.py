@@ -1,0 +1,325 @@
+"""Optional API key (omlx.api.auth): header checks, admin sessions, bind check, redaction."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+from fastapi import Depends, FastAPI
+from fastapi.testclient import TestClient
+
+from omlx.api.auth import (
+    SESSION_COOKIE,
+    ApiKeyAuth,
+    RedactKeyFilter,
+    check_bind,
+    login_router,
+    require_admin,
+    require_api_key,
+)
+from omlx.api.errors import install_error_handlers
+from omlx.errors import AuthenticationError, SettingsError
+
+KEY = "sk-test-0123456789"
+TTL_S = 3600.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Harness:
+    """A minimal app wired as the server wires it; the key and clock are mutable."""
+
+    def __init__(self, key: str | None):
+        self.key = key
+        self.clock = FakeClock()
+        app = FastAPI()
+        self.auth = ApiKeyAuth(lambda: self.key, session_ttl_s=TTL_S, clock=self.clock)
+        app.state.auth = self.auth
+        install_error_handlers(app)
+        app.include_router(login_router())
+
+        @app.get("/v1/models", dependencies=[Depends(require_api_key)])
+        async def models() -> dict[str, str]:
+            return {"object": "list"}
+
+        @app.get("/admin/api/settings", dependencies=[Depends(require_admin)])
+        async def settings() -> dict[str, str]:
+            return {"admin": "yes"}
+
+        self.client = TestClient(app)
+
+    def login(self, key: str = KEY) -> str:
+        resp = self.client.post("/admin/api/login", json={"api_key": key})
+        assert resp.status_code == 200, resp.text
+        return resp.cookies[SESSION_COOKIE]
+
+
+@pytest.fixture
+def open_server() -> Harness:
+    return Harness(key=None)
+
+
+@pytest.fixture
+def server() -> Harness:
+    return Harness(key=KEY)
+
+
+def assert_auth_error(resp_status: int, body: dict[str, object]) -> None:
+    assert resp_status == 401
+    error = body["error"]
+    assert isinstance(error, dict)
+    assert error["type"] == "authentication_error"
+    assert KEY not in str(body)
+
+
+# --- no key: everything open -------------------------------------------------
+
+
+@pytest.mark.parametrize("key", [None, ""])
+def test_no_key_leaves_everything_open(key: str | None) -> None:
+    h = Harness(key=key)
+    assert not h.auth.enabled
+    assert h.client.get("/v1/models").status_code == 200
+    assert h.client.get("/admin/api/settings").status_code == 200
+    assert h.client.get("/v1/models", headers={"x-api-key": "anything"}).status_code == 200
+
+
+def test_login_without_a_key_set_is_ok_and_sets_no_cookie(open_server: Harness) -> None:
+    resp = open_server.client.post("/admin/api/login", json={"api_key": "x"})
+    assert resp.status_code == 200
+    assert resp.json() == {"ok": True}
+    assert SESSION_COOKIE not in resp.cookies
+
+
+# --- API routes ----------------------------------------------------------------
+
+
+def test_api_route_without_key_is_401_with_openai_envelope(server: Harness) -> None:
+    resp = server.client.get("/v1/models")
+    assert_auth_error(resp.status_code, resp.json())
+    error = resp.json()["error"]
+    assert error["code"] == "invalid_api_key"
+    assert "Authorization: Bearer" in error["message"]
+    assert "x-api-key" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Authorization": "Bearer wrong-key"},
+        {"x-api-key": "wrong-key"},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": f"Bearer {KEY}x"},
+        {"x-api-key": KEY[:-1]},
+    ],
+)
+def test_api_route_with_wrong_key_is_401(server: Harness, headers: dict[str, str]) -> None:
+    resp = server.client.get("/v1/models", headers=headers)
+    assert_auth_error(resp.status_code, resp.json())
+    assert "wrong-key" not in resp.text
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Authorization": f"Bearer {KEY}"},
+        {"Authorization": f"bearer {KEY}"},
+        {"x-api-key": KEY},
+    ],
+)
+def test_api_route_with_right_key_is_200(server: Harness, headers: dict[str, str]) -> None:
+    resp = server.client.get("/v1/models", headers=headers)
+    assert resp.status_code == 200
+    assert resp.json() == {"object": "list"}
+
+
+def test_session_cookie_does_not_open_api_routes(server: Harness) -> None:
+    server.login()
+    assert server.client.get("/v1/models").status_code == 401
+
+
+def test_key_change_applies_at_once(server: Harness) -> None:
+    server.key = "sk-new"
+    assert server.client.get("/v1/models", headers={"x-api-key": KEY}).status_code == 401
+    assert server.client.get("/v1/models", headers={"x-api-key": "sk-new"}).status_code == 200
+
+
+# --- admin routes and sessions -----------------------------------------------------
+
+
+def test_admin_route_needs_key_or_session(server: Harness) -> None:
+    resp = server.client.get("/admin/api/settings")
+    assert_auth_error(resp.status_code, resp.json())
+    ok = server.client.get("/admin/api/settings", headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200
+    assert ok.json() == {"admin": "yes"}
+
+
+def test_login_with_wrong_key_is_401_and_sets_no_cookie(server: Harness) -> None:
+    resp = server.client.post("/admin/api/login", json={"api_key": "wrong"})
+    assert_auth_error(resp.status_code, resp.json())
+    assert SESSION_COOKIE not in resp.cookies
+    assert server.client.get("/admin/api/settings").status_code == 401
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"not json", b"[1, 2]", b"{}", b'{"api_key": 5}', b'{"api_key": ""}'],
+)
+def test_login_with_bad_body_is_400(server: Harness, content: bytes) -> None:
+    resp = server.client.post(
+        "/admin/api/login", content=content, headers={"content-type": "application/json"}
+    )
+    assert resp.status_code == 400
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_login_sets_a_strict_http_only_cookie_that_opens_admin(server: Harness) -> None:
+    resp = server.client.post("/admin/api/login", json={"api_key": KEY})
+    assert resp.status_code == 200
+    assert resp.json() == {"ok": True}
+    set_cookie = resp.headers["set-cookie"]
+    assert set_cookie.startswith(f"{SESSION_COOKIE}=")
+    lowered = set_cookie.lower()
+    assert "httponly" in lowered
+    assert "samesite=strict" in lowered
+    assert "path=/" in lowered
+    assert f"max-age={int(TTL_S)}" in lowered
+    assert KEY not in set_cookie
+    # The client now holds only the cookie: no key header is sent.
+    assert server.client.get("/admin/api/settings").status_code == 200
+
+
+def test_forged_cookie_is_rejected(server: Harness) -> None:
+    server.client.cookies.set(SESSION_COOKIE, "forged-token")
+    assert server.client.get("/admin/api/settings").status_code == 401
+
+
+def test_logout_invalidates_the_session(server: Harness) -> None:
+    token = server.login()
+    resp = server.client.post("/admin/api/logout")
+    assert resp.status_code == 200
+    assert SESSION_COOKIE not in server.client.cookies
+    assert server.client.get("/admin/api/settings").status_code == 401
+    # Replaying the old token fails too: the server forgot it, not just the browser.
+    server.client.cookies.set(SESSION_COOKIE, token)
+    assert server.client.get("/admin/api/settings").status_code == 401
+
+
+def test_session_expires(server: Harness) -> None:
+    server.login()
+    server.clock.now += TTL_S - 1
+    assert server.client.get("/admin/api/settings").status_code == 200
+    server.clock.now += 2
+    assert server.client.get("/admin/api/settings").status_code == 401
+
+
+def test_changing_the_key_invalidates_sessions(server: Harness) -> None:
+    server.login()
+    server.key = "sk-rotated"
+    assert server.client.get("/admin/api/settings").status_code == 401
+    server.login("sk-rotated")
+    assert server.client.get("/admin/api/settings").status_code == 200
+
+
+def test_login_tokens_are_distinct() -> None:
+    auth = ApiKeyAuth(lambda: KEY)
+    tokens = {auth.login(KEY) for _ in range(5)}
+    assert len(tokens) == 5
+    assert all(len(t) >= 40 for t in tokens)
+
+
+def test_login_rejects_wrong_key_directly() -> None:
+    auth = ApiKeyAuth(lambda: KEY)
+    with pytest.raises(AuthenticationError):
+        auth.login("wrong")
+    with pytest.raises(AuthenticationError):
+        ApiKeyAuth(lambda: None).login("")
+
+
+# --- check_bind -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
+def test_loopback_binds_need_no_key(host: str) -> None:
+    check_bind(host, None, allow_unauthenticated_remote=False)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.5", "my-mac.local"])
+def test_remote_bind_without_key_is_refused(host: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        check_bind(host, None, allow_unauthenticated_remote=False)
+    message = info.value.message
+    assert "server.api_key" in message
+    assert "--api-key" in message
+    assert "server.allow_unauthenticated_remote" in message
+    assert "--allow-unauthenticated-remote" in message
+
+
+def test_remote_bind_with_empty_key_is_refused() -> None:
+    with pytest.raises(SettingsError):
+        check_bind("0.0.0.0", "", allow_unauthenticated_remote=False)
+
+
+def test_remote_bind_allowed_with_key_or_flag() -> None:
+    check_bind("0.0.0.0", KEY, allow_unauthenticated_remote=False)
+    check_bind("0.0.0.0", None, allow_unauthenticated_remote=True)
+
+
+# --- log redaction ------------------------------------------------------------------
+
+
+class ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+RedactedLog = tuple[logging.Logger, ListHandler, dict[str, str | None]]
+
+
+@pytest.fixture
+def redacted_log() -> Iterator[RedactedLog]:
+    current: dict[str, str | None] = {"key": KEY}
+    handler = ListHandler()
+    handler.addFilter(RedactKeyFilter(lambda: current["key"]))
+    logger = logging.getLogger("omlx.test_auth.redaction")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    yield logger, handler, current
+    logger.removeHandler(handler)
+
+
+def test_redaction_hides_the_key_in_messages(redacted_log: RedactedLog) -> None:
+    logger, handler, _ = redacted_log
+    logger.info("settings saved: api_key=%s port=%d", KEY, 8000)
+    assert handler.lines == ["settings saved: api_key=*** port=8000"]
+
+
+def test_redaction_hides_the_key_in_tracebacks(redacted_log: RedactedLog) -> None:
+    logger, handler, _ = redacted_log
+    try:
+        raise ValueError(f"bad key {KEY}")
+    except ValueError:
+        logger.exception("failed")
+    assert handler.lines
+    assert KEY not in handler.lines[0]
+    assert "bad key ***" in handler.lines[0]
+
+
+def test_redaction_follows_key_changes(redacted_log: RedactedLog) -> None:
+    logger, handler, current = redacted_log
+    current["key"] = "sk-newer"
+    logger.info("old %s new %s", KEY, "sk-newer")
+    assert handler.lines == [f"old {KEY} new ***"]
