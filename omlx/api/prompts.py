@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from omlx.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -50,15 +51,33 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def chat_prompt_ids(engine: ModelEngine, body: ChatCompletionRequest) -> list[int]:
-    messages = chat_messages(body)
+    return render_chat(
+        engine, chat_messages(body), tools=body.tools, template_kwargs=body.chat_template_kwargs
+    ).ids
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    text: str
+    ids: list[int]
+
+
+def render_chat(
+    engine: ModelEngine,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> RenderedPrompt:
+    """The model's chat template over OpenAI-style messages (role, content, tool_calls...)."""
     tokenizer = engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         # No template: a plain transcript the base model can continue.
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return list(tokenizer.encode(text))
-    kwargs = dict(body.chat_template_kwargs or {})
-    if body.tools:
-        kwargs["tools"] = body.tools
+        return RenderedPrompt(text, list(tokenizer.encode(text)))
+    kwargs = dict(template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
     try:
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **kwargs
@@ -67,7 +86,7 @@ def chat_prompt_ids(engine: ModelEngine, body: ChatCompletionRequest) -> list[in
         raise InvalidRequestError(
             f"the model's chat template rejected the messages: {exc}", param="messages"
         ) from exc
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return RenderedPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
 
 
 def completion_prompt_ids(engine: ModelEngine, body: CompletionRequest) -> list[list[int]]:
@@ -105,6 +124,52 @@ def sampling_params(
     """Request values over global defaults; checks the context window."""
     if body.logprobs:
         raise InvalidRequestError("logprobs are not supported yet", param="logprobs")
+    return build_sampling(
+        engine,
+        num_prompt_tokens,
+        SamplingRequest(
+            max_tokens=body.requested_max_tokens(),
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            seed=body.seed,
+            stop=body.stop_strings(),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+        ),
+        defaults,
+        generation,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRequest:
+    """What any API's request body says about sampling (None: not given)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    # The name of the max-tokens field in this API, for error messages.
+    max_tokens_param: str = "max_tokens"
+
+
+def build_sampling(
+    engine: ModelEngine,
+    num_prompt_tokens: int,
+    req: SamplingRequest,
+    defaults: SamplingSettings,
+    generation: GenerationSettings,
+) -> SamplingParams:
+    """Request values over defaults; checks the prompt and max tokens against the window."""
     window = engine.context_window
     if num_prompt_tokens >= window:
         raise ContextLengthExceededError(
@@ -113,30 +178,30 @@ def sampling_params(
             param="messages",
         )
     room = window - num_prompt_tokens
-    requested = body.requested_max_tokens()
-    if requested is not None and requested > room:
+    if req.max_tokens is not None and req.max_tokens > room:
         raise ContextLengthExceededError(
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({requested}) exceeds the "
-            f"context window of {window}; set max_tokens to at most {room}",
-            param="max_tokens",
+            f"prompt ({num_prompt_tokens} tokens) + {req.max_tokens_param} ({req.max_tokens}) "
+            f"exceeds the context window of {window}; set {req.max_tokens_param} to at most "
+            f"{room}",
+            param=req.max_tokens_param,
         )
-    max_tokens = requested if requested is not None else min(generation.max_tokens, room)
-    stop_ids = set(body.stop_token_ids or ())
-    if not body.ignore_eos:
+    max_tokens = req.max_tokens if req.max_tokens is not None else min(generation.max_tokens, room)
+    stop_ids = set(req.stop_token_ids)
+    if not req.ignore_eos:
         stop_ids |= engine.loaded.eos_token_ids
 
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
 
     return SamplingParams(
-        temperature=pick(body.temperature, defaults.temperature),
-        top_p=pick(body.top_p, defaults.top_p),
-        top_k=pick(body.top_k, defaults.top_k),
-        min_p=pick(body.min_p, defaults.min_p),
-        repetition_penalty=pick(body.repetition_penalty, defaults.repetition_penalty),
-        seed=body.seed,
+        temperature=pick(req.temperature, defaults.temperature),
+        top_p=pick(req.top_p, defaults.top_p),
+        top_k=pick(req.top_k, defaults.top_k),
+        min_p=pick(req.min_p, defaults.min_p),
+        repetition_penalty=pick(req.repetition_penalty, defaults.repetition_penalty),
+        seed=req.seed,
         max_tokens=max_tokens,
-        stop=body.stop_strings(),
+        stop=req.stop,
         stop_token_ids=frozenset(stop_ids),
     )
 
