@@ -51,6 +51,23 @@ def _parser() -> argparse.ArgumentParser:
         help='hard memory ceiling: "auto", "NN%%" of RAM or e.g. "24GB"',
     )
     serve.add_argument("--prefill-transient-margin", metavar="SIZE")
+    serve.add_argument("--max-model-memory", metavar="SIZE")
+    serve.add_argument(
+        "--api-key",
+        help="require this key on /v1 and the admin panel (visible in `ps`: prefer "
+        "OMLX_SERVER__API_KEY or settings.json)",
+    )
+    serve.add_argument(
+        "--allow-unauthenticated-remote",
+        action="store_true",
+        default=None,
+        help="allow a non-loopback --host without an API key",
+    )
+    serve.add_argument("--idle-timeout", type=float, metavar="SECONDS", dest="idle_timeout_s")
+    serve.add_argument("--no-cache", action="store_true", help="disable the prefix cache")
+    serve.add_argument("--cache-dir", metavar="DIR", dest="ssd_cache_dir")
+    serve.add_argument("--hot-cache-max-size", metavar="SIZE")
+    serve.add_argument("--ssd-cache-max-size", metavar="SIZE")
     serve.add_argument(
         "--no-install-default",
         action="store_true",
@@ -90,6 +107,13 @@ _SERVE_FLAGS = {
     "max_tokens": ("generation", "max_tokens"),
     "max_process_memory": ("memory", "max_process_memory"),
     "prefill_transient_margin": ("memory", "prefill_transient_margin"),
+    "max_model_memory": ("memory", "max_model_memory"),
+    "api_key": ("server", "api_key"),
+    "allow_unauthenticated_remote": ("server", "allow_unauthenticated_remote"),
+    "idle_timeout_s": ("models", "idle_timeout_s"),
+    "ssd_cache_dir": ("cache", "ssd_cache_dir"),
+    "hot_cache_max_size": ("cache", "hot_cache_max_size"),
+    "ssd_cache_max_size": ("cache", "ssd_cache_max_size"),
 }
 
 
@@ -104,6 +128,8 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
             out.setdefault(group, {})[field] = value
     if getattr(args, "no_install_default", False):
         out.setdefault("models", {})["install_default_model"] = False
+    if getattr(args, "no_cache", False):
+        out.setdefault("cache", {})["enabled"] = False
     return out
 
 
@@ -113,8 +139,12 @@ def setup_logging(settings: Settings) -> None:
     root.setLevel(level)
     for handler in list(root.handlers):
         root.removeHandler(handler)
+    from omlx.api.auth import RedactKeyFilter
+
+    redact = RedactKeyFilter(lambda: settings.server.api_key)
     stderr = logging.StreamHandler(sys.stderr)
     stderr.setFormatter(logging.Formatter(LOG_FORMAT))
+    stderr.addFilter(redact)
     root.addHandler(stderr)
     try:
         settings.log_dir.mkdir(parents=True, exist_ok=True)
@@ -125,6 +155,7 @@ def setup_logging(settings: Settings) -> None:
         log.warning("cannot write logs to %s: %s", settings.log_dir, exc)
         return
     file.setFormatter(logging.Formatter(LOG_FORMAT))
+    file.addFilter(redact)
     root.addHandler(file)
 
 
@@ -140,7 +171,14 @@ def _port_in_use(host: str, port: int) -> bool:
 
 
 def _serve(settings: Settings) -> int:
+    from omlx.api.auth import check_bind
+
     host, port = settings.server.host, settings.server.port
+    try:
+        check_bind(host, settings.server.api_key, settings.server.allow_unauthenticated_remote)
+    except SettingsError as exc:
+        print(f"omlx: {exc}", file=sys.stderr)
+        return 2
     if _port_in_use(host, port):
         print(
             f"omlx: {host}:{port} is already in use (another server?); stop it or pass --port",

@@ -55,6 +55,10 @@ class AuthenticationError(OmlxError):
     error_type = "authentication_error"
     code = "invalid_api_key"
 
+    def headers(self) -> dict[str, str]:
+        # Bearer (not Basic): browsers show no login box of their own.
+        return {"WWW-Authenticate": 'Bearer realm="omlx"'}
+
 
 class ModelNotFoundError(OmlxError):
     http_status = 404
@@ -92,6 +96,27 @@ class ServiceUnavailableError(OmlxError):
     http_status = 503
     error_type = "overloaded_error"
     code = "service_unavailable"
+
+
+class InsufficientMemoryError(OmlxError):
+    """Loading a model cannot fit under the memory ceiling, even after evictions."""
+
+    http_status = 507
+    error_type = "insufficient_memory"
+    code = "model_exceeds_memory"
+
+    def __init__(self, message: str, *, needed_bytes: int, limit_bytes: int, used_bytes: int):
+        super().__init__(message, param="model")
+        self.needed_bytes = needed_bytes
+        self.limit_bytes = limit_bytes
+        self.used_bytes = used_bytes
+
+    def extra_fields(self) -> dict[str, object]:
+        return {
+            "needed_bytes": self.needed_bytes,
+            "limit_bytes": self.limit_bytes,
+            "used_bytes": self.used_bytes,
+        }
 
 
 class ModelLoadError(OmlxError):

@@ -42,6 +42,10 @@ class ServerSettings(_Group):
     cors_origins: list[str] = Field(default_factory=list)
     # SSE comment keep-alive while a long prefill produces nothing.
     sse_keepalive_s: float = Field(5.0, gt=0.0, le=10.0)
+    # Optional API key for /v1 (Bearer or x-api-key) and the admin panel.
+    api_key: str | None = Field(None, repr=False)
+    # Binding to a non-loopback address without a key is refused unless this is set.
+    allow_unauthenticated_remote: bool = False
 
 
 class ModelSettings(_Group):
@@ -50,6 +54,8 @@ class ModelSettings(_Group):
     default_model: str | None = None
     # Import the built-in SmolLM2 when no model is found at start.
     install_default_model: bool = True
+    # Unload a model idle this long (seconds; per-model ttl_s wins). None: never.
+    idle_timeout_s: float | None = Field(None, gt=0.0)
 
 
 class SchedulerSettings(_Group):
@@ -92,6 +98,13 @@ class MemorySettings(_Group):
     # Room for transients no estimate models (seed 000 measured GBs on big MoE models).
     prefill_transient_margin: str | int = "1GB"
     poll_interval_s: float = Field(1.0, gt=0.0, le=60.0)
+    # Budget for loaded weights across models ("auto": the hard limit itself).
+    max_model_memory: str | int = "auto"
+
+    @field_validator("max_model_memory")
+    @classmethod
+    def _weights(cls, value: str | int) -> str | int:
+        return _check_size(value, "max_model_memory", allow_auto=True)
 
     @field_validator("max_process_memory")
     @classmethod
@@ -158,6 +171,10 @@ class Settings(BaseSettings):
     @property
     def settings_path(self) -> Path:
         return self.base_path / SETTINGS_FILE
+
+    @property
+    def model_settings_path(self) -> Path:
+        return self.base_path / "model_settings.json"
 
     @property
     def cache_dir(self) -> Path:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 
 from omlx import __version__
+from omlx.api.admin_routes import router as admin_router
+from omlx.api.anthropic_routes import router as anthropic_router
+from omlx.api.auth import ApiKeyAuth, login_router, require_api_key
 from omlx.api.errors import install_error_handlers
 from omlx.api.openai_routes import router as openai_router
 from omlx.api.state import ServerState
@@ -32,11 +36,17 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
             ", ".join(str(d) for d in pool.model_dirs),
             ", ".join(sorted(models)) or "-",
         )
+        maintenance = asyncio.create_task(
+            pool.maintain(min(5.0, settings.memory.poll_interval_s)), name="pool-maintenance"
+        )
         yield
+        maintenance.cancel()
         await pool.close()
 
     app = FastAPI(title="omlx", version=__version__, lifespan=lifespan)
     app.state.omlx = ServerState(settings, pool)
+    # Read through the settings object: the admin API can change the key live.
+    app.state.auth = ApiKeyAuth(lambda: settings.server.api_key)
     if settings.server.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -45,7 +55,11 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
             allow_headers=["*"],
         )
     install_error_handlers(app)
-    app.include_router(openai_router)
+    api_key = [Depends(require_api_key)]
+    app.include_router(openai_router, dependencies=api_key)
+    app.include_router(anthropic_router, dependencies=api_key)
+    app.include_router(login_router())
+    app.include_router(admin_router)
 
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:

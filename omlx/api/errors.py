@@ -1,4 +1,5 @@
-"""The one place where errors become HTTP responses (OpenAI envelope)."""
+"""The one place where errors become HTTP responses (OpenAI envelope; Anthropic's
+on the Anthropic routes)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,43 @@ _STATUS_TYPES = {
     413: "invalid_request_error",
     503: "overloaded_error",
 }
+
+
+# Paths answered in the Anthropic Messages API error shape.
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {
+    "invalid_request_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+    "request_too_large",
+    "rate_limit_error",
+    "api_error",
+    "overloaded_error",
+}
+
+
+def anthropic_error_body(message: str, error_type: str, http_status: int) -> dict[str, Any]:
+    """``{"type": "error", "error": {...}}`` with our error type mapped to Anthropic's."""
+    if error_type not in _ANTHROPIC_TYPES:
+        if http_status == 429:
+            error_type = "rate_limit_error"
+        elif http_status in (503, 529):
+            error_type = "overloaded_error"
+        else:
+            error_type = "api_error" if http_status >= 500 else "invalid_request_error"
+    return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def _error_response(
+    request: Request,
+    body: dict[str, Any],
+    status: int,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    if request.url.path.startswith(ANTHROPIC_PATH_PREFIX):
+        body = anthropic_error_body(body["error"]["message"], body["error"]["type"], status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def error_body(
@@ -71,30 +109,22 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.http_status >= 500:
             level = logging.WARNING if exc.http_status == 503 else logging.ERROR
             log.log(level, "%s %s failed: %s", request.method, request.url.path, exc.message)
-        return JSONResponse(
-            omlx_error_body(exc), status_code=exc.http_status, headers=exc.headers()
-        )
+        return _error_response(request, omlx_error_body(exc), exc.http_status, exc.headers())
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = describe_validation(exc)
-        return JSONResponse(
-            error_body(message, "invalid_request_error", "invalid_request", param), status_code=400
-        )
+        body = error_body(message, "invalid_request_error", "invalid_request", param)
+        return _error_response(request, body, 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error_type = _STATUS_TYPES.get(exc.status_code, "server_error")
-        return JSONResponse(
-            error_body(str(exc.detail), error_type, None),
-            status_code=exc.status_code,
-            headers=exc.headers,
-        )
+        body = error_body(str(exc.detail), error_type, None)
+        return _error_response(request, body, exc.status_code, exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(
-            error_body(f"internal error: {type(exc).__name__}", "server_error", "internal_error"),
-            status_code=500,
-        )
+        body = error_body(f"internal error: {type(exc).__name__}", "server_error", "internal_error")
+        return _error_response(request, body, 500)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from omlx.api.output_parser import OutputParser, ParsedDelta, ToolCall
 from omlx.engine.stream import StreamEvent
 
 
@@ -87,32 +89,92 @@ class _Format:
 
 
 class ChatFormat(_Format):
+    """Chat completions; each choice's text goes through an OutputParser that
+    splits reasoning and tool calls out of the visible content."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def _chunk_choice(self, index: int, event: StreamEvent, first: bool) -> dict | None:
-        if first:  # the first chunk announces the role
-            delta: dict[str, Any] = {"role": "assistant", "content": event.text}
-        elif event.text:
-            delta = {"content": event.text}
-        elif event.finish_reason:
-            delta = {}
-        else:
+    def __init__(self, response_id: str, model: str, parsers: list[OutputParser]):
+        super().__init__(response_id, model, len(parsers))
+        self._parsers = parsers
+        self._parts = [_ChatParts() for _ in parsers]
+
+    def chunk(self, index: int, event: StreamEvent) -> dict[str, Any] | None:
+        parser, parts = self._parsers[index], self._parts[index]
+        parsed = parser.feed(event.text)
+        if event.finished:
+            parsed = _joined(parsed, parser.finish())
+        parts.add(parsed)
+        if event.finish_reason == "stop" and parts.tool_calls:
+            event = dataclasses.replace(event, finish_reason="tool_calls")
+        event = dataclasses.replace(event, text=parsed.content)
+        self.choices[index].add(event)
+        first = not self._started[index]
+        self._started[index] = True
+        delta: dict[str, Any] = {"role": "assistant", "content": parsed.content} if first else {}
+        if parsed.content and not first:
+            delta["content"] = parsed.content
+        if parsed.reasoning:
+            delta["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            start = len(parts.tool_calls) - len(parsed.tool_calls)
+            delta["tool_calls"] = [
+                {"index": start + i, **_tool_call_json(call)}
+                for i, call in enumerate(parsed.tool_calls)
+            ]
+        if not delta and not event.finish_reason:
             return None
-        return {
+        choice = {
             "index": index,
             "delta": delta,
             "logprobs": None,
             "finish_reason": event.finish_reason,
         }
+        return self._envelope(self.chunk_object_name, choices=[choice])
 
     def _final_choice(self, index: int, choice: Choice) -> dict[str, Any]:
+        parts = self._parts[index]
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": parts.content if parts.content or not parts.tool_calls else None,
+        }
+        if parts.reasoning:
+            message["reasoning_content"] = parts.reasoning
+        if parts.tool_calls:
+            message["tool_calls"] = [_tool_call_json(c) for c in parts.tool_calls]
         return {
             "index": index,
             "logprobs": None,
             "finish_reason": choice.finish_reason,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": message,
         }
+
+
+@dataclass(slots=True)
+class _ChatParts:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def add(self, parsed: ParsedDelta) -> None:
+        self.content += parsed.content
+        self.reasoning += parsed.reasoning
+        self.tool_calls.extend(parsed.tool_calls)
+
+
+def _joined(a: ParsedDelta, b: ParsedDelta) -> ParsedDelta:
+    return ParsedDelta(
+        a.content + b.content, a.reasoning + b.reasoning, a.tool_calls + b.tool_calls
+    )
+
+
+def _tool_call_json(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
 class CompletionFormat(_Format):

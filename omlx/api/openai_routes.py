@@ -10,8 +10,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from omlx.api.formats import ChatFormat, CompletionFormat, usage_of
 from omlx.api.generation import ClientGone, Generation, sse_stream, unless_disconnected
+from omlx.api.output_parser import parser_for
 from omlx.api.prompts import (
-    chat_prompt_ids,
+    chat_prompt,
     completion_prompt_ids,
     make_request,
     new_request_id,
@@ -35,15 +36,17 @@ def _state(request: Request) -> ServerState:
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     state = _state(request)
-    models = state.pool.available()
+    pool = state.pool
+    models = pool.available()
     return {
         "object": "list",
         "data": [
             {
-                "id": name,
+                "id": pool.public_name(name),
                 "object": "model",
                 "created": int(info.path.stat().st_mtime),
                 "owned_by": "omlx",
+                "state": pool.model_state(name),
             }
             for name, info in sorted(models.items())
         ],
@@ -106,15 +109,25 @@ async def _respond(
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
     engine = await state.pool.get_engine(body.model)
+    defaults = state.pool.request_defaults(engine.name)
     spec = grammar_spec(body)
-    prompt_ids = chat_prompt_ids(engine, body)
+    prompt = chat_prompt(engine, body, defaults.template_kwargs(body.chat_template_kwargs))
     params = sampling_params(
-        body, len(prompt_ids), engine, state.settings.sampling, state.settings.generation
+        body, len(prompt.ids), engine, defaults.sampling, defaults.generation, defaults.forced
     )
     grammar = await bind_grammar(engine, spec)
     rid = new_request_id("chatcmpl")
-    gen = Generation(engine, [make_request(rid, prompt_ids, params, grammar)])
-    return await _respond(request, body, gen, ChatFormat(rid, engine.name, 1), "chat")
+    gen = Generation(engine, [make_request(rid, prompt.ids, params, grammar)])
+    tools = bool(body.tools) and body.tool_choice != "none"
+    parser = parser_for(
+        engine.tokenizer,
+        tools_requested=tools,
+        reasoning=bool(getattr(engine.tokenizer, "has_thinking", False)),
+        prompt_text=prompt.text,
+        tool_schemas=body.tools if tools else None,
+    )
+    fmt = ChatFormat(rid, state.pool.public_name(engine.name), [parser])
+    return await _respond(request, body, gen, fmt, "chat")
 
 
 @router.post("/v1/completions")
@@ -127,17 +140,18 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     prompts = completion_prompt_ids(engine, body)
     grammar = await bind_grammar(engine, spec)
     rid = new_request_id("cmpl")
+    defaults = state.pool.request_defaults(engine.name)
     requests = [
         make_request(
             f"{rid}-{i}",
             ids,
             sampling_params(
-                body, len(ids), engine, state.settings.sampling, state.settings.generation
+                body, len(ids), engine, defaults.sampling, defaults.generation, defaults.forced
             ),
             grammar,
         )
         for i, ids in enumerate(prompts)
     ]
     echoes = [engine.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
-    fmt = CompletionFormat(rid, engine.name, echoes)
+    fmt = CompletionFormat(rid, state.pool.public_name(engine.name), echoes)
     return await _respond(request, body, Generation(engine, requests), fmt, "completion")

@@ -50,10 +50,11 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_prompt_ids(engine: ModelEngine, body: ChatCompletionRequest) -> list[int]:
-    return render_chat(
-        engine, chat_messages(body), tools=body.tools, template_kwargs=body.chat_template_kwargs
-    ).ids
+def chat_prompt(
+    engine: ModelEngine, body: ChatCompletionRequest, template_kwargs: dict[str, Any] | None
+) -> RenderedPrompt:
+    tools = body.tools if body.tool_choice != "none" else None
+    return render_chat(engine, chat_messages(body), tools=tools, template_kwargs=template_kwargs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +121,9 @@ def sampling_params(
     engine: ModelEngine,
     defaults: SamplingSettings,
     generation: GenerationSettings,
+    forced: frozenset[str] = frozenset(),
 ) -> SamplingParams:
-    """Request values over global defaults; checks the context window."""
+    """Request values over defaults; checks the context window."""
     if body.logprobs:
         raise InvalidRequestError("logprobs are not supported yet", param="logprobs")
     return build_sampling(
@@ -141,6 +143,7 @@ def sampling_params(
         ),
         defaults,
         generation,
+        forced,
     )
 
 
@@ -168,8 +171,10 @@ def build_sampling(
     req: SamplingRequest,
     defaults: SamplingSettings,
     generation: GenerationSettings,
+    forced: frozenset[str] = frozenset(),
 ) -> SamplingParams:
-    """Request values over defaults; checks the prompt and max tokens against the window."""
+    """Request values over defaults (except ``forced`` fields, where the defaults
+    win); checks the prompt and max tokens against the window."""
     window = engine.context_window
     if num_prompt_tokens >= window:
         raise ContextLengthExceededError(
@@ -190,15 +195,16 @@ def build_sampling(
     if not req.ignore_eos:
         stop_ids |= engine.loaded.eos_token_ids
 
-    def pick(value: Any, default: Any) -> Any:
-        return default if value is None else value
+    def pick(field: str) -> Any:
+        value = getattr(req, field)
+        return getattr(defaults, field) if value is None or field in forced else value
 
     return SamplingParams(
-        temperature=pick(req.temperature, defaults.temperature),
-        top_p=pick(req.top_p, defaults.top_p),
-        top_k=pick(req.top_k, defaults.top_k),
-        min_p=pick(req.min_p, defaults.min_p),
-        repetition_penalty=pick(req.repetition_penalty, defaults.repetition_penalty),
+        temperature=pick("temperature"),
+        top_p=pick("top_p"),
+        top_k=pick("top_k"),
+        min_p=pick("min_p"),
+        repetition_penalty=pick("repetition_penalty"),
         seed=req.seed,
         max_tokens=max_tokens,
         stop=req.stop,

@@ -3,81 +3,336 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from omlx.cache.hot import HotTier
 from omlx.cache.kv_codec import layer_layout
 from omlx.cache.prefix import PrefixCache, model_identity
 from omlx.cache.ssd import SSDStore
 from omlx.engine.model_engine import ModelEngine
+from omlx.engine.residency import ResidentModel, choose_evictions, expired
 from omlx.engine.runner import BatchRunner
 from omlx.engine.worker import MLXWorker
-from omlx.errors import ModelNotFoundError
+from omlx.errors import InsufficientMemoryError, ModelNotFoundError
 from omlx.memory.budget import guard_dims
 from omlx.memory.guard import MemoryGuard, memory_limits
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
 from omlx.models.discovery import ModelInfo, discover_models
 from omlx.models.loader import LoadedModel, load_model
+from omlx.models.model_settings import (
+    SAMPLING_KEYS,
+    ModelSettings,
+    ModelSettingsStore,
+    effective_context_window,
+    effective_template_kwargs,
+)
 from omlx.scheduler import Scheduler
-from omlx.settings import Settings
+from omlx.settings import GenerationSettings, SamplingSettings, Settings
 from omlx.sizes import format_bytes, parse_byte_size
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class RequestDefaults:
+    sampling: SamplingSettings
+    generation: GenerationSettings
+    # Sampling fields whose model value wins over the request's (force_sampling).
+    forced: frozenset[str]
+    model: ModelSettings
+
+    def template_kwargs(self, requested: dict[str, Any] | None) -> dict[str, Any]:
+        return effective_template_kwargs(requested, self.model)
+
+
+@dataclass(slots=True)
+class _Resident:
+    engine: ModelEngine
+    size_bytes: int
+    last_used_s: float
+
+
 class EnginePool:
-    def __init__(self, settings: Settings, worker: MLXWorker):
+    """Which models exist, which are loaded; loading on first use, unloading by
+    LRU (to make room), TTL (idle) or request. ``clock`` is monotonic seconds."""
+
+    # How long a load waits for busy models to go idle before giving up with 507.
+    busy_wait_s = 30.0
+
+    def __init__(
+        self, settings: Settings, worker: MLXWorker, clock: Callable[[], float] = time.monotonic
+    ):
         self.settings = settings
         self.model_dirs = settings.model_dirs
         self._worker = worker
+        self._clock = clock
         memory = settings.memory
         ram = total_ram_bytes()
         self.limits = memory_limits(memory, ram)
+        self.model_budget_bytes = _model_budget(memory.max_model_memory, self.limits.hard_bytes)
         self.probe = MemoryProbe(memory.poll_interval_s)
         log.info(
-            "memguard: hard limit %s (max_process_memory=%s, RAM %s), soft %s, transient margin %s",
+            "memguard: hard limit %s (max_process_memory=%s, RAM %s), soft %s, transient margin "
+            "%s, weights budget %s",
             format_bytes(self.limits.hard_bytes),
             memory.max_process_memory,
             format_bytes(ram),
             format_bytes(self.limits.soft_bytes),
             format_bytes(self.limits.transient_margin_bytes),
+            format_bytes(self.model_budget_bytes),
         )
-        self._engines: dict[str, ModelEngine] = {}
+        self.model_settings = ModelSettingsStore(settings.model_settings_path)
+        self._resident: dict[str, _Resident] = {}
+        self._loading: set[str] = set()
         self._load_locks: dict[str, asyncio.Lock] = {}
+        # One load decision (evict + load) at a time, so two loads never count
+        # the same free room.
+        self._room_lock = asyncio.Lock()
         self.hot_cache = _make_hot_tier(settings, ram)
+        self.num_loads = 0
+        self.num_evictions = 0
+
+    # -- discovery and names ------------------------------------------------
 
     def available(self) -> dict[str, ModelInfo]:
         """Re-scan the model dirs (cheap: a few stat calls per folder)."""
         return discover_models(self.model_dirs)
 
     def loaded(self) -> list[ModelEngine]:
-        return list(self._engines.values())
+        return [r.engine for r in self._resident.values()]
 
-    def resolve(self, name: str) -> ModelInfo:
+    def engine(self, name: str) -> ModelEngine | None:
+        resident = self._resident.get(name)
+        return resident.engine if resident is not None else None
+
+    def resolve(self, requested: str) -> ModelInfo:
+        """A folder name or alias -> the model; ModelNotFoundError lists what exists."""
         models = self.available()
-        info = models.get(name)
+        name = self.model_settings.resolve(requested, models)
+        info = models.get(name) if name is not None else None
         if info is None:
-            raise ModelNotFoundError(name, sorted(models))
-        return info
+            shown = sorted(self.public_name(n) for n in models)
+            raise ModelNotFoundError(requested, shown)
+        return _with_kind(info, self.model_settings.get(info.name).model_type)
 
-    async def get_engine(self, name: str) -> ModelEngine:
-        """The engine for ``name``, loading it first if needed (one load at a time)."""
-        engine = self._engines.get(name)
-        if engine is not None:
-            return engine
-        info = self.resolve(name)
+    def public_name(self, name: str) -> str:
+        """What clients see for a model folder: its alias, else its name."""
+        return self.model_settings.alias_of(name)
+
+    def default_model(self) -> str | None:
+        return self.model_settings.default_model() or self.settings.models.default_model
+
+    def model_state(self, name: str) -> str:
+        if name in self._loading:
+            return "loading"
+        if name in self._resident:
+            return "pinned" if self.model_settings.get(name).pinned else "loaded"
+        return "unloaded"
+
+    def status(self) -> list[dict[str, Any]]:
+        """Every discovered model with its state, for the admin API."""
+        now = self._clock()
+        out = []
+        for name, info in sorted(self.available().items()):
+            resident = self._resident.get(name)
+            model = self.model_settings.get(name)
+            out.append(
+                {
+                    "name": name,
+                    "alias": model.alias,
+                    "id": self.public_name(name),
+                    "path": str(info.path),
+                    "model_type": info.model_type,
+                    "kind": model.model_type or info.kind,
+                    "state": self.model_state(name),
+                    "pinned": model.pinned,
+                    "is_default": name == self.default_model(),
+                    "size_bytes": info.size_bytes,
+                    "memory_bytes": resident.size_bytes if resident else 0,
+                    "requests_in_flight": resident.engine.num_in_flight if resident else 0,
+                    "idle_s": round(now - resident.last_used_s, 1) if resident else None,
+                    "ttl_s": model.ttl_s,
+                }
+            )
+        return out
+
+    # -- loading ------------------------------------------------------------
+
+    async def get_engine(self, requested: str) -> ModelEngine:
+        """The engine for ``requested`` (name or alias), loading it first if needed."""
+        resident = self._resident.get(requested)
+        if resident is None:
+            info = self.resolve(requested)
+            resident = self._resident.get(info.name) or await self._load(info)
+        resident.last_used_s = self._clock()
+        return resident.engine
+
+    async def load(self, requested: str) -> ModelEngine:
+        return await self.get_engine(requested)
+
+    def touch(self, engine: ModelEngine) -> None:
+        resident = self._resident.get(engine.name)
+        if resident is not None:
+            resident.last_used_s = self._clock()
+
+    async def _load(self, info: ModelInfo) -> _Resident:
         lock = self._load_locks.setdefault(info.name, asyncio.Lock())
-        async with lock:
-            engine = self._engines.get(info.name)
-            if engine is None:
-                future = self._worker.submit(self._load_on_worker, info)
-                engine = await asyncio.wrap_future(future)
-                self._engines[info.name] = engine
-        return engine
+        async with lock:  # one load at a time per model; others wait for it
+            resident = self._resident.get(info.name)
+            if resident is not None:
+                return resident
+            async with self._room_lock:
+                await self._make_room(info)
+                self._loading.add(info.name)
+                try:
+                    future = self._worker.submit(self._load_on_worker, info)
+                    engine = await asyncio.wrap_future(future)
+                finally:
+                    self._loading.discard(info.name)
+            resident = _Resident(engine, _weights_bytes(engine), self._clock())
+            self._resident[info.name] = resident
+            self.num_loads += 1
+            self._publish_limits()
+            return resident
+
+    async def _make_room(self, info: ModelInfo) -> None:
+        """Evict LRU idle unpinned models until ``info`` fits the weights budget;
+        wait for busy ones for up to ``busy_wait_s``; else 507 with the numbers."""
+        need = info.size_bytes
+        budget = self.model_budget_bytes
+        if need > budget:
+            raise InsufficientMemoryError(
+                f"model '{info.name}' needs about {format_bytes(need)} for its weights but "
+                f"the memory budget for models is {format_bytes(budget)}; raise "
+                "memory.max_model_memory / memory.max_process_memory or use a smaller "
+                "(more quantized) model",
+                needed_bytes=need,
+                limit_bytes=budget,
+                used_bytes=self._used_bytes(),
+            )
+        deadline = self._clock() + self.busy_wait_s
+        while True:
+            victims = choose_evictions(self._residents(), need, self._used_bytes(), budget)
+            if victims is not None:
+                for name in victims:
+                    log.info("evicting %s (least recently used) to load %s", name, info.name)
+                    self.num_evictions += 1
+                    await self.unload(name)
+                return
+            if self._clock() >= deadline:
+                pinned = [n for n, r in self._resident.items() if self._pinned(n)]
+                raise InsufficientMemoryError(
+                    f"model '{info.name}' needs about {format_bytes(need)}; "
+                    f"{format_bytes(self._used_bytes())} of the {format_bytes(budget)} "
+                    "budget for models is held by models that are pinned "
+                    f"({', '.join(pinned) or 'none'}) or busy; unload or unpin one, or raise "
+                    "memory.max_model_memory",
+                    needed_bytes=need,
+                    limit_bytes=budget,
+                    used_bytes=self._used_bytes(),
+                )
+            await asyncio.sleep(0.2)
+
+    def _pinned(self, name: str) -> bool:
+        return self.model_settings.get(name).pinned
+
+    def _used_bytes(self) -> int:
+        return sum(r.size_bytes for r in self._resident.values())
+
+    def _residents(self) -> list[ResidentModel]:
+        return [
+            ResidentModel(
+                name,
+                r.size_bytes,
+                pinned=self._pinned(name),
+                in_flight=r.engine.num_in_flight,
+                last_used_s=r.last_used_s,
+                ttl_s=self.model_settings.get(name).ttl_s,
+            )
+            for name, r in self._resident.items()
+        ]
+
+    # -- unloading ----------------------------------------------------------
+
+    async def unload(self, requested: str, *, drain_s: float = 0.0) -> bool:
+        """Unload a model. Requests in flight get ``drain_s`` to finish; what is
+        left is failed with a clear 503 error. False if it was not loaded."""
+        name = self._resident_name(requested)
+        if name is None:
+            return False
+        resident = self._resident[name]
+        deadline = self._clock() + drain_s
+        while resident.engine.num_in_flight and self._clock() < deadline:
+            await asyncio.sleep(0.05)
+        del self._resident[name]
+        if self._worker.is_alive:
+            await asyncio.wrap_future(self._worker.submit(self._unload_on_worker, resident.engine))
+        log.info("unloaded %s", name)
+        return True
+
+    def _resident_name(self, requested: str) -> str | None:
+        if requested in self._resident:
+            return requested
+        name = self.model_settings.resolve(requested, self._resident)
+        return name if name in self._resident else None
+
+    async def expire_idle(self) -> list[str]:
+        """Unload models idle past their TTL (or the global idle timeout)."""
+        names = expired(self._residents(), self._clock(), self.settings.models.idle_timeout_s)
+        for name in names:
+            log.info("unloading %s: idle past its time to live", name)
+            await self.unload(name)
+        return names
+
+    async def maintain(self, interval_s: float) -> None:
+        """Background task: idle expiry and limits published to every engine."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                self._publish_limits()
+                await self.expire_idle()
+            except Exception:
+                log.exception("pool maintenance failed")
+
+    def request_defaults(self, name: str) -> RequestDefaults:
+        """Global sampling/generation defaults with the model's settings over them."""
+        model = self.model_settings.get(name)
+        sampling = self.settings.sampling.model_copy(
+            update={k: getattr(model, k) for k in SAMPLING_KEYS if getattr(model, k) is not None}
+        )
+        generation = self.settings.generation
+        if model.max_tokens is not None:
+            generation = generation.model_copy(update={"max_tokens": model.max_tokens})
+        forced = frozenset(
+            k for k in SAMPLING_KEYS if model.force_sampling and getattr(model, k) is not None
+        )
+        return RequestDefaults(sampling, generation, forced, model)
+
+    def context_window_for(self, loaded: LoadedModel) -> int:
+        return effective_context_window(
+            self.model_settings.get(loaded.info.name).max_context_window,
+            self.settings.generation.max_context_window,
+            loaded.native_context,
+        )
+
+    def settings_changed(self, name: str | None = None) -> None:
+        """Apply changed model (or global) settings to loaded engines, without restart."""
+        for resident in self._resident.values():
+            engine = resident.engine
+            if name is None or engine.name == name:
+                engine.context_window = self.context_window_for(engine.loaded)
+
+    def _publish_limits(self) -> None:
+        for resident in self._resident.values():
+            resident.engine.guard.publish(self.limits)
 
     def _load_on_worker(self, info: ModelInfo) -> ModelEngine:
         loaded = load_model(info)
@@ -96,9 +351,7 @@ class EnginePool:
             prefix_cache=prefix,
         )
         scheduler = Scheduler(sched.max_concurrent_requests, sched.max_queued_requests)
-        window = self.settings.generation.max_context_window
-        if loaded.native_context:
-            window = min(window, loaded.native_context)
+        window = self.context_window_for(loaded)
         dims = guard_dims(
             loaded.config, kv_dtype_bytes=_activation_bytes(loaded.model), model=loaded.info.name
         )
@@ -158,7 +411,8 @@ class EnginePool:
 
     async def close(self) -> None:
         """Abort all work and unload every model."""
-        engines, self._engines = list(self._engines.values()), {}
+        engines = [r.engine for r in self._resident.values()]
+        self._resident.clear()
         if not self._worker.is_alive:
             return
         for engine in engines:
@@ -209,3 +463,25 @@ def _ssd_budget(value: str | int, directory: Path) -> int | Literal["auto"]:
 
 def _safe_dir_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"
+
+
+def _model_budget(value: str | int, hard_bytes: int) -> int:
+    if value == "auto":
+        return hard_bytes
+    return min(hard_bytes, parse_byte_size(value, total_bytes=hard_bytes, field="max_model_memory"))
+
+
+def _weights_bytes(engine: ModelEngine) -> int:
+    """Bytes of the loaded parameters (what the model really holds, e.g. after a
+    float32 upcast), falling back to the files' size."""
+    from mlx.utils import tree_flatten
+
+    try:
+        params = tree_flatten(engine.loaded.model.parameters())
+        return int(sum(p.nbytes for _, p in params)) or engine.loaded.info.size_bytes
+    except Exception:
+        return engine.loaded.info.size_bytes
+
+
+def _with_kind(info: ModelInfo, kind: str | None) -> ModelInfo:
+    return info if kind is None or kind == info.kind else dataclasses.replace(info, kind=kind)

@@ -1,0 +1,266 @@
+"""The admin API (``/admin/api``): models, per-model and global settings, cache, memory.
+
+Every route requires the API key or a login session when a key is set.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import ValidationError
+
+from omlx import __version__
+from omlx.api.auth import require_admin
+from omlx.api.state import ServerState
+from omlx.errors import InvalidRequestError, NotFoundError, SettingsError
+from omlx.settings import Settings, describe_validation_error, set_file_value
+
+router = APIRouter(prefix="/admin/api", dependencies=[Depends(require_admin)])
+
+# Global settings that take effect on the running server when changed; the
+# rest are saved and apply at the next start.
+LIVE_SETTINGS = frozenset(
+    {
+        "server.api_key",
+        "server.sse_keepalive_s",
+        "models.default_model",
+        "models.idle_timeout_s",
+        "sampling.temperature",
+        "sampling.top_p",
+        "sampling.top_k",
+        "sampling.min_p",
+        "sampling.repetition_penalty",
+        "generation.max_context_window",
+        "generation.max_tokens",
+    }
+)
+_SECRET = "server.api_key"
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.omlx
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"the body is not valid JSON: {exc.msg}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the body must be a JSON object")
+    return body
+
+
+def _known_model(state: ServerState, name: str) -> str:
+    """The folder name for ``name`` (folder or alias); 404 when unknown."""
+    return state.pool.resolve(name).name
+
+
+# -- server ----------------------------------------------------------------
+
+
+@router.get("/status")
+async def status(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    pool = state.pool
+    return {
+        "version": __version__,
+        "auth_enabled": request.app.state.auth.enabled,
+        "models": pool.status(),
+        "memory": _memory(state),
+        "num_loads": pool.num_loads,
+        "num_evictions": pool.num_evictions,
+    }
+
+
+# -- models ----------------------------------------------------------------
+
+
+@router.get("/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"models": _state(request).pool.status()}
+
+
+@router.post("/models/{name:path}/load")
+async def load_model(name: str, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    engine = await state.pool.load(name)
+    return {"name": engine.name, "state": state.pool.model_state(engine.name)}
+
+
+@router.post("/models/{name:path}/unload")
+async def unload_model(name: str, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    body = await _json_object(request)
+    drain_s = body.get("drain_s", 0.0)
+    if not isinstance(drain_s, int | float) or not 0 <= drain_s <= 600:
+        raise InvalidRequestError("'drain_s' must be a number of seconds in 0..600")
+    folder = _known_model(state, name)
+    unloaded = await state.pool.unload(folder, drain_s=float(drain_s))
+    return {"name": folder, "unloaded": unloaded, "state": state.pool.model_state(folder)}
+
+
+@router.get("/models/{name:path}/settings")
+async def get_model_settings(name: str, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    folder = _known_model(state, name)
+    return {"name": folder, "settings": state.pool.model_settings.get(folder).model_dump()}
+
+
+@router.put("/models/{name:path}/settings")
+async def put_model_settings(name: str, request: Request) -> dict[str, Any]:
+    """Merge the given fields into the model's settings (null clears a field)."""
+    state = _state(request)
+    folder = _known_model(state, name)
+    changes = await _json_object(request)
+    pool = state.pool
+    saved = pool.model_settings.update(folder, changes, available=list(pool.available()))
+    pool.settings_changed(folder)
+    return {"name": folder, "settings": saved.model_dump()}
+
+
+@router.delete("/models/{name:path}/settings")
+async def reset_model_settings(name: str, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    folder = _known_model(state, name)
+    state.pool.model_settings.reset(folder)
+    state.pool.settings_changed(folder)
+    return {"name": folder, "settings": state.pool.model_settings.get(folder).model_dump()}
+
+
+# -- global settings -------------------------------------------------------
+
+
+def _public_settings(settings: Settings) -> dict[str, Any]:
+    data = settings.model_dump(mode="json")
+    if data["server"].get("api_key"):
+        data["server"]["api_key"] = "***"
+    return data
+
+
+@router.get("/settings")
+async def get_settings(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    return {
+        "settings": _public_settings(state.settings),
+        "live": sorted(LIVE_SETTINGS),
+        "path": str(state.settings.settings_path),
+    }
+
+
+def _flatten(changes: dict[str, Any]) -> dict[str, Any]:
+    flat = {}
+    for group, fields in changes.items():
+        if not isinstance(fields, dict):
+            raise InvalidRequestError(
+                f"'{group}' must be an object of fields, e.g. {{\"{group}\": {{...}}}}",
+                param=group,
+            )
+        for field, value in fields.items():
+            flat[f"{group}.{field}"] = value
+    return flat
+
+
+@router.put("/settings")
+async def put_settings(request: Request) -> dict[str, Any]:
+    """Validate and save ``{group: {field: value}}``; live fields apply at once."""
+    state = _state(request)
+    flat = _flatten(await _json_object(request))
+    if not flat:
+        raise InvalidRequestError("no settings given")
+    settings = state.settings
+    # Validate everything against the running settings before writing anything.
+    merged = settings.model_dump()
+    for key, value in flat.items():
+        group, field = key.split(".", 1)
+        if group not in merged or not isinstance(merged[group], dict):
+            raise SettingsError(f"unknown settings group '{group}'", param=key)
+        merged[group][field] = value
+    try:
+        Settings.model_validate(merged)
+    except ValidationError as exc:
+        raise SettingsError(describe_validation_error(exc)) from None
+    for key, value in flat.items():
+        set_file_value(settings.base_path, key, value)
+    applied, restart = [], []
+    for key, value in flat.items():
+        group, field = key.split(".", 1)
+        if key in LIVE_SETTINGS:
+            setattr(getattr(settings, group), field, value)
+            applied.append(key)
+        else:
+            restart.append(key)
+    state.pool.settings_changed()
+    return {
+        "applied": sorted(applied),
+        "restart_required": sorted(restart),
+        "settings": _public_settings(settings),
+    }
+
+
+# -- cache -----------------------------------------------------------------
+
+
+@router.get("/cache/stats")
+async def cache_stats(request: Request) -> dict[str, Any]:
+    pool = _state(request).pool
+    hot = pool.hot_cache
+    models = {e.name: e.prefix_cache.stats() for e in pool.loaded() if e.prefix_cache is not None}
+    return {
+        "enabled": hot is not None,
+        "hot": asdict(hot.stats()) if hot is not None else None,
+        "models": models,
+    }
+
+
+@router.post("/cache/clear")
+async def cache_clear(request: Request) -> dict[str, Any]:
+    """Body: ``{"tier": "hot" | "ssd" | "both", "model": optional name}``."""
+    state = _state(request)
+    body = await _json_object(request)
+    tier = body.get("tier", "both")
+    if tier not in ("hot", "ssd", "both"):
+        raise InvalidRequestError("'tier' must be 'hot', 'ssd' or 'both'", param="tier")
+    hot = state.pool.hot_cache
+    if hot is None:
+        raise NotFoundError("the prefix cache is disabled (cache.enabled=false)")
+    identity = None
+    if body.get("model"):
+        engine = state.pool.engine(_known_model(state, str(body["model"])))
+        if engine is None or engine.prefix_cache is None:
+            raise InvalidRequestError(
+                f"model '{body['model']}' is not loaded; its cache is cleared when it is",
+                param="model",
+            )
+        identity = engine.prefix_cache.identity
+    hot.clear(identity, tier=tier)
+    return {"cleared": tier, "model": body.get("model"), "hot": asdict(hot.stats())}
+
+
+# -- memory ----------------------------------------------------------------
+
+
+def _memory(state: ServerState) -> dict[str, Any]:
+    pool = state.pool
+    reading = pool.probe.reading()
+    limits = pool.limits
+    return {
+        "limit_bytes": limits.hard_bytes,
+        "soft_limit_bytes": limits.soft_bytes,
+        "transient_margin_bytes": limits.transient_margin_bytes,
+        "model_budget_bytes": pool.model_budget_bytes,
+        "current_bytes": reading.resident_bytes,
+        "reading": asdict(reading),
+        "guards": {e.name: e.guard.describe() for e in pool.loaded()},
+    }
+
+
+@router.get("/memory")
+async def memory(request: Request) -> dict[str, Any]:
+    return _memory(_state(request))

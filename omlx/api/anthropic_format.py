@@ -1,0 +1,342 @@
+"""Anthropic Messages API <-> our chat pipeline.
+
+Requests become OpenAI-style messages and tools for ``render_chat`` (the chat
+templates speak that shape); engine events become Messages content blocks and
+the named stream events (message_start, content_block_*, message_delta...).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from omlx.api.anthropic_schemas import CountTokensRequest, MessagesRequest
+from omlx.api.output_parser import OutputParser, ParsedDelta, ToolCall
+from omlx.api.prompts import SamplingRequest
+from omlx.api.structured import _from_extension
+from omlx.engine.stream import StreamEvent
+from omlx.errors import InvalidRequestError
+from omlx.grammar.spec import GrammarSpec
+
+Frame = tuple[str, dict[str, Any]]  # (SSE event name, data)
+PING: Frame = ("ping", {"type": "ping"})
+
+
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+# ---- request -> chat template input ------------------------------------------------
+
+
+def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+    """OpenAI-style messages: system first, tool_use -> tool_calls, tool_result -> tool."""
+    messages: list[dict[str, Any]] = []
+    system = _system_text(body.system)
+    if system:
+        messages.append({"role": "system", "content": system})
+    for i, msg in enumerate(body.messages):
+        blocks = _blocks(msg.content)
+        if msg.role == "user":
+            messages.extend(_user_messages(blocks, i))
+        else:
+            messages.append(_assistant_message(blocks, i))
+    return messages
+
+
+def _blocks(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+
+def _system_text(system: str | list[dict[str, Any]] | None) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    return "\n".join(_text_of(block, f"system[{j}]") for j, block in enumerate(system))
+
+
+def _text_of(block: dict[str, Any], param: str) -> str:
+    if block.get("type") != "text":
+        _refuse(block.get("type"), param)
+    return str(block.get("text", ""))
+
+
+def _refuse(kind: Any, param: str) -> None:
+    if kind in ("image", "document"):
+        message = f"{param}: {kind} content is not supported by this server; send text only"
+    else:
+        message = f"{param}: content block type '{kind}' is not supported here"
+    raise InvalidRequestError(message, param=param)
+
+
+def _user_messages(blocks: list[dict[str, Any]], i: int) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for j, block in enumerate(blocks):
+        param = f"messages[{i}].content[{j}]"
+        if block.get("type") != "tool_result":
+            texts.append(_text_of(block, param))
+            continue
+        if texts:
+            out.append({"role": "user", "content": "\n".join(texts)})
+            texts = []
+        tool_use_id = block.get("tool_use_id")
+        if not isinstance(tool_use_id, str) or not tool_use_id:
+            raise InvalidRequestError(f"{param}.tool_use_id is required", param=param)
+        content = _tool_result_text(block.get("content"), param)
+        out.append({"role": "tool", "tool_call_id": tool_use_id, "content": content})
+    if texts or not out:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _tool_result_text(content: Any, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"{param}.content must be a string or blocks", param=param)
+    return "\n".join(_text_of(b, f"{param}.content[{k}]") for k, b in enumerate(content))
+
+
+def _assistant_message(blocks: list[dict[str, Any]], i: int) -> dict[str, Any]:
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        param = f"messages[{i}].content[{j}]"
+        kind = block.get("type")
+        if kind in ("thinking", "redacted_thinking"):
+            continue  # past reasoning stays out of the prompt, as chat templates expect
+        if kind == "tool_use":
+            calls.append(_tool_call(block, param))
+        else:
+            texts.append(_text_of(block, param))
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _tool_call(block: dict[str, Any], param: str) -> dict[str, Any]:
+    name, call_id, arguments = block.get("name"), block.get("id"), block.get("input", {})
+    if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(arguments, dict):
+        raise InvalidRequestError(
+            f"{param}: a tool_use block needs an 'id', a 'name' and an object 'input'",
+            param=param,
+        )
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
+
+
+def chat_tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
+    """OpenAI function tools for the template; None when there are none to offer.
+
+    tool_choice "any" and "tool" are accepted but act as "auto": nothing forces
+    the model to call a tool (grammar-forced calls would need the model's markup).
+    """
+    if not body.tools or (body.tool_choice is not None and body.tool_choice.type == "none"):
+        return None
+    tools = []
+    for i, tool in enumerate(body.tools):
+        if tool.type not in (None, "custom"):
+            raise InvalidRequestError(
+                f"tools[{i}]: server tool type '{tool.type}' is not supported",
+                param=f"tools[{i}].type",
+            )
+        function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+        if tool.description:
+            function["description"] = tool.description
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def template_kwargs(body: CountTokensRequest) -> dict[str, Any] | None:
+    if body.thinking is None:
+        return None
+    return {"enable_thinking": body.thinking.type != "disabled"}
+
+
+def sampling_request(body: MessagesRequest) -> SamplingRequest:
+    return SamplingRequest(
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        stop=tuple(body.stop_sequences or ()),
+    )
+
+
+def output_grammar(body: MessagesRequest) -> GrammarSpec | None:
+    """The JSON output format asked for (output_config.format or output_format)."""
+    fmt, param = body.output_config.format if body.output_config else None, "output_config.format"
+    if fmt is None and body.output_format is not None:
+        fmt, param = body.output_format, "output_format"
+    extension = _from_extension(body.structured_outputs)
+    if fmt is None:
+        return extension
+    if extension is not None:
+        raise InvalidRequestError(
+            f"use either {param} or structured_outputs, not both", param="structured_outputs"
+        )
+    if fmt.get("type") != "json_schema":
+        raise InvalidRequestError(f"{param}.type must be 'json_schema'", param=f"{param}.type")
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(
+            f"{param}.schema must be a JSON schema object", param=f"{param}.schema"
+        )
+    return GrammarSpec.json_schema(schema, strict=True, param=f"{param}.schema")
+
+
+# ---- engine events -> Messages response ---------------------------------------------
+
+
+def stop_reason(finish_reason: str | None, has_tool_calls: bool, stop_sequence: str | None) -> str:
+    # Tool calls win even over max_tokens: the client must answer every tool_use.
+    if has_tool_calls:
+        return "tool_use"
+    if finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if stop_sequence is not None else "end_turn"
+
+
+class MessageFormat:
+    """One Messages response as it accumulates: stream frames per engine event, and
+    the final body. Blocks are built once, so streamed and whole answers agree."""
+
+    def __init__(
+        self,
+        message_id: str,
+        model: str,
+        parser: OutputParser,
+        *,
+        num_prompt_tokens: int,
+        stop_sequences: tuple[str, ...] = (),
+    ):
+        self.message_id = message_id
+        self.model = model
+        self.parser = parser
+        self.stop_sequences = stop_sequences
+        self.blocks: list[dict[str, Any]] = []
+        self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self._open: str | None = None  # type of the last block while it takes deltas
+        self._pending_ws = ""  # whitespace that would open a text block on its own
+
+    def start(self) -> list[Frame]:
+        usage = {**self.usage(), "input_tokens": self.num_prompt_tokens}
+        message = {**self.body(), "content": [], "stop_reason": None, "usage": usage}
+        return [("message_start", {"type": "message_start", "message": message}), PING]
+
+    def add(self, event: StreamEvent) -> list[Frame]:
+        """Record an engine event; the frames to stream for it."""
+        self.num_prompt_tokens = event.num_prompt_tokens or self.num_prompt_tokens
+        self.num_output_tokens = event.num_output_tokens or self.num_output_tokens
+        self.num_cached_tokens = event.num_cached_tokens or self.num_cached_tokens
+        frames = self._delta(self.parser.feed(event.text))
+        if event.finish_reason is None:
+            return frames
+        self.finish_reason = event.finish_reason
+        self.stop_sequence = self._matched_stop(event.finish_reason)
+        frames += self._delta(self.parser.finish())
+        frames += self._close()
+        delta = {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}
+        frames.append(
+            ("message_delta", {"type": "message_delta", "delta": delta, "usage": self.usage()})
+        )
+        frames.append(("message_stop", {"type": "message_stop"}))
+        return frames
+
+    @property
+    def stop_reason(self) -> str:
+        has_tools = any(b["type"] == "tool_use" for b in self.blocks)
+        return stop_reason(self.finish_reason, has_tools, self.stop_sequence)
+
+    def _matched_stop(self, finish_reason: str) -> str | None:
+        # The engine drops a matched stop string and says "stop", as for an
+        # end-of-sequence token; until its events name the string, a "stop"
+        # with stop sequences given counts as the first of them.
+        if finish_reason != "stop" or not self.stop_sequences:
+            return None
+        return self.stop_sequences[0]
+
+    def usage(self) -> dict[str, int]:
+        # Anthropic counts cache reads apart from input_tokens.
+        return {
+            "input_tokens": self.num_prompt_tokens - self.num_cached_tokens,
+            "output_tokens": self.num_output_tokens,
+            "cache_read_input_tokens": self.num_cached_tokens,
+            "cache_creation_input_tokens": 0,
+        }
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": self.blocks,
+            "stop_reason": self.stop_reason if self.finish_reason else None,
+            "stop_sequence": self.stop_sequence,
+            "usage": self.usage(),
+        }
+
+    def _delta(self, parsed: ParsedDelta) -> list[Frame]:
+        frames = []
+        if parsed.reasoning:
+            frames += self._text_delta("thinking", parsed.reasoning)
+        if parsed.content:
+            frames += self._text_delta("text", parsed.content)
+        for call in parsed.tool_calls:
+            frames += self._tool_use(call)
+        return frames
+
+    def _text_delta(self, kind: str, text: str) -> list[Frame]:
+        frames: list[Frame] = []
+        if self._open != kind:
+            if kind == "text":
+                text, self._pending_ws = self._pending_ws + text, ""
+                if not text.strip():
+                    self._pending_ws = text
+                    return []
+            frames += self._close()
+            empty = {"type": "thinking", "thinking": "", "signature": ""}
+            frames.append(
+                self._start(empty if kind == "thinking" else {"type": "text", "text": ""})
+            )
+            self._open = kind
+        self.blocks[-1][kind] += text
+        delta = {"type": f"{kind}_delta", kind: text}
+        frames.append(("content_block_delta", self._indexed("content_block_delta", delta=delta)))
+        return frames
+
+    def _tool_use(self, call: ToolCall) -> list[Frame]:
+        self._pending_ws = ""
+        frames = self._close()
+        tool_id = "toolu_" + call.id.removeprefix("call_")
+        frames.append(
+            self._start({"type": "tool_use", "id": tool_id, "name": call.name, "input": {}})
+        )
+        self.blocks[-1]["input"] = json.loads(call.arguments)
+        delta = {"type": "input_json_delta", "partial_json": call.arguments}
+        frames.append(("content_block_delta", self._indexed("content_block_delta", delta=delta)))
+        frames.append(("content_block_stop", self._indexed("content_block_stop")))
+        return frames
+
+    def _start(self, block: dict[str, Any]) -> Frame:
+        self.blocks.append(dict(block))
+        return ("content_block_start", self._indexed("content_block_start", content_block=block))
+
+    def _close(self) -> list[Frame]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [("content_block_stop", self._indexed("content_block_stop"))]
+
+    def _indexed(self, event_type: str, **fields: Any) -> dict[str, Any]:
+        return {"type": event_type, "index": len(self.blocks) - 1, **fields}

@@ -1,0 +1,154 @@
+"""Anthropic Messages API routes: /v1/messages and /v1/messages/count_tokens."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from omlx.api.anthropic_format import (
+    PING,
+    Frame,
+    MessageFormat,
+    chat_messages,
+    chat_tools,
+    new_message_id,
+    output_grammar,
+    sampling_request,
+    template_kwargs,
+)
+from omlx.api.anthropic_schemas import CountTokensRequest, MessagesRequest
+from omlx.api.errors import anthropic_error_body
+from omlx.api.generation import ClientGone, Generation, unless_disconnected
+from omlx.api.output_parser import parser_for
+from omlx.api.prompts import RenderedPrompt, build_sampling, make_request, render_chat
+from omlx.api.state import ServerState
+from omlx.api.structured import bind_grammar
+from omlx.engine.model_engine import ModelEngine
+from omlx.engine.stream import StreamEvent
+
+router = APIRouter()
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.omlx
+
+
+def sse_event(frame: Frame) -> str:
+    """A named SSE event; compact JSON never contains a raw newline."""
+    name, payload = frame
+    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {name}\ndata: {data}\n\n"
+
+
+def _render(
+    engine: ModelEngine, body: CountTokensRequest
+) -> tuple[RenderedPrompt, list[dict[str, Any]] | None]:
+    tools = chat_tools(body)
+    prompt = render_chat(
+        engine, chat_messages(body), tools=tools, template_kwargs=template_kwargs(body)
+    )
+    return prompt, tools
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
+    chat_messages(body)  # a bad conversation is refused before any model loads
+    engine = await _state(request).pool.get_engine(body.model)
+    prompt, _ = _render(engine, body)
+    return {"input_tokens": len(prompt.ids)}
+
+
+@router.post("/v1/messages")
+async def create_message(body: MessagesRequest, request: Request) -> Response:
+    state = _state(request)
+    chat_messages(body)
+    spec = output_grammar(body)
+    engine = await state.pool.get_engine(body.model)
+    prompt, tools = _render(engine, body)
+    params = build_sampling(
+        engine,
+        len(prompt.ids),
+        sampling_request(body),
+        state.settings.sampling,
+        state.settings.generation,
+    )
+    grammar = await bind_grammar(engine, spec)
+    message_id = new_message_id()
+    gen = Generation(engine, [make_request(message_id, prompt.ids, params, grammar)])
+    parser = parser_for(
+        engine.tokenizer,
+        tools_requested=tools is not None,
+        prompt_text=prompt.text,
+        tool_schemas=tools,
+    )
+    fmt = MessageFormat(
+        message_id,
+        engine.name,
+        parser,
+        num_prompt_tokens=len(prompt.ids),
+        stop_sequences=params.stop,
+    )
+    gen.submit()
+    if body.stream:
+        frames = _stream(gen, fmt, state.settings.server.sse_keepalive_s)
+        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        await unless_disconnected(request, _collect(gen, fmt), gen.abort_unfinished)
+    except ClientGone:
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed"
+    return JSONResponse(fmt.body())
+
+
+def _add(gen: Generation, fmt: MessageFormat, event: StreamEvent) -> list[Frame]:
+    frames = fmt.add(event)
+    if event.finish_reason is not None:
+        usage = fmt.usage()
+        gen.log_done(
+            "messages",
+            fmt.num_prompt_tokens,
+            usage["output_tokens"],
+            [event.finish_reason],
+        )
+    return frames
+
+
+async def _collect(gen: Generation, fmt: MessageFormat) -> None:
+    async with aclosing(gen.events(keepalive_s=3600.0)) as events:
+        async for item in events:
+            if item is None:
+                continue
+            _, event = item
+            if event.error is not None:
+                gen.abort_unfinished()
+                raise event.error
+            _add(gen, fmt, event)
+
+
+async def _stream(gen: Generation, fmt: MessageFormat, keepalive_s: float) -> AsyncIterator[str]:
+    """Named SSE events for one message; the client going away aborts it."""
+    try:
+        for frame in fmt.start():
+            yield sse_event(frame)
+        # aclosing: a disconnect cancels us mid-iteration; close the pump tasks now.
+        async with aclosing(gen.events(keepalive_s)) as events:
+            async for item in events:
+                if item is None:
+                    yield sse_event(PING)  # Anthropic's keep-alive
+                    continue
+                _, event = item
+                if event.error is not None:
+                    exc = event.error
+                    body = anthropic_error_body(exc.message, exc.error_type, exc.http_status)
+                    yield sse_event(("error", body))
+                    break
+                for frame in _add(gen, fmt, event):
+                    yield sse_event(frame)
+    finally:
+        gen.abort_unfinished()
