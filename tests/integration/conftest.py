@@ -11,13 +11,20 @@ from omlx.engine.worker import MLXWorker
 from omlx.settings import Settings
 
 
-def pool_settings(base: Path, model_dir: Path, cache: dict | None = None, **scheduler: int):
+def pool_settings(
+    base: Path,
+    model_dir: Path,
+    cache: dict | None = None,
+    memory: dict | None = None,
+    **scheduler: int,
+):
     """Settings for a test pool: models from ``model_dir``, everything else under ``base``."""
     return Settings(
         base_path=base,
         models={"model_dirs": [model_dir]},
         scheduler=scheduler,
         cache=cache or {"enabled": False},
+        memory=memory or {},
     )
 
 
@@ -28,11 +35,14 @@ def make_pool(tiny_models_dir: Path, tmp_path: Path) -> Iterator:
     made: list[tuple[EnginePool, MLXWorker]] = []
 
     def make(
-        model_dir: Path = tiny_models_dir, cache: dict | None = None, **scheduler: int
+        model_dir: Path = tiny_models_dir,
+        cache: dict | None = None,
+        memory: dict | None = None,
+        **scheduler: int,
     ) -> EnginePool:
         worker = MLXWorker()
         worker.start()
-        pool = EnginePool(pool_settings(tmp_path, model_dir, cache, **scheduler), worker)
+        pool = EnginePool(pool_settings(tmp_path, model_dir, cache, memory, **scheduler), worker)
         made.append((pool, worker))
         return pool
 
