@@ -119,6 +119,22 @@ class InsufficientMemoryError(OmlxError):
         }
 
 
+class MemoryPressureError(OmlxError):
+    """Work ended or refused because memory is at the limit (forward gate, enforcer,
+    released memory). Retrying later may succeed."""
+
+    http_status = 503
+    error_type = "overloaded_error"
+    code = "memory_pressure"
+
+    def __init__(self, message: str, *, retry_after_s: int = 2):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
 class ModelLoadError(OmlxError):
     """A model folder exists but cannot be loaded (bad files, unsupported type)."""
 

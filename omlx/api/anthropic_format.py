@@ -14,7 +14,7 @@ from typing import Any
 from omlx.api.anthropic_schemas import CountTokensRequest, MessagesRequest
 from omlx.api.output_parser import OutputParser, ParsedDelta, ToolCall
 from omlx.api.prompts import SamplingRequest
-from omlx.api.structured import _from_extension
+from omlx.api.structured import extension_spec
 from omlx.engine.stream import StreamEvent
 from omlx.errors import InvalidRequestError
 from omlx.grammar.spec import GrammarSpec
@@ -173,7 +173,7 @@ def output_grammar(body: MessagesRequest) -> GrammarSpec | None:
     fmt, param = body.output_config.format if body.output_config else None, "output_config.format"
     if fmt is None and body.output_format is not None:
         fmt, param = body.output_format, "output_format"
-    extension = _from_extension(body.structured_outputs)
+    extension = extension_spec(body.structured_outputs)
     if fmt is None:
         return extension
     if extension is not None:
@@ -242,7 +242,7 @@ class MessageFormat:
         if event.finish_reason is None:
             return frames
         self.finish_reason = event.finish_reason
-        self.stop_sequence = self._matched_stop(event.finish_reason)
+        self.stop_sequence = event.stop_string
         frames += self._delta(self.parser.finish())
         frames += self._close()
         delta = {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}
@@ -256,14 +256,6 @@ class MessageFormat:
     def stop_reason(self) -> str:
         has_tools = any(b["type"] == "tool_use" for b in self.blocks)
         return stop_reason(self.finish_reason, has_tools, self.stop_sequence)
-
-    def _matched_stop(self, finish_reason: str) -> str | None:
-        # The engine drops a matched stop string and says "stop", as for an
-        # end-of-sequence token; until its events name the string, a "stop"
-        # with stop sequences given counts as the first of them.
-        if finish_reason != "stop" or not self.stop_sequences:
-            return None
-        return self.stop_sequences[0]
 
     def usage(self) -> dict[str, int]:
         # Anthropic counts cache reads apart from input_tokens.

@@ -48,30 +48,28 @@ def sse_event(frame: Frame) -> str:
 
 
 def _render(
-    engine: ModelEngine, body: CountTokensRequest
+    engine: ModelEngine, body: CountTokensRequest, messages: list[dict[str, Any]]
 ) -> tuple[RenderedPrompt, list[dict[str, Any]] | None]:
     tools = chat_tools(body)
-    prompt = render_chat(
-        engine, chat_messages(body), tools=tools, template_kwargs=template_kwargs(body)
-    )
+    prompt = render_chat(engine, messages, tools=tools, template_kwargs=template_kwargs(body))
     return prompt, tools
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
-    chat_messages(body)  # a bad conversation is refused before any model loads
+    messages = chat_messages(body)  # a bad conversation is refused before any model loads
     engine = await _state(request).pool.get_engine(body.model)
-    prompt, _ = _render(engine, body)
+    prompt, _ = _render(engine, body, messages)
     return {"input_tokens": len(prompt.ids)}
 
 
 @router.post("/v1/messages")
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     state = _state(request)
-    chat_messages(body)
+    messages = chat_messages(body)
     spec = output_grammar(body)
     engine = await state.pool.get_engine(body.model)
-    prompt, tools = _render(engine, body)
+    prompt, tools = _render(engine, body, messages)
     params = build_sampling(
         engine,
         len(prompt.ids),
@@ -109,12 +107,8 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
 def _add(gen: Generation, fmt: MessageFormat, event: StreamEvent) -> list[Frame]:
     frames = fmt.add(event)
     if event.finish_reason is not None:
-        usage = fmt.usage()
         gen.log_done(
-            "messages",
-            fmt.num_prompt_tokens,
-            usage["output_tokens"],
-            [event.finish_reason],
+            "messages", fmt.num_prompt_tokens, fmt.num_output_tokens, [event.finish_reason]
         )
     return frames
 

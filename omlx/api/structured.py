@@ -17,7 +17,7 @@ _EXTENSION_KINDS = ("json", "regex", "grammar", "choice")
 def grammar_spec(body: ChatCompletionRequest | CompletionRequest) -> GrammarSpec | None:
     """The constraint a request asks for, validated; None for free text."""
     from_format = _from_response_format(body.response_format)
-    from_extension = _from_extension(body.structured_outputs)
+    from_extension = extension_spec(body.structured_outputs)
     if from_format and from_extension:
         raise InvalidRequestError(
             "use either response_format or structured_outputs, not both", param="structured_outputs"
@@ -47,7 +47,7 @@ def _from_response_format(fmt: dict[str, Any] | None) -> GrammarSpec | None:
     )
 
 
-def _from_extension(ext: dict[str, Any] | None) -> GrammarSpec | None:
+def extension_spec(ext: dict[str, Any] | None) -> GrammarSpec | None:
     if not ext:
         return None
     given = [k for k in _EXTENSION_KINDS if ext.get(k) is not None]

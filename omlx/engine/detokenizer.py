@@ -61,18 +61,20 @@ class StopStringMatcher:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Returns (text safe to emit, whether a stop string was hit)."""
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Returns (text safe to emit, the stop string hit or None). When several
+        match, the one that starts first wins (the longest on a tie)."""
         if not self._stops:
-            return text, False
+            return text, None
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, -len(s), s) for s in self._stops if (i := buf.find(s)) >= 0]
         if hits:
             self._held = ""
-            return buf[: min(hits)], True
+            start, _, stop = min(hits)
+            return buf[:start], stop
         hold = self._partial_suffix(buf)
         self._held = buf[len(buf) - hold :] if hold else ""
-        return buf[: len(buf) - hold], False
+        return buf[: len(buf) - hold], None
 
     def flush(self) -> str:
         held, self._held = self._held, ""

@@ -175,7 +175,8 @@ class ModelEngine:
         status = update.status
         if status.is_finished:
             text += live.detok.flush()
-        text, hit_stop = live.stops.feed(text)
+        text, stop_string = live.stops.feed(text)
+        hit_stop = stop_string is not None
         if hit_stop:
             if not status.is_finished:
                 self._scheduler.finish(update.request_id, RequestStatus.FINISHED_STOPPED)
@@ -192,6 +193,7 @@ class ModelEngine:
                         num_output_tokens=update.num_output_tokens,
                         num_cached_tokens=live.num_cached_tokens,
                         finish_reason=status.finish_reason,
+                        stop_string=stop_string,
                     ),
                 )
             )

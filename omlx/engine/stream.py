@@ -19,6 +19,8 @@ class StreamEvent:
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    # The stop string that ended the request (None: end of sequence, length, ...).
+    stop_string: str | None = None
     error: OmlxError | None = None
 
     @property
@@ -68,6 +70,7 @@ def _merge(events: Sequence[StreamEvent]) -> StreamEvent:
         num_output_tokens=last.num_output_tokens,
         num_cached_tokens=last.num_cached_tokens,
         finish_reason=last.finish_reason,
+        stop_string=last.stop_string,
         error=next((e.error for e in events if e.error is not None), None),
     )
 

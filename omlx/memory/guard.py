@@ -11,8 +11,12 @@ import logging
 from omlx.errors import PrefillMemoryExceededError, SettingsError
 from omlx.memory.budget import (
     Limits,
+    MemoryReading,
     ModelDims,
     PrefillMemoryExceeded,
+    admit,
+    estimate_prefill,
+    gate,
     preflight,
     resolve_limits,
 )
@@ -51,6 +55,41 @@ class MemoryGuard:
 
     def publish(self, limits: Limits) -> None:
         self.limits = limits
+
+    def admit(self, num_prompt_tokens: int, num_in_flight: int, reading: MemoryReading) -> bool:
+        """Scheduler admission: False keeps the request queued (re-checked next step).
+        Logs each deferral (``memadmit``)."""
+        estimate = estimate_prefill(
+            self.dims,
+            reading,
+            num_new_tokens=num_prompt_tokens,
+            num_cached_tokens=0,
+            chunk_tokens=self.chunk_tokens,
+            limits=self.limits,
+            others_in_flight=num_in_flight > 0,
+        )
+        decision = admit(estimate, self.limits, num_in_flight=num_in_flight)
+        if not decision.admitted:
+            log.info(
+                "memadmit %s: deferred a %d-token prompt: %s",
+                self.model,
+                num_prompt_tokens,
+                decision.reason,
+            )
+        return decision.admitted
+
+    def gate(
+        self, chunk_tokens: int, num_cached_tokens: int, reading: MemoryReading, *, others: bool
+    ) -> bool:
+        """Forward gate: may the next prefill chunk run under the hard limit?"""
+        return gate(
+            self.dims,
+            reading,
+            chunk_tokens=chunk_tokens,
+            num_cached_tokens=num_cached_tokens,
+            limits=self.limits,
+            others_in_flight=others,
+        )
 
     def check_prefill(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> None:
         """Raise PrefillMemoryExceededError (HTTP 400) for a prompt that cannot fit

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from omlx.errors import QueueFullError
 from omlx.scheduler.request import Request, RequestStatus, RequestUpdate, TokenOutput
+
+# (request at the head of the queue, requests running) -> admit now?
+AdmitCheck = Callable[[Request, int], bool]
 
 
 @dataclass(slots=True)
@@ -58,14 +61,20 @@ class Scheduler:
             )
         self._waiting[request.request_id] = request
 
-    def schedule(self) -> list[Request]:
+    def schedule(self, can_admit: AdmitCheck | None = None) -> list[Request]:
         """Admit waiting requests in arrival order while running slots are free.
 
-        Returns the newly admitted requests; the caller starts their prefill.
+        ``can_admit(request, num_in_flight)`` may defer the head of the queue
+        (memory admission): it stays queued, nothing behind it overtakes it, and
+        it is asked again at the next call. Returns the newly admitted requests;
+        the caller starts their prefill.
         """
         admitted = []
         while self._waiting and len(self._running) < self.max_running:
-            _, request = self._waiting.popitem(last=False)
+            request = next(iter(self._waiting.values()))
+            if can_admit is not None and not can_admit(request, len(self._running)):
+                break
+            del self._waiting[request.request_id]
             self._running[request.request_id] = _Running(request)
             admitted.append(request)
         return admitted

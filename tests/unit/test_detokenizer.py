@@ -130,7 +130,7 @@ def feed_all(matcher: StopStringMatcher, chunks: list[str]) -> tuple[list[str], 
     for chunk in chunks:
         text, hit = matcher.feed(chunk)
         out.append(text)
-        if hit:
+        if hit is not None:
             return out, True
     return [*out, matcher.flush()], False
 
@@ -138,22 +138,29 @@ def feed_all(matcher: StopStringMatcher, chunks: list[str]) -> tuple[list[str], 
 def test_stop_split_across_chunks():
     matcher = StopStringMatcher(["llo"])
 
-    assert matcher.feed("Hel") == ("He", False)
-    assert matcher.feed("lo") == ("", True)
+    assert matcher.feed("Hel") == ("He", None)
+    assert matcher.feed("lo") == ("", "llo")
 
 
 def test_text_before_stop_is_emitted_and_after_is_dropped():
     matcher = StopStringMatcher(["STOP"])
 
-    assert matcher.feed("one two STOP three") == ("one two ", True)
+    assert matcher.feed("one two STOP three") == ("one two ", "STOP")
+
+
+def test_the_stop_string_that_matched_first_is_named():
+    matcher = StopStringMatcher(["three", "two", "tw"])
+
+    # "two" and "tw" start at the same place: the longer one is the match.
+    assert matcher.feed("one two three") == ("one ", "two")
 
 
 def test_partial_prefix_is_held_then_released_when_ruled_out():
     matcher = StopStringMatcher(["</end>"])
 
-    assert matcher.feed("x </e") == ("x ", False)
-    assert matcher.feed("n") == ("", False)
-    assert matcher.feed("x y") == ("</enx y", False)
+    assert matcher.feed("x </e") == ("x ", None)
+    assert matcher.feed("n") == ("", None)
+    assert matcher.feed("x y") == ("</enx y", None)
     assert matcher.flush() == ""
 
 
@@ -170,23 +177,23 @@ def test_held_text_counts_toward_a_later_stop():
 def test_earliest_stop_wins(stops):
     matcher = StopStringMatcher(stops)
 
-    assert matcher.feed("hello world") == ("hel", True)
+    assert matcher.feed("hello world") == ("hel", "lo")
 
 
 def test_flush_returns_held_text_once():
     matcher = StopStringMatcher(["<stop>"])
 
-    assert matcher.feed("ab<st") == ("ab", False)
+    assert matcher.feed("ab<st") == ("ab", None)
     assert matcher.flush() == "<st"
     assert matcher.flush() == ""
-    assert matcher.feed("x") == ("x", False)
+    assert matcher.feed("x") == ("x", None)
 
 
 @pytest.mark.parametrize("stops", [[], [""]])
 def test_no_stops_passes_text_through(stops):
     matcher = StopStringMatcher(stops)
 
-    assert matcher.feed("anything <| at all") == ("anything <| at all", False)
+    assert matcher.feed("anything <| at all") == ("anything <| at all", None)
     assert matcher.flush() == ""
 
 
