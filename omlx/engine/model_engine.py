@@ -7,6 +7,7 @@ worker thread calls ``step``. Events flow back through ``RequestStream``s, one
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import Counter, defaultdict
@@ -15,17 +16,22 @@ from typing import Any, Protocol
 
 from omlx.cache.prefix import PrefixCache
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from omlx.engine.runner import PrefillChunk
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
 from omlx.errors import (
     EngineError,
     InvalidRequestError,
+    MemoryPressureError,
     OmlxError,
     QueueFullError,
     ServiceUnavailableError,
 )
+from omlx.memory.budget import prefill_step_transient_bytes
 from omlx.memory.guard import MemoryGuard
+from omlx.memory.probe import MemoryProbe
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
+from omlx.sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +40,7 @@ class Runner(Protocol):
     @property
     def has_work(self) -> bool: ...
     def add(self, requests: list[Request]) -> dict[str, int]: ...
+    def prefill_plan(self) -> list[PrefillChunk]: ...
     def remove(self, request_ids: list[str]) -> None: ...
     def step(self) -> list[TokenOutput]: ...
     def reset(self) -> None: ...
@@ -63,6 +70,7 @@ class ModelEngine:
         *,
         context_window: int,
         guard: MemoryGuard,
+        probe: MemoryProbe,
         prefix_cache: PrefixCache | None = None,
     ):
         self.loaded = loaded
@@ -70,6 +78,13 @@ class ModelEngine:
         self.tokenizer = loaded.tokenizer
         self.context_window = context_window
         self.guard = guard
+        self.probe = probe
+        # Set by the pool's enforcer above the soft limit: admit nothing new
+        # while something runs (a lone request is still admitted, so no deadlock).
+        self.admission_paused = False
+        self.num_deferrals = 0
+        self.num_gated = 0
+        self._pending_kv_bytes = 0
         self.prefix_cache = prefix_cache
         self._runner = runner
         self._scheduler = scheduler
@@ -151,9 +166,19 @@ class ModelEngine:
         """Admit, run one batched step, turn tokens into stream events."""
         outbox: list[tuple[RequestStream, StreamEvent]] = []
         try:
-            cached = self._runner.add(self._scheduler.schedule())
+            # KV that admitted requests will still allocate: admission counts it,
+            # so requests admitted in one step cannot stack past the limit.
+            plan = self._runner.prefill_plan()
+            dims = self.guard.dims
+            self._pending_kv_bytes = sum(
+                dims.kv_bytes_per_token * c.num_remaining
+                + prefill_step_transient_bytes(dims, c.num_tokens, c.num_context_tokens)
+                for c in plan
+            )
+            cached = self._runner.add(self._scheduler.schedule(self._can_admit))
             for rid, num in cached.items():
                 self._live[rid].num_cached_tokens = num
+            self._gate_prefill(outbox)
             outputs = self._runner.step()
         except Exception as exc:  # an MLX failure: fail what is running, keep serving
             log.exception("engine step failed for %s", self.name)
@@ -166,6 +191,10 @@ class ModelEngine:
                     finished.append(update.request_id)
                     self._release(reason)
             self._runner.remove(finished)
+            if finished:
+                # Sample now: the peak of the work that just ended gets its own
+                # time stamp and ages out of the recent window on schedule.
+                self.probe.reading(fresh=True)
         self._flush(outbox)
 
     def _on_update(self, update: RequestUpdate, outbox: list) -> str | None:
@@ -200,6 +229,92 @@ class ModelEngine:
         if status.is_finished:
             del self._live[update.request_id]
         return status.finish_reason
+
+    def _can_admit(self, request: Request, num_running: int) -> bool:
+        """Memory admission for the head of the queue (never defers a lone request)."""
+        if num_running == 0:
+            admitted = True
+        elif self.admission_paused:
+            admitted = False
+        else:
+            reading = self.probe.reading(fresh=True)
+            # KV still to come for admitted requests, and the step transients of
+            # every request that will prefill in the same batch as this one.
+            pending = self._pending_kv_bytes
+            reading = dataclasses.replace(
+                reading,
+                mlx_active_bytes=reading.mlx_active_bytes + pending,
+                process_footprint_bytes=reading.process_footprint_bytes + pending,
+            )
+            admitted = self.guard.admit(request.num_prompt_tokens, num_running, reading)
+        if admitted:
+            dims, n = self.guard.dims, request.num_prompt_tokens
+            self._pending_kv_bytes += dims.kv_bytes_per_token * n + (
+                prefill_step_transient_bytes(dims, min(n, self.guard.chunk_tokens), n)
+            )
+        else:
+            self.num_deferrals += 1
+        return admitted
+
+    def _gate_prefill(self, outbox: list) -> None:
+        """Before the prefill chunks of this step run: end any request whose chunk
+        would take memory past the hard limit (a fresh reading; others grew)."""
+        plan = self._runner.prefill_plan()
+        if not plan:
+            return
+        reading = self.probe.reading(fresh=True)
+        others = self._scheduler.num_running > 1
+        ahead = 0
+        failed = []
+        for chunk in plan:
+            ahead += chunk.num_tokens
+            context = chunk.num_context_tokens - chunk.num_tokens + ahead
+            if self.guard.gate(ahead, context - ahead, reading, others=others):
+                continue
+            ahead -= chunk.num_tokens
+            failed.append(chunk.request_id)
+            log.warning(
+                "memgate %s: ending %s before a %d-token prefill chunk: memory %s (recent "
+                "peak %s) plus the chunk and the %s margin would pass the %s limit",
+                self.name,
+                chunk.request_id,
+                chunk.num_tokens,
+                format_bytes(reading.resident_bytes),
+                format_bytes(reading.recent_peak_bytes),
+                format_bytes(self.guard.limits.transient_margin_bytes),
+                format_bytes(self.guard.limits.hard_bytes),
+            )
+        for rid in failed:
+            self.num_gated += 1
+            self._fail_request(
+                rid,
+                MemoryPressureError(
+                    "the server ended this request before its next prefill step: memory is "
+                    f"at the {format_bytes(self.guard.limits.hard_bytes)} limit because of "
+                    "other work; retry shortly, or send a shorter prompt"
+                ),
+                outbox,
+            )
+
+    def _fail_request(self, request_id: str, error: OmlxError, outbox: list) -> None:
+        where = self._scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)
+        if where is RequestStatus.RUNNING:
+            self._runner.remove([request_id])
+        live = self._live.pop(request_id, None)
+        if where is not None:
+            self._release("error")
+        if live is not None:
+            outbox.append((live.stream, StreamEvent(error=error)))
+
+    def fail_all(self, error: OmlxError) -> int:
+        """MLX thread: end every request with ``error`` (the enforcer above the hard
+        limit, release of memory). Returns how many were ended."""
+        outbox: list = []
+        rids = list(self._live)
+        for rid in rids:
+            self._fail_request(rid, error, outbox)
+        self._flush(outbox)
+        return len(rids)
 
     def _fail_all(self, error: OmlxError, outbox: list) -> None:
         for rid, live in list(self._live.items()):

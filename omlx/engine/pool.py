@@ -370,6 +370,7 @@ class EnginePool:
             self._worker,
             context_window=window,
             guard=guard,
+            probe=self.probe,
             prefix_cache=prefix,
         )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -34,6 +35,16 @@ Sampler = Callable[[mx.array], mx.array]
 # BatchGenerator requires a positive per-request limit; ours (the scheduler's)
 # always fires first or at the same step.
 _NO_STOPS = StopSequences()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    request_id: str
+    num_tokens: int
+    # Tokens the chunk attends over (cached + earlier chunks + this one).
+    num_context_tokens: int
+    # Prompt tokens still to prefill, this chunk included (KV yet to be allocated).
+    num_remaining: int
 
 
 def make_request_sampler(params: SamplingParams) -> Sampler:
@@ -105,6 +116,8 @@ class BatchRunner:
         # Prompt + produced tokens of each request (what its cache holds), for storing.
         self._tokens: dict[str, list[int]] = {}
         self._prompt_len: dict[str, int] = {}
+        # Batched requests still in prefill: [prompt tokens left, whole prompt].
+        self._prefilling: dict[str, list[int]] = {}
         # Cache stores run at the start of the next step, after the events of
         # this one went out (never on a request's time to first token).
         self._deferred: list[Callable[[], None]] = []
@@ -181,6 +194,10 @@ class BatchRunner:
         segments, caches, contexts = [], [], []
         for request, hit in zip(requests, hits, strict=True):
             done = hit.num_tokens if hit is not None else 0
+            self._prefilling[request.request_id] = [
+                request.num_prompt_tokens - done,
+                request.num_prompt_tokens,
+            ]
             segments.append([list(request.prompt_ids[done:])])
             caches.append(hit.layers if hit is not None else None)
             contexts.append(list(request.prompt_ids[:done]))
@@ -217,6 +234,7 @@ class BatchRunner:
             for uid, (layers, _) in caches.items():
                 leaving[gone[uid]] = (layers, _cache_length(layers))
         for rid, held in leaving.items():
+            self._prefilling.pop(rid, None)
             tokens = self._tokens.pop(rid, None)
             self._prompt_len.pop(rid, None)
             if self._prefix is not None:
@@ -234,6 +252,19 @@ class BatchRunner:
         finally:
             self._prefix.forget(request_id)
 
+    def prefill_plan(self) -> list[PrefillChunk]:
+        """The prefill work the next ``step`` will do, per request (for the memory
+        gate). Batched prefill is planned as a step-size chunk attending over
+        the whole prompt: an upper bound of what BatchGenerator runs."""
+        plan = []
+        solo = self._solo
+        if solo is not None and (n := solo.next_prefill_tokens()):
+            plan.append(PrefillChunk(solo.request_id, n, solo.num_cached + n, solo.num_pending))
+        for rid, (left, total) in self._prefilling.items():
+            if left > 1:
+                plan.append(PrefillChunk(rid, min(self._prefill_step_size, left), total, left))
+        return plan
+
     def step(self) -> list[TokenOutput]:
         """One decode step for running sequences plus one prefill chunk."""
         self._run_deferred()
@@ -243,12 +274,16 @@ class BatchRunner:
             if token is not None:
                 outputs.append(TokenOutput(self._solo.request_id, token))
         if self._uid_to_rid:
+            for left in self._prefilling.values():
+                left[0] -= min(self._prefill_step_size, left[0])
             _, generated = self._gen.next()
             outputs.extend(
                 TokenOutput(self._uid_to_rid[r.uid], r.token)
                 for r in generated
                 if r.uid in self._uid_to_rid
             )
+        for out in outputs:
+            self._prefilling.pop(out.request_id, None)
         if self._prefix is not None:
             self._note_tokens(outputs)
         return outputs
@@ -293,6 +328,7 @@ class BatchRunner:
                 self._prefix.forget(rid)
         self._tokens.clear()
         self._prompt_len.clear()
+        self._prefilling.clear()
         self._deferred.clear()
         self._gen.close()
         self._gen = BatchGenerator(self._model, **self._options)

@@ -116,11 +116,22 @@ class SoloSequence:
         # _cached already ends with the token that produced _y; _y is not cached.
         return Handoff(self._cache, list(self._cached), [token], token, *rest)
 
-    def _prefill_chunk(self) -> None:
+    @property
+    def num_pending(self) -> int:
+        """Prompt tokens not in the cache yet."""
+        return len(self._prompt)
+
+    def next_prefill_tokens(self) -> int:
+        """Prompt tokens the next step will prefill (0 once decoding)."""
         n = min(self._step_size, len(self._prompt) - 1)
         pos = len(self._cached)
-        if self._on_boundary is not None and self._block_size:
+        if n > 0 and self._on_boundary is not None and self._block_size:
             n = min(n, (pos // self._block_size + 1) * self._block_size - pos)
+        return max(n, 0)
+
+    def _prefill_chunk(self) -> None:
+        n = self.next_prefill_tokens()
+        pos = len(self._cached)
         chunk, self._prompt = self._prompt[:n], self._prompt[n:]
         self._model(mx.array(chunk)[None], cache=self._cache)
         mx.eval([c.state for c in self._cache])

@@ -259,16 +259,38 @@ def attention_transient_bytes(
     return chunk_tokens * num_context_tokens * dims.num_attention_heads * SCORE_BYTES_PER_ELEMENT
 
 
+def prefill_step_transient_bytes(
+    dims: ModelDims, chunk_tokens: int, num_context_tokens: int
+) -> int:
+    """What one request's prefill chunk holds beyond its own KV while it runs:
+    its grown KV buffers are copied (old and new alive together: up to the whole
+    context) and a few hidden-size activations per chunk token. Requests
+    prefilled in one batch stack these, so admission counts one per request
+    that will be prefilling next to the one it admits."""
+    _positive(chunk_tokens, "chunk_tokens")
+    kv_copy = dims.kv_bytes_per_token * num_context_tokens
+    activations = 4 * chunk_tokens * dims.hidden_size * max(dims.kv_dtype_bytes, 4)
+    return kv_copy + activations
+
+
 @dataclass(frozen=True)
 class PrefillEstimate:
     current_bytes: int
     kv_bytes: int
     attention_bytes: int
     margin_bytes: int
+    # A growing KV cache is copied into a larger buffer (old and new alive together).
+    growth_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
-        return self.current_bytes + self.kv_bytes + self.attention_bytes + self.margin_bytes
+        return (
+            self.current_bytes
+            + self.kv_bytes
+            + self.attention_bytes
+            + self.margin_bytes
+            + self.growth_bytes
+        )
 
 
 def estimate_prefill(
@@ -300,6 +322,7 @@ def estimate_prefill(
         kv_bytes=dims.kv_bytes_per_token * num_new_tokens,
         attention_bytes=attention,
         margin_bytes=limits.transient_margin_bytes,
+        growth_bytes=dims.kv_bytes_per_token * (num_cached_tokens + num_new_tokens),
     )
 
 
@@ -404,15 +427,21 @@ def gate(
     """True when the next prefill chunk may run; False to end the request before the forward.
 
     ``num_cached_tokens`` is everything already in this request's cache
-    (prefix hit + earlier chunks). Chunk peak = resident + chunk KV + chunk
-    attention + margin. While others are in flight their recent peak (+ margin)
-    may recur, so it is a floor; alone, the recent peak is stale and ignored.
+    (prefix hit + earlier chunks). Modeled chunk peak = resident + chunk KV +
+    chunk attention + margin. While others are in flight, the recent measured
+    peak may recur with this chunk's KV on top: it already holds real
+    transients, so no margin is added to it. Alone, the recent peak belongs to
+    finished work and is ignored.
     """
     _positive(chunk_tokens, "chunk_tokens")
     attention = attention_transient_bytes(
         dims, chunk_tokens=chunk_tokens, num_context_tokens=num_cached_tokens + chunk_tokens
     )
-    peak = fresh_reading.resident_bytes + dims.kv_bytes_per_token * chunk_tokens + attention
+    chunk_kv = dims.kv_bytes_per_token * chunk_tokens
+    growth = dims.kv_bytes_per_token * (num_cached_tokens + chunk_tokens)
+    peak = (
+        fresh_reading.resident_bytes + chunk_kv + growth + attention + limits.transient_margin_bytes
+    )
     if others_in_flight:
-        peak = max(peak, fresh_reading.recent_peak_bytes)
-    return peak + limits.transient_margin_bytes <= limits.hard_bytes
+        peak = max(peak, fresh_reading.recent_peak_bytes + chunk_kv)
+    return peak <= limits.hard_bytes

@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 import psutil
 
 from omlx.memory.budget import MemoryReading
+
+# How long a peak counts as "recent". Engines read every step while prefilling,
+# so a second spans many steps of the work still in flight; a longer window
+# would hold finished work's transients against new requests.
+PEAK_WINDOW_S = 1.0
 
 
 def total_ram_bytes() -> int:
@@ -16,11 +22,20 @@ def total_ram_bytes() -> int:
 
 
 class MemoryProbe:
-    def __init__(self, max_age_s: float = 1.0):
+    """Readings of MLX active memory, the process footprint and the recent peak.
+
+    MLX's peak counter runs from process start; the probe resets it at every
+    reading and keeps the maximum of the readings within ``PEAK_WINDOW_S``, so a
+    transient from a minute ago no longer counts as current.
+    """
+
+    def __init__(self, max_age_s: float = 1.0, peak_window_s: float = PEAK_WINDOW_S):
         self._max_age_s = max_age_s
+        self._peak_window_s = peak_window_s
         self._process = psutil.Process()
         self._lock = threading.Lock()
         self._last: MemoryReading | None = None
+        self._peaks: deque[tuple[float, int]] = deque()
 
     def reading(self, *, fresh: bool = False) -> MemoryReading:
         """The cached reading, or a new one when it is older than ``max_age_s``."""
@@ -32,11 +47,21 @@ class MemoryProbe:
             return last
 
     def _read(self, now: float) -> MemoryReading:
-        import mlx.core as mx
-
+        active, footprint, peak = self._sample()
+        self._peaks.append((now, peak))
+        while self._peaks and now - self._peaks[0][0] > self._peak_window_s:
+            self._peaks.popleft()
         return MemoryReading(
-            mlx_active_bytes=int(mx.get_active_memory()),
-            process_footprint_bytes=int(self._process.memory_info().rss),
-            recent_peak_bytes=int(mx.get_peak_memory()),
+            mlx_active_bytes=active,
+            process_footprint_bytes=footprint,
+            recent_peak_bytes=max(p for _, p in self._peaks),
             taken_at_s=now,
         )
+
+    def _sample(self) -> tuple[int, int, int]:
+        """(MLX active bytes, process footprint, MLX peak since the last sample)."""
+        import mlx.core as mx
+
+        peak = int(mx.get_peak_memory())
+        mx.reset_peak_memory()
+        return int(mx.get_active_memory()), int(self._process.memory_info().rss), peak

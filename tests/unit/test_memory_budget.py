@@ -26,6 +26,7 @@ from omlx.memory.budget import (
     resolve_limits,
 )
 
+MIB = 1 << 20
 GIB = 1024**3
 LLAMA_8B = {
     "num_hidden_layers": 32,
@@ -184,7 +185,12 @@ def test_cached_tokens_grow_the_unfused_score_matrix() -> None:
     assert cold.attention_bytes == 512 * 1000 * 16 * 4
     assert warm.attention_bytes == 512 * 10_000 * 16 * 4
     assert warm.kv_bytes == cold.kv_bytes == dims.kv_bytes_per_token * 1000
-    assert warm.peak_bytes == 10 * GIB + warm.kv_bytes + warm.attention_bytes + GIB
+    # Growing the cache copies all of it (cached tokens included) once.
+    assert warm.growth_bytes == dims.kv_bytes_per_token * 10_000
+    assert cold.growth_bytes == dims.kv_bytes_per_token * 1000
+    assert warm.peak_bytes == (
+        10 * GIB + warm.kv_bytes + warm.attention_bytes + GIB + warm.growth_bytes
+    )
 
 
 def test_fused_transient_ignores_attention_length() -> None:
@@ -413,10 +419,16 @@ def test_gate_fires_under_drift() -> None:
         )
         limits = _limits(est.peak_bytes, GIB)
         size = min(chunk, num_new)
-        chunk_need = dims.kv_bytes_per_token * size + attention_transient_bytes(
-            dims, chunk_tokens=size, num_context_tokens=num_cached + size
+        chunk_need = (
+            dims.kv_bytes_per_token * size
+            + dims.kv_bytes_per_token * (num_cached + size)  # the cache growth copy
+            + attention_transient_bytes(
+                dims, chunk_tokens=size, num_context_tokens=num_cached + size
+            )
         )
-        slack = est.current_bytes + est.kv_bytes + est.attention_bytes - chunk_need
+        slack = (
+            est.current_bytes + est.kv_bytes + est.attention_bytes + est.growth_bytes - chunk_need
+        )
         for drift, proceeds in ((0, True), (1, False)):
             grown = MemoryReading(
                 reading.mlx_active_bytes, slack + drift, reading.recent_peak_bytes, 1.0
@@ -436,7 +448,8 @@ def test_gate_fires_under_drift() -> None:
 
 def test_lone_request_ignores_a_stale_recent_peak() -> None:
     dims, limits = _dims(), _limits(40 * GIB, 2 * GIB)
-    stale = MemoryReading(20 * GIB, 20 * GIB, recent_peak_bytes=39 * GIB, taken_at_s=5.0)
+    # A measured peak so close to the limit that this chunk's KV on top breaches it.
+    stale = MemoryReading(20 * GIB, 20 * GIB, recent_peak_bytes=40 * GIB - 32 * MIB, taken_at_s=5.0)
     assert gate(
         dims, stale, chunk_tokens=512, num_cached_tokens=0, limits=limits, others_in_flight=False
     )
@@ -461,4 +474,4 @@ def test_lone_request_ignores_a_stale_recent_peak() -> None:
         limits=limits,
         others_in_flight=True,
     )
-    assert (lone.current_bytes, busy.current_bytes) == (20 * GIB, 39 * GIB)
+    assert (lone.current_bytes, busy.current_bytes) == (20 * GIB, 40 * GIB - 32 * MIB)
