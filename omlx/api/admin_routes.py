@@ -264,3 +264,52 @@ def _memory(state: ServerState) -> dict[str, Any]:
 @router.get("/memory")
 async def memory(request: Request) -> dict[str, Any]:
     return _memory(_state(request))
+
+
+# -- release / resume (also at the top level, as other servers expose them) --
+
+RELEASE_TAGS = frozenset({"weights", "kv_cache"})
+memory_router = APIRouter(dependencies=[Depends(require_admin)])
+
+
+async def _release_body(request: Request) -> tuple[set[str], dict[str, Any]]:
+    body = await _json_object(request)
+    if body.get("stage_to_cpu"):
+        raise InvalidRequestError(
+            "stage_to_cpu is not possible here: CPU and GPU share one unified memory, so "
+            "there is nowhere else to stage to; release the weights instead",
+            param="stage_to_cpu",
+        )
+    tags = body.get("tags", sorted(RELEASE_TAGS))
+    if not isinstance(tags, list) or not tags or not set(tags) <= RELEASE_TAGS:
+        raise InvalidRequestError(
+            f"'tags' must be a non-empty list of {sorted(RELEASE_TAGS)}", param="tags"
+        )
+    return set(tags), body
+
+
+async def _release(request: Request) -> dict[str, Any]:
+    tags, body = await _release_body(request)
+    timeout_s = body.get("timeout_s", 30.0)
+    if not isinstance(timeout_s, int | float) or not 0 <= timeout_s <= 600:
+        raise InvalidRequestError("'timeout_s' must be a number of seconds in 0..600")
+    model = body.get("model")
+    return await _state(request).pool.release(tags, model, float(timeout_s))
+
+
+async def _resume(request: Request) -> dict[str, Any]:
+    tags, _ = await _release_body(request)
+    return await _state(request).pool.resume(tags)
+
+
+for _prefix in ("", "/admin/api/memory"):
+    memory_router.add_api_route(
+        f"{_prefix}/release_memory_occupation" if not _prefix else f"{_prefix}/release",
+        _release,
+        methods=["POST"],
+    )
+    memory_router.add_api_route(
+        f"{_prefix}/resume_memory_occupation" if not _prefix else f"{_prefix}/resume",
+        _resume,
+        methods=["POST"],
+    )

@@ -12,6 +12,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 
 from omlx import __version__
+from omlx.api.admin_routes import memory_router
 from omlx.api.admin_routes import router as admin_router
 from omlx.api.anthropic_routes import router as anthropic_router
 from omlx.api.auth import ApiKeyAuth, login_router, require_api_key
@@ -60,6 +61,7 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
     app.include_router(anthropic_router, dependencies=api_key)
     app.include_router(login_router())
     app.include_router(admin_router)
+    app.include_router(memory_router)
 
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:

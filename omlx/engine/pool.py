@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import re
 import shutil
@@ -21,7 +22,12 @@ from omlx.engine.model_engine import ModelEngine
 from omlx.engine.residency import ResidentModel, choose_evictions, expired
 from omlx.engine.runner import BatchRunner
 from omlx.engine.worker import MLXWorker
-from omlx.errors import InsufficientMemoryError, ModelNotFoundError
+from omlx.errors import (
+    InsufficientMemoryError,
+    InvalidRequestError,
+    MemoryPressureError,
+    ModelNotFoundError,
+)
 from omlx.memory.budget import guard_dims
 from omlx.memory.guard import MemoryGuard, memory_limits
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
@@ -99,6 +105,10 @@ class EnginePool:
         self.hot_cache = _make_hot_tier(settings, ram)
         self.num_loads = 0
         self.num_evictions = 0
+        # Tags released by /release_memory_occupation; inference waits for resume.
+        self.released: set[str] = set()
+        self._released_models: list[str] = []
+        self._release_lock = asyncio.Lock()
 
     # -- discovery and names ------------------------------------------------
 
@@ -168,6 +178,12 @@ class EnginePool:
 
     async def get_engine(self, requested: str) -> ModelEngine:
         """The engine for ``requested`` (name or alias), loading it first if needed."""
+        if self.released:
+            raise MemoryPressureError(
+                f"memory is released ({', '.join(sorted(self.released))}); POST "
+                "/resume_memory_occupation to serve again",
+                retry_after_s=5,
+            )
         resident = self._resident.get(requested)
         if resident is None:
             info = self.resolve(requested)
@@ -293,14 +309,116 @@ class EnginePool:
         return names
 
     async def maintain(self, interval_s: float) -> None:
-        """Background task: idle expiry and limits published to every engine."""
+        """Background task (the enforcer): every poll, limits published to every
+        engine, memory enforced, idle models expired."""
         while True:
             await asyncio.sleep(interval_s)
             try:
-                self._publish_limits()
+                await self.enforce()
                 await self.expire_idle()
             except Exception:
                 log.exception("pool maintenance failed")
+
+    async def enforce(self) -> None:
+        """Above the soft limit: pause admission and evict one idle unpinned model
+        (LRU) per poll. Above the hard limit: end in-flight work with a clear error
+        and drop the RAM cache tier."""
+        self._publish_limits()
+        reading = self.probe.reading(fresh=True)
+        used, limits = reading.resident_bytes, self.limits
+        above_soft = used > limits.soft_bytes
+        for resident in self._resident.values():
+            resident.engine.admission_paused = above_soft
+        if not above_soft:
+            return
+        log.warning(
+            "memory %s above the soft limit %s: admission paused",
+            format_bytes(used),
+            format_bytes(limits.soft_bytes),
+        )
+        idle = [m for m in self._residents() if m.evictable]
+        if len(self._resident) > 1 and idle:
+            victim = min(idle, key=lambda m: (m.last_used_s, m.name)).name
+            log.warning("evicting %s (least recently used) to get under the soft limit", victim)
+            self.num_evictions += 1
+            await self.unload(victim)
+        if used > limits.hard_bytes:
+            error = MemoryPressureError(
+                f"memory {format_bytes(used)} passed the {format_bytes(limits.hard_bytes)} "
+                "limit: the server ended running requests to stay safe; retry shortly"
+            )
+            ended = 0
+            for resident in list(self._resident.values()):
+                future = self._worker.submit(resident.engine.fail_all, error)
+                ended += await asyncio.wrap_future(future)
+            if self.hot_cache is not None:
+                self.hot_cache.clear(tier="hot")
+            log.error(
+                "memory above the hard limit: ended %d requests, dropped the RAM cache", ended
+            )
+
+    # -- release / resume ---------------------------------------------------
+
+    async def release(
+        self, tags: set[str], model: str | None = None, timeout_s: float = 30.0
+    ) -> dict[str, Any]:
+        """Quiesce (no new work; wait for in-flight requests up to ``timeout_s``, then
+        end them with a clear error) and free the tagged memory."""
+        async with self._release_lock:
+            names = [self._must_be_loaded(model)] if model else list(self._resident)
+            before = self.probe.reading(fresh=True).resident_bytes
+            self.released |= tags
+            deadline = self._clock() + timeout_s
+            engines = [self._resident[n].engine for n in names]
+            while any(e.num_in_flight for e in engines) and self._clock() < deadline:
+                await asyncio.sleep(0.05)
+            error = MemoryPressureError("memory is being released; retry after it is resumed")
+            ended = 0
+            for engine in engines:
+                if engine.num_in_flight:
+                    ended += await asyncio.wrap_future(self._worker.submit(engine.fail_all, error))
+            if "weights" in tags:
+                for name in names:
+                    await self.unload(name)
+                self._released_models = sorted(set(self._released_models) | set(names))
+            if "kv_cache" in tags and self.hot_cache is not None:
+                self.hot_cache.clear(tier="hot")
+            await asyncio.wrap_future(self._worker.submit(_clear_mlx_cache))
+            after = self.probe.reading(fresh=True).resident_bytes
+            log.info(
+                "released %s: %s freed, %d requests ended",
+                ",".join(sorted(tags)),
+                format_bytes(max(0, before - after)),
+                ended,
+            )
+            return {
+                "released": sorted(self.released),
+                "models": names,
+                "requests_ended": ended,
+                "bytes_before": before,
+                "bytes_after": after,
+                "bytes_freed": max(0, before - after),
+            }
+
+    async def resume(self, tags: set[str]) -> dict[str, Any]:
+        """Serve again; models unloaded by a release of "weights" are loaded back."""
+        async with self._release_lock:
+            self.released -= tags
+            loaded = []
+            if "weights" in tags:
+                names, self._released_models = self._released_models, []
+                for name in names:
+                    if not self.released:
+                        await self.get_engine(name)
+                        loaded.append(name)
+            return {"released": sorted(self.released), "models_loaded": loaded}
+
+    def _must_be_loaded(self, requested: str) -> str:
+        name = self._resident_name(requested)
+        if name is None:
+            self.resolve(requested)  # 404 for an unknown name
+            raise InvalidRequestError(f"model '{requested}' is not loaded", param="model")
+        return name
 
     def request_defaults(self, name: str) -> RequestDefaults:
         """Global sampling/generation defaults with the model's settings over them."""
@@ -424,6 +542,10 @@ class EnginePool:
         engine.shutdown()
         if engine.prefix_cache is not None:
             engine.prefix_cache.close()
+        # Engines, runners and BatchGenerators reference each other: collect the
+        # cycles now so the weights go back to the system with this unload.
+        gc.collect()
+        _clear_mlx_cache()
 
 
 def _activation_bytes(model: object) -> int:
@@ -486,3 +608,9 @@ def _weights_bytes(engine: ModelEngine) -> int:
 
 def _with_kind(info: ModelInfo, kind: str | None) -> ModelInfo:
     return info if kind is None or kind == info.kind else dataclasses.replace(info, kind=kind)
+
+
+def _clear_mlx_cache() -> None:
+    import mlx.core as mx
+
+    mx.clear_cache()

@@ -82,12 +82,7 @@ class MLXWorker:
         self.stream = mx.new_stream(mx.default_device())
         with mx.stream(self.stream):
             while not self._stopping.is_set():
-                busy = [e for e in self._engines if e.has_work]
-                self._drain(block=not busy)
-                # Round robin: every busy model gets one step per turn.
-                for engine in busy:
-                    if engine in self._engines:
-                        self._step(engine)
+                self._turn()
         # Decode steps leave the next token computing asynchronously.
         mx.synchronize(self.stream)
         self._done.set()
@@ -96,6 +91,16 @@ class MLXWorker:
         # interpreter shutdown the process aborts. A parked daemon thread just
         # ends with the process.
         threading.Event().wait()
+
+    def _turn(self) -> None:
+        """Drain the inbox, then one step for every busy engine (round robin).
+        A method, so no engine stays referenced from this thread's frame while
+        it waits (an unloaded model's memory must be freed at once)."""
+        busy = [e for e in self._engines if e.has_work]
+        self._drain(block=not busy)
+        for engine in busy:
+            if engine in self._engines:
+                self._step(engine)
 
     def _drain(self, *, block: bool) -> None:
         try:

@@ -10,7 +10,14 @@ import pytest
 
 from omlx.engine.pool import EnginePool
 from omlx.engine.stream import RequestStream
-from omlx.errors import InsufficientMemoryError, ModelNotFoundError, ServiceUnavailableError
+from omlx.errors import (
+    InsufficientMemoryError,
+    MemoryPressureError,
+    ModelNotFoundError,
+    ServiceUnavailableError,
+)
+from omlx.memory.budget import Limits
+from omlx.memory.probe import MemoryProbe
 from omlx.models.discovery import discover_models
 from omlx.scheduler import Request, SamplingParams
 
@@ -180,5 +187,50 @@ def test_aliases_resolve_and_unknown_names_list_them(make_pool):
         with pytest.raises(ModelNotFoundError) as err:
             await pool.get_engine("nope")
         assert "llama-small" in err.value.message
+
+    asyncio.run(main())
+
+
+class SetProbe(MemoryProbe):
+    """The real probe with the reading set by the test (MLX's own counters are
+    tiny next to a test process)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_age_s=0.0)
+        self.bytes = 0
+
+    def _sample(self) -> tuple[int, int, int]:
+        return self.bytes, self.bytes, self.bytes
+
+
+def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool):
+    pool = make_pool()
+    probe = pool.probe = SetProbe()
+
+    async def main() -> None:
+        await run(pool, "tiny-llama")
+        await run(pool, "tiny-qwen3")
+        # New limits reach every loaded engine on the next poll.
+        pool.limits = Limits(10_000_000, 8_000_000, 1_000)
+        probe.bytes = 1_000_000
+        await pool.enforce()
+        assert all(e.guard.limits is pool.limits for e in pool.loaded())
+        assert not any(e.admission_paused for e in pool.loaded())
+        # Above soft: admission paused, the least recently used idle model evicted.
+        probe.bytes = 9_000_000
+        await pool.enforce()
+        assert [e.name for e in pool.loaded()] == ["tiny-qwen3"]
+        assert pool.loaded()[0].admission_paused
+        # Above hard: in-flight work ends with a clear error.
+        task = asyncio.create_task(run(pool, "slow-llama", max_tokens=400))
+        while pool.engine("slow-llama") is None or not pool.engine("slow-llama").num_in_flight:
+            await asyncio.sleep(0.01)
+        probe.bytes = 11_000_000
+        await pool.enforce()
+        code, _ = await task
+        assert code == MemoryPressureError.code
+        probe.bytes = 1_000_000
+        await pool.enforce()
+        assert not any(e.admission_paused for e in pool.loaded())
 
     asyncio.run(main())
