@@ -63,7 +63,8 @@ def conversation(tokenizer, num_tokens: int, session: int) -> list[dict[str, str
 
 
 def count_tokens(tokenizer, messages: list[dict[str, str]]) -> int:
-    return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(tokenizer.encode(text, add_special_tokens=False))
 
 
 # -- servers -----------------------------------------------------------------
@@ -253,50 +254,41 @@ def med(results: list[Result]) -> float:
     return statistics.median(r.ttft_s for r in results)
 
 
-def report(args, m: Measured, prompt_tokens: int) -> None:
-    cold, turn_cold = med(m.cold), med(m.turn_cold)
-    rows = [
-        ("TTFT cold (s)", cold, None, None),
-        ("TTFT RAM hit (s)", med(m.ram), med(m.ram) / cold, 1 / 20),
-        ("TTFT SSD hit after restart (s)", med(m.ssd), med(m.ssd) / cold, 1 / 10),
-        ("TTFT next turn, cache off (s)", turn_cold, None, None),
-        ("TTFT next turn, cache hit (s)", med(m.turn_hit), med(m.turn_hit) / turn_cold, 1 / 5),
-    ]
-    on, off = statistics.median(m.decode_on), statistics.median(m.decode_off)
+def print_ttft(name: str, runs: list[Result], cold: list[Result] | None, target: float) -> None:
+    """One TTFT row; with ``cold``, its ratio to that row's median and the target."""
+    each = " ".join(f"{r.ttft_s:.3f}" for r in runs)
+    if cold is None:
+        print(f"{name:34} {med(runs):9.3f} {'':>7} {'':>8} {'':4}  {each}")
+        return
+    ratio = med(runs) / med(cold)
+    flag = "ok" if ratio <= target else "MISS"
+    print(f"{name:34} {med(runs):9.3f} {ratio:7.3f} {f'<= {target:.2f}':>8} {flag:4}  {each}")
+
+
+def report(args, m: Measured) -> None:
     print(
-        f"model {args.model}, prompt {prompt_tokens} tokens, block {args.block_size}, "
+        f"model {args.model}, prompt {m.cold[0].prompt_tokens} tokens, block {args.block_size}, "
         f"medians of {args.repeats} conversations / {args.decode_repeats} decode pairs, "
         f"python {sys.version.split()[0]}"
     )
     print(f"{'metric':34} {'value':>9} {'ratio':>7} {'target':>8}       runs")
-    for name, value, ratio, target in rows:
-        source = {
-            "TTFT cold (s)": m.cold,
-            "TTFT RAM hit (s)": m.ram,
-            "TTFT SSD hit after restart (s)": m.ssd,
-            "TTFT next turn, cache off (s)": m.turn_cold,
-            "TTFT next turn, cache hit (s)": m.turn_hit,
-        }[name]
-        runs = " ".join(f"{r.ttft_s:.3f}" for r in source)
-        if ratio is None:
-            print(f"{name:34} {value:9.3f} {'':>7} {'':>8} {'':4}  {runs}")
-        else:
-            flag = "ok" if ratio <= target else "MISS"
-            print(
-                f"{name:34} {value:9.3f} {ratio:7.3f} {'<= ' + f'{target:.2f}':>8} {flag:4}  {runs}"
-            )
-    ratio = on / off
-    flag = "ok" if abs(ratio - 1) <= 0.03 else "MISS"
-    runs = " ".join(f"{a / b:.3f}" for a, b in zip(m.decode_on, m.decode_off, strict=True))
+    print_ttft("TTFT cold (s)", m.cold, None, 0)
+    print_ttft("TTFT RAM hit (s)", m.ram, m.cold, 1 / 20)
+    print_ttft("TTFT SSD hit after restart (s)", m.ssd, m.cold, 1 / 10)
+    print_ttft("TTFT next turn, cache off (s)", m.turn_cold, None, 0)
+    print_ttft("TTFT next turn, cache hit (s)", m.turn_hit, m.turn_cold, 1 / 5)
+    on, off = statistics.median(m.decode_on), statistics.median(m.decode_off)
+    flag = "ok" if abs(on / off - 1) <= 0.03 else "MISS"
+    each = " ".join(f"{a / b:.3f}" for a, b in zip(m.decode_on, m.decode_off, strict=True))
     print(f"{'decode tok/s, cache off':34} {off:9.2f}")
-    print(f"{'decode tok/s, cache on':34} {on:9.2f} {ratio:7.3f} {'1+-0.03':>8} {flag:4}  {runs}")
-    cached = {
-        "RAM hit": [r.cached_tokens for r in m.ram],
-        "SSD hit": [r.cached_tokens for r in m.ssd],
-        "next turn": [f"{r.cached_tokens}/{r.prompt_tokens}" for r in m.turn_hit],
-    }
-    for name, values in cached.items():
-        print(f"cached_tokens, {name}: {' '.join(map(str, values))}")
+    print(
+        f"{'decode tok/s, cache on':34} {on:9.2f} {on / off:7.3f} {'1+-0.03':>8} {flag:4}  {each}"
+    )
+    print("cached_tokens, RAM hit:", *(r.cached_tokens for r in m.ram))
+    print("cached_tokens, SSD hit:", *(r.cached_tokens for r in m.ssd))
+    print(
+        "cached_tokens, next turn:", *(f"{r.cached_tokens}/{r.prompt_tokens}" for r in m.turn_hit)
+    )
     for note in m.notes:
         print(note)
 
@@ -321,7 +313,6 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir / args.model)
     convs = [conversation(tokenizer, args.prompt_tokens, i) for i in range(args.repeats)]
-    prompt_tokens = count_tokens(tokenizer, convs[0])
 
     work = Path(tempfile.mkdtemp(prefix="omlx-bench-cache-"))
     block = {"OMLX_CACHE__BLOCK_SIZE": str(args.block_size)}
@@ -351,7 +342,7 @@ def main() -> None:
         for server in (on, off):
             if server.proc is not None:
                 server.stop()
-    report(args, m, prompt_tokens)
+    report(args, m)
     print(f"server logs: {work}")
 
 
