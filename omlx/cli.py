@@ -240,7 +240,10 @@ def _models(args: argparse.Namespace, settings: Settings) -> int:
 
 def _config(args: argparse.Namespace, settings: Settings) -> int:
     if args.config_command == "show":
-        print(json.dumps(settings.model_dump(mode="json"), indent=2))
+        shown = settings.model_dump(mode="json")
+        if shown["server"].get("api_key"):
+            shown["server"]["api_key"] = "***"  # keys never printed
+        print(json.dumps(shown, indent=2))
         return 0
     try:
         value = json.loads(args.value)
@@ -248,7 +251,8 @@ def _config(args: argparse.Namespace, settings: Settings) -> int:
         value = args.value
     base = resolve_base_path(args.base_path)
     set_file_value(base, args.key, value)
-    print(f"{args.key} = {json.dumps(value)} written to {base / 'settings.json'}")
+    shown = '"***"' if args.key == "server.api_key" else json.dumps(value)
+    print(f"{args.key} = {shown} written to {base / 'settings.json'}")
     return 0
 
 

@@ -118,3 +118,19 @@ def test_invalid_memory_settings_fail_at_start_naming_the_field(tmp_path: Path) 
     too_big = omlx("serve", "--max-process-memory", "1000TB", "--no-install-default", base=tmp_path)
     assert too_big.returncode == 2 and "max_process_memory" in too_big.stderr
     assert "Traceback" not in bad.stderr + too_big.stderr
+
+
+def test_serve_refuses_a_remote_bind_without_a_key(tmp_path: Path) -> None:
+    out = omlx("serve", "--host", "0.0.0.0", "--no-install-default", base=tmp_path)
+    assert out.returncode == 2
+    assert "api_key" in out.stderr and "allow-unauthenticated-remote" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_config_show_never_prints_the_key(tmp_path: Path) -> None:
+    written = omlx("config", "set", "server.api_key", "sk-secret-42", base=tmp_path)
+    assert written.returncode == 0 and "sk-secret-42" not in written.stdout
+    shown = omlx("config", "show", base=tmp_path)
+    assert shown.returncode == 0
+    assert "sk-secret-42" not in shown.stdout
+    assert '"api_key": "***"' in shown.stdout
