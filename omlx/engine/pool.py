@@ -46,6 +46,10 @@ from omlx.sizes import format_bytes, parse_byte_size
 
 log = logging.getLogger(__name__)
 
+# A request for this model name gets the default model (per-model is_default,
+# else models.default_model), unless a model is really called that.
+DEFAULT_MODEL_NAME = "default"
+
 
 @dataclass(frozen=True, slots=True)
 class RequestDefaults:
@@ -127,6 +131,8 @@ class EnginePool:
         """A folder name or alias -> the model; ModelNotFoundError lists what exists."""
         models = self.available()
         name = self.model_settings.resolve(requested, models)
+        if name is None and requested == DEFAULT_MODEL_NAME:
+            name = self.default_model()
         info = models.get(name) if name is not None else None
         if info is None:
             shown = sorted(self.public_name(n) for n in models)

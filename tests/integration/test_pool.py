@@ -234,3 +234,18 @@ def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool):
         assert not any(e.admission_paused for e in pool.loaded())
 
     asyncio.run(main())
+
+
+def test_the_default_model_answers_to_default(make_pool):
+    pool = make_pool()
+
+    async def main() -> None:
+        with pytest.raises(ModelNotFoundError):
+            await pool.get_engine("default")  # none set yet
+        pool.settings.models.default_model = "tiny-qwen3"
+        assert (await pool.get_engine("default")).name == "tiny-qwen3"
+        pool.model_settings.put("tiny-llama", {"is_default": True})  # per-model wins
+        assert (await pool.get_engine("default")).name == "tiny-llama"
+        assert {m["name"] for m in pool.status() if m["is_default"]} == {"tiny-llama"}
+
+    asyncio.run(main())
