@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from omlx import __version__
 from omlx.api.auth import require_admin
-from omlx.api.state import ServerState
+from omlx.api.state import ServerState, state_of
 from omlx.errors import InvalidRequestError, NotFoundError, SettingsError
 from omlx.settings import Settings, describe_validation_error, set_file_value
 
@@ -40,10 +40,6 @@ LIVE_SETTINGS = frozenset(
 _SECRET = "server.api_key"
 
 
-def _state(request: Request) -> ServerState:
-    return request.app.state.omlx
-
-
 async def _json_object(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if not raw:
@@ -67,7 +63,7 @@ def _known_model(state: ServerState, name: str) -> str:
 
 @router.get("/status")
 async def status(request: Request) -> dict[str, Any]:
-    state = _state(request)
+    state = state_of(request)
     pool = state.pool
     return {
         "version": __version__,
@@ -84,19 +80,19 @@ async def status(request: Request) -> dict[str, Any]:
 
 @router.get("/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"models": _state(request).pool.status()}
+    return {"models": state_of(request).pool.status()}
 
 
 @router.post("/models/{name:path}/load")
 async def load_model(name: str, request: Request) -> dict[str, Any]:
-    state = _state(request)
+    state = state_of(request)
     engine = await state.pool.load(name)
     return {"name": engine.name, "state": state.pool.model_state(engine.name)}
 
 
 @router.post("/models/{name:path}/unload")
 async def unload_model(name: str, request: Request) -> dict[str, Any]:
-    state = _state(request)
+    state = state_of(request)
     body = await _json_object(request)
     drain_s = body.get("drain_s", 0.0)
     if not isinstance(drain_s, int | float) or not 0 <= drain_s <= 600:
@@ -108,7 +104,7 @@ async def unload_model(name: str, request: Request) -> dict[str, Any]:
 
 @router.get("/models/{name:path}/settings")
 async def get_model_settings(name: str, request: Request) -> dict[str, Any]:
-    state = _state(request)
+    state = state_of(request)
     folder = _known_model(state, name)
     return {"name": folder, "settings": state.pool.model_settings.get(folder).model_dump()}
 
@@ -116,7 +112,7 @@ async def get_model_settings(name: str, request: Request) -> dict[str, Any]:
 @router.put("/models/{name:path}/settings")
 async def put_model_settings(name: str, request: Request) -> dict[str, Any]:
     """Merge the given fields into the model's settings (null clears a field)."""
-    state = _state(request)
+    state = state_of(request)
     folder = _known_model(state, name)
     changes = await _json_object(request)
     pool = state.pool
@@ -127,7 +123,7 @@ async def put_model_settings(name: str, request: Request) -> dict[str, Any]:
 
 @router.delete("/models/{name:path}/settings")
 async def reset_model_settings(name: str, request: Request) -> dict[str, Any]:
-    state = _state(request)
+    state = state_of(request)
     folder = _known_model(state, name)
     state.pool.model_settings.reset(folder)
     state.pool.settings_changed(folder)
@@ -146,7 +142,7 @@ def _public_settings(settings: Settings) -> dict[str, Any]:
 
 @router.get("/settings")
 async def get_settings(request: Request) -> dict[str, Any]:
-    state = _state(request)
+    state = state_of(request)
     return {
         "settings": _public_settings(state.settings),
         "live": sorted(LIVE_SETTINGS),
@@ -170,7 +166,7 @@ def _flatten(changes: dict[str, Any]) -> dict[str, Any]:
 @router.put("/settings")
 async def put_settings(request: Request) -> dict[str, Any]:
     """Validate and save ``{group: {field: value}}``; live fields apply at once."""
-    state = _state(request)
+    state = state_of(request)
     flat = _flatten(await _json_object(request))
     if not flat:
         raise InvalidRequestError("no settings given")
@@ -209,7 +205,7 @@ async def put_settings(request: Request) -> dict[str, Any]:
 
 @router.get("/cache/stats")
 async def cache_stats(request: Request) -> dict[str, Any]:
-    pool = _state(request).pool
+    pool = state_of(request).pool
     hot = pool.hot_cache
     models = {e.name: e.prefix_cache.stats() for e in pool.loaded() if e.prefix_cache is not None}
     return {
@@ -222,7 +218,7 @@ async def cache_stats(request: Request) -> dict[str, Any]:
 @router.post("/cache/clear")
 async def cache_clear(request: Request) -> dict[str, Any]:
     """Body: ``{"tier": "hot" | "ssd" | "both", "model": optional name}``."""
-    state = _state(request)
+    state = state_of(request)
     body = await _json_object(request)
     tier = body.get("tier", "both")
     if tier not in ("hot", "ssd", "both"):
@@ -263,7 +259,7 @@ def _memory(state: ServerState) -> dict[str, Any]:
 
 @router.get("/memory")
 async def memory(request: Request) -> dict[str, Any]:
-    return _memory(_state(request))
+    return _memory(state_of(request))
 
 
 # -- release / resume (also at the top level, as other servers expose them) --
@@ -294,12 +290,12 @@ async def _release(request: Request) -> dict[str, Any]:
     if not isinstance(timeout_s, int | float) or not 0 <= timeout_s <= 600:
         raise InvalidRequestError("'timeout_s' must be a number of seconds in 0..600")
     model = body.get("model")
-    return await _state(request).pool.release(tags, model, float(timeout_s))
+    return await state_of(request).pool.release(tags, model, float(timeout_s))
 
 
 async def _resume(request: Request) -> dict[str, Any]:
     tags, _ = await _release_body(request)
-    return await _state(request).pool.resume(tags)
+    return await state_of(request).pool.resume(tags)
 
 
 for _prefix in ("", "/admin/api/memory"):

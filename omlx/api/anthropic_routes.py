@@ -26,18 +26,13 @@ from omlx.api.errors import anthropic_error_body
 from omlx.api.generation import ClientGone, Generation, unless_disconnected
 from omlx.api.output_parser import parser_for
 from omlx.api.prompts import RenderedPrompt, build_sampling, make_request, render_chat
-from omlx.api.state import ServerState
+from omlx.api.sse import SSE_HEADERS
+from omlx.api.state import state_of
 from omlx.api.structured import bind_grammar
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.stream import StreamEvent
 
 router = APIRouter()
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.omlx
 
 
 def sse_event(frame: Frame) -> str:
@@ -58,14 +53,14 @@ def _render(
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     messages = chat_messages(body)  # a bad conversation is refused before any model loads
-    engine = await _state(request).pool.get_engine(body.model)
+    engine = await state_of(request).pool.get_engine(body.model)
     prompt, _ = _render(engine, body, messages)
     return {"input_tokens": len(prompt.ids)}
 
 
 @router.post("/v1/messages")
 async def create_message(body: MessagesRequest, request: Request) -> Response:
-    state = _state(request)
+    state = state_of(request)
     messages = chat_messages(body)
     spec = output_grammar(body)
     engine = await state.pool.get_engine(body.model)

@@ -19,23 +19,18 @@ from omlx.api.prompts import (
     sampling_params,
 )
 from omlx.api.schemas import ChatCompletionRequest, CompletionRequest
-from omlx.api.state import ServerState
+from omlx.api.sse import SSE_HEADERS
+from omlx.api.state import state_of
 from omlx.api.structured import bind_grammar, grammar_spec
 from omlx.engine.stream import StreamEvent
 from omlx.errors import InvalidRequestError
 
 router = APIRouter()
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.omlx
-
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    state = _state(request)
+    state = state_of(request)
     pool = state.pool
     models = pool.available()
     return {
@@ -61,7 +56,7 @@ async def _respond(
     kind: str,
 ) -> Response:
     """Submit the generation and answer as SSE or as one JSON body."""
-    state = _state(request)
+    state = state_of(request)
     gen.submit()
 
     def on_event(index: int, event: StreamEvent) -> dict[str, Any] | None:
@@ -107,7 +102,7 @@ async def _respond(
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    state = _state(request)
+    state = state_of(request)
     engine = await state.pool.get_engine(body.model)
     defaults = state.pool.request_defaults(engine.name)
     spec = grammar_spec(body)
@@ -132,7 +127,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    state = _state(request)
+    state = state_of(request)
     engine = await state.pool.get_engine(body.model)
     if body.suffix:
         raise InvalidRequestError("'suffix' is not supported", param="suffix")

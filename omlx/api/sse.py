@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# Streaming responses: never cached, never buffered by a proxy.
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = "data: [DONE]\n\n"
 KEEPALIVE = ": keep-alive\n\n"
 

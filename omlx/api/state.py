@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from starlette.requests import Request
+
 from omlx.engine.pool import EnginePool
 from omlx.settings import Settings
 
@@ -14,3 +16,9 @@ class ServerState:
     settings: Settings
     pool: EnginePool
     started_s: float = field(default_factory=time.time)
+
+
+def state_of(request: Request) -> ServerState:
+    """The ServerState of the app serving ``request``."""
+    state: ServerState = request.app.state.omlx
+    return state

@@ -84,7 +84,7 @@ class ModelEngine:
         self.admission_paused = False
         self.num_deferrals = 0
         self.num_gated = 0
-        self._pending_kv_bytes = 0
+        self._pending_bytes = 0
         self.prefix_cache = prefix_cache
         self._runner = runner
         self._scheduler = scheduler
@@ -166,16 +166,7 @@ class ModelEngine:
         """Admit, run one batched step, turn tokens into stream events."""
         outbox: list[tuple[RequestStream, StreamEvent]] = []
         try:
-            # KV that admitted requests will still allocate: admission counts it,
-            # so requests admitted in one step cannot stack past the limit.
-            plan = self._runner.prefill_plan()
-            dims = self.guard.dims
-            self._pending_kv_bytes = sum(
-                dims.kv_bytes_per_token * c.num_remaining
-                + prefill_step_transient_bytes(dims, c.num_tokens, c.num_context_tokens)
-                for c in plan
-            )
-            cached = self._runner.add(self._scheduler.schedule(self._can_admit))
+            cached = self._runner.add(self._admit())
             for rid, num in cached.items():
                 self._live[rid].num_cached_tokens = num
             self._gate_prefill(outbox)
@@ -230,6 +221,21 @@ class ModelEngine:
             del self._live[update.request_id]
         return status.finish_reason
 
+    def _admit(self) -> list[Request]:
+        """Waiting requests that may start now (memory admission included)."""
+        if not self._scheduler.num_waiting:
+            return []
+        # What admitted work will still allocate (KV to come, prefill step
+        # transients): admission counts it, so requests admitted in one step
+        # cannot stack past the limit.
+        dims = self.guard.dims
+        self._pending_bytes = sum(
+            dims.kv_bytes_per_token * c.num_remaining
+            + prefill_step_transient_bytes(dims, c.num_tokens, c.num_context_tokens)
+            for c in self._runner.prefill_plan()
+        )
+        return self._scheduler.schedule(self._can_admit)
+
     def _can_admit(self, request: Request, num_running: int) -> bool:
         """Memory admission for the head of the queue (never defers a lone request)."""
         if num_running == 0:
@@ -240,7 +246,7 @@ class ModelEngine:
             reading = self.probe.reading(fresh=True)
             # KV still to come for admitted requests, and the step transients of
             # every request that will prefill in the same batch as this one.
-            pending = self._pending_kv_bytes
+            pending = self._pending_bytes
             reading = dataclasses.replace(
                 reading,
                 mlx_active_bytes=reading.mlx_active_bytes + pending,
@@ -249,7 +255,7 @@ class ModelEngine:
             admitted = self.guard.admit(request.num_prompt_tokens, num_running, reading)
         if admitted:
             dims, n = self.guard.dims, request.num_prompt_tokens
-            self._pending_kv_bytes += dims.kv_bytes_per_token * n + (
+            self._pending_bytes += dims.kv_bytes_per_token * n + (
                 prefill_step_transient_bytes(dims, min(n, self.guard.chunk_tokens), n)
             )
         else:

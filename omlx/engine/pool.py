@@ -6,18 +6,12 @@ import asyncio
 import dataclasses
 import gc
 import logging
-import re
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from omlx.cache.hot import HotTier
-from omlx.cache.kv_codec import layer_layout
-from omlx.cache.prefix import PrefixCache, model_identity
-from omlx.cache.ssd import SSDStore
+from omlx.cache.setup import make_hot_tier, make_prefix_cache
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.residency import ResidentModel, choose_evictions, expired
 from omlx.engine.runner import BatchRunner
@@ -106,7 +100,7 @@ class EnginePool:
         # One load decision (evict + load) at a time, so two loads never count
         # the same free room.
         self._room_lock = asyncio.Lock()
-        self.hot_cache = _make_hot_tier(settings, ram)
+        self.hot_cache = make_hot_tier(settings, ram)
         self.num_loads = 0
         self.num_evictions = 0
         # Tags released by /release_memory_occupation; inference waits for resume.
@@ -199,11 +193,6 @@ class EnginePool:
 
     async def load(self, requested: str) -> ModelEngine:
         return await self.get_engine(requested)
-
-    def touch(self, engine: ModelEngine) -> None:
-        resident = self._resident.get(engine.name)
-        if resident is not None:
-            resident.last_used_s = self._clock()
 
     async def _load(self, info: ModelInfo) -> _Resident:
         lock = self._load_locks.setdefault(info.name, asyncio.Lock())
@@ -466,7 +455,7 @@ class EnginePool:
 
     def _make_engine(self, loaded: LoadedModel) -> ModelEngine:
         sched = self.settings.scheduler
-        prefix = self._make_prefix_cache(loaded)
+        prefix = make_prefix_cache(self.settings, self.hot_cache, loaded)
         runner = BatchRunner(
             loaded.model,
             max_batch_size=sched.max_concurrent_requests,
@@ -498,42 +487,6 @@ class EnginePool:
             prefix_cache=prefix,
         )
 
-    def _make_prefix_cache(self, loaded: LoadedModel) -> PrefixCache | None:
-        """MLX thread. None when the cache is off or the model's layers cannot be cached."""
-        from mlx_lm.models.cache import make_prompt_cache
-
-        cfg = self.settings.cache
-        if self.hot_cache is None:
-            return None
-        name = loaded.info.name
-        layout = layer_layout(make_prompt_cache(loaded.model))
-        if layout is None:
-            kinds = sorted({type(c).__name__ for c in make_prompt_cache(loaded.model)})
-            log.warning("prefix cache off for %s: cache types %s are not supported", name, kinds)
-            return None
-        identity = model_identity(name, loaded.info.path)
-        ssd = None
-        if cfg.hot_cache_mode != "hot-only":
-            directory = self.settings.cache_dir / _safe_dir_name(name)
-            ssd = SSDStore(
-                directory,
-                model_identity=identity,
-                layer_layout=layout,
-                block_size=cfg.block_size,
-                max_size_bytes=_ssd_budget(cfg.ssd_cache_max_size, directory),
-                auto_fraction=cfg.ssd_auto_fraction,
-            )
-        prefix = PrefixCache(identity, layout, cfg.block_size, self.hot_cache, ssd)
-        log.info(
-            "prefix cache for %s: %s, block %d tokens, %s%s",
-            name,
-            identity,
-            cfg.block_size,
-            "sliceable KV" if prefix.sliceable else "boundary snapshots (recurrent layers)",
-            f", SSD {ssd.cache_dir} ({len(ssd.keys())} blocks)" if ssd else ", RAM only",
-        )
-        return prefix
-
     async def close(self) -> None:
         """Abort all work and unload every model."""
         engines = [r.engine for r in self._resident.values()]
@@ -563,35 +516,6 @@ def _activation_bytes(model: object) -> int:
         if mx.issubdtype(param.dtype, mx.floating):
             return int(param.dtype.size)
     return 2
-
-
-def _make_hot_tier(settings: Settings, ram_bytes: int) -> HotTier | None:
-    cfg = settings.cache
-    if not cfg.enabled:
-        log.info("prefix cache disabled (cache.enabled=false)")
-        return None
-    budget = parse_byte_size(
-        cfg.hot_cache_max_size, total_bytes=ram_bytes, field="cache.hot_cache_max_size"
-    )
-    log.info(
-        "prefix cache: RAM tier %s (%s), SSD tier %s",
-        format_bytes(budget),
-        cfg.hot_cache_mode,
-        "off" if cfg.hot_cache_mode == "hot-only" else settings.cache_dir,
-    )
-    return HotTier(budget, mode=cfg.hot_cache_mode)
-
-
-def _ssd_budget(value: str | int, directory: Path) -> int | Literal["auto"]:
-    if value == "auto":
-        return "auto"
-    directory.mkdir(parents=True, exist_ok=True)
-    total = shutil.disk_usage(directory).total
-    return parse_byte_size(value, total_bytes=total, field="cache.ssd_cache_max_size")
-
-
-def _safe_dir_name(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"
 
 
 def _model_budget(value: str | int, hard_bytes: int) -> int:

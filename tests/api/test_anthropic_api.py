@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import anthropic
 import httpx
@@ -11,6 +10,7 @@ import jsonschema
 import pytest
 
 from omlx.api.server import Server
+from tests.fixtures.servers import aborted_count, wait_aborted
 
 MODEL = "tiny-llama"
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
@@ -228,22 +228,9 @@ def test_openai_routes_keep_the_openai_envelope(server: Server) -> None:
 SLOW = "slow-llama"
 
 
-def aborted_count(server: Server) -> int:
-    health = httpx.get(server.base_url + "/health").json()
-    model = next(m for m in health["loaded_models"] if m["name"] == SLOW)
-    return model["finished"].get("abort", 0)
-
-
-def wait_aborted(server: Server, expected: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while aborted_count(server) < expected and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert aborted_count(server) == expected
-
-
 def test_client_disconnect_mid_stream_aborts(client: anthropic.Anthropic, server: Server) -> None:
     create(client, model=SLOW, max_tokens=1)  # the model is loaded
-    before = aborted_count(server)
+    before = aborted_count(server, SLOW)
     body = {"model": SLOW, "messages": ASK, "max_tokens": 4000, "stream": True}
     with (
         httpx.Client(base_url=server.base_url, timeout=30) as http,
@@ -253,15 +240,15 @@ def test_client_disconnect_mid_stream_aborts(client: anthropic.Anthropic, server
         lines = resp.iter_lines()
         got = [next(lines) for _ in range(9)]
         assert "event: content_block_start" in got
-    wait_aborted(server, before + 1)
+    wait_aborted(server, SLOW, before + 1)
 
 
 def test_non_streaming_client_disconnect_aborts(
     client: anthropic.Anthropic, server: Server
 ) -> None:
     create(client, model=SLOW, max_tokens=1)
-    before = aborted_count(server)
+    before = aborted_count(server, SLOW)
     body = {"model": SLOW, "messages": ASK, "max_tokens": 4000}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/v1/messages", json=body, timeout=0.05)
-    wait_aborted(server, before + 1)
+    wait_aborted(server, SLOW, before + 1)

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from omlx.api.server import Server
+from tests.fixtures.servers import aborted_count, wait_aborted
 
 MODEL = "tiny-llama"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -147,24 +148,11 @@ def test_sixteen_concurrent_streams_each_equal_their_solo_output(
 SLOW = "slow-llama"
 
 
-def aborted_count(server: Server) -> int:
-    health = httpx.get(server.base_url + "/health").json()
-    model = next(m for m in health["loaded_models"] if m["name"] == SLOW)
-    return model["finished"].get("abort", 0)
-
-
-def wait_aborted(server: Server, expected: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while aborted_count(server) < expected and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert aborted_count(server) == expected
-
-
 def test_client_disconnect_mid_stream_aborts_and_the_server_keeps_serving(
     client: openai.OpenAI, server: Server
 ) -> None:
     chat(client, model=SLOW, max_tokens=1)  # the model is loaded
-    before = aborted_count(server)
+    before = aborted_count(server, SLOW)
     body = {"model": SLOW, "messages": CHAT, "max_tokens": 4000, "stream": True}
     with (
         httpx.Client(base_url=server.base_url, timeout=30) as http,
@@ -175,7 +163,7 @@ def test_client_disconnect_mid_stream_aborts_and_the_server_keeps_serving(
         got = [next(lines) for _ in range(4)]
         assert any(line.startswith("data: ") for line in got)
     # Leaving the block closed the connection mid-stream.
-    wait_aborted(server, before + 1)
+    wait_aborted(server, SLOW, before + 1)
     wait_idle(server)
     assert chat(client, max_tokens=5).choices[0].finish_reason == "length"
 
@@ -184,7 +172,7 @@ def test_non_streaming_client_disconnect_aborts_the_request(
     client: openai.OpenAI, server: Server
 ) -> None:
     chat(client, model=SLOW, max_tokens=1)
-    before = aborted_count(server)
+    before = aborted_count(server, SLOW)
     body = {"model": SLOW, "messages": CHAT, "max_tokens": 4000}
     try:
         resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=0.05)
@@ -192,7 +180,7 @@ def test_non_streaming_client_disconnect_aborts_the_request(
         pass  # the client gave up while the server was generating
     else:
         pytest.fail(f"answered before the client left: {resp.status_code} {resp.text[:300]}")
-    wait_aborted(server, before + 1)
+    wait_aborted(server, SLOW, before + 1)
     wait_idle(server)
 
 

@@ -1,0 +1,89 @@
+"""Building the prefix cache from settings: the shared RAM tier and, per loaded
+model, its SSD store and PrefixCache."""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Literal
+
+from omlx.cache.hot import HotTier
+from omlx.cache.kv_codec import layer_layout
+from omlx.cache.prefix import PrefixCache, model_identity
+from omlx.cache.ssd import SSDStore
+from omlx.models.loader import LoadedModel
+from omlx.settings import Settings
+from omlx.sizes import format_bytes, parse_byte_size
+
+log = logging.getLogger(__name__)
+
+
+def make_hot_tier(settings: Settings, ram_bytes: int) -> HotTier | None:
+    cfg = settings.cache
+    if not cfg.enabled:
+        log.info("prefix cache disabled (cache.enabled=false)")
+        return None
+    budget = parse_byte_size(
+        cfg.hot_cache_max_size, total_bytes=ram_bytes, field="cache.hot_cache_max_size"
+    )
+    log.info(
+        "prefix cache: RAM tier %s (%s), SSD tier %s",
+        format_bytes(budget),
+        cfg.hot_cache_mode,
+        "off" if cfg.hot_cache_mode == "hot-only" else settings.cache_dir,
+    )
+    return HotTier(budget, mode=cfg.hot_cache_mode)
+
+
+def ssd_budget(value: str | int, directory: Path) -> int | Literal["auto"]:
+    if value == "auto":
+        return "auto"
+    directory.mkdir(parents=True, exist_ok=True)
+    total = shutil.disk_usage(directory).total
+    return parse_byte_size(value, total_bytes=total, field="cache.ssd_cache_max_size")
+
+
+def safe_dir_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"
+
+
+def make_prefix_cache(
+    settings: Settings, hot: HotTier | None, loaded: LoadedModel
+) -> PrefixCache | None:
+    """MLX thread. None when the cache is off or the model's layers cannot be cached."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cfg = settings.cache
+    if hot is None:
+        return None
+    name = loaded.info.name
+    layers = make_prompt_cache(loaded.model)
+    layout = layer_layout(layers)
+    if layout is None:
+        kinds = sorted({type(c).__name__ for c in layers})
+        log.warning("prefix cache off for %s: cache types %s are not supported", name, kinds)
+        return None
+    identity = model_identity(name, loaded.info.path)
+    ssd = None
+    if cfg.hot_cache_mode != "hot-only":
+        directory = settings.cache_dir / safe_dir_name(name)
+        ssd = SSDStore(
+            directory,
+            model_identity=identity,
+            layer_layout=layout,
+            block_size=cfg.block_size,
+            max_size_bytes=ssd_budget(cfg.ssd_cache_max_size, directory),
+            auto_fraction=cfg.ssd_auto_fraction,
+        )
+    prefix = PrefixCache(identity, layout, cfg.block_size, hot, ssd)
+    log.info(
+        "prefix cache for %s: %s, block %d tokens, %s%s",
+        name,
+        identity,
+        cfg.block_size,
+        "sliceable KV" if prefix.sliceable else "boundary snapshots (recurrent layers)",
+        f", SSD {ssd.cache_dir} ({len(ssd.keys())} blocks)" if ssd else ", RAM only",
+    )
+    return prefix
