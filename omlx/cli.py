@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--prefill-transient-margin", metavar="SIZE")
     serve.add_argument("--max-model-memory", metavar="SIZE")
+    serve.add_argument("--max-kv-tokens", type=int, metavar="N")
     serve.add_argument(
         "--api-key",
         help="require this key on /v1 and the admin panel (visible in `ps`: prefer "
@@ -108,6 +109,7 @@ _SERVE_FLAGS = {
     "max_process_memory": ("memory", "max_process_memory"),
     "prefill_transient_margin": ("memory", "prefill_transient_margin"),
     "max_model_memory": ("memory", "max_model_memory"),
+    "max_kv_tokens": ("memory", "max_kv_tokens"),
     "api_key": ("server", "api_key"),
     "allow_unauthenticated_remote": ("server", "allow_unauthenticated_remote"),
     "idle_timeout_s": ("models", "idle_timeout_s"),

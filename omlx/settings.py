@@ -100,6 +100,8 @@ class MemorySettings(_Group):
     poll_interval_s: float = Field(1.0, gt=0.0, le=60.0)
     # Budget for loaded weights across models ("auto": the hard limit itself).
     max_model_memory: str | int = "auto"
+    # KV tokens a model may hold at once; unset = measured by the auto-profile at load.
+    max_kv_tokens: int | None = Field(None, ge=16)
 
     @field_validator("max_model_memory")
     @classmethod

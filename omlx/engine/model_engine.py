@@ -228,10 +228,11 @@ class ModelEngine:
         # What admitted work will still allocate (KV to come, prefill step
         # transients): admission counts it, so requests admitted in one step
         # cannot stack past the limit.
-        dims = self.guard.dims
+        dims, extra = self.guard.dims, self.guard.unmodeled_bytes
         self._pending_bytes = sum(
             dims.kv_bytes_per_token * c.num_remaining
             + prefill_step_transient_bytes(dims, c.num_tokens, c.num_context_tokens)
+            + extra
             for c in self._runner.prefill_plan()
         )
         return self._scheduler.schedule(self._can_admit)
@@ -242,6 +243,19 @@ class ModelEngine:
             admitted = True
         elif self.admission_paused:
             admitted = False
+        elif not self.guard.kv_fits(
+            # The scheduler counts the ones admitted earlier in this step too.
+            self._scheduler.num_running_tokens,
+            request.num_prompt_tokens,
+        ):
+            admitted = False
+            log.info(
+                "memadmit %s: deferred a %d-token prompt: %d KV tokens in flight, capacity %s",
+                self.name,
+                request.num_prompt_tokens,
+                self._scheduler.num_running_tokens,
+                self.guard.max_kv_tokens,
+            )
         else:
             reading = self.probe.reading(fresh=True)
             # KV still to come for admitted requests, and the step transients of
@@ -257,6 +271,7 @@ class ModelEngine:
             dims, n = self.guard.dims, request.num_prompt_tokens
             self._pending_bytes += dims.kv_bytes_per_token * n + (
                 prefill_step_transient_bytes(dims, min(n, self.guard.chunk_tokens), n)
+                + self.guard.unmodeled_bytes
             )
         else:
             self.num_deferrals += 1

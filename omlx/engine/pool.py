@@ -25,6 +25,7 @@ from omlx.errors import (
 from omlx.memory.budget import guard_dims
 from omlx.memory.guard import MemoryGuard, memory_limits
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
+from omlx.memory.profile import auto_profile
 from omlx.models.discovery import ModelInfo, discover_models
 from omlx.models.loader import LoadedModel, load_model
 from omlx.models.model_settings import (
@@ -170,6 +171,7 @@ class EnginePool:
                     "requests_in_flight": resident.engine.num_in_flight if resident else 0,
                     "idle_s": round(now - resident.last_used_s, 1) if resident else None,
                     "ttl_s": model.ttl_s,
+                    "kv_profile": _kv_profile(resident.engine) if resident else None,
                 }
             )
         return out
@@ -475,6 +477,19 @@ class EnginePool:
             baseline_bytes=self.probe.reading(fresh=True).resident_bytes,
             chunk_tokens=sched.prefill_step_size,
         )
+        explicit = self.model_settings.get(loaded.info.name).max_kv_tokens
+        guard.set_profile(
+            auto_profile(
+                loaded.model,
+                dims,
+                self.probe,
+                self.limits,
+                chunk_tokens=sched.prefill_step_size,
+                batch_size=sched.max_concurrent_requests,
+                vocab_size=loaded.vocab_size,
+                explicit_tokens=explicit or self.settings.memory.max_kv_tokens,
+            )
+        )
         log.info(guard.describe())
         return ModelEngine(
             loaded,
@@ -516,6 +531,14 @@ def _activation_bytes(model: object) -> int:
         if mx.issubdtype(param.dtype, mx.floating):
             return int(param.dtype.size)
     return 2
+
+
+def _kv_profile(engine: ModelEngine) -> dict[str, Any] | None:
+    """The load-time auto-profile and the KV capacity under the limits in force now."""
+    guard = engine.guard
+    if guard.profile is None:
+        return None
+    return {**dataclasses.asdict(guard.profile), "max_kv_tokens": guard.max_kv_tokens}
 
 
 def _model_budget(value: str | int, hard_bytes: int) -> int:

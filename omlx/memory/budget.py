@@ -26,6 +26,7 @@ from omlx.sizes import format_bytes, parse_byte_size
 __all__ = [
     "AdmitAction",
     "AdmitDecision",
+    "KVProfile",
     "Limits",
     "MemoryReading",
     "ModelDims",
@@ -33,11 +34,13 @@ __all__ = [
     "PrefillMemoryExceeded",
     "admit",
     "attention_transient_bytes",
+    "canary_bytes",
     "conservative_dims",
     "estimate_prefill",
     "fused_sdpa_applies",
     "gate",
     "guard_dims",
+    "kv_capacity_tokens",
     "model_dims",
     "preflight",
     "resolve_limits",
@@ -281,6 +284,8 @@ class PrefillEstimate:
     margin_bytes: int
     # A growing KV cache is copied into a larger buffer (old and new alive together).
     growth_bytes: int = 0
+    # The auto-profile's measured chunk transient beyond the modeled terms.
+    unmodeled_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -290,6 +295,7 @@ class PrefillEstimate:
             + self.attention_bytes
             + self.margin_bytes
             + self.growth_bytes
+            + self.unmodeled_bytes
         )
 
 
@@ -302,6 +308,7 @@ def estimate_prefill(
     chunk_tokens: int,
     limits: Limits,
     others_in_flight: bool,
+    unmodeled_bytes: int = 0,
 ) -> PrefillEstimate:
     """Predicted peak of a whole prefill: all new KV plus the largest chunk transient.
 
@@ -323,6 +330,7 @@ def estimate_prefill(
         attention_bytes=attention,
         margin_bytes=limits.transient_margin_bytes,
         growth_bytes=dims.kv_bytes_per_token * (num_cached_tokens + num_new_tokens),
+        unmodeled_bytes=unmodeled_bytes,
     )
 
 
@@ -350,6 +358,7 @@ def preflight(
     num_cached_tokens: int,
     chunk_tokens: int,
     limits: Limits,
+    unmodeled_bytes: int = 0,
 ) -> PrefillEstimate:
     """Front door: the estimate with only ``baseline_bytes`` (weights + runtime) resident.
 
@@ -364,6 +373,7 @@ def preflight(
         chunk_tokens=chunk_tokens,
         limits=limits,
         others_in_flight=False,
+        unmodeled_bytes=unmodeled_bytes,
     )
     if estimate.peak_bytes > limits.hard_bytes:
         raise PrefillMemoryExceeded(
@@ -423,6 +433,7 @@ def gate(
     num_cached_tokens: int,
     limits: Limits,
     others_in_flight: bool,
+    unmodeled_bytes: int = 0,
 ) -> bool:
     """True when the next prefill chunk may run; False to end the request before the forward.
 
@@ -440,8 +451,72 @@ def gate(
     chunk_kv = dims.kv_bytes_per_token * chunk_tokens
     growth = dims.kv_bytes_per_token * (num_cached_tokens + chunk_tokens)
     peak = (
-        fresh_reading.resident_bytes + chunk_kv + growth + attention + limits.transient_margin_bytes
+        fresh_reading.resident_bytes
+        + chunk_kv
+        + growth
+        + attention
+        + unmodeled_bytes
+        + limits.transient_margin_bytes
     )
     if others_in_flight:
         peak = max(peak, fresh_reading.recent_peak_bytes + chunk_kv)
     return peak <= limits.hard_bytes
+
+
+@dataclass(frozen=True)
+class KVProfile:
+    """What the auto-profile measured, and the capacity it chose (admin API)."""
+
+    max_kv_tokens: int
+    source: str  # "measured" or "explicit"
+    baseline_bytes: int
+    # Peaks are bytes added over what was resident before each stress pass.
+    prefill_peak_bytes: int = 0
+    decode_peak_bytes: int = 0
+    # Worst step transient beyond the stress's own KV.
+    overhead_bytes: int = 0
+    # Of a prefill chunk's transient, what the estimate's formulas do not model.
+    unmodeled_bytes: int = 0
+    canary_bytes: int = 0
+    attempts: int = 0
+    seconds: float = 0.0
+
+
+# Auto-profile (seed 002): each retry shrinks the capacity by 5%, at most 3 retries.
+PROFILE_SHRINK = 0.95
+PROFILE_MAX_RETRIES = 3
+# The safety canary: reserved under the limit, held during the validation pass.
+CANARY_MAX_BYTES = 256 * 1024**2
+CANARY_FRACTION = 0.02
+
+
+def canary_bytes(limits: Limits) -> int:
+    return min(CANARY_MAX_BYTES, int(limits.hard_bytes * CANARY_FRACTION))
+
+
+def kv_capacity_tokens(
+    limits: Limits,
+    *,
+    baseline_bytes: int,
+    overhead_bytes: int,
+    canary_bytes: int,
+    kv_bytes_per_token: int,
+    attempt: int = 0,
+) -> int:
+    """KV tokens that fit under the hard limit beside the model, its measured
+    worst-case step transient and the safety canary; shrunk 5% per retry."""
+    _positive(kv_bytes_per_token, "kv_bytes_per_token")
+    room = limits.hard_bytes - baseline_bytes - max(0, overhead_bytes) - canary_bytes
+    if room <= 0:
+        return 0
+    return int(room // kv_bytes_per_token * PROFILE_SHRINK**attempt)
+
+
+def unmodeled_transient_bytes(dims: ModelDims, *, chunk_tokens: int, measured_bytes: int) -> int:
+    """What a measured prefill chunk held beyond its KV that the estimate's own terms
+    (attention transient, KV growth copy) do not cover: added to every estimate."""
+    modeled = (
+        attention_transient_bytes(dims, chunk_tokens=chunk_tokens, num_context_tokens=chunk_tokens)
+        + dims.kv_bytes_per_token * chunk_tokens
+    )
+    return max(0, measured_bytes - modeled)

@@ -3,6 +3,7 @@ never queries the device per request."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -36,6 +37,22 @@ class MemoryProbe:
         self._lock = threading.Lock()
         self._last: MemoryReading | None = None
         self._peaks: deque[tuple[float, int]] = deque()
+        # Highest MLX peak since ``watch_peak`` (other threads' readings reset
+        # MLX's own counter, so it is folded in here at every sample).
+        self._watched_peak = 0
+        # Helper processes (oQ quantization) whose RSS counts as ours while they run.
+        self._tracked: dict[int, psutil.Process] = {}
+
+    def track_process(self, pid: int) -> None:
+        """Add ``pid``'s resident memory to the footprint of every reading until untracked."""
+        with self._lock, contextlib.suppress(psutil.Error):  # already gone: nothing to add
+            self._tracked[pid] = psutil.Process(pid)
+            self._last = None
+
+    def untrack_process(self, pid: int) -> None:
+        with self._lock:
+            self._tracked.pop(pid, None)
+            self._last = None
 
     def reading(self, *, fresh: bool = False) -> MemoryReading:
         """The cached reading, or a new one when it is older than ``max_age_s``."""
@@ -46,8 +63,23 @@ class MemoryProbe:
                 last = self._last = self._read(now)
             return last
 
+    def watch_peak(self) -> MemoryReading:
+        """Start measuring a peak (the auto-profile's stress passes); returns the
+        reading it starts from."""
+        with self._lock:
+            self._last = self._read(time.monotonic())
+            self._watched_peak = 0
+            return self._last
+
+    def watched_peak(self) -> tuple[int, MemoryReading]:
+        """(MLX's highest active bytes since ``watch_peak``, a reading taken now)."""
+        with self._lock:
+            self._last = self._read(time.monotonic())
+            return self._watched_peak, self._last
+
     def _read(self, now: float) -> MemoryReading:
         active, footprint, peak = self._sample()
+        self._watched_peak = max(self._watched_peak, peak)
         self._peaks.append((now, peak))
         while self._peaks and now - self._peaks[0][0] > self._peak_window_s:
             self._peaks.popleft()
@@ -64,4 +96,12 @@ class MemoryProbe:
 
         peak = int(mx.get_peak_memory())
         mx.reset_peak_memory()
-        return int(mx.get_active_memory()), int(self._process.memory_info().rss), peak
+        footprint = int(self._process.memory_info().rss) + self._tracked_bytes()
+        return int(mx.get_active_memory()), footprint, peak
+
+    def _tracked_bytes(self) -> int:
+        total = 0
+        for proc in self._tracked.values():
+            with contextlib.suppress(psutil.Error):  # exited before untrack
+                total += int(proc.memory_info().rss)
+        return total

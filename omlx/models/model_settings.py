@@ -46,6 +46,8 @@ class ModelSettings(BaseModel):
     ttl_s: float | None = Field(None, gt=0.0)
     max_context_window: int | None = Field(None, ge=16)
     max_tokens: int | None = Field(None, ge=1)
+    # Pins this model's KV capacity (skips the load-time auto-profile).
+    max_kv_tokens: int | None = Field(None, ge=16)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)

@@ -42,6 +42,13 @@ class Scheduler:
         return len(self._running)
 
     @property
+    def num_running_tokens(self) -> int:
+        """Prompt plus generated tokens of the running requests (their KV)."""
+        return sum(
+            r.request.num_prompt_tokens + r.num_output_tokens for r in self._running.values()
+        )
+
+    @property
     def capacity(self) -> int:
         """Requests that may be in the scheduler at once (running + queued)."""
         return self.max_running + self.max_waiting

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 
@@ -16,14 +17,17 @@ from omlx.memory.budget import (
     PrefillMemoryExceeded,
     admit,
     attention_transient_bytes,
+    canary_bytes,
     conservative_dims,
     estimate_prefill,
     fused_sdpa_applies,
     gate,
     guard_dims,
+    kv_capacity_tokens,
     model_dims,
     preflight,
     resolve_limits,
+    unmodeled_transient_bytes,
 )
 
 MIB = 1 << 20
@@ -363,6 +367,8 @@ def test_admitted_request_never_trips_the_gate_under_static_memory() -> None:
     for _ in range(300):
         dims, reading, num_new, num_cached, chunk, others = _random_scenario(rng)
         margin = rng.randint(0, 12) * GIB
+        # The auto-profile's measured transient beyond the modeled terms, if any.
+        unmodeled = rng.choice([0, rng.randint(1, 4096) * MIB])
         est = estimate_prefill(
             dims,
             reading,
@@ -371,6 +377,7 @@ def test_admitted_request_never_trips_the_gate_under_static_memory() -> None:
             chunk_tokens=chunk,
             limits=_limits(1, margin),
             others_in_flight=others,
+            unmodeled_bytes=unmodeled,
         )
         limits = _limits(
             est.peak_bytes + rng.choice([0, 1, GIB]), margin
@@ -393,8 +400,9 @@ def test_admitted_request_never_trips_the_gate_under_static_memory() -> None:
                 num_cached_tokens=num_cached + done,
                 limits=limits,
                 others_in_flight=others,
+                unmodeled_bytes=unmodeled,
             ), (dims, num_new, num_cached, chunk)
-            transient = attention_transient_bytes(
+            transient = unmodeled + attention_transient_bytes(
                 dims, chunk_tokens=size, num_context_tokens=num_cached + done + size
             )
             recent_peak = max(
@@ -475,3 +483,98 @@ def test_lone_request_ignores_a_stale_recent_peak() -> None:
         others_in_flight=True,
     )
     assert (lone.current_bytes, busy.current_bytes) == (20 * GIB, 40 * GIB - 32 * MIB)
+
+
+# -- auto-profile arithmetic ----------------------------------------------------------------
+
+
+def test_kv_capacity_is_the_room_beside_model_transient_and_canary() -> None:
+    dims = _dims()  # 128 KiB of KV per token
+    limits = _limits(20 * GIB)
+    tokens = kv_capacity_tokens(
+        limits,
+        baseline_bytes=8 * GIB,
+        overhead_bytes=2 * GIB,
+        canary_bytes=256 * MIB,
+        kv_bytes_per_token=dims.kv_bytes_per_token,
+    )
+    assert tokens == (10 * GIB - 256 * MIB) // dims.kv_bytes_per_token
+    # Every token of that capacity, the model and the transient fit; one more would not.
+    used = 8 * GIB + 2 * GIB + 256 * MIB + tokens * dims.kv_bytes_per_token
+    assert used <= limits.hard_bytes < used + dims.kv_bytes_per_token
+
+
+def test_each_retry_shrinks_capacity_by_five_percent() -> None:
+    args = {
+        "baseline_bytes": GIB,
+        "overhead_bytes": GIB,
+        "canary_bytes": 0,
+        "kv_bytes_per_token": MIB,
+    }
+    sizes = [kv_capacity_tokens(_limits(12 * GIB), attempt=a, **args) for a in range(4)]
+    assert sizes[0] == 10 * 1024
+    for before, after in itertools.pairwise(sizes):
+        assert after == pytest.approx(before * 0.95, abs=1)
+
+
+def test_no_room_means_zero_capacity_and_a_negative_overhead_counts_as_zero() -> None:
+    assert (
+        kv_capacity_tokens(
+            _limits(4 * GIB),
+            baseline_bytes=4 * GIB,
+            overhead_bytes=MIB,
+            canary_bytes=MIB,
+            kv_bytes_per_token=1024,
+        )
+        == 0
+    )
+    assert kv_capacity_tokens(
+        _limits(4 * GIB),
+        baseline_bytes=0,
+        overhead_bytes=-GIB,
+        canary_bytes=0,
+        kv_bytes_per_token=1,
+    ) == (4 * GIB)
+
+
+def test_canary_is_two_percent_of_the_limit_capped_at_256_mib() -> None:
+    assert canary_bytes(_limits(1 * GIB)) == int(GIB * 0.02)
+    assert canary_bytes(_limits(128 * GIB)) == 256 * MIB
+
+
+def test_unmodeled_transient_is_what_the_formulas_miss() -> None:
+    dims = _dims(head_dim=128)  # fused attention: a small modeled transient
+    modeled = attention_transient_bytes(dims, chunk_tokens=512, num_context_tokens=512) + (
+        dims.kv_bytes_per_token * 512
+    )
+    measured = modeled + 300 * MIB
+    assert unmodeled_transient_bytes(dims, chunk_tokens=512, measured_bytes=measured) == 300 * MIB
+    assert unmodeled_transient_bytes(dims, chunk_tokens=512, measured_bytes=modeled // 2) == 0
+
+
+def test_unmodeled_bytes_raise_every_estimate() -> None:
+    dims, reading, limits = _dims(), _reading(8 * GIB), _limits(100 * GIB)
+    args = {"num_new_tokens": 1000, "num_cached_tokens": 0, "chunk_tokens": 512}
+    plain = estimate_prefill(dims, reading, limits=limits, others_in_flight=False, **args)
+    measured = estimate_prefill(
+        dims, reading, limits=limits, others_in_flight=False, unmodeled_bytes=GIB, **args
+    )
+    assert measured.peak_bytes == plain.peak_bytes + GIB
+    fits = gate(
+        dims,
+        reading,
+        chunk_tokens=512,
+        num_cached_tokens=0,
+        limits=_limits(plain.peak_bytes),
+        others_in_flight=False,
+    )
+    refused = gate(
+        dims,
+        reading,
+        chunk_tokens=512,
+        num_cached_tokens=0,
+        limits=_limits(plain.peak_bytes),
+        others_in_flight=False,
+        unmodeled_bytes=GIB,
+    )
+    assert fits and not refused

@@ -1,0 +1,195 @@
+"""The KV-capacity auto-profile at model load (seed 002), with real models.
+
+The profile measures a full prefill chunk and a full decode batch on the loaded
+model, validates with a canary held, and turns what it measured into the
+model's ``max_kv_tokens``; an explicit ``max_kv_tokens`` skips it. Capacity
+then admits (queues) and refuses prompts by their KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import psutil
+import pytest
+
+from omlx.errors import InsufficientMemoryError, PrefillMemoryExceededError
+from omlx.memory.budget import Limits, MemoryReading, canary_bytes, kv_capacity_tokens
+from omlx.memory.probe import MemoryProbe
+from omlx.scheduler import Request, SamplingParams
+from tests.integration.test_memory_admission import generate
+
+MB = 1_000_000
+
+
+def test_load_measures_a_capacity_the_admin_api_shows(make_pool) -> None:
+    pool = make_pool(max_concurrent_requests=4, prefill_step_size=256)
+
+    async def main() -> None:
+        engine = await pool.get_engine("tiny-llama")
+        profile = engine.guard.profile
+        assert profile is not None and profile.source == "measured"
+        assert 1 <= profile.attempts <= 4
+        # A real chunk of a real model allocates more than its KV (activations, scores).
+        assert profile.prefill_peak_bytes > engine.guard.dims.kv_bytes_per_token * 256
+        assert profile.overhead_bytes > 0
+        expected = kv_capacity_tokens(
+            pool.limits,
+            baseline_bytes=engine.guard.baseline_bytes,
+            overhead_bytes=profile.overhead_bytes,
+            canary_bytes=canary_bytes(pool.limits),
+            kv_bytes_per_token=engine.guard.dims.kv_bytes_per_token,
+            attempt=profile.attempts - 1,
+        )
+        assert engine.guard.max_kv_tokens == expected > 256
+        assert "max_kv_tokens" in engine.guard.describe()
+        status = {m["name"]: m for m in pool.status()}
+        shown = status["tiny-llama"]["kv_profile"]
+        assert shown["source"] == "measured" and shown["max_kv_tokens"] == expected
+        assert status["tiny-qwen3"]["kv_profile"] is None  # not loaded
+
+    asyncio.run(main())
+
+
+def test_capacity_follows_the_limits_in_force(make_pool) -> None:
+    pool = make_pool(prefill_step_size=256)
+
+    async def main() -> None:
+        engine = await pool.get_engine("tiny-llama")
+        before = engine.guard.max_kv_tokens
+        lower = Limits(pool.limits.hard_bytes // 2, pool.limits.soft_bytes // 2, 0)
+        engine.guard.publish(lower)
+        assert engine.guard.max_kv_tokens < before
+
+    asyncio.run(main())
+
+
+def test_explicit_max_kv_tokens_skips_the_profile(make_pool) -> None:
+    pool = make_pool(memory={"max_kv_tokens": 5000})
+    pool.model_settings.update("tiny-qwen3", {"max_kv_tokens": 700})
+
+    async def main() -> None:
+        llama = await pool.get_engine("tiny-llama")
+        qwen = await pool.get_engine("tiny-qwen3")
+        assert llama.guard.profile.source == "explicit"
+        assert llama.guard.max_kv_tokens == 5000  # the global setting
+        assert qwen.guard.max_kv_tokens == 700  # the model's own wins
+        assert qwen.guard.profile.seconds == 0.0 and qwen.guard.profile.attempts == 0
+
+    asyncio.run(main())
+
+
+def test_prompts_queue_by_kv_capacity_and_all_complete(make_pool) -> None:
+    pool = make_pool(max_concurrent_requests=4, prefill_step_size=256)
+    # Room for one 600-token request's KV at a time (prompt + 8 new tokens), not two.
+    pool.model_settings.update("slow-llama", {"max_kv_tokens": 1000})
+    prompts = [[5 + (i * 11 + j) % 300 for j in range(600)] for i in range(3)]
+
+    async def main() -> None:
+        engine = await pool.get_engine("slow-llama")
+        solo = [await generate(engine, f"solo-{i}", p, 8) for i, p in enumerate(prompts)]
+        together = await asyncio.gather(
+            *(generate(engine, f"c-{i}", p, 8) for i, p in enumerate(prompts))
+        )
+        assert together == solo
+        assert engine.num_deferrals >= 2  # the second and third waited their turn
+        assert engine.num_gated == 0
+
+    asyncio.run(main())
+
+
+def test_a_prompt_over_capacity_is_refused_at_the_front_door(make_pool) -> None:
+    pool = make_pool()
+    pool.model_settings.update("tiny-llama", {"max_kv_tokens": 300})
+
+    async def main() -> None:
+        engine = await pool.get_engine("tiny-llama")
+        request = Request("big", tuple(range(5, 306)), SamplingParams(max_tokens=2))
+        with pytest.raises(PrefillMemoryExceededError, match="300 tokens") as info:
+            engine.submit(request, None)  # type: ignore[arg-type]
+        assert info.value.http_status == 400
+        assert engine.num_in_flight == 0 and not engine.finish_counts
+        ok = await generate(engine, "fits", list(range(5, 305)), 2)
+        assert ok[0] == "length"
+
+    asyncio.run(main())
+
+
+def test_no_room_for_one_chunk_fails_the_load_naming_every_knob(make_pool) -> None:
+    # A ceiling a few MB above this process: the weights fit, a prefill chunk does not.
+    hard = psutil.Process().memory_info().rss + 4 * MB
+    pool = make_pool(
+        memory={"max_process_memory": hard, "prefill_transient_margin": "1MB"},
+        prefill_step_size=512,
+    )
+
+    async def main() -> None:
+        with pytest.raises(InsufficientMemoryError) as info:
+            await pool.get_engine("slow-llama")
+        message = str(info.value)
+        for knob in (
+            "max_process_memory",
+            "prefill_step_size",
+            "max_concurrent_requests",
+            "max_kv_tokens",
+            "smaller",
+        ):
+            assert knob in message
+        assert info.value.http_status == 507
+        assert pool.loaded() == []
+
+    asyncio.run(main())
+
+
+class SpikyProbe(MemoryProbe):
+    """The real probe, plus another allocation that shows up while chosen stress
+    passes run (numbered by ``watched_peak`` calls: 1 prefill, 2 decode, 3+
+    validations)."""
+
+    def __init__(self, spikes: dict[int, int]) -> None:
+        super().__init__()
+        self.spikes = spikes
+        self.calls = 0
+
+    def watched_peak(self) -> tuple[int, MemoryReading]:
+        peak, reading = super().watched_peak()
+        self.calls += 1
+        return peak + self.spikes.get(self.calls, 0), reading
+
+
+def test_a_failed_validation_shrinks_capacity_by_five_percent(make_pool) -> None:
+    pool = make_pool(prefill_step_size=256)
+    spike = 2 * canary_bytes(pool.limits)
+    probe = pool.probe = SpikyProbe({3: spike})
+
+    async def main() -> None:
+        engine = await pool.get_engine("tiny-llama")
+        profile = engine.guard.profile
+        assert profile.attempts == 2
+        assert profile.overhead_bytes >= spike  # the larger measurement is kept
+        assert engine.guard.max_kv_tokens == kv_capacity_tokens(
+            pool.limits,
+            baseline_bytes=engine.guard.baseline_bytes,
+            overhead_bytes=profile.overhead_bytes,
+            canary_bytes=canary_bytes(pool.limits),
+            kv_bytes_per_token=engine.guard.dims.kv_bytes_per_token,
+            attempt=1,
+        )
+        assert probe.calls == 4
+
+    asyncio.run(main())
+
+
+def test_validation_failing_every_retry_fails_the_load(make_pool) -> None:
+    pool = make_pool(prefill_step_size=256)
+    step = 2 * canary_bytes(pool.limits)
+    # Each validation sees more than the one before: 1 try + 3 retries, then give up.
+    probe = pool.probe = SpikyProbe({n: (n - 2) * step for n in range(3, 10)})
+
+    async def main() -> None:
+        with pytest.raises(InsufficientMemoryError, match="max_kv_tokens"):
+            await pool.get_engine("tiny-llama")
+        assert probe.calls == 2 + 4
+        assert pool.loaded() == []
+
+    asyncio.run(main())
