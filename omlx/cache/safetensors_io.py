@@ -113,7 +113,10 @@ def read_header(
         raise SafetensorsFormatError(f"header is not JSON: {e}") from None
     if not isinstance(header, dict):
         raise SafetensorsFormatError("header is not a JSON object")
-    metadata = header.pop("__metadata__", {})
+    # Writers that have no metadata (mx.save_safetensors) store null.
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):

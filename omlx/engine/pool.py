@@ -172,6 +172,9 @@ class EnginePool:
                     "idle_s": round(now - resident.last_used_s, 1) if resident else None,
                     "ttl_s": model.ttl_s,
                     "kv_profile": _kv_profile(resident.engine) if resident else None,
+                    # Requests memory admission kept queued / the forward gate ended.
+                    "num_deferrals": resident.engine.num_deferrals if resident else 0,
+                    "num_gated": resident.engine.num_gated if resident else 0,
                 }
             )
         return out

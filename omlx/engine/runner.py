@@ -113,6 +113,10 @@ class BatchRunner:
         self._solo_request: Request | None = None
         # Tokens sampled by a solo sequence just before it joined the batch.
         self._unreported: list[TokenOutput] = []
+        # Models whose cache cannot be cut later (recurrent layers) prefill
+        # requests that join a batch here, a chunk per step with a snapshot at
+        # each block boundary, then move into the batch at their last token.
+        self._side: dict[str, tuple[SoloSequence, Request]] = {}
         # Prompt + produced tokens of each request (what its cache holds), for storing.
         self._tokens: dict[str, list[int]] = {}
         self._prompt_len: dict[str, int] = {}
@@ -124,7 +128,9 @@ class BatchRunner:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._uid_to_rid or self._solo or self._unreported or self._deferred)
+        return bool(
+            self._uid_to_rid or self._solo or self._side or self._unreported or self._deferred
+        )
 
     def add(self, requests: Iterable[Request]) -> dict[str, int]:
         """Start requests; returns the prompt tokens each got from the prefix cache."""
@@ -136,8 +142,15 @@ class BatchRunner:
             for r in requests:
                 self._tokens[r.request_id] = list(r.prompt_ids)
                 self._prompt_len[r.request_id] = len(r.prompt_ids)
-        if len(requests) == 1 and self._solo is None and not self._uid_to_rid:
-            self._start_solo(requests[0], hits[requests[0].request_id])
+        if len(requests) == 1 and self._solo is None and not self._uid_to_rid and not self._side:
+            first = requests[0]
+            self._solo = self._sequence(first, hits[first.request_id])
+            self._solo_request = first
+        elif self._prefix is not None and self._prefix.needs_snapshots:
+            if self._solo is not None:
+                self._solo_to_side()
+            for r in requests:
+                self._side[r.request_id] = (self._sequence(r, hits[r.request_id]), r)
         else:
             if self._solo is not None:
                 self._solo_to_batch()
@@ -149,7 +162,9 @@ class BatchRunner:
             return None
         return self._prefix.lookup(request.prompt_ids, make_prompt_cache(self._model))
 
-    def _start_solo(self, request: Request, hit: CacheHit | None) -> None:
+    def _sequence(self, request: Request, hit: CacheHit | None) -> SoloSequence:
+        """An unbatched sequence for ``request`` (snapshots at block boundaries
+        when the model needs them)."""
         prefix = self._prefix
         hook = None
         if prefix is not None and prefix.needs_snapshots:
@@ -158,8 +173,7 @@ class BatchRunner:
             def hook(position: int, layers: list[Any]) -> None:
                 prefix.snapshot(rid, position, layers)
 
-        self._solo_request = request
-        self._solo = SoloSequence(
+        return SoloSequence(
             self._model,
             request.request_id,
             list(request.prompt_ids),
@@ -172,11 +186,24 @@ class BatchRunner:
             on_boundary=hook,
         )
 
+    def _solo_to_side(self) -> None:
+        """A second request arrived: a solo sequence still prefilling finishes its
+        prompt on the side (keeping its snapshots); one decoding joins the batch."""
+        assert self._solo is not None and self._solo_request is not None
+        if self._solo.num_pending > 1:
+            self._side[self._solo.request_id] = (self._solo, self._solo_request)
+            self._solo = self._solo_request = None
+        else:
+            self._solo_to_batch()
+
     def _solo_to_batch(self) -> None:
         assert self._solo is not None and self._solo_request is not None
-        state = self._solo.handoff()
-        request = self._solo_request
+        solo, request = self._solo, self._solo_request
         self._solo = self._solo_request = None
+        self._join_batch(solo, request)
+
+    def _join_batch(self, sequence: SoloSequence, request: Request) -> None:
+        state = sequence.handoff()
         if state.unreported is not None:
             self._unreported.append(TokenOutput(request.request_id, state.unreported))
         uids = self._gen.insert_segments(
@@ -225,6 +252,9 @@ class BatchRunner:
             solo = self._solo
             self._solo = self._solo_request = None
             leaving[solo.request_id] = (solo.cache, solo.num_cached)
+        for rid in request_ids & self._side.keys():
+            side, _ = self._side.pop(rid)
+            leaving[rid] = (side.cache, side.num_cached)
         self._unreported = [t for t in self._unreported if t.request_id not in request_ids]
         gone = {self._rid_to_uid.pop(rid): rid for rid in request_ids if rid in self._rid_to_uid}
         for uid in gone:
@@ -258,8 +288,11 @@ class BatchRunner:
         the whole prompt: an upper bound of what BatchGenerator runs."""
         plan = []
         solo = self._solo
-        if solo is not None and (n := solo.next_prefill_tokens()):
-            plan.append(PrefillChunk(solo.request_id, n, solo.num_cached + n, solo.num_pending))
+        sequences = [solo] if solo is not None else []
+        sequences += [seq for seq, _ in self._side.values()]
+        for seq in sequences:
+            if n := seq.next_prefill_tokens():
+                plan.append(PrefillChunk(seq.request_id, n, seq.num_cached + n, seq.num_pending))
         for rid, (left, total) in self._prefilling.items():
             if left > 1:
                 plan.append(PrefillChunk(rid, min(self._prefill_step_size, left), total, left))
@@ -273,6 +306,7 @@ class BatchRunner:
             token = self._solo.step()
             if token is not None:
                 outputs.append(TokenOutput(self._solo.request_id, token))
+        self._step_side()
         if self._uid_to_rid:
             for left in self._prefilling.values():
                 left[0] -= min(self._prefill_step_size, left[0])
@@ -287,6 +321,16 @@ class BatchRunner:
         if self._prefix is not None:
             self._note_tokens(outputs)
         return outputs
+
+    def _step_side(self) -> None:
+        """One prefill chunk for each side sequence; those down to their last
+        prompt token join the batch (which samples their first token)."""
+        for rid, (seq, request) in list(self._side.items()):
+            if seq.num_pending > 1:
+                seq.step()
+            if seq.num_pending <= 1:
+                del self._side[rid]
+                self._join_batch(seq, request)
 
     # -- prefix cache ------------------------------------------------------
 
@@ -335,6 +379,7 @@ class BatchRunner:
         self._uid_to_rid.clear()
         self._rid_to_uid.clear()
         self._solo = self._solo_request = None
+        self._side.clear()
         self._unreported.clear()
 
     def close(self) -> None:

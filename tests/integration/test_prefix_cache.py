@@ -107,11 +107,12 @@ def test_conversation_hits_every_previous_turn(make_pool, models_dir: Path, mode
     asyncio.run(main())
 
 
-def test_hits_while_batching(make_pool, models_dir: Path) -> None:
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-lfm2"])
+def test_hits_while_batching(make_pool, models_dir: Path, model: str) -> None:
     pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
 
     async def main() -> None:
-        engine = await pool.get_engine("tiny-llama")
+        engine = await pool.get_engine(model)
         shared = encode(engine, CONVERSATION)
         prompts = [shared + encode(engine, f" Question {i}: what now?") for i in range(4)]
         cold = [await generate(engine, p) for p in prompts]
@@ -123,6 +124,26 @@ def test_hits_while_batching(make_pool, models_dir: Path) -> None:
         together = await asyncio.gather(*(generate(engine, p) for p in prompts))
         assert [t for t, _ in together] == [t for t, _ in cold]
         assert all(c >= len(shared) // BLOCK * BLOCK for _, c in together)
+
+    asyncio.run(main())
+
+
+def test_hybrid_prompts_prefilled_in_a_batch_are_stored(make_pool, models_dir: Path) -> None:
+    """Recurrent state cannot be cut later: prompts that arrive together are
+    prefilled with a snapshot at every block boundary, then decode in the batch."""
+    pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
+
+    async def main() -> None:
+        engine = await pool.get_engine("tiny-lfm2")
+        prompts = [encode(engine, f"Question {i}. " + CONVERSATION * 2) for i in range(3)]
+        solo = [await generate(engine, p) for p in prompts]
+        engine.prefix_cache._hot.clear(tier="hot")
+        await settle(engine)
+        together = await asyncio.gather(*(generate(engine, p) for p in prompts))
+        assert together == [(text, 0) for text, _ in solo]
+        await settle(engine)
+        for prompt, (text, _) in zip(prompts, solo, strict=True):
+            assert await generate(engine, prompt) == (text, len(prompt) - 1)
 
     asyncio.run(main())
 

@@ -334,3 +334,20 @@ def test_put_rejects_a_payload_for_another_store(store: SSDStore) -> None:
 def test_safetensors_io_rejects_inconsistent_tensor_bytes() -> None:
     with pytest.raises(ValueError):
         safetensors_io.encode({"x": ("F32", (2,), b"\x00" * 4)}, {})
+
+
+def test_safetensors_header_with_null_metadata_reads_as_empty(tmp_path: Path) -> None:
+    """mx.save_safetensors writes ``"__metadata__": null`` (model weights files)."""
+    header = json.dumps(
+        {"__metadata__": None, "x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    )
+    raw = struct.pack("<Q", len(header)) + header.encode() + b"\x00" * 4
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(raw)
+    with path.open("rb") as f:
+        entries, metadata, _ = safetensors_io.read_header(f, len(raw))
+    assert metadata == {} and "x" in entries
+    bad = raw.replace(b"null", b"[1] ")
+    path.write_bytes(bad)
+    with path.open("rb") as f, pytest.raises(ValueError, match="__metadata__"):
+        safetensors_io.read_header(f, len(bad))
