@@ -135,11 +135,12 @@ class HotTier:
 
     # -- blocks -----------------------------------------------------------
 
-    def put(self, payload: BlockPayload) -> None:
+    def put(self, payload: BlockPayload, *, deadline_s: float | None = None) -> None:
         """Keep ``payload`` in RAM as the most recently used block, evicting LRU blocks
         of any model to stay within budget. A block larger than the whole budget is
-        not kept (write-back hands it straight to the SSD). Raises ValueError for a
-        model that is not attached or a payload its SSD store cannot hold."""
+        not kept (write-back hands it straight to the SSD). SSD puts wait no later
+        than ``deadline_s`` (see ``SSDStore.put``). Raises ValueError for a model
+        that is not attached or a payload its SSD store cannot hold."""
         model = payload.model_identity
         size_bytes = _payload_bytes(payload)
         with self._lock:
@@ -156,9 +157,9 @@ class HotTier:
                 self._insert_locked(payload, size_bytes)
                 evicted = self._evict_locked()
         if ssd is not None and self._policy.write_on_put:
-            self._write_through(ssd, payload)
+            self._write_through(ssd, payload, deadline_s)
         if self._policy.write_on_evict:
-            self._write_back(evicted)
+            self._write_back(evicted, deadline_s)
 
     def get(self, model_identity: str, key: str) -> BlockPayload | None:
         """Return the block from RAM, else from the model's SSD store (promoting it into
@@ -280,11 +281,11 @@ class HotTier:
         self._hot_bytes -= sum(e.size_bytes for e in entries)
         return entries
 
-    def _write_back(self, writes: list[_Write]) -> None:
+    def _write_back(self, writes: list[_Write], deadline_s: float | None = None) -> None:
         """Hand blocks to their SSD stores. Must be called without the lock held."""
         for ssd, payload in writes:
             try:
-                accepted = ssd.put(payload)
+                accepted = ssd.put(payload, deadline_s=deadline_s)
             except ValueError as e:  # one refused block must not lose the others
                 logger.warning("hot cache: SSD store refused block %s: %s", payload.key, e)
                 accepted = False
@@ -294,8 +295,10 @@ class HotTier:
                 else:
                     self._counters.writeback_drops += 1
 
-    def _write_through(self, ssd: SSDStore, payload: BlockPayload) -> None:
-        accepted = ssd.put(payload)
+    def _write_through(
+        self, ssd: SSDStore, payload: BlockPayload, deadline_s: float | None
+    ) -> None:
+        accepted = ssd.put(payload, deadline_s=deadline_s)
         with self._lock:
             if accepted:
                 self._counters.write_throughs += 1

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from omlx.cache import kv_codec
 from omlx.cache.blocks import block_keys, chain_key, root_key
 from omlx.cache.hot import HotTier
 from omlx.cache.safetensors_io import BlockPayload
+from omlx.cache.ssd import PUT_TIMEOUT_S as SSD_PUT_TIMEOUT_S
 from omlx.cache.ssd import SSDStore
 
 log = logging.getLogger(__name__)
@@ -171,9 +173,12 @@ class PrefixCache:
         snaps = self._snapshots.get(request_id, {})
         stored = 0
         parent = self._root
+        # This runs on the MLX thread: a saturated SSD queue may hold it up once
+        # per store, not once per block (later blocks then drop, counted).
+        deadline = time.monotonic() + SSD_PUT_TIMEOUT_S
         keys = block_keys(self.identity, token_ids[:num_tokens], size)
         for i, key in enumerate(keys):
-            written = self._put(key, i * size, (i + 1) * size, layers, snaps)
+            written = self._put(key, i * size, (i + 1) * size, layers, snaps, deadline)
             if written is None:
                 return stored
             stored += written
@@ -181,7 +186,7 @@ class PrefixCache:
         end = len(keys) * size
         if tail and num_tokens > end:
             key = chain_key(parent, token_ids[end:num_tokens])
-            stored += bool(self._put(key, end, num_tokens, layers, snaps))
+            stored += bool(self._put(key, end, num_tokens, layers, snaps, deadline))
         return stored
 
     def _put(
@@ -191,6 +196,7 @@ class PrefixCache:
         end: int,
         layers: Sequence[Any],
         snaps: dict[int, kv_codec.Snapshot],
+        deadline_s: float,
     ) -> bool | None:
         """Put one block unless it is there already (False). None when it cannot be
         made (no snapshot at its end), which ends the chain."""
@@ -206,7 +212,7 @@ class PrefixCache:
         payload = BlockPayload(
             hex_key, self.identity, end - start, self.block_size, self.layout, tensors
         )
-        self._hot.put(payload)
+        self._hot.put(payload, deadline_s=deadline_s)
         with self._stats_lock:
             self._stats.blocks_stored += 1
         return True

@@ -34,6 +34,9 @@ BLOCK_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 _KEY_RE = re.compile(r"[0-9a-f]{8,128}")
 
+# How long a put waits for room in the write queue before dropping the block.
+PUT_TIMEOUT_S = 0.25
+
 
 @dataclass(frozen=True, slots=True)
 class SSDStoreStats:
@@ -102,7 +105,7 @@ class SSDStore:
         max_size_bytes: int | Literal["auto"],
         auto_fraction: float = 0.1,
         queue_size: int = 64,
-        put_timeout_s: float = 0.25,
+        put_timeout_s: float = PUT_TIMEOUT_S,
         max_inline_unlinks: int = 32,
         disk_usage_ttl_s: float = 30.0,
         free_bytes_fn: Callable[[Path], int] = _free_bytes,
@@ -144,10 +147,12 @@ class SSDStore:
 
     # -- public API -------------------------------------------------------
 
-    def put(self, payload: BlockPayload) -> bool:
+    def put(self, payload: BlockPayload, *, deadline_s: float | None = None) -> bool:
         """Queue ``payload`` for writing. Returns True if accepted, False if dropped.
 
-        Waits at most ``put_timeout_s`` for room in the write queue, so a short
+        Waits at most ``put_timeout_s`` for room in the write queue (and never past
+        ``deadline_s``, a ``time.monotonic()`` instant several puts of one caller
+        share, so a burst stalls its thread once, not once per block), so a short
         writer backlog does not drop blocks; only sustained saturation (or a
         closed store) drops, counted in ``drops``. An accepted put counts in
         ``saves`` at once; ``saves_persisted`` moves after the file's atomic
@@ -169,7 +174,10 @@ class SSDStore:
             self._num_unfinished += 1
             item = _WriteItem(payload, self._generation)
         try:
-            self._queue.put(item, timeout=self._put_timeout_s)
+            timeout = self._put_timeout_s
+            if deadline_s is not None:
+                timeout = min(timeout, max(0.0, deadline_s - time.monotonic()))
+            self._queue.put(item, timeout=timeout)
         except queue.Full:
             with self._lock:
                 self._counters.saves -= 1

@@ -343,3 +343,33 @@ def test_a_blocked_write_back_does_not_hold_the_lock(stores: Stores) -> None:
     assert not evicting.is_alive()
     assert (hot.stats().writebacks, hot.stats().writeback_drops) == (1, 0)
     assert ssd.flush() and ssd.contains(p0.key)
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_a_burst_into_a_full_queue_stalls_once_not_once_per_block(
+    stores: Stores, mode: str
+) -> None:
+    """The MLX thread stores a request's blocks in one call: with the SSD writer
+    stuck, the burst shares one put timeout and the rest drop (counted)."""
+    hot = HotTier(1 * BLOCK_BYTES if mode == "write-back" else 100 * BLOCK_BYTES, mode=mode)  # type: ignore[arg-type]
+    ssd = stores.open(MODEL_A, queue_size=1)
+    hot.attach(MODEL_A, ssd)
+    gate = Gate(ssd)
+    try:
+        hot.put(make_payload(0))
+        hot.put(make_payload(1))
+        if mode == "write-through":
+            assert gate.entered.wait(5)
+        hot.put(make_payload(2))  # in write-back the writer now holds a block, one is queued
+        assert gate.entered.wait(5)
+        drops_before = ssd.stats().drops
+        start = time.monotonic()
+        deadline = start + 0.25
+        for i in range(3, 9):
+            hot.put(make_payload(i), deadline_s=deadline)
+        waited = time.monotonic() - start
+        # One shared wait (0.25 s), not six (1.5 s).
+        assert 0.2 <= waited < 0.75
+        assert ssd.stats().drops - drops_before == 6
+    finally:
+        gate.release()
