@@ -30,6 +30,9 @@ system_packages() {
     # libraries Qt needs (desktop shell), xorriso (disk-image layout).
     local want=(libopenblas0-pthread)
     [ "${1:-}" = test ] && want+=(chromium xvfb xauth dbus libxcb-cursor0 libxkbcommon-x11-0 libnss3 xorriso)
+    # Desktop-shell tests: Qt's xcb plugin libs, a tray host + PyGObject for pystray's gtk
+    # backend, X input/inspection tools and ImageMagick for screenshots.
+    [ "${1:-}" = test ] && want+=(libxcb-icccm4 libxcb-keysyms1 trayer python3-gi gir1.2-gtk-3.0 xdotool x11-utils imagemagick)
     local missing=()
     for p in "${want[@]}"; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -14,6 +14,7 @@ from typing import Any
 
 from omlx import __version__
 from omlx.errors import OmlxError, SettingsError
+from omlx.quant.console import add_quantize_parser
 from omlx.settings import Settings, load_settings, resolve_base_path, set_file_value
 
 log = logging.getLogger("omlx")
@@ -65,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
         help="allow a non-loopback --host without an API key",
     )
     serve.add_argument("--idle-timeout", type=float, metavar="SECONDS", dest="idle_timeout_s")
+    serve.add_argument(
+        "--max-body-bytes", type=int, metavar="N", help="larger request bodies get 413"
+    )
     serve.add_argument("--no-cache", action="store_true", help="disable the prefix cache")
     serve.add_argument("--cache-dir", metavar="DIR", dest="ssd_cache_dir")
     serve.add_argument("--hot-cache-max-size", metavar="SIZE")
@@ -91,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     setp = csub.add_parser("set", help="set KEY (e.g. server.port) to VALUE in settings.json")
     setp.add_argument("key")
     setp.add_argument("value", help="JSON value or plain string")
+    add_quantize_parser(sub)
     return parser
 
 
@@ -113,6 +118,7 @@ _SERVE_FLAGS = {
     "api_key": ("server", "api_key"),
     "allow_unauthenticated_remote": ("server", "allow_unauthenticated_remote"),
     "idle_timeout_s": ("models", "idle_timeout_s"),
+    "max_body_bytes": ("server", "max_body_bytes"),
     "ssd_cache_dir": ("cache", "ssd_cache_dir"),
     "hot_cache_max_size": ("cache", "hot_cache_max_size"),
     "ssd_cache_max_size": ("cache", "ssd_cache_max_size"),
@@ -266,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(settings)
         if args.command == "models":
             return _models(args, settings)
+        if args.command == "quantize":
+            from omlx.quant.console import quantize_command
+
+            return quantize_command(args, settings)
         return _config(args, settings)
     except SettingsError as exc:
         print(f"omlx: {exc.message}", file=sys.stderr)

@@ -32,6 +32,13 @@ class InvalidRequestError(OmlxError):
     code = "invalid_request"
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """A request body over ``server.max_body_bytes``; refused before it is parsed."""
+
+    http_status = 413
+    code = "request_too_large"
+
+
 class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
 
@@ -163,3 +170,19 @@ class SettingsError(OmlxError):
     http_status = 400
     error_type = "invalid_request_error"
     code = "invalid_settings"
+
+
+class OutputExistsError(OmlxError):
+    """The output folder (or a queued task's output) already has that name."""
+
+    http_status = 409
+    error_type = "invalid_request_error"
+    code = "output_exists"
+
+
+class TaskConflictError(OmlxError):
+    """The task is in a state that does not allow the operation (e.g. delete while running)."""
+
+    http_status = 409
+    error_type = "invalid_request_error"
+    code = "task_conflict"

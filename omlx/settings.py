@@ -46,6 +46,10 @@ class ServerSettings(_Group):
     api_key: str | None = Field(None, repr=False)
     # Binding to a non-loopback address without a key is refused unless this is set.
     allow_unauthenticated_remote: bool = False
+    # Request bodies larger than this get 413 before they are parsed.
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    # The admin panel's static files; None is the repo's web/ (a frozen app sets its own).
+    web_dir: Path | None = None
 
 
 class ModelSettings(_Group):

@@ -26,6 +26,7 @@ LIVE_SETTINGS = frozenset(
     {
         "server.api_key",
         "server.sse_keepalive_s",
+        "server.max_body_bytes",
         "models.default_model",
         "models.idle_timeout_s",
         "sampling.temperature",
@@ -46,6 +47,8 @@ async def _json_object(request: Request) -> dict[str, Any]:
         return {}
     try:
         body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise InvalidRequestError("the body is not valid UTF-8 (send JSON as UTF-8)") from None
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(f"the body is not valid JSON: {exc.msg}") from None
     if not isinstance(body, dict):

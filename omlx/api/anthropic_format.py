@@ -15,12 +15,16 @@ from omlx.api.anthropic_schemas import CountTokensRequest, MessagesRequest
 from omlx.api.output_parser import OutputParser, ParsedDelta, ToolCall
 from omlx.api.prompts import SamplingRequest
 from omlx.api.structured import extension_spec
+from omlx.api.tool_grammar import combined
+from omlx.api.tool_grammar import tool_constraint as tool_constraint_of
 from omlx.engine.stream import StreamEvent
 from omlx.errors import InvalidRequestError
 from omlx.grammar.spec import GrammarSpec
+from omlx.grammar.tools import Mode, ToolConstraint
 
 Frame = tuple[str, dict[str, Any]]  # (SSE event name, data)
 PING: Frame = ("ping", {"type": "ping"})
+_SCHEMA_PARAM = "tools[{i}].input_schema"
 
 
 def new_message_id() -> str:
@@ -133,8 +137,7 @@ def _tool_call(block: dict[str, Any], param: str) -> dict[str, Any]:
 def chat_tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
     """OpenAI function tools for the template; None when there are none to offer.
 
-    tool_choice "any" and "tool" are accepted but act as "auto": nothing forces
-    the model to call a tool (grammar-forced calls would need the model's markup).
+    tool_choice "any" and "tool" force calls through a grammar (``tool_constraint``).
     """
     if not body.tools or (body.tool_choice is not None and body.tool_choice.type == "none"):
         return None
@@ -148,6 +151,8 @@ def chat_tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
         function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description:
             function["description"] = tool.description
+        if (tool.model_extra or {}).get("strict") is True:
+            function["strict"] = True
         tools.append({"type": "function", "function": function})
     return tools
 
@@ -168,7 +173,37 @@ def sampling_request(body: MessagesRequest) -> SamplingRequest:
     )
 
 
-def output_grammar(body: MessagesRequest) -> GrammarSpec | None:
+def output_grammar(body: MessagesRequest) -> GrammarSpec | ToolConstraint | None:
+    """The one constraint of the request: the JSON output format asked for
+    (output_config.format or output_format), or forced or strict tool calls."""
+    return combined(_output_format(body), tool_constraint(body))
+
+
+def tool_constraint(body: CountTokensRequest) -> ToolConstraint | None:
+    """tool_choice "any" -> one or more calls, "tool" -> that tool; strict tools
+    are constrained under "auto" too."""
+    tools, choice = chat_tools(body), body.tool_choice
+    kind = choice.type if choice is not None else "auto"
+    if tools is None and kind in ("any", "tool"):
+        raise InvalidRequestError(
+            f"tool_choice '{kind}' needs at least one tool in 'tools'", param="tool_choice"
+        )
+    if tools is None or choice is None:
+        return tool_constraint_of(tools, "auto", param="tools", schema_param=_SCHEMA_PARAM)
+    parallel = not (choice.model_extra or {}).get("disable_parallel_tool_use")
+    if kind != "tool":
+        mode: Mode = "required" if kind == "any" else "auto"
+        return tool_constraint_of(
+            tools, mode, parallel=parallel, param="tool_choice", schema_param=_SCHEMA_PARAM
+        )
+    if not choice.name:
+        raise InvalidRequestError("tool_choice 'tool' needs a 'name'", param="tool_choice.name")
+    return tool_constraint_of(
+        tools, "forced", names=[choice.name], param="tool_choice.name", schema_param=_SCHEMA_PARAM
+    )
+
+
+def _output_format(body: MessagesRequest) -> GrammarSpec | None:
     """The JSON output format asked for (output_config.format or output_format)."""
     fmt, param = body.output_config.format if body.output_config else None, "output_config.format"
     if fmt is None and body.output_format is not None:

@@ -24,6 +24,7 @@ from omlx.api.anthropic_format import (
 from omlx.api.anthropic_schemas import CountTokensRequest, MessagesRequest
 from omlx.api.errors import anthropic_error_body
 from omlx.api.generation import ClientGone, Generation, unless_disconnected
+from omlx.api.metrics import observer_for
 from omlx.api.output_parser import parser_for
 from omlx.api.prompts import RenderedPrompt, build_sampling, make_request, render_chat
 from omlx.api.sse import SSE_HEADERS
@@ -74,7 +75,8 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     )
     grammar = await bind_grammar(engine, spec)
     message_id = new_message_id()
-    gen = Generation(engine, [make_request(message_id, prompt.ids, params, grammar)])
+    requests = [make_request(message_id, prompt.ids, params, grammar)]
+    gen = Generation(engine, requests, observer=observer_for(request))
     parser = parser_for(
         engine.tokenizer,
         tools_requested=tools is not None,

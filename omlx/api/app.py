@@ -16,9 +16,13 @@ from omlx.api.admin_routes import memory_router
 from omlx.api.admin_routes import router as admin_router
 from omlx.api.anthropic_routes import router as anthropic_router
 from omlx.api.auth import ApiKeyAuth, login_router, require_api_key
+from omlx.api.body_guard import BodyGuardMiddleware
 from omlx.api.errors import install_error_handlers
 from omlx.api.openai_routes import router as openai_router
+from omlx.api.quant_routes import router as quant_router
 from omlx.api.state import ServerState
+from omlx.api.stats_routes import install_metrics
+from omlx.api.web_routes import install_web
 from omlx.engine.pool import EnginePool
 from omlx.settings import Settings
 
@@ -41,6 +45,7 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
             pool.maintain(min(5.0, settings.memory.poll_interval_s)), name="pool-maintenance"
         )
         yield
+        await asyncio.to_thread(app.state.omlx.quant_tasks.shutdown)  # ends a running child
         maintenance.cancel()
         await pool.close()
 
@@ -48,6 +53,7 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
     app.state.omlx = ServerState(settings, pool)
     # Read through the settings object: the admin API can change the key live.
     app.state.auth = ApiKeyAuth(lambda: settings.server.api_key)
+    app.add_middleware(BodyGuardMiddleware, limit_fn=lambda: settings.server.max_body_bytes)
     if settings.server.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -56,12 +62,15 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
             allow_headers=["*"],
         )
     install_error_handlers(app)
+    install_metrics(app)  # its middleware outermost: counts every response
     api_key = [Depends(require_api_key)]
     app.include_router(openai_router, dependencies=api_key)
     app.include_router(anthropic_router, dependencies=api_key)
     app.include_router(login_router())
     app.include_router(admin_router)
     app.include_router(memory_router)
+    app.include_router(quant_router)
+    install_web(app, settings)
 
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:

@@ -59,8 +59,12 @@ class ApiKeyAuth:
         return bool(self._key_fn())
 
     def check_api(self, request: Request) -> None:
-        """Raise AuthenticationError unless auth is off or a header carries the key."""
+        """Raise AuthenticationError unless auth is off, a header carries the key, or
+        the admin panel's login session cookie (httpOnly, SameSite=Strict) is valid."""
         if not self.enabled:
+            return
+        token = request.cookies.get(SESSION_COOKIE)
+        if token and self._session_valid(token):
             return
         offered = _offered_keys(request)
         if not offered:

@@ -42,7 +42,9 @@ _ANTHROPIC_TYPES = {
 
 def anthropic_error_body(message: str, error_type: str, http_status: int) -> dict[str, Any]:
     """``{"type": "error", "error": {...}}`` with our error type mapped to Anthropic's."""
-    if error_type not in _ANTHROPIC_TYPES:
+    if http_status == 413:
+        error_type = "request_too_large"
+    elif error_type not in _ANTHROPIC_TYPES:
         if http_status == 429:
             error_type = "rate_limit_error"
         elif http_status in (503, 529):
@@ -61,6 +63,25 @@ def _error_response(
     if request.url.path.startswith(ANTHROPIC_PATH_PREFIX):
         body = anthropic_error_body(body["error"]["message"], body["error"]["type"], status)
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def omlx_error_response(request: Request, exc: OmlxError) -> JSONResponse:
+    """The response for ``exc`` (for middleware, which runs outside the handlers)."""
+    return _error_response(request, omlx_error_body(exc), exc.http_status, exc.headers())
+
+
+def _is_json_type(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+def _unparsed_body(request: Request, exc: RequestValidationError) -> bool:
+    """FastAPI leaves a body with a non-JSON content type unparsed, then fails it."""
+    if _is_json_type(request.headers.get("content-type", "")):
+        return False
+    return any(tuple(err.get("loc", ()))[:1] == ("body",) for err in exc.errors())
 
 
 def error_body(
@@ -113,6 +134,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if _unparsed_body(request, exc):
+            got = request.headers.get("content-type") or "none"
+            message = f"send the body as JSON with 'Content-Type: application/json' (got {got!r})"
+            body = error_body(message, "invalid_request_error", "unsupported_media_type")
+            return _error_response(request, body, 415)
         message, param = describe_validation(exc)
         body = error_body(message, "invalid_request_error", "invalid_request", param)
         return _error_response(request, body, 400)

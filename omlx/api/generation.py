@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request as HttpRequest
 
 from omlx.api.errors import omlx_error_body
+from omlx.api.metrics import GenerationObserver
 from omlx.api.sse import DONE, KEEPALIVE, sse_data
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.stream import RequestStream, StreamEvent
@@ -31,6 +32,7 @@ class Generation:
     streams: list[RequestStream] = field(default_factory=list)
     start_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    observer: GenerationObserver | None = None
 
     def submit(self) -> None:
         loop = asyncio.get_running_loop()
@@ -42,6 +44,8 @@ class Generation:
         except BaseException:
             self.abort_unfinished()
             raise
+        if self.observer is not None:
+            self.observer.started(self.engine.name, len(self.streams))
 
     def abort_unfinished(self) -> None:
         for stream in self.streams:
@@ -72,10 +76,14 @@ class Generation:
                 if self.first_token_s is None and event.num_output_tokens:
                     self.first_token_s = time.perf_counter()
                 remaining -= event.finished
+                if self.observer is not None:
+                    self.observer.event(index, event)
                 yield index, event
         finally:
             for task in tasks:
                 task.cancel()
+            if self.observer is not None:
+                self.observer.close()
 
     def log_done(self, kind: str, prompt: int, output: int, reasons: list[str]) -> None:
         total = time.perf_counter() - self.start_s

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from omlx.api.formats import ChatFormat, CompletionFormat, usage_of
 from omlx.api.generation import ClientGone, Generation, sse_stream, unless_disconnected
+from omlx.api.metrics import observer_for
 from omlx.api.output_parser import parser_for
 from omlx.api.prompts import (
     chat_prompt,
@@ -22,6 +23,7 @@ from omlx.api.schemas import ChatCompletionRequest, CompletionRequest
 from omlx.api.sse import SSE_HEADERS
 from omlx.api.state import state_of
 from omlx.api.structured import bind_grammar, grammar_spec
+from omlx.api.tool_grammar import combined, openai_tool_constraint
 from omlx.engine.stream import StreamEvent
 from omlx.errors import InvalidRequestError
 
@@ -105,14 +107,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state = state_of(request)
     engine = await state.pool.get_engine(body.model)
     defaults = state.pool.request_defaults(engine.name)
-    spec = grammar_spec(body)
+    extra = body.model_extra or {}
+    tools_rule = openai_tool_constraint(
+        body.tools, body.tool_choice, extra.get("parallel_tool_calls")
+    )
+    spec = combined(grammar_spec(body), tools_rule)
     prompt = chat_prompt(engine, body, defaults.template_kwargs(body.chat_template_kwargs))
     params = sampling_params(
         body, len(prompt.ids), engine, defaults.sampling, defaults.generation, defaults.forced
     )
     grammar = await bind_grammar(engine, spec)
     rid = new_request_id("chatcmpl")
-    gen = Generation(engine, [make_request(rid, prompt.ids, params, grammar)])
+    gen = Generation(
+        engine, [make_request(rid, prompt.ids, params, grammar)], observer=observer_for(request)
+    )
     tools = bool(body.tools) and body.tool_choice != "none"
     parser = parser_for(
         engine.tokenizer,
@@ -149,4 +157,5 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     ]
     echoes = [engine.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     fmt = CompletionFormat(rid, state.pool.public_name(engine.name), echoes)
-    return await _respond(request, body, Generation(engine, requests), fmt, "completion")
+    gen = Generation(engine, requests, observer=observer_for(request))
+    return await _respond(request, body, gen, fmt, "completion")

@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 DEFAULT_THINK = ("<think>", "</think>")
 DEFAULT_TOOL_START = "<tool_call>"
 DEFAULT_TOOL_END = "</tool_call>"
+# tool_format names whose calls are JSON {"name", "arguments"} in <tool_call> tags.
+HERMES_FORMATS = ("hermes", "json_tools")
 
 Arguments = dict[str, Any]
 ParseFn = Callable[[str], list[tuple[str, Arguments]]]
@@ -299,7 +301,7 @@ def parser_for(
     rendered chat prompt) decides ``starts_in_reasoning``: the prompt opened the
     think block and did not close it. ``tool_schemas`` is passed to mlx-lm parsers.
     """
-    think = _think_markers(tokenizer) if reasoning else None
+    think = think_markers(tokenizer) if reasoning else None
     opened = think is not None and prompt_text.rfind(think[0]) > prompt_text.rfind(think[1])
     tools = _tool_markup(tokenizer, tool_schemas) if tools_requested else None
     return OutputParser(think=think, starts_in_reasoning=opened, tools=tools)
@@ -311,9 +313,19 @@ def _str_attr(tokenizer: Any, name: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _think_markers(tokenizer: Any) -> tuple[str, str]:
+def think_markers(tokenizer: Any) -> tuple[str, str]:
     start, end = _str_attr(tokenizer, "think_start"), _str_attr(tokenizer, "think_end")
     return (start, end) if start and end else DEFAULT_THINK
+
+
+def tool_format(tokenizer: Any) -> str:
+    """The name of the tool-call format ``parser_for`` parses for this tokenizer:
+    mlx-lm's parser module ("json_tools", "qwen3_coder"...), or "hermes" (the default)."""
+    start, end = _str_attr(tokenizer, "tool_call_start"), _str_attr(tokenizer, "tool_call_end")
+    parse_tool_call = getattr(tokenizer, "tool_parser", None)
+    if start and end is not None and callable(parse_tool_call):
+        return str(getattr(parse_tool_call, "__module__", "")).rpartition(".")[2] or "unknown"
+    return "hermes"
 
 
 def _tool_markup(tokenizer: Any, tool_schemas: Sequence[dict[str, Any]] | None) -> ToolMarkup:

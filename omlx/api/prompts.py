@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from omlx.api.output_parser import HERMES_FORMATS, tool_format
 from omlx.api.schemas import ChatCompletionRequest, CompletionRequest
 from omlx.engine.model_engine import ModelEngine
 from omlx.errors import ContextLengthExceededError, InvalidRequestError
@@ -77,8 +80,10 @@ def render_chat(
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return RenderedPrompt(text, list(tokenizer.encode(text)))
     kwargs = dict(template_kwargs or {})
-    if tools:
+    if tools and "tools" in str(tokenizer.chat_template):
         kwargs["tools"] = tools
+    elif tools and tool_format(tokenizer) in HERMES_FORMATS:
+        messages = with_hermes_tools(messages, tools)
     try:
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **kwargs
@@ -88,6 +93,47 @@ def render_chat(
             f"the model's chat template rejected the messages: {exc}", param="messages"
         ) from exc
     return RenderedPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
+
+
+_HERMES_TOOLS = (
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def with_hermes_tools(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Tools told in the system message, and past calls written into the assistant
+    text, in the Hermes format (the one output_parser reads by default): for chat
+    templates that do not render tools themselves."""
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    system = _HERMES_TOOLS.format(tools=listing)
+    out = [dict(m) for m in messages]
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{system}".lstrip()
+    else:
+        out.insert(0, {"role": "system", "content": system})
+    for message in out:
+        calls = message.pop("tool_calls", None) or []
+        written = [_hermes_call(call) for call in calls]
+        if written:
+            message["content"] = "\n".join([message["content"] or "", *written]).lstrip()
+    return out
+
+
+def _hermes_call(call: dict[str, Any]) -> str:
+    function = call.get("function") or {}
+    arguments = function.get("arguments") or "{}"
+    # A client's malformed arguments are shown as they came.
+    with contextlib.suppress(json.JSONDecodeError):
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
 
 
 def completion_prompt_ids(engine: ModelEngine, body: CompletionRequest) -> list[list[int]]:

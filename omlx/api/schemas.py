@@ -68,8 +68,9 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
-    # "auto" | "none" | "required" | {"type": "function", ...}; only "none" changes
-    # anything (tools are then not shown to the model).
+    # "auto" | "none" | "required" | {"type": "function", ...}: "none" hides the tools;
+    # "required", a named function and strict tools are enforced by a grammar
+    # (omlx/api/tool_grammar.py).
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from omlx.engine.pool import EnginePool
+from omlx.quant.tasks import TaskManager
 from omlx.settings import Settings
 
 
@@ -16,6 +17,11 @@ class ServerState:
     settings: Settings
     pool: EnginePool
     started_s: float = field(default_factory=time.time)
+    # oQ tasks write into the first model dir, where discovery finds the result.
+    quant_tasks: TaskManager = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.quant_tasks = TaskManager(self.settings.model_dirs[0], tracker=self.pool.probe)
 
 
 def state_of(request: Request) -> ServerState:

@@ -7,9 +7,11 @@ import asyncio
 from typing import Any
 
 from omlx.api.schemas import ChatCompletionRequest, CompletionRequest
+from omlx.api.tool_grammar import tool_grammar_spec
 from omlx.engine.model_engine import ModelEngine
 from omlx.errors import InvalidRequestError
 from omlx.grammar.spec import GrammarSpec
+from omlx.grammar.tools import ToolConstraint
 
 _EXTENSION_KINDS = ("json", "regex", "grammar", "choice")
 
@@ -80,11 +82,15 @@ def extension_spec(ext: dict[str, Any] | None) -> GrammarSpec | None:
     return GrammarSpec(kind, value, False, param)
 
 
-async def bind_grammar(engine: ModelEngine, spec: GrammarSpec | None) -> Any:
-    """Compile ``spec`` for the engine's tokenizer off the event loop (cached)."""
+async def bind_grammar(engine: ModelEngine, spec: GrammarSpec | ToolConstraint | None) -> Any:
+    """Compile ``spec`` for the engine's tokenizer off the event loop (cached); a
+    tool constraint is first written in the model's tool-call syntax."""
     if spec is None:
         return None
     from omlx.grammar.processor import BoundGrammar
+
+    if isinstance(spec, ToolConstraint):
+        spec = await asyncio.to_thread(tool_grammar_spec, engine.tokenizer, spec)
 
     compiler = await asyncio.to_thread(engine.grammar_compiler)
     compiled = await asyncio.to_thread(compiler.compile, spec)

@@ -120,6 +120,12 @@ class ModelEngine:
     def num_in_flight(self) -> int:
         return self._num_in_flight
 
+    @property
+    def num_queued(self) -> int:
+        """Submitted requests not admitted yet (waiting for a slot or for memory).
+        Read off the MLX thread for metrics: a momentary count, never negative."""
+        return max(0, self._num_in_flight - self._scheduler.num_running)
+
     def submit(self, request: Request, stream: RequestStream) -> None:
         """Queue a request. Raises PrefillMemoryExceededError for a prompt that can
         never fit under the memory limit, QueueFullError when at capacity."""

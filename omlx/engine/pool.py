@@ -169,6 +169,7 @@ class EnginePool:
                     "size_bytes": info.size_bytes,
                     "memory_bytes": resident.size_bytes if resident else 0,
                     "requests_in_flight": resident.engine.num_in_flight if resident else 0,
+                    "requests_queued": resident.engine.num_queued if resident else 0,
                     "idle_s": round(now - resident.last_used_s, 1) if resident else None,
                     "ttl_s": model.ttl_s,
                     "kv_profile": _kv_profile(resident.engine) if resident else None,

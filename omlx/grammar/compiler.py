@@ -28,7 +28,7 @@ _CACHE_ENTRIES = 128
 _LOG_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ", re.MULTILINE)
 
 
-def _clean(exc: Exception) -> str:
+def clean_message(exc: Exception) -> str:
     return _LOG_PREFIX.sub("", str(exc)).strip()
 
 
@@ -58,7 +58,7 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self.vocab_size = vocab_size
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
         self.num_hits = 0
         self.num_compiled = 0
         log.info(
@@ -88,7 +88,9 @@ class GrammarCompiler:
                 "choice": "choice list",
                 "json_object": "JSON grammar",
             }[spec.kind]
-            raise InvalidRequestError(f"invalid {what}: {_clean(exc)}", param=spec.param) from exc
+            raise InvalidRequestError(
+                f"invalid {what}: {clean_message(exc)}", param=spec.param
+            ) from exc
         with self._lock:
             self._cache[spec.cache_key] = compiled
             self.num_compiled += 1

@@ -91,10 +91,18 @@ def test_admin_login_session(server: Server) -> None:
         assert browser.get("/admin/api/models").status_code == 401
         assert browser.post("/admin/api/login", json={"api_key": KEY}).status_code == 200
         assert browser.get("/admin/api/models").status_code == 200
-        # The session is for the admin panel only, not the inference API.
-        assert browser.get("/v1/models").status_code == 401
+        # The panel's chat uses /v1 with the same httpOnly session (no key in the page).
+        assert browser.get("/v1/models").status_code == 200
+        token = browser.cookies.get("omlx_session")
+        assert token and KEY not in token
+        # The session token is not a key: sent as one it is refused.
+        refused = httpx.get(
+            server.base_url + "/v1/models", headers={"Authorization": f"Bearer {token}"}
+        )
+        assert refused.status_code == 401
         browser.post("/admin/api/logout")
         assert browser.get("/admin/api/models").status_code == 401
+        assert browser.get("/v1/models").status_code == 401
 
 
 def test_the_key_never_reaches_the_log(server: Server, caplog: pytest.LogCaptureFixture) -> None:

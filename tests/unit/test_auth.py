@@ -140,8 +140,12 @@ def test_api_route_with_right_key_is_200(server: Harness, headers: dict[str, str
     assert resp.json() == {"object": "list"}
 
 
-def test_session_cookie_does_not_open_api_routes(server: Harness) -> None:
+def test_session_cookie_opens_api_routes_until_logout(server: Harness) -> None:
+    """The admin panel's chat calls /v1 with its httpOnly login session."""
+    assert server.client.get("/v1/models").status_code == 401
     server.login()
+    assert server.client.get("/v1/models").status_code == 200
+    server.client.post("/admin/api/logout")
     assert server.client.get("/v1/models").status_code == 401
 
 

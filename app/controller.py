@@ -1,0 +1,247 @@
+"""The shell's brain, with no GUI: server state, actions, the menu model, a monitor thread.
+
+Front ends render `menu()` and call `dispatch(action)`; they are told of every change
+through listeners, on the monitor or action thread (they marshal to their GUI thread).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import webbrowser
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from app import paths
+from app.login_item import LoginItem, login_item
+from app.menu import MenuEntry, build_menu
+from app.ports import PortUse, free_port, probe_port
+from app.stats import Stats, fetch_stats
+from app.status import PortOffer, ServerState, Status
+from app.supervisor import ServeConfig, Supervisor, SupervisorPolicy
+from app.window import AdminWindow
+
+log = logging.getLogger("omlx.app")
+
+ADMIN_PATH = "/admin/"
+# The admin panel's chat page (web/ routes pages by fragment).
+CHAT_PATH = "/admin/#/chat"
+STATE_FILE = "app_state.json"
+
+_UP = (ServerState.STARTING, ServerState.RUNNING, ServerState.NOT_RESPONDING)
+
+Listener = Callable[[Status, tuple[MenuEntry, ...]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class AppConfig:
+    base_path: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    extra_args: tuple[str, ...] = ()
+    policy: SupervisorPolicy = field(default_factory=SupervisorPolicy)
+    stats_interval_s: float = 2.0
+
+    @classmethod
+    def from_settings(cls, base_path: Path, **overrides: object) -> AppConfig:
+        """Host, port and key as the server reads them (settings.json, environment)."""
+        from omlx.settings import load_settings
+
+        settings = load_settings({"base_path": str(base_path)})
+        values: dict[str, object] = {
+            "base_path": settings.base_path,
+            "host": settings.server.host,
+            "port": settings.server.port,
+            "api_key": settings.server.api_key,
+        }
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+class Controller:
+    def __init__(
+        self,
+        config: AppConfig,
+        *,
+        window: AdminWindow | None = None,
+        login: LoginItem | None = None,
+        open_url: Callable[[str], object] = webbrowser.open,
+    ):
+        self.config = config
+        self.supervisor = Supervisor(
+            ServeConfig(config.base_path, config.host, config.extra_args), config.policy
+        )
+        self.window = window or AdminWindow(config.base_path, on_action=self.dispatch)
+        self.login = login or login_item(paths.app_command())
+        self._open_url = open_url
+        self._offer: PortOffer | None = None
+        self._stats: Stats | None = None
+        self._listeners: list[Listener] = []
+        self._published: tuple[Status, Stats | None, bool] | None = None
+        self._publish_lock = threading.Lock()
+        self._actions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omlx-action")
+        self._stop_monitor = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self.on_quit: Callable[[], None] = lambda: None
+
+    # -- state --------------------------------------------------------------------------
+
+    @property
+    def status(self) -> Status:
+        status = self.supervisor.status
+        if self._offer is not None and status.state is ServerState.STOPPED:
+            return replace(status, offer=self._offer)
+        return status
+
+    @property
+    def base_url(self) -> str | None:
+        return self.supervisor.base_url
+
+    def menu(self) -> tuple[MenuEntry, ...]:
+        return build_menu(self.status, self._stats, self.login.is_enabled())
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def _publish(self) -> None:
+        with self._publish_lock:  # monitor and action threads: keep the order they saw
+            current = (self.status, self._stats, self.login.is_enabled())
+            if current == self._published:
+                return
+            self._published = current
+            self._notify(current[0], self.menu())
+
+    def _notify(self, status: Status, menu: tuple[MenuEntry, ...]) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(status, menu)
+            except Exception:  # a broken front end must not stop supervision
+                log.exception("menu listener failed")
+
+    # -- monitor --------------------------------------------------------------------------
+
+    def start_monitor(self) -> None:
+        self._stop_monitor.clear()
+        self._monitor = threading.Thread(
+            target=self._monitor_loop, name="omlx-monitor", daemon=True
+        )
+        self._monitor.start()
+
+    def _monitor_loop(self) -> None:
+        last_stats = 0.0
+        clock = self.supervisor.clock
+        while not self._stop_monitor.wait(self.config.policy.poll_interval_s):
+            status = self.supervisor.poll()
+            url = self.supervisor.base_url
+            if status.state is not ServerState.RUNNING or url is None:
+                self._stats = None
+            elif clock() - last_stats >= self.config.stats_interval_s:
+                last_stats = clock()
+                self._stats = fetch_stats(url, self.config.api_key)
+            self._publish()
+
+    # -- actions --------------------------------------------------------------------------
+
+    def dispatch(self, action: str) -> Future[None]:
+        """Run a menu action on the action thread (they may block for seconds)."""
+        handler = getattr(self, f"do_{action}", None)
+        if handler is None:
+            raise ValueError(f"unknown action {action!r}")
+
+        def run() -> None:
+            try:
+                handler()
+            finally:
+                self._publish()
+
+        return self._actions.submit(run)
+
+    def do_start(self) -> None:
+        if self.supervisor.status.state in _UP:
+            return
+        host, port = self.config.host, self.config.port
+        probe = probe_port(host, port)
+        if probe.use is PortUse.FREE:
+            self.supervisor.start(port)
+        elif probe.use is PortUse.OMLX:
+            # Offer, do not decide: it may be a server the user started on purpose.
+            self._offer = PortOffer(port, probe.version)
+            self.supervisor.stop()
+        else:
+            other = free_port(host)
+            self.supervisor.start(other, f"Port {port} is used by another program; using {other}")
+        log.info("start: %s", self.status.headline())
+
+    def do_use_running(self) -> None:
+        if self._offer is not None:
+            port, self._offer = self._offer.port, None
+            self.supervisor.adopt(port, f"Using the omlx already running on :{port}")
+
+    def do_start_other_port(self) -> None:
+        taken = self._offer.port if self._offer else self.config.port
+        self._offer = None
+        other = free_port(self.config.host)
+        self.supervisor.start(other, f"Another omlx uses :{taken}; this one runs on :{other}")
+
+    def do_stop(self) -> None:
+        self._offer = None
+        self.supervisor.stop()
+
+    def do_restart(self) -> None:
+        self.supervisor.stop()
+        self.do_start()
+
+    def do_open_admin(self) -> None:
+        if self.base_url and self.status.state is ServerState.RUNNING:
+            self.window.open(self.base_url + ADMIN_PATH)
+
+    def do_open_chat(self) -> None:
+        if self.base_url and self.status.state is ServerState.RUNNING:
+            self.window.open(self.base_url + CHAT_PATH)
+
+    def do_open_browser(self) -> None:
+        if self.base_url:
+            self._open_url(self.base_url + ADMIN_PATH)
+
+    def do_open_logs(self) -> None:
+        log_dir = paths.log_dir(self.config.base_path)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._open_url(log_dir.as_uri())
+
+    def do_toggle_login(self) -> None:
+        self.login.set_enabled(not self.login.is_enabled())
+
+    def do_quit(self) -> None:
+        self.shutdown()
+        self.on_quit()
+
+    def shutdown(self) -> None:
+        """Stop watching, close the window and stop our server (bounded by stop_timeout_s)."""
+        self._stop_monitor.set()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(self.config.policy.health_timeout_s + 1)
+        self.window.close()
+        if not self.supervisor.status.adopted:
+            self.supervisor.stop()
+
+    # -- first run ----------------------------------------------------------------------
+
+    def first_run(self) -> bool:
+        """Show the welcome page once per data folder; True if it was shown now."""
+        state_path = self.config.base_path / STATE_FILE
+        try:
+            state = json.loads(state_path.read_text())
+        except (OSError, ValueError):
+            state = {}
+        if state.get("welcomed"):
+            return False
+        url = f"http://{self.config.host}:{self.config.port}{ADMIN_PATH}"
+        self.window.open(url, welcome=True)
+        state["welcomed"] = True
+        state_path.parent.mkdir(parents=True, exist_ok=True)
+        state_path.write_text(json.dumps(state))
+        return True

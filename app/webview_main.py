@@ -1,0 +1,98 @@
+"""The admin-window process: a pywebview window driven by lines on stdin.
+
+stdin: ``focus`` | ``navigate URL`` | ``quit``; EOF (the shell went away) closes it.
+stdout: ``loaded TITLE`` after each page load, ``action NAME`` from the welcome page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from app import paths
+
+TITLE = "omlx"
+
+
+def _emit(kind: str, text: str = "") -> None:
+    print(f"{kind} {text}".rstrip(), flush=True)
+
+
+class WelcomeApi:
+    """What the first-run page may ask for (pywebview's js_api, called off the GUI thread)."""
+
+    def __init__(self, base_path: Path):
+        self._base_path = base_path
+        self.window = None
+
+    def info(self) -> dict[str, str]:
+        from omlx.settings import load_settings
+
+        settings = load_settings({"base_path": str(self._base_path)})
+        return {"model_dir": str(settings.model_dirs[0]), "base_path": str(self._base_path)}
+
+    def choose_model_dir(self) -> str | None:
+        import webview
+
+        picked = self.window.create_file_dialog(webview.FileDialog.FOLDER) if self.window else None
+        if not picked:
+            return None
+        from omlx.settings import set_file_value
+
+        set_file_value(self._base_path, "models.model_dirs", [str(picked[0])])
+        return str(picked[0])
+
+    def start_server(self) -> bool:
+        _emit("action", "start")
+        return True
+
+    def install_model(self) -> str:
+        cmd = paths.omlx_command("--base-path", str(self._base_path), "models", "install-default")
+        done = subprocess.run(cmd, cwd=paths.child_cwd(), capture_output=True, text=True)
+        return (done.stdout + done.stderr).strip()
+
+
+def _commands(window) -> None:
+    for raw in sys.stdin:
+        cmd, _, arg = raw.strip().partition(" ")
+        if cmd == "focus":
+            # Un-minimize, raise and activate (Qt); make key and activate the app (Cocoa).
+            # Not an on_top toggle: on Qt changing window flags unmaps the window.
+            window.restore()
+            window.show()
+        elif cmd == "navigate":
+            window.load_url(arg)
+        elif cmd == "quit":
+            break
+    window.destroy()
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="omlx-window")
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--base-path", type=Path, required=True)
+    parser.add_argument("--welcome", action="store_true")
+    args = parser.parse_args(argv)
+    if sys.platform.startswith("linux") and hasattr(os, "geteuid") and os.geteuid() == 0:
+        # Chromium refuses to run its sandbox as root.
+        os.environ.setdefault("QTWEBENGINE_CHROMIUM_FLAGS", "--no-sandbox")
+    import webview
+
+    api = WelcomeApi(args.base_path) if args.welcome else None
+    url = paths.welcome_page().as_uri() + f"#{args.url}" if args.welcome else args.url
+    window = webview.create_window(TITLE, url, width=1180, height=800, js_api=api)
+    if api is not None:
+        api.window = window
+
+    def loaded() -> None:
+        _emit("loaded", str(window.evaluate_js("document.title") or ""))
+
+    window.events.loaded += loaded
+    threading.Thread(target=_commands, args=(window,), daemon=True).start()
+    webview.start(gui="cocoa" if sys.platform == "darwin" else "qt")
+    _emit("closed")
+    return 0

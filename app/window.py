@@ -1,0 +1,104 @@
+"""The admin window: one pywebview child process at a time; opening it again focuses it.
+
+A child process, because pywebview owns its GUI toolkit's main loop and the tray (or
+AppKit status item) owns ours. They talk over lines on stdin/stdout (see app.webview_main).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from app import paths
+
+log = logging.getLogger("omlx.app")
+
+
+class AdminWindow:
+    def __init__(self, base_path: Path, on_action: Callable[[str], None] | None = None):
+        self.base_path = base_path
+        self._on_action = on_action or (lambda _name: None)
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[str] | None = None
+        self._loaded = threading.Event()
+        self.page_title: str | None = None
+        self.num_opened = 0
+
+    def is_open(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self.is_open() and self._proc is not None else None
+
+    def open(self, url: str, *, welcome: bool = False) -> bool:
+        """Show ``url``; True if a new window opened, False if the open one was focused."""
+        with self._lock:
+            if self.is_open():
+                self._send("focus" if not welcome else f"navigate {url}")
+                return False
+            self._loaded.clear()
+            self.page_title = None
+            args = ["--url", url, "--base-path", str(self.base_path)]
+            if welcome:
+                args.append("--welcome")
+            with self._stderr_log() as stderr:
+                self._proc = subprocess.Popen(
+                    paths.window_command(*args),
+                    cwd=paths.child_cwd(),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    text=True,
+                    bufsize=1,
+                )
+            self.num_opened += 1
+            threading.Thread(target=self._read_events, args=(self._proc,), daemon=True).start()
+            return True
+
+    def wait_loaded(self, timeout_s: float) -> str | None:
+        """The page's document.title once it has loaded (None on timeout or exit)."""
+        self._loaded.wait(timeout_s)
+        return self.page_title
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._lock:
+            proc = self._proc
+            if proc is None:
+                return
+            if proc.poll() is None:
+                self._send("quit")
+                try:
+                    proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            self._proc = None
+
+    def _send(self, line: str) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(line + "\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            log.warning("admin window did not take %r", line)
+
+    def _stderr_log(self) -> IO[bytes]:
+        log_dir = paths.log_dir(self.base_path)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        return (log_dir / "window.log").open("ab")
+
+    def _read_events(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            kind, _, rest = raw.rstrip("\n").partition(" ")
+            if kind == "loaded":
+                self.page_title = rest
+                self._loaded.set()
+            elif kind == "action":
+                self._on_action(rest)
+        self._loaded.set()  # the window process ended: nobody waits for a load any more

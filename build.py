@@ -1,0 +1,19 @@
+"""Build the macOS app and disk image (thin driver; logic and data live in packaging/).
+
+python build.py check        validate everything that can be checked on any OS
+python build.py app          dist/omlx.app with py2app (macOS)
+python build.py dmg          dist/omlx-VERSION.dmg with hdiutil (macOS)
+python build.py dmg-layout   the image's structure with xorriso (Linux, for tests)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "packaging"))
+
+from omlx_build.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

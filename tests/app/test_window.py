@@ -1,0 +1,89 @@
+"""The admin window: a real pywebview (Qt) window on the live server's /admin/, under Xvfb."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from app.controller import ADMIN_PATH, STATE_FILE, AppConfig, Controller
+from app.ports import free_port
+from app.status import ServerState
+from app.window import AdminWindow
+from tests.app.conftest import ARTIFACTS, wait_for
+from tests.app.xvfb import num_colors, screenshot, xvfb_display
+from tests.fixtures.servers import live_server
+
+
+@pytest.fixture(scope="module")
+def display() -> str:
+    with xvfb_display() as name:
+        yield name
+
+
+def _windows_named(display: str, name: str) -> list[str]:
+    done = subprocess.run(
+        ["xdotool", "search", "--onlyvisible", "--name", f"^{name}$"],
+        env={"DISPLAY": display},
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout.split()
+
+
+def test_admin_window_renders_the_admin_page_and_reopen_focuses(
+    display, tmp_path: Path, tiny_models_dir: Path, monkeypatch
+):
+    monkeypatch.setenv("DISPLAY", display)
+    with live_server(tmp_path / "base", tiny_models_dir) as server:
+        window = AdminWindow(tmp_path / "base")
+        try:
+            assert window.open(server.base_url + ADMIN_PATH) is True
+            title = window.wait_loaded(90)
+            assert title is not None, "the page never finished loading"
+            assert "omlx" in title.lower()
+            wait_for(lambda: len(_windows_named(display, "omlx")) == 1, 20, "the window")
+            shot = screenshot(display, ARTIFACTS / "admin-window.png")
+            assert num_colors(shot) > 50  # a rendered page, not an empty black screen
+
+            pid = window.pid
+            assert window.open(server.base_url + ADMIN_PATH) is False  # focused, not a second
+            assert window.pid == pid and window.num_opened == 1
+            assert len(_windows_named(display, "omlx")) == 1
+        finally:
+            window.close()
+        assert not window.is_open()
+        wait_for(lambda: not _windows_named(display, "omlx"), 10, "the window to close")
+
+
+def test_first_run_welcome_page_starts_the_server(
+    display, tmp_path: Path, tiny_models_dir: Path, monkeypatch
+):
+    monkeypatch.setenv("DISPLAY", display)
+    base = tmp_path / "base"
+    args = ("--model-dir", str(tiny_models_dir), "--no-install-default")
+    controller = Controller(AppConfig(base_path=base, port=free_port(), extra_args=args))
+    controller.start_monitor()
+    try:
+        assert controller.first_run() is True
+        assert controller.window.wait_loaded(90) == "Welcome to omlx"
+        time.sleep(2)  # pywebview injects its js_api just after the load event
+        screenshot(display, ARTIFACTS / "welcome.png")
+        # Keyboard, as a person would: the third button is "Start server".
+        env = {**os.environ, "DISPLAY": display}
+        (window_id,) = _windows_named(display, "omlx")
+        subprocess.run(["xdotool", "windowfocus", "--sync", window_id], env=env, check=True)
+        # A click on blank page area puts keyboard focus into the web view.
+        subprocess.run(["xdotool", "mousemove", "640", "700", "click", "1"], env=env, check=True)
+        subprocess.run(["xdotool", "key", "--delay", "150", "Tab", "Tab", "Tab", "Return"],
+                       env=env, check=True)  # fmt: skip
+        wait_for(lambda: controller.status.state is ServerState.RUNNING, 90, "the server")
+    finally:
+        controller.shutdown()
+    assert json.loads((base / STATE_FILE).read_text()) == {"welcomed": True}
+    again = Controller(AppConfig(base_path=base, port=free_port()))
+    assert again.first_run() is False and not again.window.is_open()
