@@ -278,7 +278,8 @@ class BatchRunner:
             if tokens is not None and held is not None:
                 layers, num_cached = held
                 num = min(num_cached, len(tokens)) if num_cached >= 0 else len(tokens)
-                self._prefix.store(request_id, tokens, layers, num, tail=False)
+                # With the partial tail: a next turn reuses the answer's last tokens too.
+                self._prefix.store(request_id, tokens, layers, num, tail=True)
         finally:
             self._prefix.forget(request_id)
 

@@ -204,7 +204,9 @@ class SetProbe(MemoryProbe):
 
 
 def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool):
-    pool = make_pool()
+    # The readings are made up (a few MB): a pinned KV capacity skips the load-time
+    # auto-profile, which would rightly refuse to load under such a ceiling.
+    pool = make_pool(memory={"max_kv_tokens": 4096})
     probe = pool.probe = SetProbe()
 
     async def main() -> None:
@@ -224,6 +226,7 @@ def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool):
         # Above hard: in-flight work ends with a clear error.
         task = asyncio.create_task(run(pool, "slow-llama", max_tokens=400))
         while pool.engine("slow-llama") is None or not pool.engine("slow-llama").num_in_flight:
+            assert not task.done(), task.result()
             await asyncio.sleep(0.01)
         probe.bytes = 11_000_000
         await pool.enforce()
