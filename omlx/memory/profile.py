@@ -160,7 +160,10 @@ def _measure(probe: MemoryProbe, stress: _Pass, canary: int = 0) -> int:
             if canary:
                 held.append(mx.zeros((max(1, canary // 4),), dtype=mx.float32))
                 mx.eval(held)
-            stress.run() if state is None else stress.run(state)
+            if state is None:
+                stress.run()
+            else:
+                stress.run(state)
 
         return _peak_delta(probe, run)
     finally:
