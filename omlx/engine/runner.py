@@ -79,7 +79,7 @@ def make_request_processors(request: Request) -> list[Any]:
     if params.repetition_penalty != 1.0:
         processors += make_logits_processors(repetition_penalty=params.repetition_penalty)
     if request.grammar is not None:
-        processors.append(request.grammar.new_processor())
+        processors.append(request.grammar.new_processor(greedy=params.is_greedy))
     return processors
 
 

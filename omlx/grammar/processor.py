@@ -37,27 +37,62 @@ class GrammarLogitsProcessor:
     mlx-lm passes the context ending with the token just fed to the model. From
     the second call on, that token is the previous sample: it is accepted into
     the matcher before the next mask is computed.
+
+    Greedy requests take a fast path: the model's own choice (the argmax) is
+    offered to the matcher first, and only when the grammar refuses it is the
+    full vocabulary mask computed (~2 ms for 49k tokens, against microseconds
+    for one token). The accepted choice is then the only token left in the
+    logits, so the greedy sampler picks exactly it: the output is the same
+    as with the full mask, because the argmax of the masked logits is the
+    unmasked argmax whenever the grammar allows it.
     """
 
-    def __init__(self, matcher: Any, vocab_size: int):
+    def __init__(self, matcher: Any, vocab_size: int, *, greedy: bool = False):
         self._matcher = matcher
         words = (vocab_size + 31) // 32
         self._bitmask = np.zeros((1, words), dtype=np.int32)
         self._first = True
+        self._greedy = greedy
+        self._ahead: int | None = None  # a choice already accepted (fast path)
+        self.num_fills = 0
+        self.num_fast = 0
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        if not self._first and not self._matcher.is_terminated():
-            token = int(tokens[-1].item())
-            if not self._matcher.accept_token(token):
-                log.warning("grammar rejected sampled token %d", token)
+        if not self._first:
+            self._accept_previous(int(tokens[-1].item()))
         self._first = False
         if self._matcher.is_terminated():
             return logits  # only stop tokens remain; the request is ending
-        # Start the forward pass now: the CPU-side bitmask fill (~2 ms for a 49k
-        # vocab) then overlaps the model compute instead of idling the device.
-        mx.async_eval(logits)
+        if self._greedy:
+            choice = int(mx.argmax(logits, axis=-1).item())
+            if self._matcher.accept_token(choice):
+                self._ahead = choice
+                self.num_fast += 1
+                return _only(logits, choice)
+        else:
+            # Start the forward pass now: the CPU-side bitmask fill then overlaps
+            # the model compute instead of idling the device.
+            mx.async_eval(logits)
         self._matcher.fill_next_token_bitmask(self._bitmask)
+        self.num_fills += 1
         return apply_bitmask(logits, self._bitmask)
+
+    def _accept_previous(self, token: int) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if token == ahead:
+                return  # accepted when it was chosen
+            # Something after us changed the pick: undo the choice, take the sample.
+            log.warning("grammar fast path: sampled %d, expected %d", token, ahead)
+            self._matcher.rollback(1)
+        if not self._matcher.is_terminated() and not self._matcher.accept_token(token):
+            log.warning("grammar rejected sampled token %d", token)
+
+
+def _only(logits: mx.array, token: int) -> mx.array:
+    """``logits`` with every entry but ``token`` at -inf."""
+    keep = mx.arange(logits.shape[-1]) == token
+    return mx.where(keep, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +105,7 @@ class BoundGrammar:
     compiled: Any
     compiler: Any  # omlx.grammar.compiler.GrammarCompiler
 
-    def new_processor(self) -> GrammarLogitsProcessor:
+    def new_processor(self, *, greedy: bool = False) -> GrammarLogitsProcessor:
         return GrammarLogitsProcessor(
-            self.compiler.matcher(self.compiled), self.compiler.vocab_size
+            self.compiler.matcher(self.compiled), self.compiler.vocab_size, greedy=greedy
         )
