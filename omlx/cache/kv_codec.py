@@ -1,16 +1,26 @@
 """KV cache layers <-> block tensors (bytes). MLX thread only.
 
-A model's prompt cache is a list of per-layer mlx-lm cache objects. Two kinds
-are supported:
+A model's prompt cache is a list of per-layer mlx-lm cache objects. Three kinds
+are supported, in any mix (e.g. gemma3: global ``kv`` + sliding ``rotating``):
 
 - ``kv`` (``KVCache``): keys/values of shape (1, heads, tokens, dim); a block
   is the slice of tokens [start, end), so blocks concatenate back into a cache.
-- ``arrays`` (``ArraysCache``: recurrent state of gated-delta / mamba layers):
-  state that cannot be cut at a token position. A block carries a snapshot of
-  the whole state as it was right after the block's last token (captured
-  during prefill at each block boundary); restoring takes the last block's.
+- ``arrays:<n>`` (``ArraysCache``: recurrent state of gated-delta / mamba
+  layers): state that cannot be cut at a token position. A block carries a
+  snapshot of the whole state as it was right after the block's last token
+  (captured during prefill at each block boundary); restoring takes the last
+  block's.
+- ``rotating:<max_size>:<keep>`` (``RotatingKVCache``, sliding-window
+  attention): once the window wraps, a token position no longer maps to a
+  slot, so it is handled like recurrent state: a block carries the whole
+  window (keys, values and the meta state keep/max_size/offset/_idx) exactly
+  as the cache held it at the block's end. The layout names the window, so
+  blocks of another window size never match. This costs a window per
+  rotating layer per block (up to max_size + block_size - 1 tokens, as a
+  multi-token chunk can leave the window that long), which is accepted: the
+  tiers count it in bytes like any other payload.
 
-Anything else (rotating windows, quantized caches, cache lists) makes the
+Anything else (quantized caches, chunked caches, cache lists) makes the
 model's layout unsupported and the prefix cache stays off for it.
 """
 
@@ -21,12 +31,13 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from omlx.cache.safetensors_io import Tensors
 
 KV = "kv"
 ARRAYS = "arrays"
+ROTATING = "rotating"
 
 _TO_SAFETENSORS = {
     mx.float32: "F32",
@@ -46,8 +57,9 @@ _FROM_SAFETENSORS: dict[str, tuple[Any, Any]] = {
     "I64": (np.int64, None),
 }
 
-# One layer's recurrent state at a block boundary (None entries stay None).
-Snapshot = list[list[Any]]
+# The state of every non-KV layer at a block boundary: layer index -> tensor
+# name -> array (an ArraysCache entry that is None has no name).
+Snapshot = dict[int, dict[str, mx.array]]
 
 
 def layer_layout(layers: Sequence[Any]) -> tuple[str, ...] | None:
@@ -58,6 +70,8 @@ def layer_layout(layers: Sequence[Any]) -> tuple[str, ...] | None:
             layout.append(KV)
         elif _is_arrays(layer):
             layout.append(f"{ARRAYS}:{len(layer.cache)}")
+        elif _is_rotating(layer):
+            layout.append(f"{ROTATING}:{layer.max_size}:{layer.keep}")
         else:
             return None
     return tuple(layout)
@@ -68,9 +82,31 @@ def is_sliceable(layout: Sequence[str]) -> bool:
 
 
 def snapshot(layers: Sequence[Any]) -> Snapshot:
-    """The recurrent state of every non-KV layer, by reference (mlx arrays are
-    replaced, not mutated, by the layers that own them)."""
-    return [list(layer.cache) for layer in layers if _is_arrays(layer)]
+    """The state of every non-KV layer as it is now; later updates of ``layers``
+    never reach it."""
+    state: Snapshot = {}
+    for i, layer in enumerate(layers):
+        if _is_arrays(layer):
+            # ArraysCache replaces its arrays, never mutates them: references do.
+            state[i] = {f"state.{j}": a for j, a in enumerate(layer.cache) if a is not None}
+        elif _is_rotating(layer):
+            state[i] = _window(layer)
+    return state
+
+
+def _window(layer: RotatingKVCache) -> dict[str, mx.array]:
+    """A rotating layer's whole window and meta state, exactly as held (unsorted,
+    possibly longer than max_size after a multi-token chunk)."""
+    keys, values, offset, keep, max_size, idx = layer.state
+    if keys is None:
+        return {}
+    # The layer slice-assigns into keys/values, which rebinds the very Python
+    # objects it holds; new array objects pin today's values (MLX copies on write).
+    return {
+        "window.keys": mx.array(keys),
+        "window.values": mx.array(values),
+        "window.meta": mx.array([keep, max_size, offset, idx], dtype=mx.int64),
+    }
 
 
 def _to_bytes(array: mx.array) -> tuple[str, tuple[int, ...], bytes]:
@@ -87,25 +123,29 @@ def _from_bytes(dtype: str, shape: tuple[int, ...], raw: bytes) -> mx.array:
 
 
 def block_tensors(layers: Sequence[Any], start: int, end: int, state: Snapshot | None) -> Tensors:
-    """Tokens [start, end) of every KV layer, plus ``state`` for the other layers."""
+    """Tokens [start, end) of every KV layer, plus ``state`` (a ``snapshot`` taken
+    right after token ``end - 1``) for the other layers."""
     pieces: dict[str, mx.array] = {}
-    states = iter(state or [])
     for i, layer in enumerate(layers):
         if _is_kv(layer):
             pieces[f"{i}.keys"] = layer.keys[..., start:end, :]
             pieces[f"{i}.values"] = layer.values[..., start:end, :]
+        elif state is None or i not in state:
+            raise ValueError(f"layer {i}: {type(layer).__name__} needs a boundary snapshot")
         else:
-            for j, array in enumerate(next(states)):
-                if array is not None:
-                    pieces[f"{i}.state.{j}"] = array
+            pieces.update({f"{i}.{name}": array for name, array in state[i].items()})
     mx.eval(list(pieces.values()))
     return {name: _to_bytes(array) for name, array in pieces.items()}
 
 
-def restore(template: Sequence[Any], blocks: Sequence[Tensors]) -> list[Any]:
+def restore(
+    template: Sequence[Any], blocks: Sequence[Tensors], num_tokens: int | None = None
+) -> list[Any]:
     """A fresh prompt cache holding ``blocks`` back to back.
 
     ``template`` is a new ``make_prompt_cache(model)``; it is filled in place.
+    With ``num_tokens`` (the blocks' total), a window whose offset says
+    otherwise raises ValueError instead of being served.
     """
     layers = list(template)
     last = blocks[-1]
@@ -121,6 +161,8 @@ def restore(template: Sequence[Any], blocks: Sequence[Tensors]) -> list[Any]:
                 _from_bytes(*last[name]) if (name := f"{i}.state.{j}") in last else None
                 for j in range(len(layer.cache))
             ]
+        elif _is_rotating(layer):
+            _restore_window(layer, i, last, num_tokens)
         else:
             raise ValueError(f"layer {i}: {type(layer).__name__} cannot be restored")
     mx.eval([a for layer in layers for a in _arrays(layer)])
@@ -136,7 +178,24 @@ def _is_arrays(layer: Any) -> bool:
     return type(layer) is ArraysCache
 
 
+def _is_rotating(layer: Any) -> bool:
+    return type(layer) is RotatingKVCache
+
+
+def _restore_window(layer: Any, i: int, last: Tensors, num_tokens: int | None) -> None:
+    """Layer ``i``'s window from the last block (KeyError if it has none)."""
+    meta = np.asarray(_from_bytes(*last[f"{i}.window.meta"]))
+    keep, max_size, offset, idx = (int(v) for v in meta)
+    if (keep, max_size) != (layer.keep, layer.max_size):
+        raise ValueError(f"layer {i}: window {max_size}:{keep} != {layer.max_size}:{layer.keep}")
+    if num_tokens is not None and offset != num_tokens:
+        raise ValueError(f"layer {i}: window ends at token {offset}, blocks hold {num_tokens}")
+    keys = _from_bytes(*last[f"{i}.window.keys"])
+    values = _from_bytes(*last[f"{i}.window.values"])
+    layer.state = (keys, values, offset, keep, max_size, idx)
+
+
 def _arrays(layer: Any) -> list[Any]:
-    if isinstance(layer, KVCache):
+    if isinstance(layer, KVCache | RotatingKVCache):
         return [layer.keys, layer.values]
     return [a for a in layer.cache if a is not None]

@@ -9,10 +9,15 @@ and every token before the block's end, so a hit is exact.
 A prompt's last token is never served from the cache: its forward pass gives
 the logits of the first output token.
 
-Models with recurrent layers need the state at a block's end; ``snapshot``
-records it during prefill, keyed by request id, and ``forget`` drops a
-request's snapshots once it has stored (or left). Snapshots live in memory
-only, so nothing of a forgotten request can reach the disk afterwards.
+Models with recurrent layers or sliding windows (see kv_codec) need the
+state at a block's end; ``snapshot`` records it during prefill, keyed by
+request id, and ``forget`` drops a request's snapshots once it has stored (or
+left). A block whose end has no snapshot (e.g. output tokens decoded in the
+batch) is not stored, nor any block after it: a wrong state is never stored.
+Snapshots live in memory only, so nothing of a forgotten request can reach
+the disk afterwards. A snapshot can be large (a recurrent state, or a whole
+window per rotating layer), so the runner stores each block as its snapshot
+is taken: a prefill holds only its newest one outside the hot tier's budget.
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ class PrefixCache:
         self._hot = hot
         self._ssd = ssd
         self._root = root_key(identity)
-        # request id -> {token position: recurrent state right after it}
+        # request id -> {token position: non-KV state right after it}
         self._snapshots: dict[str, dict[int, kv_codec.Snapshot]] = {}
         self._stats = PrefixStats()
         self._stats_lock = threading.Lock()
@@ -125,7 +130,7 @@ class PrefixCache:
                 return None
         num_tokens = sum(p.num_tokens for p in payloads)
         try:
-            layers = kv_codec.restore(template, [p.tensors for p in payloads])
+            layers = kv_codec.restore(template, [p.tensors for p in payloads], num_tokens)
         except (KeyError, ValueError) as exc:  # a block that does not fit this model
             log.warning("prefix cache: cannot restore %d blocks: %s", len(payloads), exc)
             with self._stats_lock:
@@ -149,7 +154,8 @@ class PrefixCache:
     # -- store -------------------------------------------------------------
 
     def snapshot(self, request_id: str, position: int, layers: Sequence[Any]) -> None:
-        """Record the recurrent state right after token ``position - 1``."""
+        """Record the non-KV state (recurrent, sliding window) right after token
+        ``position - 1``."""
         self._snapshots.setdefault(request_id, {})[position] = kv_codec.snapshot(layers)
 
     def snapshot_positions(self, request_id: str) -> list[int]:
@@ -168,9 +174,27 @@ class PrefixCache:
         tail: bool,
     ) -> int:
         """Store the full blocks of the first ``num_tokens`` tokens held by ``layers``
-        (and, with ``tail``, the partial block after them). Returns blocks written."""
-        size = self.block_size
+        (and, with ``tail``, the partial block after them). Returns blocks written.
+
+        The request's snapshots up to ``num_tokens`` are released: their blocks are
+        stored now (or were already), and a window snapshot is large. A later store
+        of the same request stops at a block that is no longer cached."""
         snaps = self._snapshots.get(request_id, {})
+        try:
+            return self._store_chain(token_ids, layers, num_tokens, tail, snaps)
+        finally:
+            for position in [p for p in snaps if p <= num_tokens]:
+                del snaps[position]
+
+    def _store_chain(
+        self,
+        token_ids: Sequence[int],
+        layers: Sequence[Any],
+        num_tokens: int,
+        tail: bool,
+        snaps: dict[int, kv_codec.Snapshot],
+    ) -> int:
+        size = self.block_size
         stored = 0
         parent = self._root
         # This runs on the MLX thread: a saturated SSD queue may hold it up once

@@ -83,7 +83,7 @@ def make_prefix_cache(
         name,
         identity,
         cfg.block_size,
-        "sliceable KV" if prefix.sliceable else "boundary snapshots (recurrent layers)",
+        "sliceable KV" if prefix.sliceable else "boundary snapshots (recurrent/window layers)",
         f", SSD {ssd.cache_dir} ({len(ssd.keys())} blocks)" if ssd else ", RAM only",
     )
     return prefix

@@ -113,7 +113,7 @@ class BatchRunner:
         self._solo_request: Request | None = None
         # Tokens sampled by a solo sequence just before it joined the batch.
         self._unreported: list[TokenOutput] = []
-        # Models whose cache cannot be cut later (recurrent layers) prefill
+        # Models whose cache cannot be cut later (recurrent, sliding window) prefill
         # requests that join a batch here, a chunk per step with a snapshot at
         # each block boundary, then move into the batch at their last token.
         self._side: dict[str, tuple[SoloSequence, Request]] = {}
@@ -168,10 +168,15 @@ class BatchRunner:
         prefix = self._prefix
         hook = None
         if prefix is not None and prefix.needs_snapshots:
-            rid = request.request_id
+            rid, prompt, size = request.request_id, request.prompt_ids, prefix.block_size
 
             def hook(position: int, layers: list[Any]) -> None:
                 prefix.snapshot(rid, position, layers)
+                # Store the finished blocks now: each snapshot (a recurrent state or a
+                # whole window per layer) would otherwise stay in RAM, outside every
+                # budget, until the prompt ends; the hot tier's bytes are budgeted.
+                # (Full blocks only: the prompt's tail snapshot waits for the last store.)
+                prefix.store(rid, prompt, layers, position - position % size, tail=False)
 
         return SoloSequence(
             self._model,

@@ -17,7 +17,11 @@ BLOCK = 16
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     root = tmp_path_factory.mktemp("codec-models")
     out = {}
-    for name, arch, seed in [("llama", "llama", 0), ("lfm2", "lfm2", 3)]:
+    for name, arch, seed in [
+        ("llama", "llama", 0),
+        ("lfm2", "lfm2", 3),
+        ("gemma3", "gemma3_text", 4),
+    ]:
         model, tokenizer = mlx_lm.load(str(build_tiny_model(root / name, arch, seed=seed)))
         out[name] = (model, tokenizer)
     return out
@@ -34,7 +38,8 @@ def _prefill_in_blocks(model, ids: list[int], num_blocks: int):
     return cache, blocks
 
 
-@pytest.mark.parametrize("name", ["llama", "lfm2"])
+# gemma3's 32-token sliding windows wrap within the 4 blocks.
+@pytest.mark.parametrize("name", ["llama", "lfm2", "gemma3"])
 def test_restored_cache_continues_exactly(models, name: str) -> None:
     model, tokenizer = models[name]
     ids = tokenizer.encode("Memory is shared by the processor and the graphics unit. " * 4)
@@ -68,12 +73,16 @@ def test_layouts(models) -> None:
     layout = kv_codec.layer_layout(make_prompt_cache(lfm2))
     assert layout == ("arrays:1", "kv", "arrays:1", "kv")
     assert kv_codec.is_sliceable(("kv", "kv")) and not kv_codec.is_sliceable(layout)
+    gemma3, _ = models["gemma3"]
+    layout = kv_codec.layer_layout(make_prompt_cache(gemma3))
+    assert layout == ("rotating:32:0", "kv", "rotating:32:0", "kv")
+    assert not kv_codec.is_sliceable(layout)
 
 
 def test_unsupported_cache_types_are_refused() -> None:
-    from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
+    from mlx_lm.models.cache import ChunkedKVCache, QuantizedKVCache
 
-    assert kv_codec.layer_layout([RotatingKVCache(max_size=8)]) is None
+    assert kv_codec.layer_layout([ChunkedKVCache(chunk_size=8)]) is None
     assert kv_codec.layer_layout([QuantizedKVCache()]) is None
 
 

@@ -1,4 +1,5 @@
-"""The prefix cache wired into the engine, on real tiny models (dense and hybrid).
+"""The prefix cache wired into the engine, on real tiny models (dense, hybrid, and
+sliding-window: tiny-gemma3's 32-token windows wrap on every prompt here).
 
 Greedy output must be the same whether the prompt's prefix was computed now or
 restored from the RAM tier or, after a restart, from the SSD tier.
@@ -21,6 +22,9 @@ _ids = itertools.count()
 BLOCK = 16
 CACHE = {"enabled": True, "block_size": BLOCK, "hot_cache_max_size": "256MB"}
 
+MODELS = ["tiny-llama", "tiny-lfm2", "tiny-gemma3"]
+WINDOW = 32  # tiny-gemma3's sliding window
+
 CONVERSATION = (
     "The memory of the machine is shared between the processor and the graphics unit. "
     "When one request fills it, every other program on the machine feels it. "
@@ -32,6 +36,7 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("cache-models")
     build_tiny_model(root / "tiny-llama", "llama", seed=0)
     build_tiny_model(root / "tiny-lfm2", "lfm2", seed=3)
+    build_tiny_model(root / "tiny-gemma3", "gemma3_text", seed=4)
     return root
 
 
@@ -62,7 +67,7 @@ def encode(engine: ModelEngine, text: str) -> list[int]:
     return list(engine.tokenizer.encode(text))
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-lfm2"])
+@pytest.mark.parametrize("model", MODELS)
 def test_hit_gives_the_cold_output(make_pool, models_dir: Path, model: str) -> None:
     pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
 
@@ -83,7 +88,7 @@ def test_hit_gives_the_cold_output(make_pool, models_dir: Path, model: str) -> N
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-lfm2"])
+@pytest.mark.parametrize("model", MODELS)
 def test_conversation_hits_every_previous_turn(make_pool, models_dir: Path, model: str) -> None:
     pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
 
@@ -107,7 +112,7 @@ def test_conversation_hits_every_previous_turn(make_pool, models_dir: Path, mode
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-lfm2"])
+@pytest.mark.parametrize("model", MODELS)
 def test_hits_while_batching(make_pool, models_dir: Path, model: str) -> None:
     pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
 
@@ -128,14 +133,19 @@ def test_hits_while_batching(make_pool, models_dir: Path, model: str) -> None:
     asyncio.run(main())
 
 
-def test_hybrid_prompts_prefilled_in_a_batch_are_stored(make_pool, models_dir: Path) -> None:
-    """Recurrent state cannot be cut later: prompts that arrive together are
-    prefilled with a snapshot at every block boundary, then decode in the batch."""
+@pytest.mark.parametrize("model", ["tiny-lfm2", "tiny-gemma3"])
+def test_unsliceable_prompts_prefilled_in_a_batch_are_stored(
+    make_pool, models_dir: Path, model: str
+) -> None:
+    """Recurrent state and wrapped windows cannot be cut later: prompts that arrive
+    together are prefilled with a snapshot at every block boundary, then decode
+    in the batch (rotating windows become BatchRotatingKVCache there)."""
     pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
 
     async def main() -> None:
-        engine = await pool.get_engine("tiny-lfm2")
+        engine = await pool.get_engine(model)
         prompts = [encode(engine, f"Question {i}. " + CONVERSATION * 2) for i in range(3)]
+        assert min(map(len, prompts)) > 2 * WINDOW
         solo = [await generate(engine, p) for p in prompts]
         engine.prefix_cache._hot.clear(tier="hot")
         await settle(engine)
@@ -148,12 +158,13 @@ def test_hybrid_prompts_prefilled_in_a_batch_are_stored(make_pool, models_dir: P
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-lfm2"])
+@pytest.mark.parametrize("model", MODELS)
 def test_restart_serves_from_ssd(make_pool, models_dir: Path, model: str) -> None:
     async def run(expect_hit: bool) -> tuple[str, int, dict]:
         pool = make_pool(models_dir, cache=CACHE)
         engine = await pool.get_engine(model)
         prompt = encode(engine, CONVERSATION * 2)
+        assert len(prompt) > 2 * WINDOW
         text, cached = await generate(engine, prompt)
         await settle(engine)
         stats = engine.prefix_cache.stats()
@@ -166,3 +177,60 @@ def test_restart_serves_from_ssd(make_pool, models_dir: Path, model: str) -> Non
     assert warm == cold
     assert cached > 0
     assert stats["ssd"]["hits"] > 0
+
+
+@pytest.mark.parametrize("extra", [1, 2])
+def test_window_full_at_a_boundary_hit_gives_the_cold_output(
+    make_pool, models_dir: Path, extra: int
+) -> None:
+    """The window is exactly full at token 2 * BLOCK == WINDOW, so the next tokens
+    are written into it in place: the stored window must be the one at the
+    boundary, not what decoding made of it afterwards."""
+    pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
+
+    async def main() -> None:
+        engine = await pool.get_engine("tiny-gemma3")
+        assert 2 * BLOCK == WINDOW
+        prompt = encode(engine, CONVERSATION)[: WINDOW + extra]
+        cold, _ = await generate(engine, prompt, max_tokens=16)
+        await settle(engine)
+        warm, cached = await generate(engine, prompt, max_tokens=16)
+        assert (warm, cached) == (cold, len(prompt) - 1)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("model", ["tiny-lfm2", "tiny-gemma3"])
+def test_snapshots_do_not_pile_up_during_a_long_prefill(
+    make_pool, models_dir: Path, model: str
+) -> None:
+    """A boundary snapshot (a recurrent state, or a whole window per layer) lives in
+    RAM outside every budget until its block is stored: each block is stored as its
+    snapshot is taken, so a long prompt never holds more than the newest one."""
+    pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
+
+    async def main() -> None:
+        engine = await pool.get_engine(model)
+        prefix = engine.prefix_cache
+        assert prefix is not None
+        held: list[int] = []  # snapshots already held when a new one is taken
+        stored: list[int] = []  # blocks stored by then
+        take = prefix.snapshot
+
+        def spy(request_id: str, position: int, layers: list) -> None:
+            held.append(len(prefix.snapshot_positions(request_id)))
+            stored.append(prefix.stats()["blocks_stored"])
+            take(request_id, position, layers)
+
+        prefix.snapshot = spy  # type: ignore[method-assign]
+        prompt = encode(engine, CONVERSATION * 3)
+        assert len(prompt) > 8 * BLOCK
+        cold, _ = await generate(engine, prompt)
+        assert len(held) >= 8 and max(held) == 0
+        # Block n was in the cache before the snapshot at the end of block n + 1.
+        assert stored == list(range(len(stored)))
+        await settle(engine)
+        warm, cached = await generate(engine, prompt)
+        assert (warm, cached) == (cold, len(prompt) - 1)
+
+    asyncio.run(main())

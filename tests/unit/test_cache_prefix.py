@@ -1,0 +1,98 @@
+"""PrefixCache with sliding-window layers, on real mlx-lm caches and a real hot tier.
+
+The engine prefills in block-aligned chunks with a snapshot at each boundary and
+then decodes token by token, writing into the window in place; these replay that.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from omlx.cache import kv_codec
+from omlx.cache.hot import HotTier
+from omlx.cache.prefix import PrefixCache
+
+BLOCK = 4
+WINDOW = 6
+_rng = np.random.default_rng(1)
+
+
+def _layers() -> list:
+    return [KVCache(), RotatingKVCache(max_size=WINDOW)]
+
+
+def _prefix_cache() -> PrefixCache:
+    layout = kv_codec.layer_layout(_layers())
+    assert layout == ("kv", f"rotating:{WINDOW}:0")
+    return PrefixCache("tiny@0", layout, BLOCK, HotTier(1 << 20, mode="hot-only"), None)
+
+
+def _feed(layers: list, n: int) -> None:
+    keys = mx.array(_rng.standard_normal((1, 2, n, 4)).astype(np.float32))
+    for layer in layers:
+        layer.update_and_fetch(keys, -keys)
+    mx.eval([layer.keys for layer in layers])
+
+
+def _window(layer: RotatingKVCache) -> tuple:
+    keys, values, offset, keep, max_size, idx = layer.state
+    return np.array(keys), np.array(values), (offset, keep, max_size, idx)
+
+
+def _prefill(prefix: PrefixCache, rid: str, layers: list, num_tokens: int) -> dict[int, tuple]:
+    """Block-aligned chunks with a snapshot at each boundary and before the last
+    prompt token, as SoloSequence does; returns the window held at each."""
+    held, pos = {}, 0
+    while pos < num_tokens - 1:
+        n = min(BLOCK - pos % BLOCK, num_tokens - 1 - pos)
+        _feed(layers, n)
+        pos += n
+        prefix.snapshot(rid, pos, layers)
+        held[pos] = _window(layers[1])
+    return held
+
+
+def _assert_window(layer: RotatingKVCache, held: tuple) -> None:
+    keys, values, meta = _window(layer)
+    assert meta == held[2]
+    np.testing.assert_array_equal(keys, held[0])
+    np.testing.assert_array_equal(values, held[1])
+
+
+def test_a_hit_restores_the_window_of_its_last_block() -> None:
+    prefix = _prefix_cache()
+    tokens = list(range(100, 120))
+    layers = _layers()
+    held = _prefill(prefix, "a", layers, len(tokens))
+    kv_keys = np.array(layers[0].keys[..., :19, :])
+    for _ in range(5):  # decode: in-place writes into the window
+        _feed(layers, 1)
+    assert prefix.store("a", tokens, layers, 19, tail=True) == 5  # 4 blocks + the tail
+    assert prefix.snapshot_positions("a") == []  # windows are large: released once stored
+
+    hit = prefix.lookup(tokens, _layers())
+    assert hit is not None and hit.num_tokens == 19
+    _assert_window(hit.layers[1], held[19])
+    np.testing.assert_array_equal(np.array(hit.layers[0].keys), kv_keys)
+
+    # Another prompt sharing 3 blocks gets the window as it was at token 12.
+    hit = prefix.lookup([*tokens[:13], 7, 7, 7, 7], _layers())
+    assert hit is not None and hit.num_tokens == 12
+    _assert_window(hit.layers[1], held[12])
+
+
+def test_blocks_past_the_last_snapshot_are_not_stored() -> None:
+    """Decoded tokens have no boundary snapshot: storing a leaving request keeps
+    the prompt's blocks and never invents a window for the rest."""
+    prefix = _prefix_cache()
+    tokens = list(range(200, 222))
+    layers = _layers()
+    _prefill(prefix, "b", layers, 10)
+    for _ in range(12):
+        _feed(layers, 1)
+    assert prefix.store("b", tokens, layers, 21, tail=True) == 2
+    hit = prefix.lookup(tokens, _layers())
+    assert hit is not None and hit.num_tokens == 8
+    assert hit.layers[1].offset == 8
