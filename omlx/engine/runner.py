@@ -26,6 +26,7 @@ from mlx_lm.sample_utils import (
 
 from omlx.cache.prefix import CacheHit, PrefixCache
 from omlx.engine.solo import SoloSequence
+from omlx.grammar.processor import Draw, greedy_draw, temperature_draw
 from omlx.scheduler import Request, SamplingParams, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -79,8 +80,18 @@ def make_request_processors(request: Request) -> list[Any]:
     if params.repetition_penalty != 1.0:
         processors += make_logits_processors(repetition_penalty=params.repetition_penalty)
     if request.grammar is not None:
-        processors.append(request.grammar.new_processor(greedy=params.is_greedy))
+        processors.append(request.grammar.new_processor(draw=grammar_draw(params)))
     return processors
+
+
+def grammar_draw(params: SamplingParams) -> Draw | None:
+    """How the grammar's fast path draws this request's pick; None when only the
+    full mask is exact (top-p/top-k/min-p cut by the masked distribution)."""
+    if params.is_greedy:
+        return greedy_draw
+    if params.top_p >= 1.0 and params.top_k <= 0 and params.min_p <= 0.0:
+        return temperature_draw(params.temperature, params.seed)
+    return None
 
 
 class BatchRunner:

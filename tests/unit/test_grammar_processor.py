@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from omlx.grammar.compiler import GrammarCompiler
-from omlx.grammar.processor import GrammarLogitsProcessor
+from omlx.grammar.processor import GrammarLogitsProcessor, greedy_draw, temperature_draw
 from omlx.grammar.spec import GrammarSpec
 from tests.fixtures.tiny_models import train_tokenizer
 
@@ -58,7 +58,7 @@ def _decode_side_by_side(compiler: GrammarCompiler, seed: int, steps: int = 120)
     the others (the end token too), so both of the fast path's branches run.
     """
     compiled = compiler.compile(SPEC)
-    fast = GrammarLogitsProcessor(compiler.matcher(compiled), compiler.vocab_size, greedy=True)
+    fast = GrammarLogitsProcessor(compiler.matcher(compiled), compiler.vocab_size, draw=greedy_draw)
     full = GrammarLogitsProcessor(compiler.matcher(compiled), compiler.vocab_size)
     oracle = compiler.matcher(compiled)
     sample = make_sampler(temp=0.0)
@@ -105,7 +105,7 @@ def test_fast_path_recovers_when_the_sample_is_not_its_choice(compiler: GrammarC
     """If something after the processor changes the pick, the matcher follows the
     token really sampled (never a state the output does not have)."""
     compiled = compiler.compile(SPEC)
-    fast = GrammarLogitsProcessor(compiler.matcher(compiled), compiler.vocab_size, greedy=True)
+    fast = GrammarLogitsProcessor(compiler.matcher(compiled), compiler.vocab_size, draw=greedy_draw)
     reference = compiler.matcher(compiled)
     allowed = _allowed(compiler, reference)
     assert len(allowed) >= 2
@@ -116,3 +116,37 @@ def test_fast_path_recovers_when_the_sample_is_not_its_choice(compiler: GrammarC
     fast(mx.array([1, int(allowed[1])]), mx.array(logits)[None])
     assert reference.accept_token(int(allowed[1]))
     assert np.array_equal(_allowed(compiler, fast._matcher), _allowed(compiler, reference))
+
+
+def test_temperature_fast_path_samples_the_masked_distribution(
+    compiler: GrammarCompiler, hf_tokenizer: Any
+) -> None:
+    """Rejection sampling: a draw the grammar refuses falls back to the mask, so
+    each allowed token comes out with its softmax share of the allowed mass."""
+    from omlx.engine.runner import make_request_sampler
+    from omlx.scheduler import SamplingParams
+
+    compiled = compiler.compile(GrammarSpec.choice(["a", "b", "c", "d"], "structured_outputs"))
+    allowed = _allowed(compiler, compiler.matcher(compiled))
+    assert len(allowed) == 4
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=compiler.vocab_size).astype(np.float32) - 6.0
+    logits[allowed] = [1.0, 0.0, -1.0, 0.5]
+    # About half the mass on forbidden tokens: both paths run about half the time.
+    logits[rng.choice(np.setdiff1d(np.arange(compiler.vocab_size), allowed), 3)] = 0.6
+    expected = np.exp(logits[allowed]) / np.exp(logits[allowed]).sum()
+    row = mx.array(logits)[None]
+    trials, counts, fast_hits = 3000, dict.fromkeys(allowed.tolist(), 0), 0
+    for i in range(trials):
+        params = SamplingParams(temperature=1.0, seed=i)
+        processor = GrammarLogitsProcessor(
+            compiler.matcher(compiled), compiler.vocab_size, draw=temperature_draw(1.0, i)
+        )
+        processed = processor(mx.array([1]), row)
+        token = int(make_request_sampler(params)(processed - mx.logsumexp(processed)).item())
+        counts[token] += 1  # a forbidden token would be a KeyError
+        fast_hits += processor.num_fast
+    assert 0.3 * trials < fast_hits < 0.7 * trials
+    observed = np.array([counts[t] for t in allowed.tolist()])
+    chi2 = (((observed - trials * expected) ** 2) / (trials * expected)).sum()
+    assert chi2 < 16.3, (observed, trials * expected)  # p = 0.001 at 3 degrees of freedom
