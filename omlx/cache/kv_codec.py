@@ -27,13 +27,14 @@ model's layout unsupported and the prefix cache stays off for it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from omlx.cache.safetensors_io import Tensors
+from omlx.cache.safetensors_io import BlockPayload, Tensors
 
 KV = "kv"
 ARRAYS = "arrays"
@@ -136,6 +137,19 @@ def block_tensors(layers: Sequence[Any], start: int, end: int, state: Snapshot |
             pieces.update({f"{i}.{name}": array for name, array in state[i].items()})
     mx.eval(list(pieces.values()))
     return {name: _to_bytes(array) for name, array in pieces.items()}
+
+
+def cut_payload(payload: BlockPayload, num_tokens: int) -> BlockPayload:
+    """A KV-only block's first ``num_tokens`` tokens, as a block of its own (for a
+    prompt that shares only them). Keys/values are (1, heads, tokens, dim)."""
+    tensors: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
+    for name, (dtype, shape, raw) in payload.tensors.items():
+        np_dtype = _FROM_SAFETENSORS[dtype][0]
+        array = np.frombuffer(raw, dtype=np_dtype).reshape(shape)[:, :, :num_tokens, :]
+        tensors[name] = (dtype, tuple(array.shape), np.ascontiguousarray(array).tobytes())
+    return replace(
+        payload, key=f"{payload.key}:{num_tokens}", num_tokens=num_tokens, tensors=tensors
+    )
 
 
 def restore(

@@ -9,6 +9,11 @@ and every token before the block's end, so a hit is exact.
 A prompt's last token is never served from the cache: its forward pass gives
 the logits of the first output token.
 
+After the full blocks, a prompt that repeats only the first tokens of a stored
+block (a chat template's fixed opening, the start of a shared system prompt)
+gets those tokens, cut from that block (sliceable layouts only; the blocks
+stored in this process are indexed by their parent for it).
+
 Models with recurrent layers or sliding windows (see kv_codec) need the
 state at a block's end; ``snapshot`` records it during prefill, keyed by
 request id, and ``forget`` drops a request's snapshots once it has stored (or
@@ -27,6 +32,7 @@ import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,6 +46,15 @@ from omlx.cache.ssd import PUT_TIMEOUT_S as SSD_PUT_TIMEOUT_S
 from omlx.cache.ssd import SSDStore
 
 log = logging.getLogger(__name__)
+
+# Token-granular reuse (sliceable layouts): a stored block whose first tokens
+# match the prompt's next ones serves that many, if at least this many (below,
+# restoring costs more than it saves).
+MIN_PARTIAL_TOKENS = 8
+# Blocks remembered per parent for that match (most recent first); a chat
+# template's fixed opening is in every recent one.
+_CHILDREN_PER_PARENT = 32
+_MAX_PARENTS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +111,9 @@ class PrefixCache:
         self._root = root_key(identity)
         # request id -> {token position: non-KV state right after it}
         self._snapshots: dict[str, dict[int, kv_codec.Snapshot]] = {}
+        # parent key -> {child block key: its tokens}, for token-granular reuse.
+        # In memory only: blocks loaded from the SSD after a restart match whole.
+        self._children: OrderedDict[bytes, OrderedDict[bytes, tuple[int, ...]]] = OrderedDict()
         self._stats = PrefixStats()
         self._stats_lock = threading.Lock()
         hot.attach(identity, ssd)
@@ -120,7 +138,10 @@ class PrefixCache:
             payloads.append(payload)
             parent = key
         matched = len(payloads) * size
-        tail = self._find_tail(parent, prompt_ids[matched : min(limit, matched + size - 1)])
+        rest = prompt_ids[matched:limit]
+        tail = self._find_tail(parent, rest[: size - 1])
+        if tail is None and self.sliceable:
+            tail = self._find_partial(parent, rest)
         if tail is not None:
             payloads.append(tail)
         with self._stats_lock:
@@ -150,6 +171,39 @@ class PrefixCache:
                 if payload is not None and payload.num_tokens == length:
                     return payload
         return None
+
+    def _find_partial(self, parent: bytes, rest: Sequence[int]) -> BlockPayload | None:
+        """The first tokens of a stored block after ``parent`` that ``rest`` starts
+        with (the longest such run, at least MIN_PARTIAL_TOKENS), cut to them."""
+        children = self._children.get(parent)
+        if not children:
+            return None
+        best, best_len = None, MIN_PARTIAL_TOKENS - 1
+        for key, tokens in children.items():
+            n = _common_prefix(tokens, rest)
+            if n > best_len:
+                best, best_len = key, n
+        if best is None:
+            return None
+        payload = self._hot.get(self.identity, best.hex())
+        if payload is None:
+            del children[best]  # evicted since
+            return None
+        if best_len == payload.num_tokens:
+            return payload
+        return kv_codec.cut_payload(payload, best_len)
+
+    def _remember(self, parent: bytes, key: bytes, tokens: Sequence[int]) -> None:
+        if not self.sliceable:
+            return
+        children = self._children.setdefault(parent, OrderedDict())
+        self._children.move_to_end(parent)
+        children[key] = tuple(tokens)
+        children.move_to_end(key, last=False)
+        while len(children) > _CHILDREN_PER_PARENT:
+            children.popitem()
+        while len(self._children) > _MAX_PARENTS:
+            self._children.popitem(last=False)
 
     # -- store -------------------------------------------------------------
 
@@ -205,12 +259,16 @@ class PrefixCache:
             written = self._put(key, i * size, (i + 1) * size, layers, snaps, deadline)
             if written is None:
                 return stored
+            self._remember(parent, key, token_ids[i * size : (i + 1) * size])
             stored += written
             parent = key
         end = len(keys) * size
         if tail and num_tokens > end:
             key = chain_key(parent, token_ids[end:num_tokens])
-            stored += bool(self._put(key, end, num_tokens, layers, snaps, deadline))
+            written = self._put(key, end, num_tokens, layers, snaps, deadline)
+            if written is not None:
+                self._remember(parent, key, token_ids[end:num_tokens])
+            stored += bool(written)
         return stored
 
     def _put(
@@ -252,6 +310,16 @@ class PrefixCache:
     def close(self) -> None:
         """Detach from the hot tier (write-back flushes to the SSD) and close the store."""
         self._snapshots.clear()
+        self._children.clear()
         self._hot.detach(self.identity)
         if self._ssd is not None:
             self._ssd.close()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

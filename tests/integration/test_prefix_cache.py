@@ -234,3 +234,27 @@ def test_snapshots_do_not_pile_up_during_a_long_prefill(
         assert (warm, cached) == (cold, len(prompt) - 1)
 
     asyncio.run(main())
+
+
+def test_a_prompt_sharing_part_of_a_block_reuses_those_tokens(make_pool, models_dir: Path) -> None:
+    """Prompts that share a chat template's opening (shorter than a block) or part of
+    a block reuse exactly the shared tokens, with the same output as computed cold."""
+    cached_pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
+    plain_pool = make_pool(models_dir)
+
+    async def main() -> None:
+        engine = await cached_pool.get_engine("tiny-llama")
+        plain = await plain_pool.get_engine("tiny-llama")
+        first = encode(engine, CONVERSATION)
+        assert len(first) > 2 * BLOCK + 12
+        shared = 2 * BLOCK + 11  # two full blocks and 11 tokens of the tail
+        second = first[:shared] + encode(engine, " Which one is it?")
+        assert second[shared] != first[shared]
+        await generate(engine, first)
+        await settle(engine)
+        cold, cached = await generate(plain, second)
+        assert cached == 0
+        warm, cached = await generate(engine, second)
+        assert (warm, cached) == (cold, shared)
+
+    asyncio.run(main())

@@ -11,6 +11,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from omlx.cache import kv_codec
+from omlx.cache import prefix as prefix_module
 from omlx.cache.hot import HotTier
 from omlx.cache.prefix import PrefixCache
 
@@ -96,3 +97,39 @@ def test_blocks_past_the_last_snapshot_are_not_stored() -> None:
     hit = prefix.lookup(tokens, _layers())
     assert hit is not None and hit.num_tokens == 8
     assert hit.layers[1].offset == 8
+
+
+def test_a_prompt_sharing_part_of_a_stored_block_gets_those_tokens() -> None:
+    """Token-granular reuse: a stored block (full or partial) serves the run of its
+    first tokens that a new prompt repeats, cut to exactly that many."""
+    layers = [KVCache(), KVCache()]
+    prefix = PrefixCache("tiny@0", ("kv", "kv"), 16, HotTier(1 << 22, mode="hot-only"), None)
+    stored = list(range(100, 140))  # 2 full blocks and an 8-token tail
+    _feed(layers, len(stored))
+    assert prefix.store("a", stored, layers, len(stored), tail=True) == 3
+    keys = np.array(layers[0].keys[..., : len(stored), :])
+
+    # Shares the first block and 11 tokens of the second.
+    other = [*stored[:27], 7, 8, 9, 10]
+    hit = prefix.lookup(other, [KVCache(), KVCache()])
+    assert hit is not None and hit.num_tokens == 27
+    np.testing.assert_array_equal(np.array(hit.layers[0].keys[..., :27, :]), keys[..., :27, :])
+    assert hit.layers[0].offset == 27
+
+    # A shared run shorter than MIN_PARTIAL_TOKENS inside the first block is not worth it.
+    assert prefix.lookup([*stored[:5], 1, 2, 3, 4, 5], [KVCache(), KVCache()]) is None
+    # The run is capped by the prompt: its last token is never served.
+    hit = prefix.lookup(stored[:12], [KVCache(), KVCache()])
+    assert hit is not None and hit.num_tokens == 11
+
+
+def test_token_granular_reuse_is_off_for_unsliceable_layouts(monkeypatch) -> None:
+    monkeypatch.setattr(prefix_module, "MIN_PARTIAL_TOKENS", 1)
+    prefix = _prefix_cache()
+    layers = _layers()
+    _prefill(prefix, "a", layers, 9)
+    prefix.store("a", list(range(9)), layers, 8, tail=False)
+    # 6 of the 8 stored tokens shared: the first block whole, but not 2 tokens of
+    # the second (no snapshot there: the window at token 6 is unknown).
+    hit = prefix.lookup([*list(range(6)), 50, 51, 52], _layers())
+    assert hit is not None and hit.num_tokens == BLOCK
