@@ -53,7 +53,8 @@ def make_request_sampler(params: SamplingParams) -> Sampler:
     PRNG key so a seed reproduces the same tokens whatever else is in the batch."""
     if params.is_greedy:
         return greedy_sampler
-    key = mx.random.key(params.seed if params.seed is not None else secrets.randbits(63))
+    # Any integer seed (clients send -1 or 64-bit values): MLX takes a uint64.
+    key = mx.random.key(params.seed % 2**64 if params.seed is not None else secrets.randbits(63))
     filters: list[Callable[[mx.array], mx.array]] = []
     if 0.0 < params.top_p < 1.0:
         filters.append(lambda x: apply_top_p(x, params.top_p))

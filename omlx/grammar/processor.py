@@ -107,7 +107,8 @@ def temperature_draw(temperature: float, seed: int | None) -> Draw:
     """Draws from softmax(logits / temperature) with its own PRNG key (a seed
     reproduces the same draws whatever else is in the batch)."""
     # Another stream than the request's sampler (which starts at key(seed)).
-    key = mx.random.key(seed ^ _DRAW_STREAM if seed is not None else secrets.randbits(63))
+    seed = (seed ^ _DRAW_STREAM) % 2**64 if seed is not None else secrets.randbits(63)
+    key = mx.random.key(seed)
     inv_temp = 1.0 / temperature
 
     def draw(logits: mx.array) -> int:

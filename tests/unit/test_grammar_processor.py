@@ -150,3 +150,23 @@ def test_temperature_fast_path_samples_the_masked_distribution(
     observed = np.array([counts[t] for t in allowed.tolist()])
     chi2 = (((observed - trials * expected) ** 2) / (trials * expected)).sum()
     assert chi2 < 16.3, (observed, trials * expected)  # p = 0.001 at 3 degrees of freedom
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64 + 5, 0])
+def test_any_integer_seed_reproduces_its_tokens(seed: int) -> None:
+    """Clients send -1 or values past 64 bits; MLX keys take a uint64. Any integer
+    must sample (not fail the engine step) and reproduce itself."""
+    from omlx.engine.runner import make_request_sampler
+    from omlx.scheduler import SamplingParams
+
+    logprobs = mx.log(mx.softmax(mx.array(np.linspace(0.0, 3.0, 64, dtype=np.float32))[None]))
+    row = mx.array(np.linspace(0.0, 3.0, 64, dtype=np.float32))[None]
+
+    def run() -> tuple[list[int], list[int]]:
+        sample = make_request_sampler(SamplingParams(temperature=1.0, seed=seed))
+        draw = temperature_draw(1.0, seed)
+        return [int(sample(logprobs).item()) for _ in range(16)], [draw(row) for _ in range(16)]
+
+    first = run()
+    assert first == run()
+    assert len(set(first[0])) > 1  # really sampling
