@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from omlx.net import port_is_free  # the same test as `omlx serve`
+
 
 class PortUse(enum.Enum):
     FREE = "free"
@@ -19,18 +21,6 @@ class PortUse(enum.Enum):
 class PortProbe:
     use: PortUse
     version: str = ""
-
-
-def port_is_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        # Same test as `omlx serve`: TIME_WAIT leftovers do not count as taken.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -7,13 +7,13 @@ import contextlib
 import json
 import logging
 import logging.handlers
-import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 from omlx import __version__
 from omlx.errors import OmlxError, SettingsError
+from omlx.net import port_is_free
 from omlx.quant.console import add_quantize_parser
 from omlx.settings import Settings, load_settings, resolve_base_path, set_file_value
 
@@ -167,17 +167,6 @@ def setup_logging(settings: Settings) -> None:
     root.addHandler(file)
 
 
-def _port_in_use(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
 def _serve(settings: Settings) -> int:
     from omlx.api.auth import check_bind
 
@@ -187,7 +176,7 @@ def _serve(settings: Settings) -> int:
     except SettingsError as exc:
         print(f"omlx: {exc}", file=sys.stderr)
         return 2
-    if _port_in_use(host, port):
+    if not port_is_free(host, port):
         print(
             f"omlx: {host}:{port} is already in use (another server?); stop it or pass --port",
             file=sys.stderr,

@@ -76,6 +76,16 @@ class QuantTask:
     def active(self) -> bool:
         return self.phase not in FINISHED_PHASES
 
+    def cancel(self) -> bool:
+        """A queued task ends now; a running one is asked to stop (the runner ends
+        it). True when it is running: its process must be stopped."""
+        if self.phase == "queued":
+            self.phase, self.finished_s = "cancelled", time.monotonic()
+            return False
+        if self.active:
+            self.cancel_requested = True
+        return self.active
+
     def to_dict(self, now_s: float) -> dict[str, Any]:
         elapsed = 0.0
         if self.started_s is not None:
@@ -160,12 +170,8 @@ class TaskManager:
         output is gone. Cancelling a finished task changes nothing."""
         with self._lock:
             task = self._task(task_id)
-            if task.phase == "queued":
-                task.phase, task.finished_s = "cancelled", time.monotonic()
-            elif task.active:
-                task.cancel_requested = True
-                if self._proc is not None:
-                    self._proc.terminate()
+            if task.cancel() and self._proc is not None:
+                self._proc.terminate()
             self._changed.wait_for(lambda: not task.active, timeout=wait_s)
             return task.to_dict(time.monotonic())
 
@@ -184,10 +190,7 @@ class TaskManager:
         with self._lock:
             self._closed = True
             for task in self._tasks.values():
-                if task.phase == "queued":
-                    task.phase, task.finished_s = "cancelled", time.monotonic()
-                elif task.active:
-                    task.cancel_requested = True
+                task.cancel()
             if self._proc is not None:
                 self._proc.terminate()
             self._changed.notify_all()
