@@ -146,7 +146,9 @@ class ModelEngine:
     # ---- MLX thread --------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return self._scheduler.has_work
+        # The runner's own work too: the prefix-cache stores of finished requests
+        # run now, not at the start of the next request's prefill.
+        return self._scheduler.has_work or self._runner.has_work
 
     def _add(self, request: Request, stream: RequestStream) -> None:
         try:
