@@ -167,9 +167,15 @@ def restore(
         if _is_kv(layer):
             keys = [_from_bytes(*b[f"{i}.keys"]) for b in blocks]
             values = [_from_bytes(*b[f"{i}.values"]) for b in blocks]
-            layer.keys = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
-            layer.values = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
-            layer.offset = int(layer.keys.shape[2])
+            num = sum(int(k.shape[2]) for k in keys)
+            # Room for the next tokens, as the layer leaves itself after a prefill:
+            # without it the first forward after a hit reallocates and copies the
+            # whole restored context (~66 MB for 1,400 tokens of SmolLM2, ~20 ms on
+            # the CPU backend) straight onto the time to first token.
+            room = layer.step - num % layer.step
+            layer.keys = mx.concatenate([*keys, _zeros_like_room(keys[0], room)], axis=2)
+            layer.values = mx.concatenate([*values, _zeros_like_room(values[0], room)], axis=2)
+            layer.offset = num
         elif _is_arrays(layer):
             layer.cache = [
                 _from_bytes(*last[name]) if (name := f"{i}.state.{j}") in last else None
@@ -181,6 +187,11 @@ def restore(
             raise ValueError(f"layer {i}: {type(layer).__name__} cannot be restored")
     mx.eval([a for layer in layers for a in _arrays(layer)])
     return layers
+
+
+def _zeros_like_room(array: mx.array, room: int) -> mx.array:
+    batch, heads, _, dim = array.shape
+    return mx.zeros((batch, heads, room, dim), dtype=array.dtype)
 
 
 def _is_kv(layer: Any) -> bool:

@@ -19,13 +19,34 @@ from mlx_lm.models.cache import make_prompt_cache
 # Free MLX's buffer cache now and then, as generate_step does.
 _CLEAR_EVERY = 256
 
-# A rest of prompt up to this long (a new turn after a cache hit, a short prompt)
-# goes through one forward that also samples the first token, instead of a prefill
-# chunk and then a forward of the last token alone: that second forward costs a
-# whole decode step (~60 ms for SmolLM2 on the CPU backend; 20 new tokens after a
-# 1,400-token hit: ~290 -> ~245 ms). Longer rests keep the split: the one pass
-# computes logits at every position, which outgrows the saved step.
+# The last chunk of a prompt goes through one forward that also samples the first
+# token, instead of a prefill chunk and then a forward of the last token alone: that
+# second forward costs a whole decode step (~60-100 ms for SmolLM2 on the CPU
+# backend). For models whose output head can run on the last position alone
+# (_HEAD_AFTER_NORM) any last chunk qualifies; for others the one pass computes
+# logits at every position, which outgrows the saved step past ~32 tokens.
 _ONE_PASS_MAX = 32
+
+# mlx-lm architectures whose logits are exactly the inner model's (normed) hidden
+# states through the output head (their ``Model.__call__`` in mlx-lm 0.32.2).
+_HEAD_AFTER_NORM = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"})
+
+
+def output_head(model: Any) -> Callable[[mx.array], mx.array] | None:
+    """The model's output head when logits can be taken for chosen positions only."""
+    if type(model).__module__ not in _HEAD_AFTER_NORM:
+        return None
+    if model.args.tie_word_embeddings:
+        return model.model.embed_tokens.as_linear  # type: ignore[no-any-return]
+    return model.lm_head  # type: ignore[no-any-return]
+
+
+def last_logits(model: Any, tokens: mx.array, cache: list[Any]) -> mx.array:
+    """Logits (1, vocab) after feeding 1-D ``tokens`` into ``cache``."""
+    head = output_head(model) if tokens.size > 1 else None
+    if head is None:
+        return model(tokens[None], cache=cache)[:, -1, :]
+    return head(model.model(tokens[None], cache)[:, -1, :])
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +106,9 @@ class SoloSequence:
             mx.array(self._cached) if processors and self._cached else None
         )
         self._num_steps = 0
+        self._one_pass_max = min(
+            prefill_step_size, _ONE_PASS_MAX if output_head(model) is None else prefill_step_size
+        )
 
     @property
     def cache(self) -> list[Any]:
@@ -139,7 +163,7 @@ class SoloSequence:
         """Whether the next step feeds the whole rest of the prompt and samples.
         Not with a boundary hook: its snapshot is taken before the last token."""
         n = len(self._prompt)
-        return n <= 1 or (self._on_boundary is None and n <= min(_ONE_PASS_MAX, self._step_size))
+        return n <= 1 or (self._on_boundary is None and n <= self._one_pass_max)
 
     def next_prefill_tokens(self) -> int:
         """Prompt tokens the next step will prefill (0 once decoding)."""
@@ -173,7 +197,7 @@ class SoloSequence:
 
     def _forward(self, fed: mx.array) -> mx.array:
         """Feed 1-D ``fed`` and sample the next token (lazily)."""
-        logits = self._model(fed[None], cache=self._cache)[:, -1, :]
+        logits = last_logits(self._model, fed, self._cache)
         self._remember(fed)
         for processor in self._processors:
             logits = processor(self._context, logits)

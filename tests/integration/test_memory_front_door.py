@@ -36,6 +36,15 @@ def test_a_prompt_that_can_never_fit_is_refused_before_any_forward_pass(make_poo
         assert "prefill_step_size" in err.message  # the attention transient dominates
         # Nothing reached the engine: no request in flight, none finished.
         assert engine.num_in_flight == 0 and not engine.finish_counts and not engine.has_work
+        # The engine still serves a prompt that fits. Its forward gate reads the process
+        # as it is now, and earlier tests in this pytest process move its RSS by more
+        # than the 8 MiB above the load-time baseline: give the small prompt its 8 MiB
+        # above the current reading (the refusal above used the baseline, as it must).
+        now = engine.probe.reading(fresh=True).resident_bytes
+        roomy = max(ceiling, now + guard.limits.transient_margin_bytes + 8 * 2**20)
+        guard.publish(
+            dataclasses.replace(guard.limits, hard_bytes=roomy, soft_bytes=int(roomy * 0.85))
+        )
         small = RequestStream("small", asyncio.get_running_loop())
         engine.submit(Request("small", (10, 11, 12), SamplingParams(0.0, max_tokens=3)), small)
         while not (event := await small.get()).finished:

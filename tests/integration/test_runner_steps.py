@@ -13,10 +13,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
 from omlx.engine.runner import BatchRunner, make_request_sampler
+from omlx.engine.solo import last_logits, output_head
 from omlx.engine.stream import RequestStream
 from omlx.scheduler import Request, SamplingParams
+from tests.fixtures.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,7 @@ def test_batched_requests_get_their_first_token_at_the_end_of_the_step_that_samp
     # previous step's (mlx-lm's pipelining): the first token leaves right after the
     # step that samples it, and no token is handed out twice.
     assert mx.default_device() == mx.cpu
-    runner = make_runner(llama, 64)
+    runner = make_runner(llama, 128)  # one prefill step holds all three prompts
     prompts = {"a": list(range(3, 40)), "b": list(range(50, 71)), "c": list(range(90, 100))}
     runner.add([request(rid, p) for rid, p in prompts.items()])
     steps = run(runner, 8)
@@ -68,6 +71,35 @@ def test_batched_requests_get_their_first_token_at_the_end_of_the_step_that_samp
     for rid, prompt in prompts.items():
         got = [tok for s in steps for tok in s.get(rid, [])]
         assert got == reference(llama, prompt, 7)  # in order, none repeated or lost
+    runner.close()
+
+
+def test_a_burst_starts_group_by_group_within_one_prefill_step(llama) -> None:
+    # 7 prompts of 20 tokens, a 64-token prefill step: groups of 3, 3 and 1 start in
+    # arrival order, each once the previous one has its first tokens, so the first
+    # group's first tokens do not wait for the whole burst's prefill.
+    runner = make_runner(llama, 64)
+    prompts = {f"r{i}": list(range(10 + 30 * i, 30 + 30 * i)) for i in range(7)}
+    runner.add([request(rid, p, n=12) for rid, p in prompts.items()])
+    steps = run(runner, 20)
+    first = {rid: next(i for i, s in enumerate(steps) if rid in s) for rid in prompts}
+    assert [first[f"r{i}"] for i in range(7)] == [1, 1, 1, 3, 3, 3, 5]
+    for rid, prompt in prompts.items():
+        got = [tok for s in steps for tok in s.get(rid, [])]
+        assert got[:11] == reference(llama, prompt, 11)
+    runner.close()
+
+
+def test_removing_a_waiting_request_drops_it_before_it_starts(llama) -> None:
+    runner = make_runner(llama, 32)
+    prompts = {f"r{i}": list(range(10 + 30 * i, 30 + 30 * i)) for i in range(3)}
+    runner.add([request(rid, p) for rid, p in prompts.items()])
+    runner.remove(["r2"])  # still waiting: r0 and r1 fill the 32-token step
+    steps = run(runner, 8)
+    assert all("r2" not in s for s in steps)
+    assert [tok for s in steps for tok in s.get("r1", [])][:4] == reference(llama, prompts["r1"], 4)
+    runner.remove(["r0", "r1"])
+    assert not runner.has_work
     runner.close()
 
 
@@ -98,14 +130,46 @@ def test_a_short_prompt_gets_its_first_token_from_one_forward(llama, length: int
     runner.close()
 
 
-def test_a_longer_prompt_prefills_first_and_gives_the_same_tokens(llama) -> None:
-    runner = make_runner(llama, 512)
-    prompt = list(range(7, 7 + 120))
+def test_a_long_prompt_samples_in_its_last_chunk(llama) -> None:
+    # llama's head runs on the last position alone, so the last chunk (here 22 tokens
+    # after two 64-token chunks) is one forward that samples.
+    runner = make_runner(llama, 64)
+    prompt = list(range(7, 7 + 150))
     runner.add([request("solo", prompt)])
-    steps = run(runner, 6)
-    assert steps[0] == {}  # 119 tokens of prefill, then the last token samples
-    assert [s["solo"][0] for s in steps[1:]] == reference(llama, prompt, 5)
+    steps = run(runner, 7)
+    assert steps[:2] == [{}, {}]
+    assert [s["solo"][0] for s in steps[2:]] == reference(llama, prompt, 5)
     runner.close()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_logits_of_the_last_position_alone_equal_the_full_forward(
+    tiny_models_dir: Path, name: str
+) -> None:
+    model, _ = load(str(tiny_models_dir / name))
+    assert output_head(model) is not None
+    tokens = mx.array(list(range(3, 60)))
+    full = model(tokens[None], cache=make_prompt_cache(model))[:, -1, :]
+    last = last_logits(model, tokens, make_prompt_cache(model))
+    assert last.shape == full.shape
+    assert mx.allclose(last, full, atol=1e-4).item()
+
+
+def test_a_model_without_a_separable_head_keeps_short_one_passes_only(tmp_path: Path) -> None:
+    # gemma3 scales and post-processes after its final norm: logits come from the full
+    # forward, so only a short rest (<= 32 tokens) samples in its one forward.
+    build_tiny_model(tmp_path / "g", "gemma3_text", seed=4)
+    model, _ = load(str(tmp_path / "g"))
+    assert output_head(model) is None
+    for length, first_token_step in ((20, 0), (40, 1)):
+        runner = make_runner(model, 512)
+        prompt = list(range(7, 7 + length))
+        runner.add([request("solo", prompt)])
+        steps = run(runner, 4)
+        assert all(not s for s in steps[:first_token_step])
+        got = [s["solo"][0] for s in steps[first_token_step:]]
+        assert got == reference(model, prompt, len(got))
+        runner.close()
 
 
 def test_filtered_samplers_work_on_raw_logits() -> None:

@@ -76,7 +76,7 @@ def test_a_hit_restores_the_window_of_its_last_block() -> None:
     hit = prefix.lookup(tokens, _layers())
     assert hit is not None and hit.num_tokens == 19
     _assert_window(hit.layers[1], held[19])
-    np.testing.assert_array_equal(np.array(hit.layers[0].keys), kv_keys)
+    np.testing.assert_array_equal(np.array(hit.layers[0].keys_and_values()[0]), kv_keys)
 
     # Another prompt sharing 3 blocks gets the window as it was at token 12.
     hit = prefix.lookup([*tokens[:13], 7, 7, 7, 7], _layers())
