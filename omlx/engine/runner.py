@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences
+from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import (
     apply_min_p,
@@ -52,7 +52,7 @@ def make_request_sampler(params: SamplingParams) -> Sampler:
     """Greedy requests share one sampler (one batched argmax); others get their own
     PRNG key so a seed reproduces the same tokens whatever else is in the batch.
 
-    Samplers take raw logits: the decode step computes no log-softmax (omlx returns
+    Samplers may get raw logits (the solo step computes no log-softmax: omlx returns
     no logprobs, and argmax and categorical do not need one); the nucleus, min-p and
     top-k filters normalise first (top-p exponentiates, which overflows on raw logits)."""
     if params.is_greedy:
@@ -101,46 +101,6 @@ def grammar_draw(params: SamplingParams) -> Draw | None:
     return None
 
 
-class _Decode(GenerationBatch):
-    """mlx-lm's batched decode step without the log-softmax over the vocabulary
-    (``make_request_sampler`` takes raw logits; omlx returns no logprobs). On the
-    CPU backend that is a 49k-wide exp per sequence and step: ~5 ms of a ~90 ms
-    step at 8 streams of SmolLM2. New sequences join through ``extend`` (their first
-    step runs in mlx-lm's own ``__init__``); every later step runs here."""
-
-    def _step(self) -> tuple[list[int], list[Any]]:
-        self._current_tokens = self._next_tokens
-        self._current_logprobs = self._next_logprobs
-        inputs = self._current_tokens
-        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
-        token_context = []
-        if any(self.logits_processors):
-            rows = []
-            for e in range(len(self.uids)):
-                row = logits[e : e + 1]
-                if processors := self.logits_processors[e]:
-                    context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
-                    token_context.append(context)
-                    for processor in processors:
-                        row = processor(context, row)
-                rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
-        given = self.samplers or [None] * len(self.uids)
-        samplers = [self.fallback_sampler if s is None else s for s in given]
-        if all(s is samplers[0] for s in samplers):
-            sampled = samplers[0](logits)
-        else:
-            sampled = mx.concatenate([s(logits[e : e + 1]) for e, s in enumerate(samplers)], axis=0)
-        self._next_tokens = sampled
-        self._next_logprobs = [None] * len(self.uids)
-        mx.async_eval(sampled, token_context)
-        mx.eval(inputs)
-        tokens = inputs.tolist()
-        for held, token in zip(self.tokens, tokens, strict=True):
-            held.append(token)
-        return tokens, self._current_logprobs
-
-
 class BatchRunner:
     """``prefix_cache``: look prompts up before prefill; store a request's blocks
     once its prompt is in the cache and again when it leaves."""
@@ -163,14 +123,7 @@ class BatchRunner:
             stream=stream,
         )
         self._prefill_step_size = prefill_step_size
-        self._gen = self._generator()
-        # On the CPU backend ``async_eval`` of a forward returns only when it is nearly
-        # done (MLX keeps at most a few tasks in flight), so mlx-lm's pipelining (hand
-        # out the tokens of the previous step while this one computes) only delays
-        # every token by a step, the first one included. There the tokens sampled by
-        # a step go out at its end ("early"); the next step's copy is skipped.
-        self._early_tokens = stream.device == mx.cpu
-        self._early: dict[int, int] = {}
+        self._gen = BatchGenerator(model, **self._options)
         self._uid_to_rid: dict[int, str] = {}
         self._rid_to_uid: dict[str, int] = {}
         # A lone request runs unbatched (see solo.py); None while batching.
@@ -192,11 +145,6 @@ class BatchRunner:
         # Cache stores run at the start of the next step, after the events of
         # this one went out (never on a request's time to first token).
         self._deferred: list[Callable[[], None]] = []
-
-    def _generator(self) -> BatchGenerator:
-        gen = BatchGenerator(self._model, **self._options)
-        gen._generation_batch = _Decode.empty(self._model, gen.sampler)
-        return gen
 
     @property
     def has_work(self) -> bool:
@@ -311,7 +259,8 @@ class BatchRunner:
         then gets first tokens group by group instead of all after the whole burst's
         prefill, and no group's first token waits behind the next group's prefill
         (BatchGenerator samples a prompt's first token in the call after its last
-        chunk, together with whatever else prefills then)."""
+        chunk, together with whatever else prefills then, and hands it out in the
+        call after that)."""
         if not self._waiting or self._prefilling:
             return
         step = self._prefill_step_size
@@ -369,7 +318,6 @@ class BatchRunner:
         gone = {self._rid_to_uid.pop(rid): rid for rid in request_ids if rid in self._rid_to_uid}
         for uid in gone:
             del self._uid_to_rid[uid]
-            self._early.pop(uid, None)
         if gone:
             caches = self._gen.remove(list(gone), return_prompt_caches=self._prefix is not None)
             for uid, (layers, _) in caches.items():
@@ -420,38 +368,20 @@ class BatchRunner:
             if token is not None:
                 outputs.append(TokenOutput(self._solo.request_id, token))
         self._step_side()
-        # (A side sequence joining the batch never carries an unsampled token today;
-        # if one did, it must go out before the batch's next tokens.)
-        outputs.extend(self._unreported)
-        self._unreported = []
         if self._uid_to_rid:
             for left in self._prefilling.values():
                 left[0] -= min(self._prefill_step_size, left[0])
             _, generated = self._gen.next()
-            for r in generated:
-                rid = self._uid_to_rid.get(r.uid)
-                if rid is not None and self._early.pop(r.uid, None) is None:
-                    outputs.append(TokenOutput(rid, r.token))
-            if self._early_tokens:
-                outputs.extend(self._take_early())
+            outputs.extend(
+                TokenOutput(self._uid_to_rid[r.uid], r.token)
+                for r in generated
+                if r.uid in self._uid_to_rid
+            )
         for out in outputs:
             self._prefilling.pop(out.request_id, None)
         if self._prefix is not None:
             self._note_tokens(outputs)
         self._insert_waiting()  # their prefill starts with the next step
-        return outputs
-
-    def _take_early(self) -> list[TokenOutput]:
-        """The tokens this step sampled (computed by now on the CPU backend)."""
-        batch = self._gen._generation_batch
-        if not batch.uids or batch._next_tokens is None:
-            return []
-        outputs = []
-        for uid, token in zip(batch.uids, batch._next_tokens.tolist(), strict=True):
-            rid = self._uid_to_rid.get(uid)
-            if rid is not None and uid not in self._early:
-                self._early[uid] = token
-                outputs.append(TokenOutput(rid, token))
         return outputs
 
     def _step_side(self) -> None:
@@ -508,8 +438,7 @@ class BatchRunner:
         self._waiting.clear()
         self._deferred.clear()
         self._gen.close()
-        self._gen = self._generator()
-        self._early.clear()
+        self._gen = BatchGenerator(self._model, **self._options)
         self._uid_to_rid.clear()
         self._rid_to_uid.clear()
         self._solo = self._solo_request = None
