@@ -140,8 +140,6 @@ class BatchRunner:
         self._prompt_len: dict[str, int] = {}
         # Batched requests still in prefill: [prompt tokens left, whole prompt].
         self._prefilling: dict[str, list[int]] = {}
-        # Batched requests waiting to start their prefill (see _insert_waiting).
-        self._waiting: dict[str, tuple[Request, CacheHit | None]] = {}
         # Cache stores run at the start of the next step, after the events of
         # this one went out (never on a request's time to first token).
         self._deferred: list[Callable[[], None]] = []
@@ -149,12 +147,7 @@ class BatchRunner:
     @property
     def has_work(self) -> bool:
         return bool(
-            self._uid_to_rid
-            or self._solo
-            or self._side
-            or self._waiting
-            or self._unreported
-            or self._deferred
+            self._uid_to_rid or self._solo or self._side or self._unreported or self._deferred
         )
 
     def add(self, requests: Iterable[Request]) -> dict[str, int]:
@@ -167,11 +160,7 @@ class BatchRunner:
             for r in requests:
                 self._tokens[r.request_id] = list(r.prompt_ids)
                 self._prompt_len[r.request_id] = len(r.prompt_ids)
-        if (
-            len(requests) == 1
-            and self._solo is None
-            and not (self._uid_to_rid or self._side or self._waiting)
-        ):
+        if len(requests) == 1 and self._solo is None and not self._uid_to_rid and not self._side:
             first = requests[0]
             self._solo = self._sequence(first, hits[first.request_id])
             self._solo_request = first
@@ -183,8 +172,7 @@ class BatchRunner:
         else:
             if self._solo is not None:
                 self._solo_to_batch()
-            self._waiting.update((r.request_id, (r, hits[r.request_id])) for r in requests)
-            self._insert_waiting()
+            self._insert(requests, [hits[r.request_id] for r in requests])
         return {rid: hit.num_tokens for rid, hit in hits.items() if hit is not None}
 
     def _lookup(self, request: Request) -> CacheHit | None:
@@ -252,28 +240,6 @@ class BatchRunner:
         )
         self._track(uids, [request])
 
-    def _insert_waiting(self) -> None:
-        """Start the next group of waiting requests once every batched request has
-        its first token: in arrival order, while their prompt tokens fit one prefill
-        step (``prefill_step_size``; one request at least). A burst of short prompts
-        then gets first tokens group by group instead of all after the whole burst's
-        prefill, and no group's first token waits behind the next group's prefill
-        (BatchGenerator samples a prompt's first token in the call after its last
-        chunk, together with whatever else prefills then, and hands it out in the
-        call after that)."""
-        if not self._waiting or self._prefilling:
-            return
-        step = self._prefill_step_size
-        budget, chosen = step, []
-        for rid, (request, hit) in self._waiting.items():
-            need = min(request.num_prompt_tokens - (hit.num_tokens if hit else 0), step)
-            if chosen and need > budget:
-                break
-            chosen.append(rid)
-            budget -= need
-        starting = [self._waiting.pop(rid) for rid in chosen]
-        self._insert([r for r, _ in starting], [hit for _, hit in starting])
-
     def _insert(self, requests: list[Request], hits: list[CacheHit | None]) -> None:
         segments, caches, contexts = [], [], []
         for request, hit in zip(requests, hits, strict=True):
@@ -309,8 +275,6 @@ class BatchRunner:
             solo = self._solo
             self._solo = self._solo_request = None
             leaving[solo.request_id] = (solo.cache, solo.num_cached)
-        for rid in request_ids & self._waiting.keys():
-            del self._waiting[rid]  # not started: nothing computed to store
         for rid in request_ids & self._side.keys():
             side, _ = self._side.pop(rid)
             leaving[rid] = (side.cache, side.num_cached)
@@ -328,7 +292,6 @@ class BatchRunner:
             self._prompt_len.pop(rid, None)
             if self._prefix is not None:
                 self._deferred.append(partial(self._store_and_forget, rid, tokens, held))
-        self._insert_waiting()
 
     def _store_and_forget(
         self, request_id: str, tokens: list[int] | None, held: tuple[list[Any], int] | None
@@ -381,7 +344,6 @@ class BatchRunner:
             self._prefilling.pop(out.request_id, None)
         if self._prefix is not None:
             self._note_tokens(outputs)
-        self._insert_waiting()  # their prefill starts with the next step
         return outputs
 
     def _step_side(self) -> None:
@@ -435,7 +397,6 @@ class BatchRunner:
         self._tokens.clear()
         self._prompt_len.clear()
         self._prefilling.clear()
-        self._waiting.clear()
         self._deferred.clear()
         self._gen.close()
         self._gen = BatchGenerator(self._model, **self._options)

@@ -70,38 +70,6 @@ def test_batched_requests_hand_out_every_token_once_in_order(llama) -> None:
     runner.close()
 
 
-def test_a_burst_starts_group_by_group_within_one_prefill_step(llama) -> None:
-    # 7 prompts of 20 tokens, a 64-token prefill step: groups of 3, 3 and 1 start in
-    # arrival order, each once the previous one has its first tokens (3 steps each:
-    # prefill, first-token forward, hand-out), so the first group's first tokens do
-    # not wait for the whole burst's prefill.
-    runner = make_runner(llama, 64)
-    prompts = {f"r{i}": list(range(10 + 30 * i, 30 + 30 * i)) for i in range(7)}
-    runner.add([request(rid, p, n=12) for rid, p in prompts.items()])
-    steps = run(runner, 20)
-    first = {rid: next(i for i, s in enumerate(steps) if rid in s) for rid in prompts}
-    assert [first[f"r{i}"] for i in range(7)] == [2, 2, 2, 5, 5, 5, 8]
-    for rid, prompt in prompts.items():
-        got = [tok for s in steps for tok in s.get(rid, [])]
-        assert got[:11] == reference(llama, prompt, 11)
-    runner.close()
-
-
-def test_removing_a_waiting_request_drops_it_before_it_starts(llama) -> None:
-    runner = make_runner(llama, 32)
-    prompts = {f"r{i}": list(range(10 + 30 * i, 30 + 30 * i)) for i in range(3)}
-    runner.add([request(rid, p) for rid, p in prompts.items()])
-    runner.remove(["r2"])  # r0 fills the 32-token step; r1 and r2 wait
-    steps = run(runner, 8)
-    assert all("r2" not in s for s in steps)
-    for rid in ("r0", "r1"):
-        got = [tok for s in steps for tok in s.get(rid, [])]
-        assert got and got == reference(llama, prompts[rid], len(got))
-    runner.remove(["r0", "r1"])
-    assert not runner.has_work
-    runner.close()
-
-
 def test_a_request_removed_mid_decode_leaves_the_others_unchanged(llama) -> None:
     runner = make_runner(llama, 64)
     runner.add([request("a", list(range(3, 30))), request("b", list(range(40, 60)))])
