@@ -106,8 +106,8 @@ class SoloSequence:
             mx.array(self._cached) if processors and self._cached else None
         )
         self._num_steps = 0
-        self._one_pass_max = min(
-            prefill_step_size, _ONE_PASS_MAX if output_head(model) is None else prefill_step_size
+        self._one_pass_max = (
+            prefill_step_size if output_head(model) else min(_ONE_PASS_MAX, prefill_step_size)
         )
 
     @property

@@ -140,7 +140,7 @@ def test_a_model_without_a_separable_head_keeps_short_one_passes_only(tmp_path: 
 
 
 def test_filtered_samplers_work_on_raw_logits() -> None:
-    # The decode step hands samplers raw logits (no log-softmax); top-p exponentiates,
+    # The solo step hands samplers raw logits (no log-softmax); top-p exponentiates,
     # so without its own normalisation large logits overflow and the nucleus is lost.
     logits = mx.random.normal((1, 500), key=mx.random.key(0))
     params = SamplingParams(temperature=0.7, top_p=0.5, min_p=0.02, top_k=40, seed=11)
