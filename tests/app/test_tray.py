@@ -20,7 +20,7 @@ import pytest
 
 from app.ports import free_port
 from tests.app.conftest import ARTIFACTS, wait_for
-from tests.app.xvfb import num_colors, screenshot, xvfb_display
+from tests.app.xvfb import painted_colors, xvfb_display
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBIAN_GI = Path("/usr/lib/python3/dist-packages/gi")
@@ -144,8 +144,7 @@ def test_tray_menu_starts_server_opens_admin_and_stops(tmp_path, tiny_models_dir
             _choose(display, icon, 3)  # running: Stop, Restart, Open Admin
             wait_for(lambda: _children_with(app, "--omlx-window"), 30, "the admin window")
             wait_for(lambda: _visible_window(display, "omlx"), 60, "the admin window to map")
-            time.sleep(4)  # let the page paint before the picture
-            assert num_colors(screenshot(display, ARTIFACTS / "tray-and-admin.png")) > 50
+            assert painted_colors(display, ARTIFACTS / "tray-and-admin.png") > 50
 
             _choose(display, icon, 1)  # running: Stop Server
             wait_for(lambda: _health(port) is None, 30, "the server stopped from the menu")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +47,20 @@ def screenshot(display: str, path: Path) -> Image.Image:
         ["import", "-display", display, "-window", "root", str(path)], check=True, timeout=30
     )
     return Image.open(path)
+
+
+def painted_colors(display: str, path: Path, timeout_s: float = 30.0, wanted: int = 50) -> int:
+    """Screenshots until the screen shows more than `wanted` colours or the time is up.
+
+    A window maps (and its page fires `load`) before the web view paints its first frame;
+    one screenshot taken in between shows a blank window. Returns the last count.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        count = num_colors(screenshot(display, path))
+        if count > wanted or time.monotonic() > deadline:
+            return count
+        time.sleep(0.5)
 
 
 def num_colors(image: Image.Image) -> int:
