@@ -153,13 +153,19 @@ def cut_payload(payload: BlockPayload, num_tokens: int) -> BlockPayload:
 
 
 def restore(
-    template: Sequence[Any], blocks: Sequence[Tensors], num_tokens: int | None = None
+    template: Sequence[Any],
+    blocks: Sequence[Tensors],
+    num_tokens: int | None = None,
+    *,
+    room: bool = True,
 ) -> list[Any]:
     """A fresh prompt cache holding ``blocks`` back to back.
 
     ``template`` is a new ``make_prompt_cache(model)``; it is filled in place.
     With ``num_tokens`` (the blocks' total), a window whose offset says
-    otherwise raises ValueError instead of being served.
+    otherwise raises ValueError instead of being served. ``room``: KV layers get
+    room for the next tokens (for a cache fed as it is; a cache merged into a
+    batch is copied anyway, and the zeros would only cost time).
     """
     layers = list(template)
     last = blocks[-1]
@@ -172,9 +178,12 @@ def restore(
             # without it the first forward after a hit reallocates and copies the
             # whole restored context (~66 MB for 1,400 tokens of SmolLM2, ~20 ms on
             # the CPU backend) straight onto the time to first token.
-            room = layer.step - num % layer.step
-            layer.keys = mx.concatenate([*keys, _zeros_like_room(keys[0], room)], axis=2)
-            layer.values = mx.concatenate([*values, _zeros_like_room(values[0], room)], axis=2)
+            if room:
+                extra = layer.step - num % layer.step
+                keys.append(_zeros_like_room(keys[0], extra))
+                values.append(_zeros_like_room(values[0], extra))
+            layer.keys = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2)
+            layer.values = values[0] if len(values) == 1 else mx.concatenate(values, axis=2)
             layer.offset = num
         elif _is_arrays(layer):
             layer.cache = [

@@ -124,9 +124,11 @@ class PrefixCache:
 
     # -- lookup ------------------------------------------------------------
 
-    def lookup(self, prompt_ids: Sequence[int], template: list[Any]) -> CacheHit | None:
+    def lookup(
+        self, prompt_ids: Sequence[int], template: list[Any], *, room: bool = True
+    ) -> CacheHit | None:
         """The longest cached prefix of ``prompt_ids[:-1]``, restored into ``template``
-        (a new prompt cache), or None on a miss."""
+        (a new prompt cache), or None on a miss. ``room``: see ``kv_codec.restore``."""
         limit = len(prompt_ids) - 1
         size = self.block_size
         payloads: list[BlockPayload] = []
@@ -151,7 +153,9 @@ class PrefixCache:
                 return None
         num_tokens = sum(p.num_tokens for p in payloads)
         try:
-            layers = kv_codec.restore(template, [p.tensors for p in payloads], num_tokens)
+            layers = kv_codec.restore(
+                template, [p.tensors for p in payloads], num_tokens, room=room
+            )
         except (KeyError, ValueError) as exc:  # a block that does not fit this model
             log.warning("prefix cache: cannot restore %d blocks: %s", len(payloads), exc)
             with self._stats_lock:

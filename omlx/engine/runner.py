@@ -1,4 +1,5 @@
-"""The batched forward step: continuous batching on mlx-lm's BatchGenerator.
+"""The forward step: continuous batching over a lone sequence (solo.py), a
+batched prefill and a batched decode (batch.py).
 
 MLX thread only. The runner knows nothing about finish reasons: the scheduler
 decides those and the engine removes finished requests.
@@ -8,13 +9,12 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import (
     apply_min_p,
@@ -23,8 +23,10 @@ from mlx_lm.sample_utils import (
     greedy_sampler,
     make_logits_processors,
 )
+from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from omlx.cache.prefix import CacheHit, PrefixCache
+from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
 from omlx.engine.solo import SoloSequence
 from omlx.grammar.processor import Draw, greedy_draw, temperature_draw
 from omlx.scheduler import Request, SamplingParams, TokenOutput
@@ -32,10 +34,6 @@ from omlx.scheduler import Request, SamplingParams, TokenOutput
 log = logging.getLogger(__name__)
 
 Sampler = Callable[[mx.array], mx.array]
-
-# BatchGenerator requires a positive per-request limit; ours (the scheduler's)
-# always fires first or at the same step.
-_NO_STOPS = StopSequences()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +101,12 @@ def grammar_draw(params: SamplingParams) -> Draw | None:
 
 class BatchRunner:
     """``prefix_cache``: look prompts up before prefill; store a request's blocks
-    once its prompt is in the cache and again when it leaves."""
+    once its prompt is in the cache and again when it leaves.
+
+    A lone request runs as a ``SoloSequence``. Once several run, new prompts
+    prefill together (``PrefillBatch``) and every sequence past its prompt
+    decodes in one ``DecodeBatch``; a solo sequence moves over with its cache.
+    """
 
     def __init__(
         self,
@@ -113,19 +116,18 @@ class BatchRunner:
         prefill_step_size: int,
         stream: mx.Stream,
         prefix_cache: PrefixCache | None = None,
+        pipelined: bool | None = None,
     ):
         self._model = model
         self._prefix = prefix_cache
-        self._options = dict(
-            completion_batch_size=max_batch_size,
-            prefill_batch_size=max_batch_size,
-            prefill_step_size=prefill_step_size,
-            stream=stream,
-        )
+        self._max_batch_size = max_batch_size  # the scheduler admits at most this many
         self._prefill_step_size = prefill_step_size
-        self._gen = BatchGenerator(model, **self._options)
-        self._uid_to_rid: dict[int, str] = {}
-        self._rid_to_uid: dict[str, int] = {}
+        self._stream = stream
+        self._pipelined = pipelined
+        self._prefill = PrefillBatch(model, prefill_step_size)
+        self._decode = DecodeBatch(model, pipelined=pipelined)
+        # On a Mac, keep the weights wired as mlx-lm's generators do (None elsewhere).
+        self._old_wired_limit = maybe_set_recommended_wired_limit()
         # A lone request runs unbatched (see solo.py); None while batching.
         self._solo: SoloSequence | None = None
         self._solo_request: Request | None = None
@@ -138,8 +140,6 @@ class BatchRunner:
         # Prompt + produced tokens of each request (what its cache holds), for storing.
         self._tokens: dict[str, list[int]] = {}
         self._prompt_len: dict[str, int] = {}
-        # Batched requests still in prefill: [prompt tokens left, whole prompt].
-        self._prefilling: dict[str, list[int]] = {}
         # Cache stores run at the start of the next step, after the events of
         # this one went out (never on a request's time to first token).
         self._deferred: list[Callable[[], None]] = []
@@ -147,7 +147,12 @@ class BatchRunner:
     @property
     def has_work(self) -> bool:
         return bool(
-            self._uid_to_rid or self._solo or self._side or self._unreported or self._deferred
+            self._decode
+            or self._prefill
+            or self._solo
+            or self._side
+            or self._unreported
+            or self._deferred
         )
 
     def add(self, requests: Iterable[Request]) -> dict[str, int]:
@@ -155,12 +160,17 @@ class BatchRunner:
         requests = list(requests)
         if not requests:
             return {}
-        hits = {r.request_id: self._lookup(r) for r in requests}
+        batched = self._decode or self._prefill or self._side
+        solo = len(requests) == 1 and self._solo is None and not batched
+        # A solo or side sequence feeds its restored cache as it is (room saves a
+        # copy); a batched one is merged into the batch's cache (a copy anyway).
+        room = solo or (self._prefix is not None and self._prefix.needs_snapshots)
+        hits = {r.request_id: self._lookup(r, room) for r in requests}
         if self._prefix is not None:
             for r in requests:
                 self._tokens[r.request_id] = list(r.prompt_ids)
                 self._prompt_len[r.request_id] = len(r.prompt_ids)
-        if len(requests) == 1 and self._solo is None and not self._uid_to_rid and not self._side:
+        if solo:
             first = requests[0]
             self._solo = self._sequence(first, hits[first.request_id])
             self._solo_request = first
@@ -172,13 +182,35 @@ class BatchRunner:
         else:
             if self._solo is not None:
                 self._solo_to_batch()
-            self._insert(requests, [hits[r.request_id] for r in requests])
+            with mx.stream(self._stream):
+                for r in requests:
+                    hit = hits[r.request_id]
+                    done = hit.num_tokens if hit is not None else 0
+                    cache = hit.layers if hit is not None else make_prompt_cache(self._model)
+                    row = Row.make(
+                        r.request_id,
+                        make_request_sampler(r.sampling),
+                        make_request_processors(r),
+                        r.prompt_ids[:done],
+                    )
+                    self._start_batched(row, cache, done, r.prompt_ids[done:])
         return {rid: hit.num_tokens for rid, hit in hits.items() if hit is not None}
 
-    def _lookup(self, request: Request) -> CacheHit | None:
+    def _start_batched(
+        self, row: Row, cache: list[Any], num_cached: int, rest: Sequence[int]
+    ) -> None:
+        """Prefill ``rest`` after ``cache`` with the other new prompts; a single
+        token left goes straight to the decode step, which samples from it."""
+        if len(rest) > 1:
+            self._prefill.add(row, cache, num_cached, rest)
+        else:
+            self._decode.join([row], list(rest), merge_caches([cache]))
+
+    def _lookup(self, request: Request, room: bool) -> CacheHit | None:
         if self._prefix is None:
             return None
-        return self._prefix.lookup(request.prompt_ids, make_prompt_cache(self._model))
+        template = make_prompt_cache(self._model)
+        return self._prefix.lookup(request.prompt_ids, template, room=room)
 
     def _sequence(self, request: Request, hit: CacheHit | None) -> SoloSequence:
         """An unbatched sequence for ``request`` (snapshots at block boundaries
@@ -221,51 +253,19 @@ class BatchRunner:
 
     def _solo_to_batch(self) -> None:
         assert self._solo is not None and self._solo_request is not None
-        solo, request = self._solo, self._solo_request
+        solo = self._solo
         self._solo = self._solo_request = None
-        self._join_batch(solo, request)
+        self._join(solo)
 
-    def _join_batch(self, sequence: SoloSequence, request: Request) -> None:
+    def _join(self, sequence: SoloSequence) -> None:
+        """A solo or side sequence continues batched, with its cache."""
         state = sequence.handoff()
-        if state.unreported is not None:
-            self._unreported.append(TokenOutput(request.request_id, state.unreported))
-        uids = self._gen.insert_segments(
-            [[state.feed]],
-            max_tokens=[request.sampling.max_tokens],
-            caches=[state.cache] if state.cached_tokens else None,
-            all_tokens=[state.cached_tokens],
-            samplers=[state.sampler],
-            logits_processors=[state.processors],
-            stop_sequences=[_NO_STOPS],
-        )
-        self._track(uids, [request])
-
-    def _insert(self, requests: list[Request], hits: list[CacheHit | None]) -> None:
-        segments, caches, contexts = [], [], []
-        for request, hit in zip(requests, hits, strict=True):
-            done = hit.num_tokens if hit is not None else 0
-            self._prefilling[request.request_id] = [
-                request.num_prompt_tokens - done,
-                request.num_prompt_tokens,
-            ]
-            segments.append([list(request.prompt_ids[done:])])
-            caches.append(hit.layers if hit is not None else None)
-            contexts.append(list(request.prompt_ids[:done]))
-        uids = self._gen.insert_segments(
-            segments,
-            max_tokens=[r.sampling.max_tokens for r in requests],
-            caches=caches,
-            all_tokens=contexts,
-            samplers=[make_request_sampler(r.sampling) for r in requests],
-            logits_processors=[make_request_processors(r) for r in requests],
-            stop_sequences=[_NO_STOPS] * len(requests),
-        )
-        self._track(uids, requests)
-
-    def _track(self, uids: list[int], requests: list[Request]) -> None:
-        for uid, request in zip(uids, requests, strict=True):
-            self._uid_to_rid[uid] = request.request_id
-            self._rid_to_uid[request.request_id] = uid
+        rid = sequence.request_id
+        row = Row.make(rid, state.sampler, state.processors, state.cached_tokens)
+        with mx.stream(self._stream):
+            if state.unreported is not None:
+                self._unreported.append(TokenOutput(rid, state.unreported))
+            self._start_batched(row, state.cache, len(state.cached_tokens), state.feed)
 
     def remove(self, request_ids: Iterable[str]) -> None:
         """Take requests out (finished or aborted); their blocks go to the prefix cache."""
@@ -279,15 +279,13 @@ class BatchRunner:
             side, _ = self._side.pop(rid)
             leaving[rid] = (side.cache, side.num_cached)
         self._unreported = [t for t in self._unreported if t.request_id not in request_ids]
-        gone = {self._rid_to_uid.pop(rid): rid for rid in request_ids if rid in self._rid_to_uid}
-        for uid in gone:
-            del self._uid_to_rid[uid]
-        if gone:
-            caches = self._gen.remove(list(gone), return_prompt_caches=self._prefix is not None)
-            for uid, (layers, _) in caches.items():
-                leaving[gone[uid]] = (layers, _cache_length(layers))
+        keep_caches = self._prefix is not None
+        with mx.stream(self._stream):
+            for rid, (layers, num) in self._prefill.remove(request_ids).items():
+                leaving[rid] = (layers, num) if keep_caches else None
+            for rid, layers in self._decode.remove(request_ids, extract=keep_caches).items():
+                leaving[rid] = (layers, _cache_length(layers))
         for rid, held in leaving.items():
-            self._prefilling.pop(rid, None)
             tokens = self._tokens.pop(rid, None)
             self._prompt_len.pop(rid, None)
             if self._prefix is not None:
@@ -308,8 +306,8 @@ class BatchRunner:
 
     def prefill_plan(self) -> list[PrefillChunk]:
         """The prefill work the next ``step`` will do, per request (for the memory
-        gate). Batched prefill is planned as a step-size chunk attending over
-        the whole prompt: an upper bound of what BatchGenerator runs."""
+        gate). A batched chunk is planned as attending over the whole prompt: an
+        upper bound (rows are right-padded to the longest chunk)."""
         plan = []
         solo = self._solo
         sequences = [solo] if solo is not None else []
@@ -317,13 +315,15 @@ class BatchRunner:
         for seq in sequences:
             if n := seq.next_prefill_tokens():
                 plan.append(PrefillChunk(seq.request_id, n, seq.num_cached + n, seq.num_pending))
-        for rid, (left, total) in self._prefilling.items():
-            if left > 1:
-                plan.append(PrefillChunk(rid, min(self._prefill_step_size, left), total, left))
+        for rid, n, left in self._prefill.plan():
+            total = self._prompt_len.get(rid, 0) or n + left
+            plan.append(PrefillChunk(rid, n, max(total, n), left))
         return plan
 
     def step(self) -> list[TokenOutput]:
-        """One decode step for running sequences plus one prefill chunk."""
+        """One step: the solo sequence's, or a prefill chunk of the new prompts
+        and one decode step of every sequence past its prompt (those whose
+        prompt just ended included: their first token leaves in this step)."""
         self._run_deferred()
         outputs, self._unreported = self._unreported, []
         if self._solo is not None:
@@ -331,17 +331,11 @@ class BatchRunner:
             if token is not None:
                 outputs.append(TokenOutput(self._solo.request_id, token))
         self._step_side()
-        if self._uid_to_rid:
-            for left in self._prefilling.values():
-                left[0] -= min(self._prefill_step_size, left[0])
-            _, generated = self._gen.next()
-            outputs.extend(
-                TokenOutput(self._uid_to_rid[r.uid], r.token)
-                for r in generated
-                if r.uid in self._uid_to_rid
-            )
-        for out in outputs:
-            self._prefilling.pop(out.request_id, None)
+        with mx.stream(self._stream):
+            if self._prefill:
+                rows, cache = self._prefill.step()
+                self._decode.join([r for r, _ in rows], [t for _, t in rows], cache)
+            outputs.extend(TokenOutput(rid, token) for rid, token in self._decode.step())
         if self._prefix is not None:
             self._note_tokens(outputs)
         return outputs
@@ -349,12 +343,12 @@ class BatchRunner:
     def _step_side(self) -> None:
         """One prefill chunk for each side sequence; those down to their last
         prompt token join the batch (which samples their first token)."""
-        for rid, (seq, request) in list(self._side.items()):
+        for rid, (seq, _) in list(self._side.items()):
             if seq.num_pending > 1:
                 seq.step()
             if seq.num_pending <= 1:
                 del self._side[rid]
-                self._join_batch(seq, request)
+                self._join(seq)
 
     # -- prefix cache ------------------------------------------------------
 
@@ -381,9 +375,9 @@ class BatchRunner:
         layers = None
         if self._solo is not None and self._solo.request_id == request_id:
             layers = self._solo.cache
-        elif (uid := self._rid_to_uid.get(request_id)) is not None:
-            found = self._gen.extract_cache([uid]).get(uid)
-            layers = found[0] if found else None
+        else:
+            with mx.stream(self._stream):
+                layers = self._decode.extract(request_id)
         tokens = self._tokens.get(request_id)
         if layers is None or tokens is None or self._prefix is None:
             return
@@ -396,19 +390,19 @@ class BatchRunner:
                 self._prefix.forget(rid)
         self._tokens.clear()
         self._prompt_len.clear()
-        self._prefilling.clear()
         self._deferred.clear()
-        self._gen.close()
-        self._gen = BatchGenerator(self._model, **self._options)
-        self._uid_to_rid.clear()
-        self._rid_to_uid.clear()
+        self._prefill = PrefillBatch(self._model, self._prefill_step_size)
+        self._decode = DecodeBatch(self._model, pipelined=self._pipelined)
         self._solo = self._solo_request = None
         self._side.clear()
         self._unreported.clear()
 
     def close(self) -> None:
         self._run_deferred()
-        self._gen.close()
+        if self._old_wired_limit is not None:
+            mx.synchronize(self._stream)
+            mx.set_wired_limit(self._old_wired_limit)
+            self._old_wired_limit = None
 
 
 def _cache_length(layers: list[Any]) -> int:

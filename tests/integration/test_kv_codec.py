@@ -102,3 +102,20 @@ def test_dtypes_round_trip(dtype) -> None:
     assert mx.array_equal(held_values, keys * 2).item()
     # Room for the next tokens, so the first forward after a hit does not copy it all.
     assert restored.keys.shape[2] > BLOCK and restored.keys.shape[2] % KVCache.step == 0
+
+
+def test_a_cache_restored_for_a_batch_has_no_room() -> None:
+    # A batched request's cache is merged (copied) into the batch: zeros for room
+    # would only cost time (~15 ms for a 25-token hit on SmolLM2, per request).
+    from mlx_lm.models.cache import KVCache
+
+    layer = KVCache()
+    keys = mx.random.normal((1, 2, 2 * BLOCK, 8))
+    layer.update_and_fetch(keys, keys + 1)
+    blocks = [kv_codec.block_tensors([layer], i * BLOCK, (i + 1) * BLOCK, None) for i in (0, 1)]
+    restored = kv_codec.restore([KVCache()], blocks, room=False)[0]
+    assert restored.offset == 2 * BLOCK and restored.keys.shape[2] == 2 * BLOCK
+    assert mx.array_equal(restored.keys, keys).item()
+    assert mx.array_equal(restored.values, keys + 1).item()
+    restored.update_and_fetch(keys[..., :1, :], keys[..., :1, :])  # and it still grows
+    assert restored.offset == 2 * BLOCK + 1

@@ -34,9 +34,13 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
     return [int(token) for token, _ in steps]
 
 
-def make_runner(model, step_size: int) -> BatchRunner:
+def make_runner(model, step_size: int, pipelined: bool | None = None) -> BatchRunner:
     return BatchRunner(
-        model, max_batch_size=8, prefill_step_size=step_size, stream=mx.new_stream(mx.cpu)
+        model,
+        max_batch_size=8,
+        prefill_step_size=step_size,
+        stream=mx.new_stream(mx.cpu),
+        pipelined=pipelined,
     )
 
 
@@ -55,18 +59,49 @@ def run(runner: BatchRunner, steps: int) -> list[dict[str, list[int]]]:
     return out
 
 
-def test_batched_requests_hand_out_every_token_once_in_order(llama) -> None:
-    runner = make_runner(llama, 128)  # one prefill step holds all three prompts
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_batched_requests_hand_out_every_token_once_in_order(llama, pipelined: bool) -> None:
+    runner = make_runner(llama, 128, pipelined)  # one prefill step holds all three prompts
     prompts = {"a": list(range(3, 40)), "b": list(range(50, 71)), "c": list(range(90, 100))}
     runner.add([request(rid, p) for rid, p in prompts.items()])
     steps = run(runner, 9)
-    assert steps[0] == {}  # the prompts' prefill
-    # mlx-lm's BatchGenerator samples the first tokens in the next call and hands
-    # them out in the one after (it returns the previous step's tokens).
-    assert steps[1] == {} and set(steps[2]) == set(prompts)
+    # The prompts' prefill and the decode forward of their last tokens run in one
+    # step. Unpipelined (the CPU default) its first tokens leave at its end; pipelined
+    # (the GPU default) they leave after the next forward is queued, as in mlx-lm.
+    first = 1 if pipelined else 0
+    assert all(s == {} for s in steps[:first]) and set(steps[first]) == set(prompts)
+    assert all(len(s[rid]) == 1 for s in steps[first:] for rid in prompts)
     for rid, prompt in prompts.items():
         got = [tok for s in steps for tok in s.get(rid, [])]
-        assert got == reference(llama, prompt, 7)  # in order, none repeated or lost
+        assert got == reference(llama, prompt, 9 - first)  # in order, none repeated or lost
+    runner.close()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_prompts_that_end_in_different_steps_join_the_decode_batch_as_they_end(
+    llama, pipelined: bool
+) -> None:
+    # A 16-token prefill step: "short" (10 tokens) is in after one step, "long" (50)
+    # after four; "late" arrives while both run and a solo request is mid-decode.
+    runner = make_runner(llama, 16, pipelined)
+    prompts = {"solo": list(range(200, 230)), "short": list(range(3, 13))}
+    prompts |= {"long": list(range(60, 110)), "late": list(range(300, 321))}
+    runner.add([request("solo", prompts["solo"], 12)])
+    steps = run(runner, 3)
+    runner.add([request(rid, prompts[rid], 12) for rid in ("short", "long")])
+    steps += run(runner, 2)
+    runner.add([request("late", prompts["late"], 12)])
+    steps += run(runner, 12)
+    lag = 1 if pipelined else 0
+    first_step = {rid: next(i for i, s in enumerate(steps) if rid in s) for rid in prompts}
+    assert first_step["short"] == 3 + lag  # one 16-token chunk holds it (9 tokens + last)
+    assert first_step["long"] == 3 + 3 + lag  # 49 tokens: four chunks, the last in step 6
+    assert first_step["late"] == 5 + 1 + lag  # 20 tokens: two chunks
+    for rid, prompt in prompts.items():
+        got = [tok for s in steps for tok in s.get(rid, [])]
+        assert got == reference(llama, prompt, len(got)) and len(got) >= 9
+    runner.remove(list(prompts))
+    assert not runner.has_work or runner.step() == []
     runner.close()
 
 

@@ -1,0 +1,279 @@
+"""Batched prefill and the batched decode step. MLX thread only.
+
+Built on mlx-lm's public pieces: ``PromptProcessingBatch`` prefills several
+prompts in one right-padded forward per chunk, and the batched caches
+(``BatchKVCache`` and friends, via each cache type's ``merge``/``extend``/
+``extract``/``filter``) hold the decoding sequences. The decode step itself is
+ours: it samples from the raw logits (omlx returns no logprobs, so no
+log-softmax over the vocabulary per row) and, on the CPU backend, hands each
+step's tokens out at the end of that same step. mlx-lm's BatchGenerator hands
+them out one call later, after queuing the next forward, which on a GPU costs
+nothing but on the CPU backend delays every token, a first token included, by
+most of a step (``async_eval`` there returns only once the forward is nearly
+done).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import PromptProcessingBatch
+
+Sampler = Callable[[mx.array], mx.array]
+
+# Free MLX's buffer cache now and then, as mlx-lm's generation loops do.
+_CLEAR_EVERY = 512
+
+
+@dataclass(slots=True)
+class Row:
+    """One sequence of a batch: how to sample it and what its processors see."""
+
+    request_id: str
+    sampler: Sampler
+    processors: list[Any]
+    # Every token fed so far (the processors' context); kept only with processors.
+    context: mx.array | None = field(default=None)
+
+    @classmethod
+    def make(
+        cls, request_id: str, sampler: Sampler, processors: list[Any], fed: Sequence[int]
+    ) -> Row:
+        context = mx.array(list(fed)) if processors and fed else None
+        return cls(request_id, sampler, processors, context)
+
+    def remember(self, fed: mx.array) -> mx.array | None:
+        if self.processors:
+            ctx = self.context
+            self.context = fed if ctx is None else mx.concatenate([ctx, fed])
+        return self.context
+
+
+def merge_caches(caches: Sequence[list[Any]]) -> list[Any]:
+    """Per-sequence prompt caches (one list of layers each) as one batched cache."""
+    batched = []
+    for i, layer in enumerate(caches[0]):
+        if not hasattr(layer, "merge"):
+            raise ValueError(f"a {type(layer).__name__} cache cannot be batched")
+        batched.append(layer.merge([c[i] for c in caches]))
+    return batched
+
+
+class PrefillBatch:
+    """Prompts prefilled together, a chunk of each per step, all but each
+    prompt's last token: that one goes through the decode step, which samples
+    the first token from it."""
+
+    def __init__(self, model: Any, step_size: int):
+        self._model = model
+        self._step = step_size
+        self._batch: PromptProcessingBatch | None = None
+        self.rows: list[Row] = []
+        self._left: list[list[int]] = []  # still to prefill
+        self._last: list[int] = []  # the last prompt token, fed by the decode step
+        self._num_cached: list[int] = []  # tokens in the row's cache
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, row: Row, cache: list[Any], num_cached: int, rest: Sequence[int]) -> None:
+        """``cache`` holds ``num_cached`` tokens; ``rest`` (>= 2 tokens) follows them."""
+        if len(rest) < 2:
+            raise ValueError("a prefill row needs at least two tokens (use the decode batch)")
+        # Sampling happens in the decode step: the batch's own per-row lists stay
+        # placeholders (kept one per row, as its filter expects).
+        piece = PromptProcessingBatch(
+            self._model,
+            [0],
+            [cache],
+            prefill_step_size=self._step,
+            samplers=[None],
+            logits_processors=[[]],
+        )
+        if self._batch is None:
+            self._batch = piece
+        else:
+            self._batch.extend(piece)
+        self.rows.append(row)
+        self._left.append(list(rest[:-1]))
+        self._last.append(rest[-1])
+        self._num_cached.append(num_cached)
+
+    def plan(self) -> list[tuple[str, int, int]]:
+        """(request id, tokens the next chunk feeds, tokens left) per row."""
+        return [
+            (row.request_id, min(self._step, len(left)), len(left) + 1)
+            for row, left in zip(self.rows, self._left, strict=True)
+        ]
+
+    def step(self) -> tuple[list[tuple[Row, int]], list[Any]]:
+        """One chunk of every row. Returns the rows whose prompt is in now (with
+        their last prompt token) and their batched cache."""
+        if self._batch is None or not self.rows:
+            return [], []
+        sizes = [min(self._step, len(left)) for left in self._left]
+        chunks = [left[:n] for left, n in zip(self._left, sizes, strict=True)]
+        self._left = [left[n:] for left, n in zip(self._left, sizes, strict=True)]
+        self._num_cached = [c + n for c, n in zip(self._num_cached, sizes, strict=True)]
+        for row, chunk in zip(self.rows, chunks, strict=True):
+            row.remember(mx.array(chunk))
+        self._batch.prompt(chunks)
+        done = [i for i, left in enumerate(self._left) if not left]
+        if not done:
+            return [], []
+        finished = [(self.rows[i], self._last[i]) for i in done]
+        if len(done) == len(self.rows):
+            cache = self._batch.prompt_cache
+            self._clear()
+            return finished, cache
+        cache = merge_caches([self._batch.extract_cache(i) for i in done])
+        self._keep([i for i in range(len(self.rows)) if i not in set(done)])
+        return finished, cache
+
+    def remove(self, request_ids: set[str]) -> dict[str, tuple[list[Any], int]]:
+        """Take rows out; returns each one's cache and the tokens it holds."""
+        gone = [i for i, row in enumerate(self.rows) if row.request_id in request_ids]
+        if not gone or self._batch is None:
+            return {}
+        out = {
+            self.rows[i].request_id: (self._batch.extract_cache(i), self._num_cached[i])
+            for i in gone
+        }
+        self._keep([i for i in range(len(self.rows)) if i not in set(gone)])
+        return out
+
+    def _keep(self, keep: list[int]) -> None:
+        if not keep:
+            self._clear()
+            return
+        assert self._batch is not None
+        self._batch.filter(keep)
+        self.rows = [self.rows[i] for i in keep]
+        self._left = [self._left[i] for i in keep]
+        self._last = [self._last[i] for i in keep]
+        self._num_cached = [self._num_cached[i] for i in keep]
+
+    def _clear(self) -> None:
+        self._batch = None
+        self.rows, self._left, self._last, self._num_cached = [], [], [], []
+
+
+class DecodeBatch:
+    """Sequences past their prompt: one forward for all of them per step.
+
+    ``pipelined`` (the GPU default): queue the next forward before handing out
+    this step's tokens, as mlx-lm does, so the device never waits on Python; the
+    tokens then leave one step after they were sampled. Off (the CPU default),
+    each step's tokens leave at its end.
+    """
+
+    def __init__(self, model: Any, *, pipelined: bool | None = None):
+        self._model = model
+        if pipelined is None:
+            pipelined = mx.default_device().type == mx.DeviceType.gpu
+        self._pipelined = pipelined
+        self.rows: list[Row] = []
+        self._cache: list[Any] = []
+        # What each row feeds next, and whether it is a sampled token not handed out.
+        self._feed: mx.array | None = None
+        self._fresh: list[bool] = []
+        self._num_steps = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def index(self, request_id: str) -> int | None:
+        for i, row in enumerate(self.rows):
+            if row.request_id == request_id:
+                return i
+        return None
+
+    def join(self, rows: list[Row], feed: list[int], cache: list[Any]) -> None:
+        """Add rows whose ``cache`` (batched, in row order) holds everything
+        before ``feed`` (one token per row, fed by the next step; it is never
+        handed out by this batch)."""
+        if not rows:
+            return
+        if not self.rows:
+            self._cache = cache
+            self._feed = mx.array(feed)
+        else:
+            for mine, theirs in zip(self._cache, cache, strict=True):
+                mine.extend(theirs)
+            assert self._feed is not None
+            self._feed = mx.concatenate([self._feed, mx.array(feed, dtype=self._feed.dtype)])
+        self.rows.extend(rows)
+        self._fresh.extend([False] * len(rows))
+
+    def step(self) -> list[tuple[str, int]]:
+        """One forward of every row; the (request id, token) pairs handed out."""
+        if not self.rows:
+            return []
+        feed = self._feed
+        assert feed is not None
+        logits = self._model(feed[:, None], cache=self._cache)[:, -1, :]
+        sampled = self._sample(logits, feed)
+        if self._pipelined:
+            mx.async_eval(sampled)
+            out = [
+                (row.request_id, token)
+                for row, token, fresh in zip(self.rows, feed.tolist(), self._fresh, strict=True)
+                if fresh
+            ]
+            self._fresh = [True] * len(self.rows)
+        else:
+            out = [(row.request_id, t) for row, t in zip(self.rows, sampled.tolist(), strict=True)]
+        self._feed = sampled
+        self._num_steps += 1
+        if self._num_steps % _CLEAR_EVERY == 0:
+            mx.clear_cache()
+        return out
+
+    def _sample(self, logits: mx.array, feed: mx.array) -> mx.array:
+        if any(row.processors for row in self.rows):
+            processed = []
+            for e, row in enumerate(self.rows):
+                one = logits[e : e + 1]
+                if row.processors:
+                    context = row.remember(feed[e : e + 1])
+                    for processor in row.processors:
+                        one = processor(context, one)
+                processed.append(one)
+            logits = mx.concatenate(processed, axis=0)
+        first = self.rows[0].sampler
+        if all(row.sampler is first for row in self.rows):
+            return first(logits)  # one call for the batch (greedy rows share a sampler)
+        return mx.concatenate(
+            [row.sampler(logits[e : e + 1]) for e, row in enumerate(self.rows)], axis=0
+        )
+
+    def extract(self, request_id: str) -> list[Any] | None:
+        """A row's cache as a plain prompt cache (a copy)."""
+        i = self.index(request_id)
+        if i is None:
+            return None
+        return [layer.extract(i) for layer in self._cache]
+
+    def remove(self, request_ids: set[str], *, extract: bool) -> dict[str, list[Any]]:
+        """Take rows out (their unsent sampled tokens are dropped); with
+        ``extract``, returns each one's cache."""
+        gone = [i for i, row in enumerate(self.rows) if row.request_id in request_ids]
+        if not gone:
+            return {}
+        out = {}
+        if extract:
+            out = {self.rows[i].request_id: [c.extract(i) for c in self._cache] for i in gone}
+        keep = [i for i in range(len(self.rows)) if i not in set(gone)]
+        if not keep:
+            self.rows, self._cache, self._feed, self._fresh = [], [], None, []
+            return out
+        for layer in self._cache:
+            layer.filter(keep)
+        assert self._feed is not None
+        self._feed = self._feed[mx.array(keep)]
+        self.rows = [self.rows[i] for i in keep]
+        self._fresh = [self._fresh[i] for i in keep]
+        return out
