@@ -520,7 +520,7 @@ class EnginePool:
         engine.shutdown()
         if engine.prefix_cache is not None:
             engine.prefix_cache.close()
-        # Engines, runners and BatchGenerators reference each other: collect the
+        # Engines, runners and their batches reference each other: collect the
         # cycles now so the weights go back to the system with this unload.
         gc.collect()
         _clear_mlx_cache()

@@ -1,10 +1,10 @@
 """One sequence decoded without batching. MLX thread only.
 
-At batch size 1, BatchGenerator's batched cache and per-step attention mask
-cost ~15% of decode speed against mlx-lm's ``generate_step``. A lone request
-therefore runs here on a plain prompt cache, pipelined like ``generate_step``
-(the next token computes while the current one is handed out), and moves into
-the BatchGenerator with its cache as soon as a second request arrives.
+At batch size 1, a batched cache and its per-step attention mask cost ~15% of
+decode speed against mlx-lm's ``generate_step``. A lone request therefore runs
+here on a plain prompt cache, pipelined like ``generate_step`` (the next token
+computes while the current one is handed out), and moves into the batch
+(batch.py) with its cache as soon as a second request arrives.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class SoloSequence:
         return token
 
     def handoff(self) -> Handoff:
-        """Stop here and describe the state for BatchGenerator.insert."""
+        """Stop here and describe the state the batch continues from."""
         rest = (self._sampler, self._processors)
         if self._y is None:
             return Handoff(self._cache, list(self._cached), list(self._prompt), None, *rest)
