@@ -171,19 +171,15 @@ def restore(
     last = blocks[-1]
     for i, layer in enumerate(layers):
         if _is_kv(layer):
-            keys = [_from_bytes(*b[f"{i}.keys"]) for b in blocks]
-            values = [_from_bytes(*b[f"{i}.values"]) for b in blocks]
-            num = sum(int(k.shape[2]) for k in keys)
+            keys, values = [b[f"{i}.keys"] for b in blocks], [b[f"{i}.values"] for b in blocks]
+            num = sum(shape[2] for _, shape, _ in keys)
             # Room for the next tokens, as the layer leaves itself after a prefill:
             # without it the first forward after a hit reallocates and copies the
             # whole restored context (~66 MB for 1,400 tokens of SmolLM2, ~20 ms on
             # the CPU backend) straight onto the time to first token.
-            if room:
-                extra = layer.step - num % layer.step
-                keys.append(_zeros_like_room(keys[0], extra))
-                values.append(_zeros_like_room(values[0], extra))
-            layer.keys = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2)
-            layer.values = values[0] if len(values) == 1 else mx.concatenate(values, axis=2)
+            extra = layer.step - num % layer.step if room else 0
+            layer.keys = _joined(keys, extra)
+            layer.values = _joined(values, extra)
             layer.offset = num
         elif _is_arrays(layer):
             layer.cache = [
@@ -198,9 +194,24 @@ def restore(
     return layers
 
 
-def _zeros_like_room(array: mx.array, room: int) -> mx.array:
-    batch, heads, _, dim = array.shape
-    return mx.zeros((batch, heads, room, dim), dtype=array.dtype)
+def _joined(parts: Sequence[tuple[str, tuple[int, ...], bytes]], room: int) -> mx.array:
+    """Blocks of one KV layer (batch, heads, tokens, dim) back to back, then ``room``
+    zeroed tokens: assembled in one host buffer and copied into MLX once (an array
+    per block and a concatenation cost ~30 ms more for 1,400 tokens of SmolLM2)."""
+    dtype, (batch, heads, _, dim) = parts[0][0], parts[0][1]
+    np_dtype, view = _FROM_SAFETENSORS[dtype]
+    num = sum(shape[2] for _, shape, _ in parts)
+    buf = np.empty((batch, heads, num + room, dim), dtype=np_dtype)
+    pos = 0
+    for part_dtype, shape, raw in parts:
+        if part_dtype != dtype or (shape[0], shape[1], shape[3]) != (batch, heads, dim):
+            raise ValueError(f"blocks disagree: {part_dtype}{shape} after {dtype}{parts[0][1]}")
+        n = shape[2]
+        buf[:, :, pos : pos + n, :] = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
+        pos += n
+    buf[:, :, num:, :] = 0
+    array = mx.array(buf)
+    return array.view(view) if view is not None else array
 
 
 def _is_kv(layer: Any) -> bool:

@@ -119,3 +119,18 @@ def test_a_cache_restored_for_a_batch_has_no_room() -> None:
     assert mx.array_equal(restored.values, keys + 1).item()
     restored.update_and_fetch(keys[..., :1, :], keys[..., :1, :])  # and it still grows
     assert restored.offset == 2 * BLOCK + 1
+
+
+def test_blocks_of_another_shape_are_refused_not_mixed() -> None:
+    # A block from another layout (here: other heads) under the same key is an error
+    # (the prefix cache serves a miss), never a cache of mixed rows.
+    from mlx_lm.models.cache import KVCache
+
+    def block(heads: int) -> kv_codec.Tensors:
+        layer = KVCache()
+        keys = mx.random.normal((1, heads, BLOCK, 8))
+        layer.update_and_fetch(keys, keys)
+        return kv_codec.block_tensors([layer], 0, BLOCK, None)
+
+    with pytest.raises(ValueError, match="blocks disagree"):
+        kv_codec.restore([KVCache()], [block(2), block(4)])
