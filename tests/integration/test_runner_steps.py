@@ -218,3 +218,26 @@ def test_a_finished_requests_blocks_are_stored_without_waiting_for_the_next_requ
         assert prefix.stats()["blocks_stored"] >= 4
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_request_removed_mid_prefill_leaves_the_batch_consistent(
+    llama, pipelined: bool
+) -> None:
+    # "long" (60 tokens, 16 per step) is still prefilling next to "a" and "b" when it is
+    # aborted; a request arriving afterwards prefills with "a" and "b" decoding.
+    runner = make_runner(llama, 16, pipelined)
+    prompts = {"a": list(range(3, 15)), "b": list(range(20, 30)), "long": list(range(40, 100))}
+    runner.add([request(rid, p, 12) for rid, p in prompts.items()])
+    steps = run(runner, 2)
+    assert "long" not in steps[0] and "long" not in steps[1]
+    runner.remove(["long"])
+    runner.add([request("c", list(range(200, 240)), 12)])
+    steps += run(runner, 8)
+    assert all("long" not in s for s in steps)
+    for rid, prompt in [("a", prompts["a"]), ("b", prompts["b"]), ("c", list(range(200, 240)))]:
+        got = [tok for s in steps for tok in s.get(rid, [])]
+        assert len(got) >= 5 and got == reference(llama, prompt, len(got))
+    runner.remove(["a", "b", "c"])
+    assert not runner.has_work
+    runner.close()
