@@ -221,9 +221,7 @@ def test_a_finished_requests_blocks_are_stored_without_waiting_for_the_next_requ
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
-def test_a_request_removed_mid_prefill_leaves_the_batch_consistent(
-    llama, pipelined: bool
-) -> None:
+def test_a_request_removed_mid_prefill_leaves_the_batch_consistent(llama, pipelined: bool) -> None:
     # "long" (60 tokens, 16 per step) is still prefilling next to "a" and "b" when it is
     # aborted; a request arriving afterwards prefills with "a" and "b" decoding.
     runner = make_runner(llama, 16, pipelined)
