@@ -102,11 +102,12 @@ class PrefillBatch:
         self._last.append(rest[-1])
         self._num_cached.append(num_cached)
 
-    def plan(self) -> list[tuple[str, int, int]]:
-        """(request id, tokens the next chunk feeds, tokens left) per row."""
+    def plan(self) -> list[tuple[str, int, int, int]]:
+        """(request id, tokens the next chunk feeds, prompt tokens not yet in the
+        cache, the whole prompt) per row."""
         return [
-            (row.request_id, min(self._step, len(left)), len(left) + 1)
-            for row, left in zip(self.rows, self._left, strict=True)
+            (row.request_id, min(self._step, len(left)), len(left) + 1, cached + len(left) + 1)
+            for row, left, cached in zip(self.rows, self._left, self._num_cached, strict=True)
         ]
 
     def step(self) -> tuple[list[tuple[Row, int]], list[Any]]:

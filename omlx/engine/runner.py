@@ -315,9 +315,8 @@ class BatchRunner:
         for seq in sequences:
             if n := seq.next_prefill_tokens():
                 plan.append(PrefillChunk(seq.request_id, n, seq.num_cached + n, seq.num_pending))
-        for rid, n, left in self._prefill.plan():
-            total = self._prompt_len.get(rid, 0) or n + left
-            plan.append(PrefillChunk(rid, n, max(total, n), left))
+        for rid, n, left, whole in self._prefill.plan():
+            plan.append(PrefillChunk(rid, n, whole, left))
         return plan
 
     def step(self) -> list[TokenOutput]:

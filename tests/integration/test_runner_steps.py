@@ -239,3 +239,20 @@ def test_a_request_removed_mid_prefill_leaves_the_batch_consistent(llama, pipeli
     runner.remove(["a", "b", "c"])
     assert not runner.has_work
     runner.close()
+
+
+def test_the_prefill_plan_reports_each_batched_prompts_next_chunk(llama) -> None:
+    # What the memory gate reads before a step: the chunk each prompt will feed, the
+    # prompt tokens not yet in the cache, and the whole prompt (what it attends over).
+    from omlx.engine.runner import PrefillChunk
+
+    runner = make_runner(llama, 16)
+    runner.add([request("a", list(range(3, 13))), request("b", list(range(20, 70)))])
+    assert runner.prefill_plan() == [PrefillChunk("a", 9, 10, 10), PrefillChunk("b", 16, 50, 50)]
+    run(runner, 1)  # "a" is in (9 tokens + its last through the decode step)
+    assert runner.prefill_plan() == [PrefillChunk("b", 16, 50, 34)]
+    run(runner, 2)
+    assert runner.prefill_plan() == [PrefillChunk("b", 1, 50, 2)]
+    run(runner, 1)
+    assert runner.prefill_plan() == []
+    runner.close()
