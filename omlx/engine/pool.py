@@ -464,7 +464,6 @@ class EnginePool:
         prefix = make_prefix_cache(self.settings, self.hot_cache, loaded)
         runner = BatchRunner(
             loaded.model,
-            max_batch_size=sched.max_concurrent_requests,
             prefill_step_size=sched.prefill_step_size,
             stream=self._worker.stream,
             prefix_cache=prefix,

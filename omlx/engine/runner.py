@@ -106,13 +106,13 @@ class BatchRunner:
     A lone request runs as a ``SoloSequence``. Once several run, new prompts
     prefill together (``PrefillBatch``) and every sequence past its prompt
     decodes in one ``DecodeBatch``; a solo sequence moves over with its cache.
+    The scheduler bounds how many run at once (``max_concurrent_requests``).
     """
 
     def __init__(
         self,
         model: Any,
         *,
-        max_batch_size: int,
         prefill_step_size: int,
         stream: mx.Stream,
         prefix_cache: PrefixCache | None = None,
@@ -120,7 +120,6 @@ class BatchRunner:
     ):
         self._model = model
         self._prefix = prefix_cache
-        self._max_batch_size = max_batch_size  # the scheduler admits at most this many
         self._prefill_step_size = prefill_step_size
         self._stream = stream
         self._pipelined = pipelined

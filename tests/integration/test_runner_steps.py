@@ -37,7 +37,6 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
 def make_runner(model, step_size: int, pipelined: bool | None = None) -> BatchRunner:
     return BatchRunner(
         model,
-        max_batch_size=8,
         prefill_step_size=step_size,
         stream=mx.new_stream(mx.cpu),
         pipelined=pipelined,
