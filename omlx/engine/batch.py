@@ -62,6 +62,12 @@ def merge_caches(caches: Sequence[list[Any]]) -> list[Any]:
     return batched
 
 
+def _others(size: int, taken: list[int]) -> list[int]:
+    """The indices below ``size`` not in ``taken``, in order."""
+    skip = set(taken)
+    return [i for i in range(size) if i not in skip]
+
+
 class PrefillBatch:
     """Prompts prefilled together, a chunk of each per step, all but each
     prompt's last token: that one goes through the decode step, which samples
@@ -131,7 +137,7 @@ class PrefillBatch:
             self._clear()
             return finished, cache
         cache = merge_caches([self._batch.extract_cache(i) for i in done])
-        self._keep([i for i in range(len(self.rows)) if i not in set(done)])
+        self._keep(_others(len(self.rows), done))
         return finished, cache
 
     def remove(self, request_ids: set[str]) -> dict[str, tuple[list[Any], int]]:
@@ -143,7 +149,7 @@ class PrefillBatch:
             self.rows[i].request_id: (self._batch.extract_cache(i), self._num_cached[i])
             for i in gone
         }
-        self._keep([i for i in range(len(self.rows)) if i not in set(gone)])
+        self._keep(_others(len(self.rows), gone))
         return out
 
     def _keep(self, keep: list[int]) -> None:
@@ -267,7 +273,7 @@ class DecodeBatch:
         out = {}
         if extract:
             out = {self.rows[i].request_id: [c.extract(i) for c in self._cache] for i in gone}
-        keep = [i for i in range(len(self.rows)) if i not in set(gone)]
+        keep = _others(len(self.rows), gone)
         if not keep:
             self.rows, self._cache, self._feed, self._fresh = [], [], None, []
             return out
