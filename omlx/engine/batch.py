@@ -126,7 +126,8 @@ class PrefillBatch:
         self._left = [left[n:] for left, n in zip(self._left, sizes, strict=True)]
         self._num_cached = [c + n for c, n in zip(self._num_cached, sizes, strict=True)]
         for row, chunk in zip(self.rows, chunks, strict=True):
-            row.remember(mx.array(chunk))
+            if row.processors:
+                row.remember(mx.array(chunk))
         self._batch.prompt(chunks)
         done = [i for i, left in enumerate(self._left) if not left]
         if not done:
@@ -140,13 +141,19 @@ class PrefillBatch:
         self._keep(_others(len(self.rows), done))
         return finished, cache
 
-    def remove(self, request_ids: set[str]) -> dict[str, tuple[list[Any], int]]:
-        """Take rows out; returns each one's cache and the tokens it holds."""
+    def remove(
+        self, request_ids: set[str], *, extract: bool
+    ) -> dict[str, tuple[list[Any], int] | None]:
+        """Take rows out; with ``extract``, returns each one's cache and the tokens
+        it holds (None for each without)."""
         gone = [i for i, row in enumerate(self.rows) if row.request_id in request_ids]
         if not gone or self._batch is None:
             return {}
+        batch = self._batch
         out = {
-            self.rows[i].request_id: (self._batch.extract_cache(i), self._num_cached[i])
+            self.rows[i].request_id: (
+                (batch.extract_cache(i), self._num_cached[i]) if extract else None
+            )
             for i in gone
         }
         self._keep(_others(len(self.rows), gone))

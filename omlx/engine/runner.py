@@ -26,14 +26,12 @@ from mlx_lm.sample_utils import (
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from omlx.cache.prefix import CacheHit, PrefixCache
-from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
+from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, Sampler, merge_caches
 from omlx.engine.solo import SoloSequence
 from omlx.grammar.processor import Draw, greedy_draw, temperature_draw
 from omlx.scheduler import Request, SamplingParams, TokenOutput
 
 log = logging.getLogger(__name__)
-
-Sampler = Callable[[mx.array], mx.array]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +48,7 @@ def make_request_sampler(params: SamplingParams) -> Sampler:
     """Greedy requests share one sampler (one batched argmax); others get their own
     PRNG key so a seed reproduces the same tokens whatever else is in the batch.
 
-    Samplers may get raw logits (the solo step computes no log-softmax: omlx returns
+    Samplers get raw logits (no step computes a log-softmax: omlx returns
     no logprobs, and argmax and categorical do not need one); the nucleus, min-p and
     top-k filters normalise first (top-p exponentiates, which overflows on raw logits)."""
     if params.is_greedy:
@@ -280,8 +278,8 @@ class BatchRunner:
         self._unreported = [t for t in self._unreported if t.request_id not in request_ids]
         keep_caches = self._prefix is not None
         with mx.stream(self._stream):
-            for rid, (layers, num) in self._prefill.remove(request_ids).items():
-                leaving[rid] = (layers, num) if keep_caches else None
+            for rid, held in self._prefill.remove(request_ids, extract=keep_caches).items():
+                leaving[rid] = held
             for rid, layers in self._decode.remove(request_ids, extract=keep_caches).items():
                 leaving[rid] = (layers, _cache_length(layers))
         for rid, held in leaving.items():

@@ -100,7 +100,7 @@ def test_prompts_that_end_in_different_steps_join_the_decode_batch_as_they_end(
         got = [tok for s in steps for tok in s.get(rid, [])]
         assert got == reference(llama, prompt, len(got)) and len(got) >= 9
     runner.remove(list(prompts))
-    assert not runner.has_work or runner.step() == []
+    assert not runner.has_work
     runner.close()
 
 
@@ -174,7 +174,7 @@ def test_a_model_without_a_separable_head_keeps_short_one_passes_only(tmp_path: 
 
 
 def test_filtered_samplers_work_on_raw_logits() -> None:
-    # The solo step hands samplers raw logits (no log-softmax); top-p exponentiates,
+    # Both steps hand samplers raw logits (no log-softmax); top-p exponentiates,
     # so without its own normalisation large logits overflow and the nucleus is lost.
     logits = mx.random.normal((1, 500), key=mx.random.key(0))
     params = SamplingParams(temperature=0.7, top_p=0.5, min_p=0.02, top_k=40, seed=11)
