@@ -26,9 +26,10 @@ as_root() {
 system_packages() {
     [ "$(uname -s)" = Linux ] || return 0
     command -v apt-get >/dev/null || { log "no apt-get: install OpenBLAS yourself"; return 0; }
-    # OpenBLAS for MLX; for the test suite also Chromium (admin UI), Xvfb and the
-    # libraries Qt needs (desktop shell), xorriso (disk-image layout).
-    local want=(libopenblas0-pthread)
+    # OpenBLAS for MLX and a C++ compiler for its CPU backend's compiled (fused)
+    # kernels (mx.compile; the compiled decode step); for the test suite also Chromium
+    # (admin UI), Xvfb and the libraries Qt needs (desktop shell), xorriso (disk-image layout).
+    local want=(libopenblas0-pthread g++)
     [ "${1:-}" = test ] && want+=(chromium xvfb xauth dbus libxcb-cursor0 libxkbcommon-x11-0 libnss3 xorriso)
     # Desktop-shell tests: Qt's xcb plugin libs, a tray host + PyGObject for pystray's gtk
     # backend, X input/inspection tools and ImageMagick for screenshots.

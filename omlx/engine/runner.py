@@ -27,6 +27,7 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from omlx.cache.prefix import CacheHit, PrefixCache
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, Sampler, merge_caches
+from omlx.engine.compiled import CompiledDecode
 from omlx.engine.solo import SoloSequence
 from omlx.grammar.processor import Draw, greedy_draw, temperature_draw
 from omlx.scheduler import Request, SamplingParams, TokenOutput
@@ -115,6 +116,7 @@ class BatchRunner:
         stream: mx.Stream,
         prefix_cache: PrefixCache | None = None,
         pipelined: bool | None = None,
+        compiled: bool = True,
     ):
         self._model = model
         self._prefix = prefix_cache
@@ -123,6 +125,8 @@ class BatchRunner:
         self._pipelined = pipelined
         self._prefill = PrefillBatch(model, prefill_step_size)
         self._decode = DecodeBatch(model, pipelined=pipelined)
+        # A lone sequence's decode step, compiled (None when the model does not qualify).
+        self._decoder = CompiledDecode.for_model(model) if compiled else None
         # On a Mac, keep the weights wired as mlx-lm's generators do (None elsewhere).
         self._old_wired_limit = maybe_set_recommended_wired_limit()
         # A lone request runs unbatched (see solo.py); None while batching.
@@ -140,6 +144,11 @@ class BatchRunner:
         # Cache stores run at the start of the next step, after the events of
         # this one went out (never on a request's time to first token).
         self._deferred: list[Callable[[], None]] = []
+
+    @property
+    def compiled_decoder(self) -> CompiledDecode | None:
+        """The compiled decode step of lone sequences (None: they decode eagerly)."""
+        return self._decoder
 
     @property
     def has_work(self) -> bool:
@@ -236,6 +245,7 @@ class BatchRunner:
             num_cached=hit.num_tokens if hit else 0,
             block_size=prefix.block_size if prefix is not None else 0,
             on_boundary=hook,
+            decoder=self._decoder,
         )
 
     def _solo_to_side(self) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from omlx.engine.compiled import CompiledDecode
+
 # Free MLX's buffer cache now and then, as generate_step does.
 _CLEAR_EVERY = 256
 
@@ -89,6 +91,7 @@ class SoloSequence:
         num_cached: int = 0,
         block_size: int = 0,
         on_boundary: BoundaryHook | None = None,
+        decoder: CompiledDecode | None = None,
     ):
         self.request_id = request_id
         self._model = model
@@ -100,6 +103,7 @@ class SoloSequence:
         self._prompt = list(prompt_ids[num_cached:])
         self._block_size = block_size
         self._on_boundary = on_boundary
+        self._decoder = decoder
         self._y: mx.array | None = None  # sampled, computing, not handed out yet
         # Everything fed so far, as a lazy array (only when processors need it).
         self._context: mx.array | None = (
@@ -133,7 +137,9 @@ class SoloSequence:
             self._cached.extend(self._prompt)
             self._prompt = []
             token = y.item()
-            self._y = self._forward(y)  # lazy: evaluated by the next step
+            # Lazy, evaluated by the next step; eager, as a compiled step may run its
+            # first trace here and then (synchronously) before the token goes out.
+            self._y = self._forward(y, compiled=False)
         else:
             y = self._y
             self._y = self._forward(y)
@@ -195,9 +201,14 @@ class SoloSequence:
             ctx = self._context
             self._context = fed if ctx is None else mx.concatenate([ctx, fed])
 
-    def _forward(self, fed: mx.array) -> mx.array:
+    def _forward(self, fed: mx.array, compiled: bool = True) -> mx.array:
         """Feed 1-D ``fed`` and sample the next token (lazily)."""
-        logits = last_logits(self._model, fed, self._cache)
+        logits = None
+        decoder = self._decoder
+        if compiled and decoder is not None and fed.size == 1 and decoder.accepts(self._cache):
+            logits = decoder(fed, self._cache)
+        if logits is None:
+            logits = last_logits(self._model, fed, self._cache)
         self._remember(fed)
         for processor in self._processors:
             logits = processor(self._context, logits)

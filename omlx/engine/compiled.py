@@ -1,0 +1,162 @@
+"""A lone sequence's decode step as one compiled MLX graph. MLX thread only.
+
+Eagerly, every decode step rebuilds the model's graph in Python (hundreds of
+ops, one at a time) and MLX runs each elementwise op as its own kernel. Traced
+once with ``mx.compile``, the step replays without Python and with elementwise
+chains fused: SmolLM2 float32 on the CPU backend decodes ~10% faster (58 vs 65
+ms per token, same tokens), and on a GPU it saves the graph building that the
+pipelined loop hides less well as models get smaller.
+
+A compiled graph needs fixed shapes, so the step runs on the layers' own
+``KVCache`` buffers (allocated in steps of 256 tokens, like ``KVCache`` does):
+the whole buffer goes in, the write position is an array input, and a mask
+hides the columns past it. The buffers stay the caches' own between steps, so
+the batch, the prefix cache and the memory accounting see plain ``KVCache``
+objects at any time; growing a full buffer is the same concatenation
+``KVCache.update_and_fetch`` does. A new buffer size retraces (milliseconds);
+on the CPU backend MLX builds the fused kernels with the system C++ compiler
+once and keeps them under its temp directory.
+
+Qualified: mlx-lm's llama, qwen2 and qwen3 (attention takes the cache's offset
+as an array and asks the cache for its mask) with a RoPE that passes an array
+offset through, every layer a plain ``KVCache``, one token per step, batch 1.
+Anything else decodes eagerly, as does everything when compiling fails once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
+
+log = logging.getLogger(__name__)
+
+# Buffers grow by this many tokens, as KVCache's do (KVCache.step).
+GROW = 256
+
+_MODULES = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"})
+# RoPE classes whose __call__ hands the offset straight to mx.fast.rope (an array
+# works); DynamicNTKScalingRoPE, for one, does Python arithmetic on it.
+_ROPES = (nn.RoPE, Llama3RoPE, SuScaledRoPE, YarnRoPE)
+
+
+class _Slab:
+    """One layer's cache inside the traced step: a fixed-size buffer written at
+    an array position. Only ever holds the traced step's placeholders."""
+
+    def __init__(self) -> None:
+        self.keys: mx.array
+        self.values: mx.array
+        self.offset: mx.array
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        start = self.offset[None]
+        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
+        self.values = mx.slice_update(self.values, values, start, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(
+        self, n: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array:
+        # Called before the layers write: column j is visible to the new token at
+        # position offset when j <= offset (the buffer past it is stale or zero).
+        columns = mx.arange(self.keys.shape[2], dtype=mx.int32)
+        return (columns <= self.offset)[None, None, None, :]
+
+
+def qualifies(model: Any) -> bool:
+    """Whether ``model``'s decode step can be compiled here."""
+    if type(model).__module__ not in _MODULES:
+        return False
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return False
+    rope = getattr(getattr(layers[0], "self_attn", None), "rope", None)
+    return type(rope) in _ROPES
+
+
+class CompiledDecode:
+    """The decode step of one model, traced once per buffer size and replayed
+    for every lone sequence of that model."""
+
+    def __init__(self, model: Any):
+        self._model = model
+        self._slabs = [_Slab() for _ in model.layers]
+        self._step = mx.compile(self._traced)
+        # Buffer sizes whose trace has run once (evaluated then and there, so a
+        # failure to compile shows up where it can still fall back).
+        self._sizes: set[int] = set()
+        self.failed = False
+        self.steps = 0  # steps run compiled
+
+    @staticmethod
+    def for_model(model: Any) -> CompiledDecode | None:
+        return CompiledDecode(model) if qualifies(model) else None
+
+    @staticmethod
+    def accepts(cache: list[Any]) -> bool:
+        """Every layer a plain KVCache holding something (batch 1)."""
+        return all(
+            type(c) is KVCache and c.keys is not None and c.keys.shape[0] == 1 for c in cache
+        )
+
+    def _traced(self, token: mx.array, offset: mx.array, *buffers: mx.array) -> list[mx.array]:
+        for i, slab in enumerate(self._slabs):
+            slab.keys, slab.values, slab.offset = buffers[2 * i], buffers[2 * i + 1], offset
+        logits = self._model(token, cache=self._slabs)[:, -1, :]
+        out = [logits]
+        for slab in self._slabs:
+            out += [slab.keys, slab.values]
+        return out
+
+    def __call__(self, token: mx.array, cache: list[KVCache]) -> mx.array | None:
+        """Logits (1, vocab) after feeding one ``token`` (shape (1,)) into
+        ``cache``, or None (cache untouched) when the step cannot run compiled."""
+        if self.failed:
+            return None
+        offset = cache[0].offset
+        if any(c.offset != offset for c in cache):
+            return None
+        for c in cache:
+            _make_room(c)
+        size = cache[0].keys.shape[2]
+        buffers = []
+        for c in cache:
+            buffers += [c.keys, c.values]
+        new = size not in self._sizes
+        try:
+            out = self._step(token.reshape(1, 1), mx.array(offset, dtype=mx.int32), *buffers)
+            if new:
+                mx.eval(out)
+        except Exception:  # a missing C++ compiler, an op the trace cannot take
+            log.warning("compiled decode unavailable; decoding eagerly", exc_info=True)
+            self.failed = True
+            return None
+        self._sizes.add(size)
+        self.steps += 1
+        del buffers  # the old buffers belong to the graph now: written in place
+        for i, c in enumerate(cache):
+            c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]
+            c.offset += 1
+        return out[0]
+
+
+def _make_room(cache: KVCache) -> None:
+    """Room for one more token, grown as KVCache grows its buffer."""
+    assert cache.keys is not None and cache.values is not None
+    if cache.offset < cache.keys.shape[2]:
+        return
+    live = cache.offset
+    steps = (live + GROW) // GROW
+    shape_k = (*cache.keys.shape[:2], steps * GROW - live, cache.keys.shape[3])
+    shape_v = (*cache.values.shape[:2], steps * GROW - live, cache.values.shape[3])
+    cache.keys = mx.concatenate(
+        [cache.keys[..., :live, :], mx.zeros(shape_k, cache.keys.dtype)], axis=2
+    )
+    cache.values = mx.concatenate(
+        [cache.values[..., :live, :], mx.zeros(shape_v, cache.values.dtype)], axis=2
+    )
