@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 # Buffers grow by this many tokens, as KVCache's do (KVCache.step).
 GROW = 256
+# Traces kept (one per buffer size); past this the compiled function starts over,
+# which frees the old traces (a long conversation passes through many sizes).
+MAX_TRACES = 8
 
 _MODULES = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"})
 # RoPE classes whose __call__ hands the offset straight to mx.fast.rope (an array
@@ -128,6 +131,9 @@ class CompiledDecode:
         for c in cache:
             buffers += [c.keys, c.values]
         new = size not in self._sizes
+        if new and len(self._sizes) >= MAX_TRACES:
+            self._step = mx.compile(self._traced)
+            self._sizes.clear()
         try:
             out = self._step(token.reshape(1, 1), mx.array(offset, dtype=mx.int32), *buffers)
             if new:
