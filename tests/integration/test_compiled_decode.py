@@ -13,7 +13,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx.engine.compiled import CompiledDecode, qualifies
-from omlx.engine.runner import BatchRunner
+from omlx.engine.runner import BatchRunner, make_request_sampler
+from omlx.engine.solo import SoloSequence
 from omlx.scheduler import Request, SamplingParams
 from tests.fixtures.tiny_models import build_tiny_model
 
@@ -140,3 +141,53 @@ def test_llama3_rope_scaling_qualifies_and_matches(tmp_path: Path) -> None:
     runner.add([request("a", prompt, 12)])
     assert tokens_of(runner, "a", 12) == reference(model, prompt, 12)
     assert runner.compiled_decoder is not None and runner.compiled_decoder.steps >= 9
+
+
+def test_a_step_that_cannot_be_traced_leaves_the_sequence_decoding_eagerly(
+    tmp_path: Path,
+) -> None:
+    """Forced onto a model whose RoPE needs a Python offset, the compiled step
+    fails its first run on a scratch cache; the sequence's own cache is never
+    touched by it and decodes eagerly, as mlx-lm would."""
+    path = build_tiny_model(
+        tmp_path / "dyn", "llama", seed=3, rope_scaling={"type": "dynamic", "factor": 2.0}
+    )
+    model, _ = load(str(path))
+    decoder = CompiledDecode(model)
+    prompt = [(13 * i) % 100 + 5 for i in range(20)]
+    greedy = make_request_sampler(SamplingParams(temperature=0.0, max_tokens=8))
+    sequence = SoloSequence(model, "a", prompt, greedy, [], 64, decoder=decoder)
+    got: list[int] = []
+    while len(got) < 8:
+        token = sequence.step()
+        if token is not None:
+            got.append(token)
+    assert got == reference(model, prompt, 8)
+    assert decoder.failed and decoder.steps == 0
+
+
+def test_each_step_writes_its_token_into_the_buffers_in_place(tiny_models_dir: Path) -> None:
+    """No step copies the cache, not even the one that traces a new buffer size:
+    a copy would hold a long context's KV twice for a moment."""
+    model, _ = load(str(tiny_models_dir / "tiny-llama"))
+    decoder = CompiledDecode(model)
+    cache = make_prompt_cache(model)
+    model(mx.array([[(7 * i) % 200 + 3 for i in range(1016)]]), cache=cache)
+    token = mx.array([5])
+    logits = decoder(token, cache)  # the scratch run and this buffer size's trace
+    assert logits is not None
+    token = mx.argmax(logits, axis=-1)
+    mx.eval(token, [c.state for c in cache])
+    assert cache[0].keys.shape[2] == 1024
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    for _ in range(16):  # 1017 -> 1033 tokens: the buffer grows to 1280 on the way
+        logits = decoder(token, cache)
+        assert logits is not None
+        token = mx.argmax(logits, axis=-1)
+        mx.eval(token)
+    grown = sum(c.keys.nbytes + c.values.nbytes for c in cache)
+    assert cache[0].offset == 1033 and cache[0].keys.shape[2] == 1280
+    # Growing allocates the new buffers once (the old ones are freed after); a
+    # copy by any step would allocate them again.
+    assert mx.get_peak_memory() - before < 1.5 * grown
