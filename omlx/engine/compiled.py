@@ -90,8 +90,7 @@ class CompiledDecode:
 
     def __init__(self, model: Any):
         self._model = model
-        self._slabs = [_Slab() for _ in model.layers]
-        self._step = mx.compile(self._traced)
+        self._step = _compile(model)
         self._sizes: set[int] = set()  # buffer sizes traced
         self._proven = False
         self.failed = False
@@ -108,15 +107,6 @@ class CompiledDecode:
             type(c) is KVCache and c.keys is not None and c.keys.shape[0] == 1 for c in cache
         )
 
-    def _traced(self, token: mx.array, offset: mx.array, *buffers: mx.array) -> list[mx.array]:
-        for i, slab in enumerate(self._slabs):
-            slab.keys, slab.values, slab.offset = buffers[2 * i], buffers[2 * i + 1], offset
-        logits = self._model(token, cache=self._slabs)[:, -1, :]
-        out = [logits]
-        for slab in self._slabs:
-            out += [slab.keys, slab.values]
-        return out
-
     def __call__(self, token: mx.array, cache: list[KVCache]) -> mx.array | None:
         """Logits (1, vocab) after feeding one ``token`` (shape (1,)) into
         ``cache``, or None (cache untouched) when the step cannot run compiled."""
@@ -129,7 +119,7 @@ class CompiledDecode:
             _make_room(c)
         size = cache[0].keys.shape[2]
         if size not in self._sizes and len(self._sizes) >= MAX_TRACES:
-            self._step = mx.compile(self._traced)
+            self._step = _compile(self._model)
             self._sizes.clear()
         buffers = []
         for c in cache:
@@ -173,6 +163,25 @@ class CompiledDecode:
             log.warning("compiled decode disagrees with the eager forward; decoding eagerly")
         self._proven, self.failed = ok, not ok
         return ok
+
+
+def _compile(model: Any) -> Any:
+    """The model's decode step, compiled. The traced function holds the model
+    but not the decoder: MLX's compiled function cannot take part in Python's
+    cycle collection, so a cycle through it would keep the weights alive after
+    the model is unloaded."""
+    slabs = [_Slab() for _ in model.layers]
+
+    def traced(token: mx.array, offset: mx.array, *buffers: mx.array) -> list[mx.array]:
+        for i, slab in enumerate(slabs):
+            slab.keys, slab.values, slab.offset = buffers[2 * i], buffers[2 * i + 1], offset
+        logits = model(token, cache=slabs)[:, -1, :]
+        out = [logits]
+        for slab in slabs:
+            out += [slab.keys, slab.values]
+        return out
+
+    return mx.compile(traced)
 
 
 def _room_buffers(cache: list[KVCache]) -> list[mx.array]:
