@@ -191,4 +191,3 @@ def test_each_step_writes_its_token_into_the_buffers_in_place(tiny_models_dir: P
     # Growing allocates the new buffers once (the old ones are freed after); a
     # copy by any step would allocate them again.
     assert mx.get_peak_memory() - before < 1.5 * grown
-
