@@ -1,0 +1,77 @@
+"""Single-stream decode, interleaved: omlx against peers, request by request.
+
+The peer table runs one server at a time, minutes apart; on a shared 2-core VM the
+host drifts by +-10-15% between them, as much as the differences in the
+single-stream row. Here every server is started at once (idle servers only hold
+memory), warmed with one request, and then sent one streaming request each in
+turn, the order rotating every pair, so each pair is measured within seconds.
+
+    .venv/bin/python benchmarks/peers/ab_single.py --servers omlx,rapid-mlx --pairs 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import peer_servers as ps
+from peer_client import PeerClient, nonce
+from prompts import decode_messages
+from run_peers import MODEL, ensure_model, make_spec
+
+
+async def one(base_url: str, model: str, tokens: int) -> float:
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
+        r = await PeerClient(http, model).chat(decode_messages(0, nonce()), tokens)
+    return (r.completion_tokens - 1) / r.decode_s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--servers", default="omlx,rapid-mlx", help="comma list, omlx first")
+    ap.add_argument("--pairs", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--peer-venvs", type=Path, default=Path("/tmp/omlx-peers/venvs"))
+    args = ap.parse_args()
+    names = args.servers.split(",")
+    base = Path(tempfile.mkdtemp(prefix="omlx-ab-"))
+    models = ensure_model(base)
+    running = []
+    try:
+        for name in names:
+            spec = make_spec(name, models, ps.free_port(), args.peer_venvs)
+            running.append(ps.RunningServer(spec, base / f"{name}.log"))
+        for server in running:  # warm-up: model load, first kernels
+            asyncio.run(one(server.spec.base_url, server.spec.model, 8))
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(args.pairs):
+            order = running[i % len(running) :] + running[: i % len(running)]
+            for server in order:
+                rate = asyncio.run(one(server.spec.base_url, server.spec.model, args.tokens))
+                rates[server.spec.name].append(rate)
+        first = names[0]
+        print(f"{MODEL}, {args.tokens} tokens, {args.pairs} interleaved requests per server")
+        for name in names:
+            values = " ".join(f"{v:.1f}" for v in rates[name])
+            print(f"{name:10s} median {statistics.median(rates[name]):6.2f} tok/s   {values}")
+        for name in names[1:]:
+            ratios = [a / b for a, b in zip(rates[first], rates[name], strict=True)]
+            print(
+                f"{first}/{name}: median of per-pair ratios {statistics.median(ratios):.3f} "
+                f"({' '.join(f'{r:.2f}' for r in ratios)})"
+            )
+    finally:
+        for server in running:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
