@@ -156,11 +156,11 @@ class CompiledDecode:
             want = self._model(token.reshape(1, 1), cache=eager)[:, -1, :]
             ok = bool(mx.allclose(got, want, rtol=1e-3, atol=1e-3).item())
             self._sizes.add(compiled[0].keys.shape[2])
+            if not ok:
+                log.warning("compiled decode disagrees with the eager forward; decoding eagerly")
         except Exception:
             log.warning("compiled decode unavailable; decoding eagerly", exc_info=True)
             ok = False
-        if not ok:
-            log.warning("compiled decode disagrees with the eager forward; decoding eagerly")
         self._proven, self.failed = ok, not ok
         return ok
 

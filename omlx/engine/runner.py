@@ -106,6 +106,8 @@ class BatchRunner:
     prefill together (``PrefillBatch``) and every sequence past its prompt
     decodes in one ``DecodeBatch``; a solo sequence moves over with its cache.
     The scheduler bounds how many run at once (``max_concurrent_requests``).
+    ``compiled``: a lone sequence's decode steps replay one compiled graph when the
+    model qualifies (compiled.py).
     """
 
     def __init__(

@@ -3,8 +3,9 @@
 At batch size 1, a batched cache and its per-step attention mask cost ~15% of
 decode speed against mlx-lm's ``generate_step``. A lone request therefore runs
 here on a plain prompt cache, pipelined like ``generate_step`` (the next token
-computes while the current one is handed out), and moves into the batch
-(batch.py) with its cache as soon as a second request arrives.
+computes while the current one is handed out), its decode steps compiled when
+the model qualifies (compiled.py), and moves into the batch (batch.py) with its
+cache as soon as a second request arrives.
 """
 
 from __future__ import annotations
@@ -137,8 +138,8 @@ class SoloSequence:
             self._cached.extend(self._prompt)
             self._prompt = []
             token = y.item()
-            # Lazy, evaluated by the next step; eager, as a compiled step may run its
-            # first trace here and then (synchronously) before the token goes out.
+            # Lazy, evaluated by the next step. Eager: the compiled step's first call
+            # (its proof run, or a trace for a new buffer size) would hold the token.
             self._y = self._forward(y, compiled=False)
         else:
             y = self._y
