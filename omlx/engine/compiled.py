@@ -115,15 +115,11 @@ class CompiledDecode:
         offset = cache[0].offset
         if any(c.offset != offset for c in cache):
             return None
-        for c in cache:
-            _make_room(c)
+        buffers = _room_buffers(cache)
         size = cache[0].keys.shape[2]
         if size not in self._sizes and len(self._sizes) >= MAX_TRACES:
             self._step = _compile(self._model)
             self._sizes.clear()
-        buffers = []
-        for c in cache:
-            buffers += [c.keys, c.values]
         try:  # a new size traces here: an error leaves the cache as it was
             out = self._step(token.reshape(1, 1), mx.array(offset, dtype=mx.int32), *buffers)
         except Exception:
@@ -185,6 +181,7 @@ def _compile(model: Any) -> Any:
 
 
 def _room_buffers(cache: list[KVCache]) -> list[mx.array]:
+    """Each layer's keys and values buffers, with room for one more token."""
     buffers = []
     for c in cache:
         _make_room(c)

@@ -290,8 +290,7 @@ class BatchRunner:
         self._unreported = [t for t in self._unreported if t.request_id not in request_ids]
         keep_caches = self._prefix is not None
         with mx.stream(self._stream):
-            for rid, held in self._prefill.remove(request_ids, extract=keep_caches).items():
-                leaving[rid] = held
+            leaving.update(self._prefill.remove(request_ids, extract=keep_caches))
             for rid, layers in self._decode.remove(request_ids, extract=keep_caches).items():
                 leaving[rid] = (layers, _cache_length(layers))
         for rid, held in leaving.items():
