@@ -22,6 +22,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
 
+from omlx.engine.compiled import CompiledBatchStep
+
 Sampler = Callable[[mx.array], mx.array]
 
 # Free MLX's buffer cache now and then, as mlx-lm's generation loops do.
@@ -184,8 +186,15 @@ class DecodeBatch:
     each step's tokens leave at its end.
     """
 
-    def __init__(self, model: Any, *, pipelined: bool | None = None):
+    def __init__(
+        self,
+        model: Any,
+        *,
+        pipelined: bool | None = None,
+        compiled: CompiledBatchStep | None = None,
+    ):
         self._model = model
+        self._compiled = compiled
         if pipelined is None:
             pipelined = mx.default_device().type == mx.DeviceType.gpu
         self._pipelined = pipelined
@@ -195,6 +204,8 @@ class DecodeBatch:
         self._feed: mx.array | None = None
         self._fresh: list[bool] = []
         self._num_steps = 0
+        # Rows joined since the last step (whose first tokens it samples).
+        self._joined = False
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -221,6 +232,7 @@ class DecodeBatch:
             self._feed = mx.concatenate([self._feed, mx.array(feed, dtype=self._feed.dtype)])
         self.rows.extend(rows)
         self._fresh.extend([False] * len(rows))
+        self._joined = True
 
     def step(self) -> list[tuple[str, int]]:
         """One forward of every row; the (request id, token) pairs handed out."""
@@ -228,7 +240,13 @@ class DecodeBatch:
             return []
         feed = self._feed
         assert feed is not None
-        logits = self._model(feed[:, None], cache=self._cache)[:, -1, :]
+        logits = None
+        if self._compiled is not None:
+            # Never prove on a step that hands out first tokens.
+            logits = self._compiled(feed, self._cache, prove=not self._joined)
+        self._joined = False
+        if logits is None:
+            logits = self._model(feed[:, None], cache=self._cache)[:, -1, :]
         sampled = self._sample(logits, feed)
         if self._pipelined:
             mx.async_eval(sampled)

@@ -32,7 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
 
 log = logging.getLogger(__name__)
@@ -204,3 +204,229 @@ def _make_room(cache: KVCache) -> None:
     cache.values = mx.concatenate(
         [cache.values[..., :live, :], mx.zeros(shape_v, cache.values.dtype)], axis=2
     )
+
+
+# ---------------------------------------------------------------------------
+# The batched decode step: each layer's work before and after attention,
+# compiled once per batch size and shared by every layer.
+
+
+def batch_qualifies(model: Any) -> bool:
+    """Whether ``model``'s batched decode step can run layer by layer compiled:
+    a qualified architecture whose projections are plain ``nn.Linear`` (float
+    weights) and whose layers all use full attention."""
+    if not qualifies(model):
+        return False
+    for layer in model.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or getattr(layer, "use_sliding", False):
+            return False
+        projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(type(p) is not nn.Linear for p in projections):
+            return False
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
+        if any(type(n) is not nn.RMSNorm for n in norms):
+            return False
+    return True
+
+
+class CompiledBatchStep:
+    """The decode step of a batch (one token per row, every layer a
+    ``BatchKVCache``), with each layer's projections, norms, RoPE and MLP in two
+    compiled functions and the cache write and attention eager in between.
+
+    Attention is left out of the traced functions because its shape grows every
+    step; the rest has the batch's shape only, so one trace per batch size serves
+    every layer (the layer's weights are inputs, not constants). On the CPU
+    backend this fuses what the eager step runs as dozens of small kernels per
+    layer (RoPE alone is ~15): SmolLM2 float32, 8 rows at ~100 tokens of
+    context, 78 -> 71 ms per step, logits bit-equal to mlx-lm's forward.
+    The math is mlx-lm's: the same ops in the same order, the same
+    ``mx.fast.scaled_dot_product_attention`` and mask. Before its first step it
+    runs once on a two-row scratch batch and must match the eager forward's
+    logits, else the model's batch decodes eagerly.
+    """
+
+    def __init__(self, model: Any):
+        self._model = model
+        self._pre, self._post = _compile_layer(model)
+        self._sizes: set[int] = set()
+        self._proven = False
+        self.failed = False
+        self.steps = 0  # steps run compiled
+
+    @staticmethod
+    def for_model(model: Any) -> CompiledBatchStep | None:
+        return CompiledBatchStep(model) if batch_qualifies(model) else None
+
+    @staticmethod
+    def accepts(cache: list[Any]) -> bool:
+        return bool(cache) and all(type(c) is BatchKVCache for c in cache)
+
+    def __call__(
+        self, tokens: mx.array, cache: list[Any], *, prove: bool = True
+    ) -> mx.array | None:
+        """Logits (rows, vocab) after feeding ``tokens`` (shape (rows,)) into the
+        batch ``cache``, or None (cache untouched) when the step cannot run.
+        Without ``prove``, a step that would have to run the proof first
+        (once per model, ~0.2 s for SmolLM2 on the CPU backend) returns None."""
+        if self.failed or not self.accepts(cache):
+            return None
+        if not (self._proven or (prove and self._prove())):
+            return None
+        rows = tokens.shape[0]
+        if rows not in self._sizes and len(self._sizes) >= MAX_BATCH_TRACES:
+            self._pre, self._post = _compile_layer(self._model)
+            self._sizes.clear()
+        self._sizes.add(rows)
+        self.steps += 1
+        return self._forward(tokens, cache)
+
+    def _forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        model = self._model
+        inner = model.model
+        x = inner.embed_tokens(tokens)  # (rows, hidden)
+        mask = cache[0].make_mask(1)
+        offset = cache[0].offset
+        for layer, c in zip(inner.layers, cache, strict=True):
+            attn = layer.self_attn
+            q, k, v = self._pre(x, offset, *_pre_weights(layer))
+            keys, values = c.update_and_fetch(k, v)
+            o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
+            x = self._post(x, o, *_post_weights(layer))
+        x = inner.norm(x)
+        if model.args.tie_word_embeddings:
+            return inner.embed_tokens.as_linear(x)
+        return model.lm_head(x)
+
+    @property
+    def proven(self) -> bool:
+        return self._proven
+
+    def _prove(self) -> bool:
+        """Feed one token to two copies of a two-row scratch batch (rows of
+        different lengths, so the left padding and the mask are in play), one
+        compiled and one eager, and compare the logits."""
+        model = self._model
+        cache = [BatchKVCache(left_padding=[0, 2]) for _ in model.layers]
+        model(mx.array([[0, 1, 2], [0, 0, 3]]), cache=cache)
+        copy = [_copy_batch_cache(c) for c in cache]
+        tokens = mx.array([4, 5])
+        try:
+            got = self._forward(tokens, cache)
+            want = model(tokens[:, None], cache=copy)[:, -1, :]
+            ok = bool(mx.allclose(got, want, rtol=1e-3, atol=1e-3).item())
+            self._sizes.add(2)
+            if not ok:
+                log.warning("compiled batch step disagrees with the eager forward; eager")
+        except Exception:
+            log.warning("compiled batch step unavailable; decoding eagerly", exc_info=True)
+            ok = False
+        self._proven, self.failed = ok, not ok
+        return ok
+
+
+def _copy_batch_cache(cache: BatchKVCache) -> BatchKVCache:
+    out = BatchKVCache(left_padding=[0] * cache.left_padding.shape[0])
+    out.keys, out.values = mx.array(cache.keys), mx.array(cache.values)
+    out.left_padding, out.offset = mx.array(cache.left_padding), mx.array(cache.offset)
+    out._idx = cache._idx
+    return out
+
+
+# Traces kept (one per batch size) before the compiled functions start over.
+MAX_BATCH_TRACES = 32
+
+
+def _linear(x: mx.array, weight: mx.array, bias: mx.array | None) -> mx.array:
+    # nn.Linear's own arithmetic.
+    return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
+
+
+def _pre_weights(layer: Any) -> tuple[Any, ...]:
+    a = layer.self_attn
+    norms = (a.q_norm.weight, a.k_norm.weight) if hasattr(a, "q_norm") else (None, None)
+    return (
+        layer.input_layernorm.weight,
+        a.q_proj.weight,
+        a.q_proj.get("bias"),
+        a.k_proj.weight,
+        a.k_proj.get("bias"),
+        a.v_proj.weight,
+        a.v_proj.get("bias"),
+        *norms,
+    )
+
+
+def _post_weights(layer: Any) -> tuple[Any, ...]:
+    a, m = layer.self_attn, layer.mlp
+    return (
+        a.o_proj.weight,
+        a.o_proj.get("bias"),
+        layer.post_attention_layernorm.weight,
+        m.gate_proj.weight,
+        m.gate_proj.get("bias"),
+        m.up_proj.weight,
+        m.up_proj.get("bias"),
+        m.down_proj.weight,
+        m.down_proj.get("bias"),
+    )
+
+
+def _compile_layer(model: Any) -> tuple[Any, Any]:
+    """A layer's work before attention (norm, q/k/v, their norms, RoPE) and
+    after it (o_proj, residual, norm, MLP, residual), compiled. The traced
+    functions hold the head layout, the norms' eps and the RoPE module, not the
+    model (see ``_compile``)."""
+    layer0 = model.layers[0]
+    attn = layer0.self_attn
+    rope = attn.rope
+    heads, kv_heads = attn.n_heads, attn.n_kv_heads
+    head_dim = attn.q_proj.weight.shape[0] // heads
+    eps = layer0.input_layernorm.eps
+    post_eps = layer0.post_attention_layernorm.eps
+    qk_eps = attn.q_norm.eps if hasattr(attn, "q_norm") else 0.0
+
+    def pre(
+        x: mx.array,
+        offset: mx.array,
+        norm: mx.array,
+        wq: mx.array,
+        bq: mx.array | None,
+        wk: mx.array,
+        bk: mx.array | None,
+        wv: mx.array,
+        bv: mx.array | None,
+        q_norm: mx.array | None,
+        k_norm: mx.array | None,
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        rows = x.shape[0]
+        h = mx.fast.rms_norm(x, norm, eps)
+        q = _linear(h, wq, bq).reshape(rows, heads, 1, head_dim)
+        k = _linear(h, wk, bk).reshape(rows, kv_heads, 1, head_dim)
+        v = _linear(h, wv, bv).reshape(rows, kv_heads, 1, head_dim)
+        if q_norm is not None and k_norm is not None:
+            q = mx.fast.rms_norm(q, q_norm, qk_eps)
+            k = mx.fast.rms_norm(k, k_norm, qk_eps)
+        return rope(q, offset=offset), rope(k, offset=offset), v
+
+    def post(
+        x: mx.array,
+        attended: mx.array,
+        wo: mx.array,
+        bo: mx.array | None,
+        norm: mx.array,
+        wg: mx.array,
+        bg: mx.array | None,
+        wu: mx.array,
+        bu: mx.array | None,
+        wd: mx.array,
+        bd: mx.array | None,
+    ) -> mx.array:
+        h = x + _linear(attended.reshape(x.shape[0], -1), wo, bo)
+        r = mx.fast.rms_norm(h, norm, post_eps)
+        return h + _linear(nn.silu(_linear(r, wg, bg)) * _linear(r, wu, bu), wd, bd)
+
+    return mx.compile(pre), mx.compile(post)

@@ -27,7 +27,7 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from omlx.cache.prefix import CacheHit, PrefixCache
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, Sampler, merge_caches
-from omlx.engine.compiled import CompiledDecode
+from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
 from omlx.engine.solo import SoloSequence
 from omlx.grammar.processor import Draw, greedy_draw, temperature_draw
 from omlx.scheduler import Request, SamplingParams, TokenOutput
@@ -106,8 +106,9 @@ class BatchRunner:
     prefill together (``PrefillBatch``) and every sequence past its prompt
     decodes in one ``DecodeBatch``; a solo sequence moves over with its cache.
     The scheduler bounds how many run at once (``max_concurrent_requests``).
-    ``compiled``: a lone sequence's decode steps replay one compiled graph when the
-    model qualifies (compiled.py).
+    ``compiled``: a lone sequence's decode steps replay one compiled graph, and the
+    batch's steps run each layer's work around attention compiled, when the model
+    qualifies (compiled.py).
     """
 
     def __init__(
@@ -126,9 +127,11 @@ class BatchRunner:
         self._stream = stream
         self._pipelined = pipelined
         self._prefill = PrefillBatch(model, prefill_step_size)
-        self._decode = DecodeBatch(model, pipelined=pipelined)
-        # A lone sequence's decode step, compiled (None when the model does not qualify).
+        # A lone sequence's decode step and the batch's, compiled (None when the
+        # model does not qualify).
         self._decoder = CompiledDecode.for_model(model) if compiled else None
+        self._batch_step = CompiledBatchStep.for_model(model) if compiled else None
+        self._decode = DecodeBatch(model, pipelined=pipelined, compiled=self._batch_step)
         # On a Mac, keep the weights wired as mlx-lm's generators do (None elsewhere).
         self._old_wired_limit = maybe_set_recommended_wired_limit()
         # A lone request runs unbatched (see solo.py); None while batching.
@@ -151,6 +154,11 @@ class BatchRunner:
     def compiled_decoder(self) -> CompiledDecode | None:
         """The compiled decode step of lone sequences (None: they decode eagerly)."""
         return self._decoder
+
+    @property
+    def compiled_batch_step(self) -> CompiledBatchStep | None:
+        """The batch's compiled decode step (None: the batch decodes eagerly)."""
+        return self._batch_step
 
     @property
     def has_work(self) -> bool:
@@ -399,7 +407,9 @@ class BatchRunner:
         self._prompt_len.clear()
         self._deferred.clear()
         self._prefill = PrefillBatch(self._model, self._prefill_step_size)
-        self._decode = DecodeBatch(self._model, pipelined=self._pipelined)
+        self._decode = DecodeBatch(
+            self._model, pipelined=self._pipelined, compiled=self._batch_step
+        )
         self._solo = self._solo_request = None
         self._side.clear()
         self._unreported.clear()

@@ -1,0 +1,178 @@
+"""The batch's decode step runs each layer's work around attention compiled
+(omlx/engine/compiled.py, ``CompiledBatchStep``), on real (tiny, random) mlx-lm
+models: the same logits and caches as mlx-lm's forward, the same tokens as
+mlx-lm's own loop for every row, whatever the rows' lengths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+from omlx.engine.batch import merge_caches
+from omlx.engine.compiled import CompiledBatchStep, batch_qualifies
+from omlx.engine.runner import BatchRunner
+from omlx.scheduler import Request, SamplingParams
+from tests.fixtures.tiny_models import build_tiny_model
+
+PROMPTS = {
+    "a": [(7 * i) % 200 + 3 for i in range(41)],
+    "b": [(5 * i) % 150 + 2 for i in range(17)],
+    "c": [(3 * i) % 120 + 9 for i in range(29)],
+}
+
+
+def reference(model, prompt: list[int], n: int) -> list[int]:
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def request(rid: str, prompt: list[int], n: int) -> Request:
+    return Request(rid, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=n))
+
+
+def make_runner(model, compiled: bool = True) -> BatchRunner:
+    return BatchRunner(model, prefill_step_size=64, stream=mx.new_stream(mx.cpu), compiled=compiled)
+
+
+def collect(
+    runner: BatchRunner,
+    want: dict[str, int],
+    got: dict[str, list[int]] | None = None,
+    max_steps: int = 200,
+) -> dict[str, list[int]]:
+    """Step until each request in ``want`` has that many tokens (appended to
+    ``got``, which keeps every request's tokens across calls)."""
+    got = {} if got is None else got
+    for rid in want:
+        got.setdefault(rid, [])
+    for _ in range(max_steps):
+        for t in runner.step():
+            got.setdefault(t.request_id, []).append(t.token_id)
+        if all(len(got[rid]) >= n for rid, n in want.items()):
+            return {rid: got[rid][: want[rid]] for rid in want}
+    raise AssertionError(f"short: { {rid: len(v) for rid, v in got.items()} }")
+
+
+MODELS = {
+    "llama": ("llama", {}),
+    "qwen3": ("qwen3", {}),
+    # Biases on q/k/v (qwen2's attention) and a head tied to the embeddings.
+    "qwen2": ("llama", {"model_type": "qwen2", "tie_word_embeddings": True}),
+    # Biases on every projection, attention and MLP.
+    "llama-biases": ("llama", {"attention_bias": True, "mlp_bias": True}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request, tmp_path_factory):
+    arch, overrides = MODELS[request.param]
+    path = build_tiny_model(tmp_path_factory.mktemp(request.param), arch, seed=7, **overrides)
+    loaded, _ = load(str(path))
+    assert batch_qualifies(loaded)
+    return loaded
+
+
+def batch_of(model, prompts: list[list[int]]) -> list[BatchKVCache]:
+    rows = []
+    for prompt in prompts:
+        cache = make_prompt_cache(model)
+        model(mx.array(prompt)[None], cache=cache)
+        rows.append(cache)
+    return merge_caches(rows)
+
+
+def test_logits_and_caches_equal_mlx_lms_forward(model) -> None:
+    """Rows of different lengths (left padding, a mask) through 6 steps: the
+    compiled step's logits and caches are mlx-lm's, bit for bit."""
+    prompts = list(PROMPTS.values())
+    step = CompiledBatchStep(model)
+    compiled, eager = batch_of(model, prompts), batch_of(model, prompts)
+    tokens = mx.array([11, 12, 13])
+    for _ in range(6):
+        got = step(tokens, compiled)
+        assert got is not None
+        want = model(tokens[:, None], cache=eager)[:, -1, :]
+        assert mx.array_equal(got, want).item()
+        tokens = mx.argmax(want, axis=-1)
+    assert step.proven and step.steps == 6
+    for c, e in zip(compiled, eager, strict=True):
+        assert type(c) is BatchKVCache and c._idx == e._idx
+        assert mx.array_equal(c.offset, e.offset).item()
+        assert mx.array_equal(c.keys[..., : c._idx, :], e.keys[..., : e._idx, :]).item()
+        assert mx.array_equal(c.values[..., : c._idx, :], e.values[..., : e._idx, :]).item()
+
+
+def test_a_batch_decodes_compiled_with_mlx_lms_tokens_for_every_row(model) -> None:
+    """Three requests prefill and decode together, a fourth joins mid-decode
+    (the batch grows to a size not traced yet): every row's tokens are mlx-lm's
+    for that prompt alone."""
+    runner = make_runner(model)
+    runner.add([request(rid, p, 16) for rid, p in PROMPTS.items()])
+    got: dict[str, list[int]] = {}
+    collect(runner, {"a": 5}, got)
+    late = [(11 * i) % 170 + 6 for i in range(23)]
+    runner.add([request("d", late, 10)])
+    collect(runner, {"a": 11, "b": 11, "c": 11, "d": 10}, got)
+    step = runner.compiled_batch_step
+    assert step is not None and step.proven and not step.failed
+    assert step.steps >= 10
+    for rid, prompt in PROMPTS.items():
+        assert got[rid][:11] == reference(model, prompt, 16)[:11], rid
+    assert got["d"][:10] == reference(model, late, 10)
+
+
+def test_the_proof_never_delays_first_tokens(tiny_models_dir: Path) -> None:
+    """The one-time check against the eager forward runs on a later step, not on
+    the step that samples the batch's first tokens."""
+    model, _ = load(str(tiny_models_dir / "tiny-llama"))
+    runner = make_runner(model)
+    runner.add([request(rid, p, 8) for rid, p in PROMPTS.items()])
+    step = runner.compiled_batch_step
+    assert step is not None
+    firsts = runner.step()
+    assert {t.request_id for t in firsts} == set(PROMPTS)
+    assert not step.proven and step.steps == 0
+    runner.step()
+    assert step.proven and step.steps == 1
+
+
+def test_models_outside_it_decode_their_batch_eagerly(tmp_path: Path) -> None:
+    """Quantized projections and another architecture: no compiled batch step,
+    and the batch still gives mlx-lm's tokens."""
+    llama, _ = load(str(build_tiny_model(tmp_path / "l", "llama", seed=2)))
+    nn.quantize(llama, group_size=32, bits=8)
+    gemma, _ = load(str(build_tiny_model(tmp_path / "g", "gemma3_text", seed=4)))
+    for model in (llama, gemma):
+        assert not batch_qualifies(model)
+        runner = make_runner(model)
+        assert runner.compiled_batch_step is None
+        runner.add([request(rid, p, 6) for rid, p in PROMPTS.items()])
+        got = collect(runner, dict.fromkeys(PROMPTS, 6))
+        for rid, prompt in PROMPTS.items():
+            assert got[rid] == reference(model, prompt, 6), rid
+
+
+def test_a_step_that_disagrees_with_the_eager_forward_leaves_the_batch_eager(
+    tmp_path: Path,
+) -> None:
+    """Forced onto gemma3 (whose norms add one to their weights and whose
+    embeddings are scaled: not the math the compiled step knows), the proof on
+    its scratch batch disagrees with mlx-lm; the batch's own caches are never
+    touched by it and every row decodes eagerly, as mlx-lm would."""
+    path = build_tiny_model(tmp_path / "g", "gemma3_text", seed=4, sliding_window_pattern=1)
+    model, _ = load(str(path))
+    assert not batch_qualifies(model)
+    step = CompiledBatchStep(model)
+    runner = make_runner(model)
+    runner._batch_step = step  # what the runner would hold had the model qualified
+    runner._decode = type(runner._decode)(model, pipelined=False, compiled=step)
+    runner.add([request(rid, p, 8) for rid, p in PROMPTS.items()])
+    got = collect(runner, dict.fromkeys(PROMPTS, 8))
+    assert step.failed and not step.proven and step.steps == 0
+    for rid, prompt in PROMPTS.items():
+        assert got[rid] == reference(model, prompt, 8), rid
