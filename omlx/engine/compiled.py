@@ -1,4 +1,5 @@
-"""A lone sequence's decode step as one compiled MLX graph. MLX thread only.
+"""Compiled decode steps: a lone sequence's as one MLX graph, and the batch's
+layer by layer (``CompiledBatchStep``, at the end of this module). MLX thread only.
 
 Eagerly, every decode step rebuilds the model's graph in Python (hundreds of
 ops, one at a time) and MLX runs each elementwise op as its own kernel. Traced
@@ -289,10 +290,12 @@ class CompiledBatchStep:
         inner = model.model
         x = inner.embed_tokens(tokens)  # (rows, hidden)
         mask = cache[0].make_mask(1)
-        offset = cache[0].offset
         for layer, c in zip(inner.layers, cache, strict=True):
             attn = layer.self_attn
-            q, k, v = self._pre(x, offset, *_pre_weights(layer))
+            # Each layer's own offset (equal across layers), as mlx-lm's forward
+            # reads it: the cache replaces it with offset + 1 on every write, and
+            # one nobody reads would grow into an unevaluated chain, a node per step.
+            q, k, v = self._pre(x, c.offset, *_pre_weights(layer))
             keys, values = c.update_and_fetch(k, v)
             o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
             x = self._post(x, o, *_post_weights(layer))

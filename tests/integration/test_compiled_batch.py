@@ -5,6 +5,7 @@ mlx-lm's own loop for every row, whatever the rows' lengths."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import mlx.core as mx
@@ -105,6 +106,31 @@ def test_logits_and_caches_equal_mlx_lms_forward(model) -> None:
         assert mx.array_equal(c.offset, e.offset).item()
         assert mx.array_equal(c.keys[..., : c._idx, :], e.keys[..., : e._idx, :]).item()
         assert mx.array_equal(c.values[..., : c._idx, :], e.values[..., : e._idx, :]).item()
+
+
+def pending_ops(array: mx.array) -> int:
+    """Operations still to run for ``array`` (0 once it is evaluated)."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, array)
+    return dot.getvalue().count("shape=rectangle")
+
+
+def test_no_cache_state_piles_up_unevaluated_between_steps(model) -> None:
+    """Each step evaluates what the next one builds on: after 40 steps every
+    layer's keys and values are evaluated and its offset is one addition away
+    (a chain growing by a node per step and layer is memory that grows for as
+    long as the batch runs; the load test's RSS bound caught one)."""
+    step = CompiledBatchStep(model)
+    cache = batch_of(model, list(PROMPTS.values()))
+    tokens = mx.array([11, 12, 13])
+    for _ in range(40):
+        logits = step(tokens, cache)
+        assert logits is not None
+        tokens = mx.argmax(logits, axis=-1)
+        mx.eval(tokens)
+    for layer in cache:
+        assert pending_ops(layer.keys) == pending_ops(layer.values) == 0
+        assert pending_ops(layer.offset) <= 2  # offset + 1 (a broadcast and an add)
 
 
 def test_a_batch_decodes_compiled_with_mlx_lms_tokens_for_every_row(model) -> None:
