@@ -313,11 +313,11 @@ class CompiledBatchStep:
         different lengths, so the left padding and the mask are in play), one
         compiled and one eager, and compare the logits."""
         model = self._model
-        cache = [BatchKVCache(left_padding=[0, 2]) for _ in model.layers]
-        model(mx.array([[0, 1, 2], [0, 0, 3]]), cache=cache)
-        copy = [_copy_batch_cache(c) for c in cache]
         tokens = mx.array([4, 5])
         try:
+            cache = [BatchKVCache(left_padding=[0, 2]) for _ in model.layers]
+            model(mx.array([[0, 1, 2], [0, 0, 3]]), cache=cache)
+            copy = [_copy_batch_cache(c) for c in cache]
             got = self._forward(tokens, cache)
             want = model(tokens[:, None], cache=copy)[:, -1, :]
             ok = bool(mx.allclose(got, want, rtol=1e-3, atol=1e-3).item())
