@@ -85,17 +85,61 @@ def qualifies(model: Any) -> bool:
     return type(rope) in _ROPES
 
 
-class CompiledDecode:
-    """The decode step of one model, traced once per buffer size and replayed
-    for every lone sequence of that model."""
+class _CompiledStep:
+    """What both compiled steps keep: the shapes traced (past ``max_traces`` the
+    compiled functions start over, which frees the old traces), whether the
+    one-time proof against the eager forward passed or failed (then the model
+    decodes eagerly from then on), and how many steps ran compiled."""
+
+    max_traces: int
+    name: str
 
     def __init__(self, model: Any):
         self._model = model
-        self._step = _compile(model)
-        self._sizes: set[int] = set()  # buffer sizes traced
+        self._sizes: set[int] = set()  # shapes traced (buffer sizes or batch sizes)
         self._proven = False
         self.failed = False
         self.steps = 0  # steps run compiled
+        self._compile()
+
+    @property
+    def proven(self) -> bool:
+        return self._proven
+
+    def _compile(self) -> None:
+        raise NotImplementedError
+
+    def _check(self) -> bool:
+        """Compiled and eager logits on a scratch cache agree."""
+        raise NotImplementedError
+
+    def _cap_traces(self, size: int) -> None:
+        """Before a step of ``size``: start over if a new trace would pass the cap."""
+        if size not in self._sizes and len(self._sizes) >= self.max_traces:
+            self._compile()
+            self._sizes.clear()
+
+    def _prove(self) -> bool:
+        try:
+            ok = self._check()
+            if not ok:
+                log.warning("%s disagrees with the eager forward; decoding eagerly", self.name)
+        except Exception:
+            log.warning("%s unavailable; decoding eagerly", self.name, exc_info=True)
+            ok = False
+        self._proven, self.failed = ok, not ok
+        return ok
+
+
+class CompiledDecode(_CompiledStep):
+    """The decode step of one model, traced once per buffer size and replayed
+    for every lone sequence of that model."""
+
+    max_traces = MAX_TRACES
+    name = "compiled decode"
+
+    def _compile(self) -> None:
+        self._step = _compile(self._model)
 
     @staticmethod
     def for_model(model: Any) -> CompiledDecode | None:
@@ -118,9 +162,7 @@ class CompiledDecode:
             return None
         buffers = _room_buffers(cache)
         size = cache[0].keys.shape[2]
-        if size not in self._sizes and len(self._sizes) >= MAX_TRACES:
-            self._step = _compile(self._model)
-            self._sizes.clear()
+        self._cap_traces(size)
         try:  # a new size traces here: an error leaves the cache as it was
             out = self._step(token.reshape(1, 1), mx.array(offset, dtype=mx.int32), *buffers)
         except Exception:
@@ -137,29 +179,21 @@ class CompiledDecode:
             c.offset += 1
         return out[0]
 
-    def _prove(self) -> bool:
+    def _check(self) -> bool:
         """Run the compiled step once on a two-token scratch cache, evaluated here
         (on the CPU backend the first run builds the fused kernels), and check
         its logits against the eager forward's. Later steps are evaluated lazily,
         in place, on the sequence's own buffers."""
         compiled, eager = make_prompt_cache(self._model), make_prompt_cache(self._model)
         token = mx.array([2])
-        try:
-            for c in (compiled, eager):
-                self._model(mx.array([[0, 1]]), cache=c)
-            got = self._step(
-                token.reshape(1, 1), mx.array(2, dtype=mx.int32), *_room_buffers(compiled)
-            )[0]
-            want = self._model(token.reshape(1, 1), cache=eager)[:, -1, :]
-            ok = bool(mx.allclose(got, want, rtol=1e-3, atol=1e-3).item())
-            self._sizes.add(compiled[0].keys.shape[2])
-            if not ok:
-                log.warning("compiled decode disagrees with the eager forward; decoding eagerly")
-        except Exception:
-            log.warning("compiled decode unavailable; decoding eagerly", exc_info=True)
-            ok = False
-        self._proven, self.failed = ok, not ok
-        return ok
+        for c in (compiled, eager):
+            self._model(mx.array([[0, 1]]), cache=c)
+        got = self._step(
+            token.reshape(1, 1), mx.array(2, dtype=mx.int32), *_room_buffers(compiled)
+        )[0]
+        want = self._model(token.reshape(1, 1), cache=eager)[:, -1, :]
+        self._sizes.add(compiled[0].keys.shape[2])
+        return bool(mx.allclose(got, want, rtol=1e-3, atol=1e-3).item())
 
 
 def _compile(model: Any) -> Any:
@@ -233,7 +267,7 @@ def batch_qualifies(model: Any) -> bool:
     return True
 
 
-class CompiledBatchStep:
+class CompiledBatchStep(_CompiledStep):
     """The decode step of a batch (one token per row, every layer a
     ``BatchKVCache``), with each layer's projections, norms, RoPE and MLP in two
     compiled functions and the cache write and attention eager in between.
@@ -250,13 +284,11 @@ class CompiledBatchStep:
     logits, else the model's batch decodes eagerly.
     """
 
-    def __init__(self, model: Any):
-        self._model = model
-        self._pre, self._post = _compile_layer(model)
-        self._sizes: set[int] = set()
-        self._proven = False
-        self.failed = False
-        self.steps = 0  # steps run compiled
+    max_traces = 32  # batch sizes
+    name = "compiled batch step"
+
+    def _compile(self) -> None:
+        self._pre, self._post = _compile_layer(self._model)
 
     @staticmethod
     def for_model(model: Any) -> CompiledBatchStep | None:
@@ -278,9 +310,7 @@ class CompiledBatchStep:
         if not (self._proven or (prove and self._prove())):
             return None
         rows = tokens.shape[0]
-        if rows not in self._sizes and len(self._sizes) >= MAX_BATCH_TRACES:
-            self._pre, self._post = _compile_layer(self._model)
-            self._sizes.clear()
+        self._cap_traces(rows)
         self._sizes.add(rows)
         self.steps += 1
         return self._forward(tokens, cache)
@@ -304,31 +334,19 @@ class CompiledBatchStep:
             return inner.embed_tokens.as_linear(x)
         return model.lm_head(x)
 
-    @property
-    def proven(self) -> bool:
-        return self._proven
-
-    def _prove(self) -> bool:
+    def _check(self) -> bool:
         """Feed one token to two copies of a two-row scratch batch (rows of
         different lengths, so the left padding and the mask are in play), one
         compiled and one eager, and compare the logits."""
         model = self._model
         tokens = mx.array([4, 5])
-        try:
-            cache = [BatchKVCache(left_padding=[0, 2]) for _ in model.layers]
-            model(mx.array([[0, 1, 2], [0, 0, 3]]), cache=cache)
-            copy = [_copy_batch_cache(c) for c in cache]
-            got = self._forward(tokens, cache)
-            want = model(tokens[:, None], cache=copy)[:, -1, :]
-            ok = bool(mx.allclose(got, want, rtol=1e-3, atol=1e-3).item())
-            self._sizes.add(2)
-            if not ok:
-                log.warning("compiled batch step disagrees with the eager forward; eager")
-        except Exception:
-            log.warning("compiled batch step unavailable; decoding eagerly", exc_info=True)
-            ok = False
-        self._proven, self.failed = ok, not ok
-        return ok
+        cache = [BatchKVCache(left_padding=[0, 2]) for _ in model.layers]
+        model(mx.array([[0, 1, 2], [0, 0, 3]]), cache=cache)
+        copy = [_copy_batch_cache(c) for c in cache]
+        got = self._forward(tokens, cache)
+        want = model(tokens[:, None], cache=copy)[:, -1, :]
+        self._sizes.add(2)
+        return bool(mx.allclose(got, want, rtol=1e-3, atol=1e-3).item())
 
 
 def _copy_batch_cache(cache: BatchKVCache) -> BatchKVCache:
@@ -337,10 +355,6 @@ def _copy_batch_cache(cache: BatchKVCache) -> BatchKVCache:
     out.left_padding, out.offset = mx.array(cache.left_padding), mx.array(cache.offset)
     out._idx = cache._idx
     return out
-
-
-# Traces kept (one per batch size) before the compiled functions start over.
-MAX_BATCH_TRACES = 32
 
 
 def _linear(x: mx.array, weight: mx.array, bias: mx.array | None) -> mx.array:
