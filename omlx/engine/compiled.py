@@ -249,8 +249,15 @@ def _make_room(cache: KVCache) -> None:
 def batch_qualifies(model: Any) -> bool:
     """Whether ``model``'s batched decode step can run layer by layer compiled:
     a qualified architecture whose projections are plain ``nn.Linear`` (float
-    weights) and whose layers all use full attention."""
+    weights), whose layers all use full attention, and whose RoPE is a pure
+    rotation of the whole head (``nn.RoPE`` or ``Llama3RoPE``; the scaled ones
+    multiply the input first)."""
     if not qualifies(model):
+        return False
+    attn0 = model.layers[0].self_attn
+    rope = attn0.rope
+    head_dim = attn0.q_proj.weight.shape[0] // attn0.n_heads
+    if type(rope) not in _ROTATIONS or rope.dims != head_dim:
         return False
     for layer in model.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -274,18 +281,39 @@ class CompiledBatchStep(_CompiledStep):
 
     Attention is left out of the traced functions because its shape grows every
     step; the rest has the batch's shape only, so one trace per batch size serves
-    every layer (the layer's weights are inputs, not constants). On the CPU
-    backend this fuses what the eager step runs as dozens of small kernels per
-    layer (RoPE alone is ~15): SmolLM2 float32, 8 rows, 64 tokens each, median
-    step 82-84 -> 76-78 ms, logits bit-equal to mlx-lm's forward.
-    The math is mlx-lm's: the same ops in the same order, the same
-    ``mx.fast.scaled_dot_product_attention`` and mask. Before its first step it
-    runs once on a two-row scratch batch and must match the eager forward's
-    logits, else the model's batch decodes eagerly.
+    every layer (the layer's weights are inputs, not constants). What the step
+    saves is graph nodes, each of which costs a dispatch (on the CPU backend
+    a few microseconds): the eager step evaluates ~2,500 per step for SmolLM2's
+    30 layers, this one ~1,250.
+    - Elementwise chains are fused (RoPE alone is ~15 kernels per call eagerly).
+    - RoPE's angles are worked out once per step, not twice per layer: MLX's own
+      RoPE rotates a basis vector (ones where cos lands, zeros where sin does) at
+      every row's offset, which gives each row's cosines and sines exactly as
+      the layers' RoPE computes them; each layer then rotates with two products
+      and a half swap.
+    - Attention multiplies the query heads sharing a kv head as one matrix
+      against that head's keys (mlx-lm's fallback multiplies them one by one),
+      with the mask made once per step; the softmax scale is folded into the
+      query rotation.
+    - The weights go in transposed once (views, no copies).
+    The arithmetic per element is mlx-lm's, in the same order, so logits and
+    caches stay bit-equal to mlx-lm's forward (SmolLM2 float32, 8 rows: median
+    step 75-80 -> 69-72 ms). Before its first step it runs once on a two-row
+    scratch batch and must match the eager forward's logits, else the model's
+    batch decodes eagerly.
     """
 
     max_traces = 32  # batch sizes
     name = "compiled batch step"
+
+    def __init__(self, model: Any):
+        super().__init__(model)
+        attn = model.layers[0].self_attn
+        self._rope = attn.rope
+        self._basis = _rotation_basis(attn.rope, attn.q_proj.weight.dtype)
+        # Each layer's weights as the compiled functions take them (transposed
+        # views of the model's own); made on first use.
+        self._weights: list[tuple[tuple[Any, ...], tuple[Any, ...]]] | None = None
 
     def _compile(self) -> None:
         self._pre, self._post = _compile_layer(self._model)
@@ -296,7 +324,10 @@ class CompiledBatchStep(_CompiledStep):
 
     @staticmethod
     def accepts(cache: list[Any]) -> bool:
-        return bool(cache) and all(type(c) is BatchKVCache for c in cache)
+        if not cache or any(type(c) is not BatchKVCache for c in cache):
+            return False
+        idx = cache[0]._idx
+        return all(c._idx == idx for c in cache)
 
     def __call__(
         self, tokens: mx.array, cache: list[Any], *, prove: bool = True
@@ -315,20 +346,30 @@ class CompiledBatchStep(_CompiledStep):
         self.steps += 1
         return self._forward(tokens, cache)
 
+    def _layer_weights(self) -> list[tuple[tuple[Any, ...], tuple[Any, ...]]]:
+        if self._weights is None:
+            weights = [(_pre_weights(layer), _post_weights(layer)) for layer in self._model.layers]
+            mx.eval(weights)  # transposes of evaluated weights: views, no copies
+            self._weights = weights
+        return self._weights
+
     def _forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         model = self._model
         inner = model.model
         x = inner.embed_tokens(tokens)  # (rows, hidden)
         mask = cache[0].make_mask(1)
-        for layer, c in zip(inner.layers, cache, strict=True):
-            attn = layer.self_attn
-            # Each layer's own offset (equal across layers), as mlx-lm's forward
-            # reads it: the cache replaces it with offset + 1 on every write, and
-            # one nobody reads would grow into an unevaluated chain, a node per step.
-            q, k, v = self._pre(x, c.offset, *_pre_weights(layer))
+        offset = cache[0].offset  # every layer's (the caches move in step)
+        cos, sin = _rotation_tables(self._rope, self._basis, offset)
+        for (pre, post), c in zip(self._layer_weights(), cache, strict=True):
+            q, k, v = self._pre(x, cos, sin, *pre)
             keys, values = c.update_and_fetch(k, v)
-            o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
-            x = self._post(x, o, *_post_weights(layer))
+            x = self._post(x, _attend(q, keys, values, mask), *post)
+        # Every layer moved its offset on by one; all now hold layer 0's, which the
+        # next step reads. One nobody reads would grow into an unevaluated chain,
+        # a node per step and layer.
+        offset = cache[0].offset
+        for c in cache[1:]:
+            c.offset = offset
         x = inner.norm(x)
         if model.args.tie_word_embeddings:
             return inner.embed_tokens.as_linear(x)
@@ -357,9 +398,71 @@ def _copy_batch_cache(cache: BatchKVCache) -> BatchKVCache:
     return out
 
 
-def _linear(x: mx.array, weight: mx.array, bias: mx.array | None) -> mx.array:
-    # nn.Linear's own arithmetic.
-    return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
+# RoPEs that only rotate (no input scaling), so rotating a basis vector gives
+# their cosines and sines.
+_ROTATIONS = (nn.RoPE, Llama3RoPE)
+
+
+def _rotation_basis(rope: Any, dtype: mx.Dtype) -> mx.array:
+    """A head-sized vector the RoPE turns into (cos, sin) pairs: ones where each
+    pair's first element sits, zeros where its second does (interleaved pairs
+    for a traditional RoPE, halves otherwise)."""
+    half = rope.dims // 2
+    pattern = [1.0, 0.0] * half if rope.traditional else [1.0] * half + [0.0] * half
+    return mx.array(pattern, dtype=dtype).reshape(1, 1, 1, rope.dims)
+
+
+def _rotation_tables(rope: Any, basis: mx.array, offset: mx.array) -> tuple[mx.array, mx.array]:
+    """Per row (shape (rows, 1, 1, head)): what each element of a head is
+    multiplied by, and what its swapped partner is, so that
+    ``x * cos + swap(x) * sin`` is the RoPE of ``x`` at the row's offset.
+
+    The RoPE of the basis is exactly the RoPE's own cosines and sines
+    (1 * cos - 0 * sin, 1 * sin + 0 * cos). The partner's factor is -sin for a
+    pair's first element (x1 * cos + x2 * -sin == x1 * cos - x2 * sin, bit for
+    bit) and sin for its second."""
+    rows = offset.shape[0]
+    turned = rope(mx.broadcast_to(basis, (rows, *basis.shape[1:])), offset=offset)
+    if rope.traditional:
+        cos, sin = turned[..., 0::2], turned[..., 1::2]
+        head = (*cos.shape[:-1], -1)
+        return mx.stack([cos, cos], axis=-1).reshape(head), mx.stack([-sin, sin], axis=-1).reshape(
+            head
+        )
+    half = rope.dims // 2
+    cos, sin = turned[..., :half], turned[..., half:]
+    return mx.concatenate([cos, cos], axis=-1), mx.concatenate([-sin, sin], axis=-1)
+
+
+def _swap(x: mx.array, traditional: bool) -> mx.array:
+    """Each element's RoPE partner: neighbours swapped (traditional) or halves."""
+    shape = x.shape
+    if traditional:
+        return x.reshape(*shape[:-1], -1, 2)[..., ::-1].reshape(shape)
+    return x.reshape(*shape[:-1], 2, -1)[..., ::-1, :].reshape(shape)
+
+
+def _attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None) -> mx.array:
+    """mlx-lm's attention fallback for one new token, with each kv head's query
+    heads as one matrix: ``q`` (rows, kv heads, heads per kv head, head), already
+    scaled; keys and values (rows, kv heads, length, head)."""
+    scores = q @ keys.swapaxes(-1, -2)
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            lowest = mx.array(mx.finfo(scores.dtype).min, scores.dtype)
+            scores = mx.where(mask, scores, lowest)
+        else:
+            scores = scores + mask
+    return mx.softmax(scores, axis=-1, precise=True) @ values
+
+
+def _linear(x: mx.array, weight_t: mx.array, bias: mx.array | None) -> mx.array:
+    # nn.Linear's own arithmetic, on its weight's transpose.
+    return x @ weight_t if bias is None else mx.addmm(bias, x, weight_t)
+
+
+def _t(weight: mx.array | None) -> mx.array | None:
+    return None if weight is None else weight.T
 
 
 def _pre_weights(layer: Any) -> tuple[Any, ...]:
@@ -367,11 +470,11 @@ def _pre_weights(layer: Any) -> tuple[Any, ...]:
     norms = (a.q_norm.weight, a.k_norm.weight) if hasattr(a, "q_norm") else (None, None)
     return (
         layer.input_layernorm.weight,
-        a.q_proj.weight,
+        _t(a.q_proj.weight),
         a.q_proj.get("bias"),
-        a.k_proj.weight,
+        _t(a.k_proj.weight),
         a.k_proj.get("bias"),
-        a.v_proj.weight,
+        _t(a.v_proj.weight),
         a.v_proj.get("bias"),
         *norms,
     )
@@ -380,35 +483,37 @@ def _pre_weights(layer: Any) -> tuple[Any, ...]:
 def _post_weights(layer: Any) -> tuple[Any, ...]:
     a, m = layer.self_attn, layer.mlp
     return (
-        a.o_proj.weight,
+        _t(a.o_proj.weight),
         a.o_proj.get("bias"),
         layer.post_attention_layernorm.weight,
-        m.gate_proj.weight,
+        _t(m.gate_proj.weight),
         m.gate_proj.get("bias"),
-        m.up_proj.weight,
+        _t(m.up_proj.weight),
         m.up_proj.get("bias"),
-        m.down_proj.weight,
+        _t(m.down_proj.weight),
         m.down_proj.get("bias"),
     )
 
 
 def _compile_layer(model: Any) -> tuple[Any, Any]:
-    """A layer's work before attention (norm, q/k/v, their norms, RoPE) and
-    after it (o_proj, residual, norm, MLP, residual), compiled. The traced
-    functions hold the head layout, the norms' eps and the RoPE module, not the
-    model (see ``_compile``)."""
+    """A layer's work before attention (norm, q/k/v, their norms, RoPE, the
+    softmax scale) and after it (o_proj, residual, norm, MLP, residual),
+    compiled. The traced functions hold the head layout, the norms' eps, the
+    scale and the RoPE's layout, not the model (see ``_compile``)."""
     layer0 = model.layers[0]
     attn = layer0.self_attn
-    rope = attn.rope
+    traditional = attn.rope.traditional
     heads, kv_heads = attn.n_heads, attn.n_kv_heads
     head_dim = attn.q_proj.weight.shape[0] // heads
+    scale = attn.scale
     eps = layer0.input_layernorm.eps
     post_eps = layer0.post_attention_layernorm.eps
     qk_eps = attn.q_norm.eps if hasattr(attn, "q_norm") else 0.0
 
     def pre(
         x: mx.array,
-        offset: mx.array,
+        cos: mx.array,
+        sin: mx.array,
         norm: mx.array,
         wq: mx.array,
         bq: mx.array | None,
@@ -427,7 +532,11 @@ def _compile_layer(model: Any) -> tuple[Any, Any]:
         if q_norm is not None and k_norm is not None:
             q = mx.fast.rms_norm(q, q_norm, qk_eps)
             k = mx.fast.rms_norm(k, k_norm, qk_eps)
-        return rope(q, offset=offset), rope(k, offset=offset), v
+        # The fallback scales the rotated query; scaling each rotated element is
+        # the same product.
+        q = scale * (q * cos + _swap(q, traditional) * sin)
+        k = k * cos + _swap(k, traditional) * sin
+        return q.reshape(rows, kv_heads, heads // kv_heads, head_dim), k, v
 
     def post(
         x: mx.array,

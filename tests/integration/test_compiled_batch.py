@@ -66,6 +66,22 @@ MODELS = {
     "qwen2": ("llama", {"model_type": "qwen2", "tie_word_embeddings": True}),
     # Biases on every projection, attention and MLP.
     "llama-biases": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    # RoPE variants the step rotates with its per-step tables: interleaved pairs,
+    # positions scaled (linear), and Llama 3's own frequencies.
+    "llama-traditional-rope": ("llama", {"rope_traditional": True}),
+    "llama-linear-rope": ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0}}),
+    "llama3-rope": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
 }
 
 
@@ -168,12 +184,15 @@ def test_the_proof_never_delays_first_tokens(tiny_models_dir: Path) -> None:
 
 
 def test_models_outside_it_decode_their_batch_eagerly(tmp_path: Path) -> None:
-    """Quantized projections and another architecture: no compiled batch step,
-    and the batch still gives mlx-lm's tokens."""
+    """Quantized projections, a RoPE that scales its input (YaRN), and another
+    architecture: no compiled batch step, and the batch still gives mlx-lm's
+    tokens."""
     llama, _ = load(str(build_tiny_model(tmp_path / "l", "llama", seed=2)))
     nn.quantize(llama, group_size=32, bits=8)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    yarn_llama, _ = load(str(build_tiny_model(tmp_path / "y", "llama", seed=3, rope_scaling=yarn)))
     gemma, _ = load(str(build_tiny_model(tmp_path / "g", "gemma3_text", seed=4)))
-    for model in (llama, gemma):
+    for model in (llama, yarn_llama, gemma):
         assert not batch_qualifies(model)
         runner = make_runner(model)
         assert runner.compiled_batch_step is None
