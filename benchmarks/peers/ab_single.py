@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_servers as ps
 from peer_client import PeerClient, nonce
 from prompts import decode_messages
-from run_peers import MODEL, ensure_model, make_spec
+from run_peers import MODEL, WORK, ensure_model, make_spec
 
 
 async def one(base_url: str, model: str, tokens: int) -> float:
@@ -67,13 +66,15 @@ def main() -> None:
     ap.add_argument("--peer-venvs", type=Path, default=Path("/tmp/omlx-peers/venvs"))
     args = ap.parse_args()
     names = args.servers.split(",")
-    base = Path(tempfile.mkdtemp(prefix="omlx-ab-"))
-    models = ensure_model(base)
+    # The model run_peers.py imports (kept for the next run); server logs under WORK/logs.
+    models = ensure_model(WORK / "base")
+    logs = WORK / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     running = []
     try:
         for name in names:
             spec = make_spec(name, models, ps.free_port(), args.peer_venvs)
-            running.append(ps.RunningServer(spec, base / f"{name}.log"))
+            running.append(ps.RunningServer(spec, logs / f"ab-{name}.log"))
         for server in running:  # warm-up: model load, first kernels (and batch sizes)
             asyncio.run(one(server.spec.base_url, server.spec.model, 8))
             if args.streams > 1:

@@ -9,6 +9,7 @@ never in the project's; ``install_peer`` creates one and links OpenBLAS into its
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +33,9 @@ class ServerSpec:
     port: int
     ready_path: str = "/v1/models"
     env: dict[str, str] = field(default_factory=dict)
+    # Directories made for this start only (a base path, a HOME); removed at stop:
+    # a peer's HOME fills with its saved prefix cache (~0.5 GB a start).
+    scratch: list[str] = field(default_factory=list)
 
     @property
     def base_url(self) -> str:
@@ -56,7 +60,7 @@ def omlx_spec(model_dir: Path, model: str, port: int) -> ServerSpec:
     base = tempfile.mkdtemp(prefix="omlx-peers-base-")
     argv = [str(VENV_BIN / "omlx"), "--base-path", base, "serve", "--model-dir", str(model_dir)]
     argv += ["--port", str(port), "--max-concurrent-requests", "16", "--no-install-default"]
-    return ServerSpec("omlx", argv, model, port, ready_path="/health")
+    return ServerSpec("omlx", argv, model, port, ready_path="/health", scratch=[base])
 
 
 def mlx_lm_spec(model_path: Path, port: int) -> ServerSpec:
@@ -70,24 +74,26 @@ def mlx_lm_spec(model_path: Path, port: int) -> ServerSpec:
 PEER_ENV = {"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", "RAPID_MLX_TELEMETRY": "0"}
 
 
-def peer_env() -> dict[str, str]:
+def peer_spec(name: str, argv: list[str], model: str, port: int) -> ServerSpec:
     # A fresh HOME per start: rapid-mlx saves its prefix cache under ~/.cache at shutdown
     # and loads it at start; omlx starts on an empty cache too (fresh --base-path).
-    return {**PEER_ENV, "HOME": tempfile.mkdtemp(prefix="omlx-peers-home-")}
+    home = tempfile.mkdtemp(prefix="omlx-peers-home-")
+    env = {**PEER_ENV, "HOME": home}
+    return ServerSpec(name, argv, model, port, env=env, scratch=[home])
 
 
 def vllm_mlx_spec(venv: Path, model_path: Path, port: int) -> ServerSpec:
     # Without --continuous-batching it serves one request at a time (its SimpleEngine).
     argv = [str(venv / "bin" / "vllm-mlx"), "serve", str(model_path), "--port", str(port)]
     argv += ["--continuous-batching"]
-    return ServerSpec("vllm-mlx", argv, str(model_path), port, env=peer_env())
+    return peer_spec("vllm-mlx", argv, str(model_path), port)
 
 
 def rapid_mlx_spec(venv: Path, model_path: Path, port: int) -> ServerSpec:
     # Continuous batching and the prefix cache are its defaults.
     argv = [str(venv / "bin" / "rapid-mlx"), "serve", str(model_path), "--port", str(port)]
     argv += ["--disable-model-downloads"]
-    return ServerSpec("rapid-mlx", argv, str(model_path), port, env=peer_env())
+    return peer_spec("rapid-mlx", argv, str(model_path), port)
 
 
 def install_peer(package: str, venv: Path, log: Path) -> None:
@@ -136,6 +142,7 @@ class RunningServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()
                 raise ServerFailed(f"{self.spec.name} exited {self.proc.returncode}: {self.tail()}")
             try:
                 if httpx.get(url, timeout=2).status_code == 200:
@@ -150,11 +157,13 @@ class RunningServer:
         return self.log.read_text(errors="replace")[-num_chars:]
 
     def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        """End the server (if still running) and remove its scratch directories."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        for path in self.spec.scratch:
+            shutil.rmtree(path, ignore_errors=True)
