@@ -68,6 +68,11 @@ class SchedulerSettings(_Group):
     max_queued_requests: int = Field(256, ge=0)
     # Prompt tokens per prefill chunk; smaller keeps decode of others flowing.
     prefill_step_size: int = Field(512, ge=16, le=65536)
+    # While idle, requests arriving together are gathered until none came for
+    # burst_window_ms (and at most burst_max_ms after the first), so a burst
+    # prefills as one batch. 0 starts every request at once.
+    burst_window_ms: float = Field(5.0, ge=0.0, le=1000.0)
+    burst_max_ms: float = Field(25.0, ge=0.0, le=10000.0)
 
 
 class SamplingSettings(_Group):

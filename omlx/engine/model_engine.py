@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -149,6 +150,14 @@ class ModelEngine:
         # The runner's own work too: the prefix-cache stores of finished requests
         # run now, not at the start of the next request's prefill.
         return self._scheduler.has_work or self._runner.has_work
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds before a step would do anything: a burst of arrivals being
+        gathered while idle (``Scheduler.ready_in``). 0: step now."""
+        if self._runner.has_work:
+            return 0.0
+        return self._scheduler.ready_in(time.monotonic())
 
     def _add(self, request: Request, stream: RequestStream) -> None:
         try:

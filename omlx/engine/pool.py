@@ -468,7 +468,12 @@ class EnginePool:
             stream=self._worker.stream,
             prefix_cache=prefix,
         )
-        scheduler = Scheduler(sched.max_concurrent_requests, sched.max_queued_requests)
+        scheduler = Scheduler(
+            sched.max_concurrent_requests,
+            sched.max_queued_requests,
+            gather_s=sched.burst_window_ms / 1000,
+            gather_max_s=sched.burst_max_ms / 1000,
+        )
         window = self.context_window_for(loaded)
         dims = guard_dims(
             loaded.config, kv_dtype_bytes=_activation_bytes(loaded.model), model=loaded.info.name

@@ -22,6 +22,11 @@ _IDLE_WAIT_S = 0.5
 class Steppable(Protocol):
     @property
     def has_work(self) -> bool: ...
+    @property
+    def wait_s(self) -> float:
+        """Seconds before a step would do anything (0: now)."""
+        ...
+
     def step(self) -> None: ...
 
 
@@ -97,14 +102,19 @@ class MLXWorker:
         A method, so no engine stays referenced from this thread's frame while
         it waits (an unloaded model's memory must be freed at once)."""
         busy = [e for e in self._engines if e.has_work]
-        self._drain(block=not busy)
-        for engine in busy:
+        waits = [e.wait_s for e in busy]
+        ready = [e for e, wait in zip(busy, waits, strict=True) if wait <= 0]
+        # Nothing to step yet (idle, or gathering a burst): sleep on the inbox until
+        # the first engine is due, or a new task (an arrival) comes in.
+        self._drain(timeout=None if ready else min(waits, default=_IDLE_WAIT_S))
+        for engine in ready:
             if engine in self._engines:
                 self._step(engine)
 
-    def _drain(self, *, block: bool) -> None:
+    def _drain(self, *, timeout: float | None) -> None:
+        """Run every queued task; with ``timeout``, first wait that long for one."""
         try:
-            item = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,11 +26,21 @@ class Scheduler:
     Not thread-safe: the MLX worker thread owns it.
     """
 
-    def __init__(self, max_running: int, max_waiting: int):
+    def __init__(
+        self,
+        max_running: int,
+        max_waiting: int,
+        *,
+        gather_s: float = 0.0,
+        gather_max_s: float = 0.0,
+    ):
         if max_running < 1:
             raise ValueError("max_running must be >= 1")
         self.max_running = max_running
         self.max_waiting = max_waiting
+        # Burst gathering while idle (see ``ready_in``); 0 admits at once.
+        self.gather_s = gather_s
+        self.gather_max_s = gather_max_s
         self._waiting: OrderedDict[str, Request] = OrderedDict()
         self._running: dict[str, _Running] = {}
 
@@ -68,14 +79,36 @@ class Scheduler:
             )
         self._waiting[request.request_id] = request
 
-    def schedule(self, can_admit: AdmitCheck | None = None) -> list[Request]:
+    def ready_in(self, now: float) -> float:
+        """Seconds before ``schedule`` admits anything (0: now).
+
+        While nothing runs, requests arriving together are gathered until none
+        came for ``gather_s``, and at most ``gather_max_s`` after the first of
+        them, so a burst (an agent's parallel calls, a client's concurrent
+        streams) prefills as one batch: otherwise the first request would
+        prefill alone and every other one would wait for that step before its
+        own prefill. Once something runs, step boundaries gather arrivals anyway.
+        """
+        if self._running or not self._waiting or self.gather_s <= 0:
+            return 0.0
+        arrivals = [r.arrival_s for r in self._waiting.values()]
+        quiet = max(arrivals) + self.gather_s
+        cap = min(arrivals) + self.gather_max_s
+        return max(0.0, min(quiet, cap) - now)
+
+    def schedule(
+        self, can_admit: AdmitCheck | None = None, *, now: float | None = None
+    ) -> list[Request]:
         """Admit waiting requests in arrival order while running slots are free.
 
         ``can_admit(request, num_in_flight)`` may defer the head of the queue
         (memory admission): it stays queued, nothing behind it overtakes it, and
-        it is asked again at the next call. Returns the newly admitted requests;
-        the caller starts their prefill.
+        it is asked again at the next call. Nothing is admitted while a burst is
+        being gathered (``ready_in``; ``now`` defaults to the monotonic clock).
+        Returns the newly admitted requests; the caller starts their prefill.
         """
+        if self.ready_in(time.monotonic() if now is None else now) > 0:
+            return []
         admitted = []
         while self._waiting and len(self._running) < self.max_running:
             request = next(iter(self._waiting.values()))

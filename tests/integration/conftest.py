@@ -16,7 +16,7 @@ def pool_settings(
     model_dir: Path,
     cache: dict | None = None,
     memory: dict | None = None,
-    **scheduler: int,
+    **scheduler: float,
 ):
     """Settings for a test pool: models from ``model_dir``, everything else under ``base``."""
     return Settings(
@@ -38,7 +38,7 @@ def make_pool(tiny_models_dir: Path, tmp_path: Path) -> Iterator:
         model_dir: Path = tiny_models_dir,
         cache: dict | None = None,
         memory: dict | None = None,
-        **scheduler: int,
+        **scheduler: float,
     ) -> EnginePool:
         worker = MLXWorker()
         worker.start()

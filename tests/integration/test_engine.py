@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import pytest
 
@@ -209,5 +210,44 @@ def test_a_lone_request_joins_the_batch_mid_prefill(make_pool) -> None:
         await asyncio.sleep(0.005)  # a few prefill chunks in
         second = await generate(engine, PROMPTS[0], max_tokens=10)
         assert await first == expected and second == short_alone
+
+    asyncio.run(main())
+
+
+def test_a_burst_reaching_an_idle_engine_starts_as_one_batch(make_pool) -> None:
+    """Requests arriving within the burst window of each other start together: the
+    first one's first token comes only after the last one arrived. (A window far
+    longer than a tiny model's first token: without gathering, the first request
+    would have its first token before the second is even sent.) Their outputs are
+    what each gives alone."""
+    pool = make_pool(max_concurrent_requests=8, burst_window_ms=400, burst_max_ms=5000)
+
+    async def first_token_time(engine: ModelEngine, prompt: str) -> tuple[float, str]:
+        params = SamplingParams(temperature=0.0, max_tokens=6)
+        stream = RequestStream(f"req-{next(_ids)}", asyncio.get_running_loop())
+        engine.submit(
+            Request(stream.request_id, tuple(engine.tokenizer.encode(prompt)), params), stream
+        )
+        first, text = None, ""
+        while True:
+            event = await stream.get()
+            assert event is not None and event.error is None, event
+            if first is None:
+                first = time.monotonic()
+            text += event.text
+            if event.finish_reason:
+                return first, text
+
+    async def main() -> None:
+        engine = await pool.get_engine("tiny-llama")
+        solo = [(await generate(engine, p, max_tokens=6))[0] for p in PROMPTS[:3]]
+        tasks, sent = [], []
+        for prompt in PROMPTS[:3]:
+            sent.append(time.monotonic())
+            tasks.append(asyncio.create_task(first_token_time(engine, prompt)))
+            await asyncio.sleep(0.15)
+        results = await asyncio.gather(*tasks)
+        assert min(first for first, _ in results) >= sent[-1]
+        assert [text for _, text in results] == solo
 
     asyncio.run(main())

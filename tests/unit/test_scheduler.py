@@ -148,6 +148,55 @@ def test_schedule_fills_every_free_slot_at_once():
     assert scheduler.schedule() == []
 
 
+def arriving(rid: str, at: float) -> Request:
+    return Request(rid, prompt_ids=(1, 2, 3), sampling=SamplingParams(max_tokens=4), arrival_s=at)
+
+
+def test_a_burst_arriving_while_idle_is_admitted_as_one_batch():
+    """Arrivals 3 ms apart with a 5 ms quiet window: nothing starts until 5 ms after
+    the last one, then all start together."""
+    scheduler = Scheduler(max_running=8, max_waiting=8, gather_s=0.005, gather_max_s=0.025)
+    scheduler.add(arriving("a", 100.000))
+    assert scheduler.ready_in(100.001) == pytest.approx(0.004)
+    assert scheduler.schedule(now=100.001) == []
+    scheduler.add(arriving("b", 100.003))
+    scheduler.add(arriving("c", 100.006))
+    assert scheduler.schedule(now=100.010) == []
+    assert scheduler.ready_in(100.010) == pytest.approx(0.001)
+    admitted = scheduler.schedule(now=100.0111)
+    assert [r.request_id for r in admitted] == ["a", "b", "c"]
+    assert scheduler.ready_in(100.0111) == 0.0
+
+
+def test_a_steady_trickle_starts_no_later_than_the_cap():
+    """An arrival every 4 ms never leaves a 5 ms quiet gap: the first request still
+    starts 25 ms after it came, with everything that came by then."""
+    scheduler = Scheduler(max_running=16, max_waiting=16, gather_s=0.005, gather_max_s=0.025)
+    for i in range(7):
+        scheduler.add(arriving(f"r{i}", 10.0 + 0.004 * i))
+        assert scheduler.schedule(now=10.0 + 0.004 * i + 0.001) == []
+    assert scheduler.ready_in(10.0249) > 0
+    assert len(scheduler.schedule(now=10.025)) == 7
+
+
+def test_arrivals_while_others_run_are_admitted_at_once():
+    """Gathering is for an idle engine only: once something runs, a new request
+    starts at the next step, as before."""
+    scheduler = Scheduler(max_running=4, max_waiting=4, gather_s=0.005, gather_max_s=0.025)
+    scheduler.add(arriving("first", 0.0))
+    assert [r.request_id for r in scheduler.schedule(now=1.0)] == ["first"]
+    scheduler.add(arriving("second", 2.0))
+    assert scheduler.ready_in(2.0) == 0.0
+    assert [r.request_id for r in scheduler.schedule(now=2.0)] == ["second"]
+
+
+def test_a_zero_window_starts_every_request_at_once():
+    scheduler = Scheduler(max_running=4, max_waiting=4)
+    scheduler.add(arriving("a", 5.0))
+    assert scheduler.ready_in(5.0) == 0.0
+    assert [r.request_id for r in scheduler.schedule(now=5.0)] == ["a"]
+
+
 def test_max_running_must_be_positive():
     with pytest.raises(ValueError, match="max_running"):
         Scheduler(max_running=0, max_waiting=1)
