@@ -426,9 +426,9 @@ def _rotation_tables(rope: Any, basis: mx.array, offset: mx.array) -> tuple[mx.a
     if rope.traditional:
         cos, sin = turned[..., 0::2], turned[..., 1::2]
         head = (*cos.shape[:-1], -1)
-        return mx.stack([cos, cos], axis=-1).reshape(head), mx.stack([-sin, sin], axis=-1).reshape(
-            head
-        )
+        cos_pairs = mx.stack([cos, cos], axis=-1).reshape(head)
+        sin_pairs = mx.stack([-sin, sin], axis=-1).reshape(head)
+        return cos_pairs, sin_pairs
     half = rope.dims // 2
     cos, sin = turned[..., :half], turned[..., half:]
     return mx.concatenate([cos, cos], axis=-1), mx.concatenate([-sin, sin], axis=-1)

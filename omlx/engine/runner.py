@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
@@ -33,6 +33,10 @@ from omlx.grammar.processor import Draw, greedy_draw, temperature_draw
 from omlx.scheduler import Request, SamplingParams, TokenOutput
 
 log = logging.getLogger(__name__)
+
+# Requests starting together share the prefill of their common opening when it is
+# at least this many tokens (below, the separate forward costs more than it saves).
+MIN_SHARED_OPENING = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +203,15 @@ class BatchRunner:
             if self._solo is not None:
                 self._solo_to_batch()
             with mx.stream(self._stream):
+                shared = self._share_openings([r for r in requests if hits[r.request_id] is None])
                 for r in requests:
                     hit = hits[r.request_id]
-                    done = hit.num_tokens if hit is not None else 0
-                    cache = hit.layers if hit is not None else make_prompt_cache(self._model)
+                    if hit is not None:
+                        done, cache = hit.num_tokens, hit.layers
+                    elif r.request_id in shared:
+                        cache, done = shared[r.request_id]
+                    else:
+                        done, cache = 0, make_prompt_cache(self._model)
                     row = Row.make(
                         r.request_id,
                         make_request_sampler(r.sampling),
@@ -211,6 +220,37 @@ class BatchRunner:
                     )
                     self._start_batched(row, cache, done, r.prompt_ids[done:])
         return {rid: hit.num_tokens for rid, hit in hits.items() if hit is not None}
+
+    def _share_openings(self, requests: list[Request]) -> dict[str, tuple[list[Any], int]]:
+        """Requests starting together whose prompts open with the same tokens (a
+        system prompt, tool definitions, a chat template's preamble): the common
+        opening is prefilled once, up to one prefill chunk, and each request
+        starts from a copy of that cache. Returns (cache, tokens in it) per
+        request that shares; only for models whose cache is plain KV layers."""
+        if len(requests) < 2:
+            return {}
+        template = make_prompt_cache(self._model)
+        if any(type(layer) is not KVCache for layer in template):
+            return {}
+        groups: dict[tuple[int, ...], list[Request]] = {}
+        for r in requests:
+            if len(r.prompt_ids) >= MIN_SHARED_OPENING + 2:
+                groups.setdefault(tuple(r.prompt_ids[:MIN_SHARED_OPENING]), []).append(r)
+        out: dict[str, tuple[list[Any], int]] = {}
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            # Each request keeps at least two tokens of its own to prefill.
+            limit = min(self._prefill_step_size, *(len(r.prompt_ids) - 2 for r in group))
+            n = _common_prefix_length([r.prompt_ids for r in group], limit)
+            if n < MIN_SHARED_OPENING:
+                continue
+            opening = make_prompt_cache(self._model)
+            self._model(mx.array(group[0].prompt_ids[:n])[None], cache=opening)
+            mx.eval([layer.state for layer in opening])
+            for r in group:
+                out[r.request_id] = ([_kv_prefix(layer, n) for layer in opening], n)
+        return out
 
     def _start_batched(
         self, row: Row, cache: list[Any], num_cached: int, rest: Sequence[int]
@@ -420,6 +460,28 @@ class BatchRunner:
             mx.synchronize(self._stream)
             mx.set_wired_limit(self._old_wired_limit)
             self._old_wired_limit = None
+
+
+def _common_prefix_length(prompts: Sequence[Sequence[int]], limit: int) -> int:
+    """How many leading tokens all ``prompts`` share, at most ``limit``."""
+    first = prompts[0]
+    n = min(limit, *(len(p) for p in prompts))
+    for other in prompts[1:]:
+        for i in range(n):
+            if other[i] != first[i]:
+                n = i
+                break
+    return n
+
+
+def _kv_prefix(layer: KVCache, n: int) -> KVCache:
+    """A cache holding the first ``n`` tokens of ``layer`` (views: the batch the
+    request joins copies them into its own arrays)."""
+    out = KVCache()
+    assert layer.keys is not None and layer.values is not None
+    out.keys, out.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+    out.offset = n
+    return out
 
 
 def _cache_length(layers: list[Any]) -> int:

@@ -255,3 +255,50 @@ def test_the_prefill_plan_reports_each_batched_prompts_next_chunk(llama) -> None
     run(runner, 1)
     assert runner.prefill_plan() == []
     runner.close()
+
+
+def test_requests_starting_together_prefill_their_common_opening_once(llama) -> None:
+    """Three prompts opening with the same 24 tokens (a system prompt) start
+    together: the opening is prefilled once, each request has only its own part
+    left to prefill, and every request still gets mlx-lm's tokens for its
+    prompt alone. A fourth prompt with another opening prefills all of its own."""
+
+    opening = [(11 * i) % 180 + 4 for i in range(24)]
+    prompts = {
+        "a": opening + [(7 * i) % 150 + 3 for i in range(9)],
+        "b": opening + [(5 * i) % 140 + 2 for i in range(17)],
+        "c": opening + [(3 * i) % 130 + 9 for i in range(5)],
+        "other": [(13 * i) % 170 + 5 for i in range(30)],
+    }
+    runner = make_runner(llama, 64)
+    runner.add([request(rid, p, 8) for rid, p in prompts.items()])
+    left = {c.request_id: c.num_remaining for c in runner.prefill_plan()}
+    assert left == {"a": 9, "b": 17, "c": 5, "other": 30}
+    got: dict[str, list[int]] = {}
+    for step in run(runner, 12):
+        for rid, tokens in step.items():
+            got.setdefault(rid, []).extend(tokens)
+    for rid, prompt in prompts.items():
+        assert got[rid][:8] == reference(llama, prompt, 8), rid
+    runner.close()
+
+
+def test_a_shared_opening_is_at_most_one_prefill_chunk(llama) -> None:
+    """Openings longer than a prefill chunk share one chunk's worth (the rest
+    prefills per request, chunk by chunk, under the memory gate)."""
+    opening = [(11 * i) % 180 + 4 for i in range(40)]
+    prompts = {
+        "a": opening + [(7 * i) % 150 + 3 for i in range(6)],
+        "b": opening + [(5 * i) % 140 + 2 for i in range(8)],
+    }
+    runner = make_runner(llama, 16)
+    runner.add([request(rid, p, 6) for rid, p in prompts.items()])
+    left = {c.request_id: c.num_remaining for c in runner.prefill_plan()}
+    assert left == {"a": 46 - 16, "b": 48 - 16}
+    got: dict[str, list[int]] = {}
+    for step in run(runner, 12):
+        for rid, tokens in step.items():
+            got.setdefault(rid, []).extend(tokens)
+    for rid, prompt in prompts.items():
+        assert got[rid][:6] == reference(llama, prompt, 6), rid
+    runner.close()
