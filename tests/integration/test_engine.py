@@ -223,7 +223,9 @@ def test_a_burst_reaching_an_idle_engine_starts_as_one_batch(make_pool) -> None:
     pool = make_pool(max_concurrent_requests=8, burst_window_ms=400, burst_max_ms=5000)
 
     async def first_token_time(engine: ModelEngine, prompt: str) -> tuple[float, str]:
-        params = SamplingParams(temperature=0.0, max_tokens=6)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=6, stop_token_ids=frozenset(engine.loaded.eos_token_ids)
+        )
         stream = RequestStream(f"req-{next(_ids)}", asyncio.get_running_loop())
         engine.submit(
             Request(stream.request_id, tuple(engine.tokenizer.encode(prompt)), params), stream
