@@ -106,6 +106,13 @@ class _CompiledStep:
     def proven(self) -> bool:
         return self._proven
 
+    def prove(self) -> bool:
+        """Run the one-time check now (at model load, say) unless it already ran;
+        whether the compiled step will be used."""
+        if not (self._proven or self.failed):
+            self._prove()
+        return self._proven
+
     def _compile(self) -> None:
         raise NotImplementedError
 

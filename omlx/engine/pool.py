@@ -499,6 +499,8 @@ class EnginePool:
             )
         )
         log.info(guard.describe())
+        # After the profile, so its readings are what they were without the checks.
+        runner.prove_compiled()
         return ModelEngine(
             loaded,
             runner,

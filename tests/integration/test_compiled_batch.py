@@ -221,3 +221,21 @@ def test_a_step_that_disagrees_with_the_eager_forward_leaves_the_batch_eager(
     assert step.failed and not step.proven and step.steps == 0
     for rid, prompt in PROMPTS.items():
         assert got[rid] == reference(model, prompt, 8), rid
+
+
+def test_the_checks_can_run_before_any_request(tiny_models_dir: Path) -> None:
+    """The pool proves both compiled steps at model load: afterwards every step of
+    the first batch runs compiled, the one handing out the first tokens included
+    (unproven, that one runs eagerly so it never waits on the check), with
+    mlx-lm's tokens."""
+    model, _ = load(str(tiny_models_dir / "tiny-llama"))
+    runner = make_runner(model)
+    runner.prove_compiled()
+    step, solo = runner.compiled_batch_step, runner.compiled_decoder
+    assert step is not None and step.proven and step.steps == 0
+    assert solo is not None and solo.proven
+    runner.add([request(rid, p, 6) for rid, p in PROMPTS.items()])
+    got = collect(runner, dict.fromkeys(PROMPTS, 6))
+    assert step.steps == 6
+    for rid, prompt in PROMPTS.items():
+        assert got[rid] == reference(model, prompt, 6), rid
