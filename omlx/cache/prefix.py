@@ -184,7 +184,7 @@ class PrefixCache:
             return None
         best, best_len = None, MIN_PARTIAL_TOKENS - 1
         for key, tokens in children.items():
-            n = _common_prefix(tokens, rest)
+            n = common_prefix(tokens, rest)
             if n > best_len:
                 best, best_len = key, n
         if best is None:
@@ -320,7 +320,8 @@ class PrefixCache:
             self._ssd.close()
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

@@ -25,7 +25,7 @@ from mlx_lm.sample_utils import (
 )
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from omlx.cache.prefix import CacheHit, PrefixCache
+from omlx.cache.prefix import CacheHit, PrefixCache, common_prefix
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, Sampler, merge_caches
 from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
 from omlx.engine.solo import SoloSequence
@@ -218,7 +218,7 @@ class BatchRunner:
                     if hit is not None:
                         done, cache = hit.num_tokens, hit.layers
                     elif r.request_id in shared:
-                        cache, done = shared[r.request_id]
+                        done, cache = shared[r.request_id]
                     else:
                         done, cache = 0, make_prompt_cache(self._model)
                     row = Row.make(
@@ -230,11 +230,11 @@ class BatchRunner:
                     self._start_batched(row, cache, done, r.prompt_ids[done:])
         return {rid: hit.num_tokens for rid, hit in hits.items() if hit is not None}
 
-    def _share_openings(self, requests: list[Request]) -> dict[str, tuple[list[Any], int]]:
+    def _share_openings(self, requests: list[Request]) -> dict[str, tuple[int, list[Any]]]:
         """Requests starting together whose prompts open with the same tokens (a
         system prompt, tool definitions, a chat template's preamble): the common
         opening is prefilled once, up to one prefill chunk, and each request
-        starts from a copy of that cache. Returns (cache, tokens in it) per
+        starts from a copy of that cache. Returns (tokens cached, cache) per
         request that shares; only for models whose cache is plain KV layers."""
         if len(requests) < 2:
             return {}
@@ -245,20 +245,21 @@ class BatchRunner:
         for r in requests:
             if len(r.prompt_ids) >= MIN_SHARED_OPENING + 2:
                 groups.setdefault(tuple(r.prompt_ids[:MIN_SHARED_OPENING]), []).append(r)
-        out: dict[str, tuple[list[Any], int]] = {}
+        out: dict[str, tuple[int, list[Any]]] = {}
         for group in groups.values():
             if len(group) < 2:
                 continue
             # Each request keeps at least two tokens of its own to prefill.
             limit = min(self._prefill_step_size, *(len(r.prompt_ids) - 2 for r in group))
-            n = _common_prefix_length([r.prompt_ids for r in group], limit)
+            first = group[0].prompt_ids
+            n = min(limit, *(common_prefix(first, r.prompt_ids) for r in group[1:]))
             if n < MIN_SHARED_OPENING:
                 continue
             opening = make_prompt_cache(self._model)
             self._model(mx.array(group[0].prompt_ids[:n])[None], cache=opening)
             mx.eval([layer.state for layer in opening])
             for r in group:
-                out[r.request_id] = ([_kv_prefix(layer, n) for layer in opening], n)
+                out[r.request_id] = (n, [_kv_prefix(layer, n) for layer in opening])
         return out
 
     def _start_batched(
@@ -469,18 +470,6 @@ class BatchRunner:
             mx.synchronize(self._stream)
             mx.set_wired_limit(self._old_wired_limit)
             self._old_wired_limit = None
-
-
-def _common_prefix_length(prompts: Sequence[Sequence[int]], limit: int) -> int:
-    """How many leading tokens all ``prompts`` share, at most ``limit``."""
-    first = prompts[0]
-    n = min(limit, *(len(p) for p in prompts))
-    for other in prompts[1:]:
-        for i in range(n):
-            if other[i] != first[i]:
-                n = i
-                break
-    return n
 
 
 def _kv_prefix(layer: KVCache, n: int) -> KVCache:

@@ -58,6 +58,15 @@ def run(runner: BatchRunner, steps: int) -> list[dict[str, list[int]]]:
     return out
 
 
+def tokens_of(steps: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+    """Every token each request got over ``steps`` (``run``'s output), in order."""
+    got: dict[str, list[int]] = {}
+    for step in steps:
+        for rid, tokens in step.items():
+            got.setdefault(rid, []).extend(tokens)
+    return got
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_batched_requests_hand_out_every_token_once_in_order(llama, pipelined: bool) -> None:
     runner = make_runner(llama, 128, pipelined)  # one prefill step holds all three prompts
@@ -274,10 +283,7 @@ def test_requests_starting_together_prefill_their_common_opening_once(llama) -> 
     runner.add([request(rid, p, 8) for rid, p in prompts.items()])
     left = {c.request_id: c.num_remaining for c in runner.prefill_plan()}
     assert left == {"a": 9, "b": 17, "c": 5, "other": 30}
-    got: dict[str, list[int]] = {}
-    for step in run(runner, 12):
-        for rid, tokens in step.items():
-            got.setdefault(rid, []).extend(tokens)
+    got = tokens_of(run(runner, 12))
     for rid, prompt in prompts.items():
         assert got[rid][:8] == reference(llama, prompt, 8), rid
     runner.close()
@@ -295,10 +301,7 @@ def test_a_shared_opening_is_at_most_one_prefill_chunk(llama) -> None:
     runner.add([request(rid, p, 6) for rid, p in prompts.items()])
     left = {c.request_id: c.num_remaining for c in runner.prefill_plan()}
     assert left == {"a": 46 - 16, "b": 48 - 16}
-    got: dict[str, list[int]] = {}
-    for step in run(runner, 12):
-        for rid, tokens in step.items():
-            got.setdefault(rid, []).extend(tokens)
+    got = tokens_of(run(runner, 12))
     for rid, prompt in prompts.items():
         assert got[rid][:6] == reference(llama, prompt, 6), rid
     runner.close()
