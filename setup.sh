@@ -26,10 +26,11 @@ as_root() {
 system_packages() {
     [ "$(uname -s)" = Linux ] || return 0
     command -v apt-get >/dev/null || { log "no apt-get: install OpenBLAS yourself"; return 0; }
-    # OpenBLAS for MLX and a C++ compiler for its CPU backend's compiled (fused)
-    # kernels (mx.compile; the compiled decode step); for the test suite also Chromium
+    # OpenBLAS for MLX, a C++ compiler for its CPU backend's compiled (fused) kernels
+    # (mx.compile; the compiled decode step) and a C compiler for omlx's small-batch
+    # matmul (omlx/native/fastgemm.c, built by `omlx.blas link`); for the test suite also Chromium
     # (admin UI), Xvfb and the libraries Qt needs (desktop shell), xorriso (disk-image layout).
-    local want=(libopenblas0-pthread g++)
+    local want=(libopenblas0-pthread g++ gcc)
     [ "${1:-}" = test ] && want+=(chromium xvfb xauth dbus libxcb-cursor0 libxkbcommon-x11-0 libnss3 xorriso)
     # Desktop-shell tests: Qt's xcb plugin libs, a tray host + PyGObject for pystray's gtk
     # backend, X input/inspection tools and ImageMagick for screenshots.
@@ -65,7 +66,8 @@ python_env() {
         "$PY" -m pip install -q --no-deps "$SMOLLM_PKG" "${GRAMMAR_PKGS[@]}"
         echo "$want" >"$stamp"
     fi
-    # Point mlx[cpu]'s bundled reference BLAS at OpenBLAS (about 30x faster).
+    # Point mlx[cpu]'s bundled reference BLAS at OpenBLAS (about 30x faster), behind
+    # omlx's small-batch matmul (same bits, ~1.7x faster at decode batch sizes).
     "$PY" -m omlx.blas link
 }
 

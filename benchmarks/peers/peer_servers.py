@@ -2,7 +2,7 @@
 
 omlx and ``mlx_lm.server`` run from the project's .venv. Other MLX servers from PyPI
 live in their own venvs under ``--peer-venvs`` (default /tmp/omlx-peers/venvs/<name>),
-never in the project's; ``install_peer`` creates one and links OpenBLAS into its
+never in the project's; ``install_peer`` creates one and links the BLAS into its
 ``mlx[cpu]`` the way setup.sh does for ours, so every server uses the same BLAS.
 """
 
@@ -113,9 +113,15 @@ def install_peer(package: str, venv: Path, log: Path) -> None:
         if proc.returncode != 0:
             raise ServerFailed(f"pip install {package} failed (see {log})")
         done.touch()
+    link_blas(venv)
+
+
+def link_blas(venv: Path) -> None:
+    """Point a peer venv's mlx[cpu] at the BLAS setup.sh gives ours (OpenBLAS behind
+    omlx's small-batch matmul; OMLX_FASTGEMM=0 switches that off for every server)."""
     # omlx.blas uses the stdlib only, so the peer's interpreter can run it from the repo.
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([str(py), "-m", "omlx.blas", "link"], env=env, check=False)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "omlx.blas", "link"], env=env, check=False)
 
 
 class RunningServer:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -152,6 +153,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, help="max_tokens of the decode rows (128)")
     parser.add_argument("--peer-venvs", type=Path, default=WORK / "venvs")
     parser.add_argument("--install-peers", action="store_true", help="pip-install PyPI peers")
+    parser.add_argument(
+        "--blas",
+        choices=["fast", "openblas"],
+        default="fast",
+        help="every server's BLAS: OpenBLAS behind omlx's small-batch matmul (setup.sh's), "
+        "or OpenBLAS alone (OMLX_FASTGEMM=0)",
+    )
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     args.servers = args.servers.split(",")
@@ -162,6 +170,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.blas == "openblas":
+        os.environ["OMLX_FASTGEMM"] = "0"  # inherited by every server started
     (WORK / "logs").mkdir(parents=True, exist_ok=True)
     models = ensure_model(WORK / "base")
     failures: dict[str, str] = {}
@@ -172,6 +182,8 @@ def main() -> None:
                 ps.install_peer(PYPI_PEERS[name], venv, WORK / "logs" / f"{name}-install.log")
             elif not (venv / "bin" / name).exists():
                 raise ps.ServerFailed(f"no venv at {venv}: run with --install-peers")
+            else:
+                ps.link_blas(venv)
         except ps.ServerFailed as exc:
             failures[name] = str(exc)
     args.servers = [n for n in args.servers if n not in failures]
@@ -180,6 +192,7 @@ def main() -> None:
     results, run_failures = run_rounds(args, models, cfg)
     failures.update(run_failures)
     print(f"\n{MODEL} float32, {cfg.tokens} tokens per decode request, median of {args.rounds}")
+    print(f"BLAS for every server: {args.blas}")
     print_table(results)
     print_tokens(results)
     for name, why in failures.items():

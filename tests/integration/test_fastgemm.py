@@ -1,0 +1,180 @@
+"""The small-batch matmul behind MLX's BLAS on Linux (omlx/native/fastgemm.c):
+faster at decode batch sizes, and bit-identical to OpenBLAS everywhere."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from omlx import blas
+
+RowMajor, NoTrans, Trans = 101, 111, 112
+OPENBLAS = next((p for p in blas.OPENBLAS_CANDIDATES if p.exists()), None)
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or OPENBLAS is None,
+    reason="the fast path is built on Linux, over Debian's OpenBLAS",
+)
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+class Gemm:
+    """cblas_sgemm of one library, on numpy arrays (row-major, C = A . op(B))."""
+
+    def __init__(self, path: Path) -> None:
+        self.lib = ctypes.CDLL(str(path))
+        fn = self.lib.cblas_sgemm
+        f, i, p = ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+        fn.argtypes = [i, i, i, i, i, i, f, p, i, p, i, f, p, i]
+        fn.restype = None
+
+    def __call__(self, a, b, c, *, trans_b=True, alpha=1.0, beta=0.0, lda=None, ldb=None):
+        m, k = c.shape[0], (b.shape[1] if trans_b else b.shape[0])
+        n = c.shape[1]
+        self.lib.cblas_sgemm(
+            RowMajor, NoTrans, Trans if trans_b else NoTrans, m, n, k, alpha,
+            a.ctypes.data, lda or a.strides[0] // 4, b.ctypes.data, ldb or b.strides[0] // 4,
+            beta, c.ctypes.data, c.strides[0] // 4,
+        )  # fmt: skip
+        return c
+
+    def counts(self) -> tuple[int, int]:
+        fast, forwarded = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+        self.lib.omlx_fastgemm_counts(ctypes.byref(fast), ctypes.byref(forwarded))
+        return fast.value, forwarded.value
+
+    def status(self) -> str:
+        self.lib.omlx_fastgemm_status.restype = ctypes.c_char_p
+        return self.lib.omlx_fastgemm_status().decode()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fastgemm") / blas.FASTGEMM_NAME
+    why = blas.build_fastgemm(OPENBLAS, out)
+    assert why is None, why
+    return out
+
+
+@pytest.fixture(scope="module")
+def fast(built) -> Gemm:
+    return Gemm(built)
+
+
+@pytest.fixture(scope="module")
+def reference() -> Gemm:
+    return Gemm(OPENBLAS)
+
+
+def _rand(rng, *shape):
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+@pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="the kernel needs AVX2 and FMA")
+def test_it_takes_over_after_proving_it_reproduces_openblas(fast):
+    assert fast.status().startswith("on (OpenBLAS K blocks of")
+
+
+# (rows, K, N): a SmolLM2 layer's projections and head, and K values that split
+# into OpenBLAS blocks differently (one block, halves, full blocks + halves).
+SHAPES = [(r, 576, 1536) for r in (1, 2, 3, 8, 9, 16)] + [
+    (1, 576, 49152),
+    (8, 1536, 576),
+    (8, 576, 4096),
+    (5, 64, 4096),
+    (7, 330, 608),
+    (16, 700, 200),
+    (4, 2048, 515),  # N not a multiple of 8
+]
+
+
+@pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="the kernel needs AVX2 and FMA")
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_results_are_bit_identical_to_openblas(fast, reference, beta):
+    rng = np.random.default_rng(0)
+    before = fast.counts()[0]
+    for m, k, n in SHAPES:
+        a, b, c = _rand(rng, m, k), _rand(rng, n, k), _rand(rng, m, n)
+        want = reference(a, b, c.copy(), beta=beta)
+        got = fast(a, b, c.copy(), beta=beta)
+        assert want.tobytes() == got.tobytes(), (m, k, n, beta)
+    assert fast.counts()[0] - before == len(SHAPES)  # every one ran the kernel
+
+
+@pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="the kernel needs AVX2 and FMA")
+def test_strided_operands_are_bit_identical(fast, reference):
+    rng = np.random.default_rng(1)
+    a = _rand(rng, 8, 600)[:, :576]  # rows of a wider buffer: lda 600
+    b = _rand(rng, 1536, 640)[:, :576]
+    c = np.zeros((8, 1600), np.float32)[:, :1536]
+    want = reference(a, b, c.copy())
+    got = fast(a, b, c.copy())
+    assert np.array_equal(want, got) and want.tobytes() == got.tobytes()
+
+
+def test_other_calls_go_to_openblas_unchanged(fast, reference):
+    rng = np.random.default_rng(2)
+    cases = [
+        dict(m=17, k=576, n=1536, kw={}),  # more rows than the kernel takes
+        dict(m=8, k=576, n=64, kw={}),  # OpenBLAS's small-matrix kernel range
+        dict(m=1, k=1536, n=576, kw={}),  # the same, at one row
+        dict(m=8, k=576, n=1536, kw={"alpha": 0.5}),
+        dict(m=8, k=576, n=1536, kw={"beta": 0.25}),
+    ]
+    fast_before, fwd_before = fast.counts()
+    for case in cases:
+        m, k, n = case["m"], case["k"], case["n"]
+        a, b, c = _rand(rng, m, k), _rand(rng, n, k), _rand(rng, m, n)
+        want = reference(a, b, c.copy(), **case["kw"])
+        got = fast(a, b, c.copy(), **case["kw"])
+        assert want.tobytes() == got.tobytes(), case
+    a, b = _rand(rng, 8, 576), _rand(rng, 576, 1536)  # B not transposed
+    c = np.zeros((8, 1536), np.float32)
+    assert np.array_equal(reference(a, b, c.copy(), trans_b=False), fast(a, b, c, trans_b=False))
+    fast_after, fwd_after = fast.counts()
+    assert fast_after == fast_before
+    assert fwd_after - fwd_before == len(cases) + 1
+
+
+def test_it_can_be_switched_off(built):
+    code = (
+        "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
+        "lib.omlx_fastgemm_status.restype = ctypes.c_char_p; "
+        "print(lib.omlx_fastgemm_status().decode())"
+    )
+    env = {**os.environ, "OMLX_FASTGEMM": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(built)], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "off (OMLX_FASTGEMM=0)"
+
+
+@pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="the kernel needs AVX2 and FMA")
+def test_setup_put_it_under_mlx_and_decode_matmuls_use_it(reference):
+    """What ./setup.sh links: MLX's matmul of a decode batch by a weight runs the
+    kernel and returns OpenBLAS's bits."""
+    import mlx.core as mx
+
+    status = blas.fastgemm_status()
+    assert status is not None and status.startswith("on"), blas.active_blas()
+    mlx_side = Gemm(blas.mlx_fastgemm())
+    rng = np.random.default_rng(3)
+    x, w = _rand(rng, 8, 576), _rand(rng, 1536, 576)
+    before = mlx_side.counts()[0]
+    got = np.array(mx.array(x) @ mx.array(w).T)
+    assert mlx_side.counts()[0] > before
+    want = reference(x, w, np.zeros((8, 1536), np.float32))
+    assert want.tobytes() == got.tobytes()
