@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_servers as ps
 from peer_client import PeerClient, nonce
 from prompts import decode_messages
-from run_peers import MODEL, WORK, ensure_model, make_spec
+from run_peers import BLAS_MODES, MODEL, WORK, ensure_model, make_spec
 
 
 async def one(base_url: str, model: str, tokens: int) -> float:
@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, default=1, help="concurrent requests per round")
     ap.add_argument("--peer-venvs", type=Path, default=Path("/tmp/omlx-peers/venvs"))
+    ap.add_argument("--blas", choices=list(BLAS_MODES), default="same-fast", help="as run_peers")
     args = ap.parse_args()
     names = args.servers.split(",")
     # The model run_peers.py imports (kept for the next run); server logs under WORK/logs.
@@ -73,7 +74,7 @@ def main() -> None:
     running = []
     try:
         for name in names:
-            spec = make_spec(name, models, ps.free_port(), args.peer_venvs)
+            spec = make_spec(name, models, ps.free_port(), args.peer_venvs, args.blas)
             running.append(ps.RunningServer(spec, logs / f"ab-{name}.log"))
         for server in running:  # warm-up: model load, first kernels (and batch sizes)
             asyncio.run(one(server.spec.base_url, server.spec.model, 8))

@@ -3,7 +3,8 @@
 omlx and ``mlx_lm.server`` run from the project's .venv. Other MLX servers from PyPI
 live in their own venvs under ``--peer-venvs`` (default /tmp/omlx-peers/venvs/<name>),
 never in the project's; ``install_peer`` creates one and links the BLAS into its
-``mlx[cpu]`` the way setup.sh does for ours, so every server uses the same BLAS.
+``mlx[cpu]`` the way setup.sh does for ours (OpenBLAS, with omlx's small-batch matmul in
+front unless the server runs with OMLX_FASTGEMM=0).
 """
 
 from __future__ import annotations
@@ -117,8 +118,9 @@ def install_peer(package: str, venv: Path, log: Path) -> None:
 
 
 def link_blas(venv: Path) -> None:
-    """Point a peer venv's mlx[cpu] at the BLAS setup.sh gives ours (OpenBLAS behind
-    omlx's small-batch matmul; OMLX_FASTGEMM=0 switches that off for every server)."""
+    """Point a peer venv's mlx[cpu] at the library setup.sh gives ours: OpenBLAS behind
+    omlx's small-batch matmul, which a server started with OMLX_FASTGEMM=0 bypasses
+    (run_peers --blas decides who gets it)."""
     # omlx.blas uses the stdlib only, so the peer's interpreter can run it from the repo.
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([str(venv / "bin" / "python"), "-m", "omlx.blas", "link"], env=env, check=False)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,15 @@ MODEL = "SmolLM2-135M-Instruct"
 WORK = Path(tempfile.gettempdir()) / "omlx-peers"
 PYPI_PEERS = {"vllm-mlx": "vllm-mlx", "rapid-mlx": "rapid-mlx"}
 HIGHER, LOWER = "higher", "lower"
+# Which servers run omlx's small-batch matmul (omlx/native/fastgemm.c) in front of
+# OpenBLAS; the others get OpenBLAS alone. The "same-*" modes give every server the same
+# BLAS, so the table compares server designs; "shipped" is each server as its own setup
+# leaves it (plus OpenBLAS for the peers).
+BLAS_MODES = {
+    "same-fast": {"omlx", "mlx-lm", "rapid-mlx", "vllm-mlx"},
+    "shipped": {"omlx"},
+    "same-openblas": set(),
+}
 # key, label, better, target advantage over the best peer (issue 9)
 ROWS = [
     ("single_tok_s", "single-stream decode tok/s", HIGHER, 1.0),
@@ -59,16 +67,20 @@ def ensure_model(base: Path) -> Path:
     return models
 
 
-def make_spec(name: str, models: Path, port: int, venvs: Path) -> ps.ServerSpec:
+def make_spec(name: str, models: Path, port: int, venvs: Path, blas: str) -> ps.ServerSpec:
     if name == "omlx":
-        return ps.omlx_spec(models, MODEL, port)
-    if name == "mlx-lm":
-        return ps.mlx_lm_spec(models / MODEL, port)
-    if name == "vllm-mlx":
-        return ps.vllm_mlx_spec(venvs / name, models / MODEL, port)
-    if name == "rapid-mlx":
-        return ps.rapid_mlx_spec(venvs / name, models / MODEL, port)
-    raise SystemExit(f"unknown server {name!r}")
+        spec = ps.omlx_spec(models, MODEL, port)
+    elif name == "mlx-lm":
+        spec = ps.mlx_lm_spec(models / MODEL, port)
+    elif name == "vllm-mlx":
+        spec = ps.vllm_mlx_spec(venvs / name, models / MODEL, port)
+    elif name == "rapid-mlx":
+        spec = ps.rapid_mlx_spec(venvs / name, models / MODEL, port)
+    else:
+        raise SystemExit(f"unknown server {name!r}")
+    if name not in BLAS_MODES[blas]:
+        spec.env["OMLX_FASTGEMM"] = "0"  # the shared library forwards every call to OpenBLAS
+    return spec
 
 
 def run_one(spec: ps.ServerSpec, cfg: Config, log: Path) -> dict:
@@ -95,7 +107,7 @@ def run_rounds(args: argparse.Namespace, models: Path, cfg: Config) -> tuple[dic
             log = WORK / "logs" / f"{name}-round{rnd + 1}.log"
             print(f"round {rnd + 1}: {name} ...", flush=True)
             try:
-                spec = make_spec(name, models, ps.free_port(), args.peer_venvs)
+                spec = make_spec(name, models, ps.free_port(), args.peer_venvs, args.blas)
                 results[name].append(run_one(spec, cfg, log))
             except (ps.ServerFailed, OSError) as exc:
                 failures[name] = str(exc)
@@ -155,10 +167,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--install-peers", action="store_true", help="pip-install PyPI peers")
     parser.add_argument(
         "--blas",
-        choices=["fast", "openblas"],
-        default="fast",
-        help="every server's BLAS: OpenBLAS behind omlx's small-batch matmul (setup.sh's), "
-        "or OpenBLAS alone (OMLX_FASTGEMM=0)",
+        choices=list(BLAS_MODES),
+        default="same-fast",
+        help="same-fast: every server with the small-batch matmul setup.sh builds; shipped: "
+        "only omlx (peers on OpenBLAS alone); same-openblas: none",
     )
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
@@ -170,8 +182,6 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if args.blas == "openblas":
-        os.environ["OMLX_FASTGEMM"] = "0"  # inherited by every server started
     (WORK / "logs").mkdir(parents=True, exist_ok=True)
     models = ensure_model(WORK / "base")
     failures: dict[str, str] = {}
@@ -192,7 +202,8 @@ def main() -> None:
     results, run_failures = run_rounds(args, models, cfg)
     failures.update(run_failures)
     print(f"\n{MODEL} float32, {cfg.tokens} tokens per decode request, median of {args.rounds}")
-    print(f"BLAS for every server: {args.blas}")
+    fast = sorted(BLAS_MODES[args.blas] & set(args.servers)) or ["none"]
+    print(f"BLAS: --blas {args.blas} (small-batch matmul for: {', '.join(fast)})")
     print_table(results)
     print_tokens(results)
     for name, why in failures.items():

@@ -148,6 +148,13 @@ def test_other_calls_go_to_openblas_unchanged(fast, reference):
     assert fwd_after - fwd_before == len(cases) + 1
 
 
+def test_without_a_compiler_the_build_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no cc
+    out = tmp_path / blas.FASTGEMM_NAME
+    assert blas.build_fastgemm(OPENBLAS, out) == "no C compiler (apt-get install gcc)"
+    assert not out.exists()
+
+
 def test_it_can_be_switched_off(built):
     code = (
         "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
