@@ -240,9 +240,11 @@ static void calibrate(void) {
 static void init(void) {
     void* lib = dlopen(OPENBLAS_PATH, RTLD_NOW | RTLD_LOCAL);
     real_sgemm = lib ? (sgemm_fn)dlsym(lib, "cblas_sgemm") : NULL;
+    if (!real_sgemm) real_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
     if (!real_sgemm) {
-        snprintf(status, sizeof status, "error: cannot load cblas_sgemm from %s", OPENBLAS_PATH);
-        return;
+        /* Nothing to forward to: every matmul would be wrong, so stop loudly. */
+        fprintf(stderr, "omlx fastgemm: no cblas_sgemm in %s: %s\n", OPENBLAS_PATH, dlerror());
+        abort();
     }
     const char* env = getenv("OMLX_FASTGEMM");
     if (env && strcmp(env, "0") == 0) {
