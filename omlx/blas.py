@@ -113,15 +113,19 @@ def mlx_fastgemm() -> Path | None:
     return target if target.name == FASTGEMM_NAME and str(target) in _loaded("fastgemm") else None
 
 
-def fastgemm_status() -> str | None:
-    """The fast path's own report ("on (...)" / "off (...)"), or None when MLX
-    did not load it."""
-    path = mlx_fastgemm()
-    if path is None:
-        return None
-    lib = ctypes.CDLL(str(path))  # the copy MLX loaded: same path, same instance
+def library_status(path: Path) -> str:
+    """A fast-path library's own report: "on (...)" or "off (...)" with the reason
+    (it decides on first use). Loading a path this process already loaded reuses
+    that instance."""
+    lib = ctypes.CDLL(str(path))
     lib.omlx_fastgemm_status.restype = ctypes.c_char_p
     return lib.omlx_fastgemm_status().decode()
+
+
+def fastgemm_status() -> str | None:
+    """The report of the fast-path library MLX loaded, or None when it did not."""
+    path = mlx_fastgemm()
+    return None if path is None else library_status(path)
 
 
 def active_blas() -> str:

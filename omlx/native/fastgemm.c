@@ -16,10 +16,8 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
-#include <math.h>
 #include <omp.h>
 #include <pthread.h>
-#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,8 +33,8 @@
 #define OPENBLAS_PATH "libopenblas.so.0"
 #endif
 
-enum { RowMajor = 101, ColMajor = 102 };
-enum { NoTrans = 111, Trans = 112, ConjTrans = 113 };
+enum { RowMajor = 101 };
+enum { NoTrans = 111, Trans = 112 };
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float*, int, const float*,
                          int, float, float*, int);

@@ -34,6 +34,7 @@ class Gemm:
     """cblas_sgemm of one library, on numpy arrays (row-major, C = A . op(B))."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         self.lib = ctypes.CDLL(str(path))
         fn = self.lib.cblas_sgemm
         f, i, p = ctypes.c_float, ctypes.c_int, ctypes.c_void_p
@@ -56,8 +57,7 @@ class Gemm:
         return fast.value, forwarded.value
 
     def status(self) -> str:
-        self.lib.omlx_fastgemm_status.restype = ctypes.c_char_p
-        return self.lib.omlx_fastgemm_status().decode()
+        return blas.library_status(self.path)
 
 
 @pytest.fixture(scope="module")
@@ -172,11 +172,8 @@ def test_without_a_compiler_the_build_says_so(tmp_path, monkeypatch):
 
 
 def test_it_can_be_switched_off(built):
-    code = (
-        "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
-        "lib.omlx_fastgemm_status.restype = ctypes.c_char_p; "
-        "print(lib.omlx_fastgemm_status().decode())"
-    )
+    code = "import sys; from pathlib import Path; from omlx import blas; "
+    code += "print(blas.library_status(Path(sys.argv[1])))"
     env = {**os.environ, "OMLX_FASTGEMM": "0"}
     out = subprocess.run(
         [sys.executable, "-c", code, str(built)], env=env, capture_output=True, text=True
