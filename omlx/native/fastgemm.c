@@ -12,6 +12,16 @@
  * lane here is one output element running that same chain. The block rule is not
  * assumed: on first use the library compares itself with OpenBLAS on probe
  * problems and only takes over calls when one rule reproduces every bit.
+ *
+ * Small problems (M * N <= 1200, M * N * K <= 1e6, K >= 32: at one or two rows,
+ * most of a layer's projections) OpenBLAS gives to its small-matrix kernel, which
+ * sums differently: each output is a dot product in 16 lanes (lane l takes
+ * k = l, l + 16, ..., one fused multiply-add chain; the last partial block's
+ * missing lanes get 0 * 0), then the lanes are added in a fixed tree. That
+ * kernel runs on one thread; here the same sums run on every core. It too is
+ * proven on probe problems before it takes a call, separately from the rule
+ * above.
+ *
  * Everything else (other shapes, layouts, types) goes to OpenBLAS unchanged.
  */
 #define _GNU_SOURCE
@@ -44,9 +54,10 @@ typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float*, int,
 
 static sgemm_fn real_sgemm;
 static int block_q, block_u; /* calibrated K-block rule; 0 = fast path off */
-static char status[160] = "not initialised";
+static int small_on;         /* the small-matrix order reproduced */
+static char status[200] = "not initialised";
 static pthread_once_t once = PTHREAD_ONCE_INIT;
-static unsigned long long num_fast, num_forwarded;
+static unsigned long long num_fast, num_small, num_forwarded;
 
 /* OpenBLAS's K split: GEMM_Q while at least two are left, else the rest halved
  * (rounded up to u) when it exceeds GEMM_Q. */
@@ -158,6 +169,81 @@ static int fast_sgemm(int M, int N, int K, const float* a, int lda, const float*
     }
     return 1;
 }
+
+/* ---- OpenBLAS's small-matrix kernel order -------------------------------- */
+
+/* Its sum of 16 lane totals when it reduces four outputs at once (groups of four
+ * lanes, then the four group sums pairwise). */
+static inline float sum_by_fours(const float* p) {
+    float g0 = (p[0] + p[1]) + (p[2] + p[3]);
+    float g1 = (p[4] + p[5]) + (p[6] + p[7]);
+    float g2 = (p[8] + p[9]) + (p[10] + p[11]);
+    float g3 = (p[12] + p[13]) + (p[14] + p[15]);
+    return (g0 + g1) + (g2 + g3);
+}
+
+/* Its sum for a lone output (_mm512_reduce_add_ps: halves folded onto each other). */
+static inline float sum_by_halves(const float* p) {
+    float h[8], q[4];
+    for (int i = 0; i < 8; i++) h[i] = p[i] + p[i + 8];
+    for (int i = 0; i < 4; i++) q[i] = h[i] + h[i + 4];
+    return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+/* Outputs C[m, n] for n in [n0, n1), every m: 16 lane chains each, four rows of A
+ * against one weight row at a time. The kernel reduces by fours every output
+ * except those in both the last N % 4 weight rows and the last M % 4 rows. */
+static void small_columns(int M, int N, int K, const float* a, int lda, const float* b,
+                          int ldb, float beta, float* c, int ldc, int n0, int n1) {
+    int k16 = K & ~15, rem = K - k16;
+    int n4 = N & ~3, m4 = M & ~3;
+    for (int n = n0; n < n1; n++) {
+        const float* w = b + (size_t)n * ldb;
+        float wt[16] = {0};
+        for (int i = 0; i < rem; i++) wt[i] = w[k16 + i];
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            int rows = M - m0 < 4 ? M - m0 : 4;
+            __m256 lo[4], hi[4];
+            for (int r = 0; r < 4; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+            for (int k = 0; k < k16; k += 16) {
+                __m256 wl = _mm256_loadu_ps(w + k), wh = _mm256_loadu_ps(w + k + 8);
+                for (int r = 0; r < rows; r++) {
+                    const float* x = a + (size_t)(m0 + r) * lda + k;
+                    lo[r] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(x), lo[r]);
+                    hi[r] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(x + 8), hi[r]);
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                int m = m0 + r;
+                if (rem) {
+                    float xt[16] = {0};
+                    const float* x = a + (size_t)m * lda + k16;
+                    for (int i = 0; i < rem; i++) xt[i] = x[i];
+                    lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wt), _mm256_loadu_ps(xt), lo[r]);
+                    hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wt + 8), _mm256_loadu_ps(xt + 8), hi[r]);
+                }
+                float p[16];
+                _mm256_storeu_ps(p, lo[r]);
+                _mm256_storeu_ps(p + 8, hi[r]);
+                float sum = n < n4 || m < m4 ? sum_by_fours(p) : sum_by_halves(p);
+                float* out = c + (size_t)m * ldc + n;
+                *out = beta != 0.0f ? sum + *out : sum;
+            }
+        }
+    }
+}
+
+static void small_sgemm(int M, int N, int K, const float* a, int lda, const float* b, int ldb,
+                        float beta, float* c, int ldc) {
+    int big = (size_t)N * K >= 65536;
+#pragma omp parallel if (big)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int per = (N + nt - 1) / nt;
+        int n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
+        if (n0 < n1) small_columns(M, N, K, a, lda, b, ldb, beta, c, ldc, n0, n1);
+    }
+}
 #endif
 
 /* ---- calibration: which K-block rule reproduces OpenBLAS here ---------- */
@@ -171,8 +257,14 @@ static float probe_value(unsigned* state) {
 /* Probe problems (rows, K, N) whose K values tell the block rules apart, each
  * with beta 0 and 1; OpenBLAS's answers are computed once. */
 static const int probes[][3] = {{8, 2000, 152}, {2, 330, 608}, {5, 1536, 256}, {16, 700, 80},
-                                {1, 1536, 1240}};
-#define NUM_PROBES 5
+                                {1, 1536, 1240}, {1, 1536, 1024}, {3, 24, 100}};
+#define NUM_PROBES 7
+
+/* Inside the small-matrix range: N or M not multiples of 4 (both sum trees),
+ * K with and without a partial last block of 16, one and many rows. */
+static const int small_probes[][3] = {{1, 576, 576}, {2, 1536, 192}, {3, 64, 77}, {5, 40, 203},
+                                      {7, 100, 150}, {16, 33, 75}, {1, 1536, 651}};
+#define NUM_SMALL 7
 
 static void probe_c(int p, int beta, float* c) {
     unsigned st = 7u + 2u * p + beta;
@@ -189,6 +281,22 @@ static int rule_matches(int q, int u, const float* a, const float* b, float* con
             probe_c(p, beta, got);
             if (!fast_sgemm(M, N, K, a, K, b, K, (float)beta, got, N, q, u)) return 0;
             if (memcmp(want[2 * p + beta], got, sizeof(float) * M * N) != 0) return 0;
+        }
+    }
+    return 1;
+}
+
+/* Does the small-matrix path give OpenBLAS's bits on every small probe? */
+static int small_matches(const float* a, const float* b, float* want, float* got) {
+    for (int p = 0; p < NUM_SMALL; p++) {
+        int M = small_probes[p][0], K = small_probes[p][1], N = small_probes[p][2];
+        for (int beta = 0; beta < 2; beta++) {
+            unsigned st = 101u + 2u * p + beta, st2 = st;
+            for (int i = 0; i < M * N; i++) want[i] = probe_value(&st);
+            for (int i = 0; i < M * N; i++) got[i] = probe_value(&st2);
+            real_sgemm(RowMajor, NoTrans, Trans, M, N, K, 1.0f, a, K, b, K, (float)beta, want, N);
+            small_sgemm(M, N, K, a, K, b, K, (float)beta, got, N);
+            if (memcmp(want, got, sizeof(float) * M * N) != 0) return 0;
         }
     }
     return 1;
@@ -231,6 +339,7 @@ static void calibrate(void) {
         for (int j = 0; j < 6 && !block_q; j++)
             if (rule_matches(q, us[j], a, b, want, got)) block_q = q, block_u = us[j];
     }
+    small_on = small_matches(a, b, want[0], got);
     free(want[0]), free(a), free(b), free(got);
 }
 #endif
@@ -251,9 +360,13 @@ static void init(void) {
     }
 #if HAVE_KERNEL
     calibrate();
+    const char* small = small_on ? "its small-matrix sums too" : "small-matrix calls forwarded";
     if (block_q)
-        snprintf(status, sizeof status, "on (OpenBLAS K blocks of %d, halves rounded to %d)",
-                 block_q, block_u);
+        snprintf(status, sizeof status, "on (OpenBLAS K blocks of %d, halves rounded to %d; %s)",
+                 block_q, block_u, small);
+    else if (small_on)
+        snprintf(status, sizeof status,
+                 "on (its small-matrix sums only: no K-block rule reproduces this OpenBLAS)");
     else
         snprintf(status, sizeof status, "off (no K-block rule reproduces this OpenBLAS)");
 #else
@@ -261,21 +374,30 @@ static void init(void) {
 #endif
 }
 
-/* Outside OpenBLAS's small-matrix kernels (their own summation order): it takes
- * M * N <= 1200 with M * N * K <= 1e6 for this layout. */
-static int big_enough(int M, int N, int K) {
-    return (long)M * N > 1200 && K >= 16;
+/* Where OpenBLAS uses its small-matrix kernel for this layout (its own summation
+ * order): M * N <= 1200, M * N * K <= 1e6 and K >= 32. */
+static int small_range(int M, int N, int K) {
+    long long mn = (long long)M * N;
+    return mn <= 1200 && mn * K <= 1000000 && K >= 32;
 }
 
 void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float* a,
                  int lda, const float* b, int ldb, float beta, float* c, int ldc) {
     pthread_once(&once, init);
 #if HAVE_KERNEL
-    if (block_q && order == RowMajor && ta == NoTrans && tb == Trans && alpha == 1.0f &&
-        (beta == 0.0f || beta == 1.0f) && M >= 1 && M <= MAX_ROWS && big_enough(M, N, K) &&
-        fast_sgemm(M, N, K, a, lda, b, ldb, beta, c, ldc, block_q, block_u)) {
-        __atomic_add_fetch(&num_fast, 1, __ATOMIC_RELAXED);
-        return;
+    if (order == RowMajor && ta == NoTrans && tb == Trans && alpha == 1.0f &&
+        (beta == 0.0f || beta == 1.0f) && M >= 1 && M <= MAX_ROWS && N >= 1) {
+        if (small_range(M, N, K)) {
+            if (small_on) {
+                small_sgemm(M, N, K, a, lda, b, ldb, beta, c, ldc);
+                __atomic_add_fetch(&num_small, 1, __ATOMIC_RELAXED);
+                return;
+            }
+        } else if (block_q && K >= 16 &&
+                   fast_sgemm(M, N, K, a, lda, b, ldb, beta, c, ldc, block_q, block_u)) {
+            __atomic_add_fetch(&num_fast, 1, __ATOMIC_RELAXED);
+            return;
+        }
     }
 #endif
     __atomic_add_fetch(&num_forwarded, 1, __ATOMIC_RELAXED);
@@ -291,4 +413,9 @@ const char* omlx_fastgemm_status(void) {
 void omlx_fastgemm_counts(unsigned long long* fast, unsigned long long* forwarded) {
     *fast = __atomic_load_n(&num_fast, __ATOMIC_RELAXED);
     *forwarded = __atomic_load_n(&num_forwarded, __ATOMIC_RELAXED);
+}
+
+/* Calls that ran the small-matrix sums (not included in the fast count). */
+unsigned long long omlx_fastgemm_small_count(void) {
+    return __atomic_load_n(&num_small, __ATOMIC_RELAXED);
 }

@@ -56,6 +56,11 @@ class Gemm:
         self.lib.omlx_fastgemm_counts(ctypes.byref(fast), ctypes.byref(forwarded))
         return fast.value, forwarded.value
 
+    def small_count(self) -> int:
+        fn = self.lib.omlx_fastgemm_small_count
+        fn.restype = ctypes.c_ulonglong
+        return int(fn())
+
     def status(self) -> str:
         return blas.library_status(self.path)
 
@@ -96,6 +101,7 @@ def _kernel_on(lib: Gemm) -> bool:
 def test_it_takes_over_after_proving_it_reproduces_openblas(fast):
     assert _kernel_on(fast), fast.status()
     assert fast.status().startswith("on (OpenBLAS K blocks of")
+    assert fast.status().endswith("; its small-matrix sums too)")
 
 
 # (rows, K, N): a SmolLM2 layer's projections and head, and K values that split
@@ -108,6 +114,28 @@ SHAPES = [(r, 576, 1536) for r in (1, 2, 3, 8, 9, 16)] + [
     (7, 330, 608),
     (16, 700, 200),
     (4, 2048, 515),  # N not a multiple of 8
+    (2, 1536, 576),  # M * N <= 1200 but M * N * K > 1e6: OpenBLAS's big kernel
+    (3, 24, 100),  # M * N <= 1200 but K < 32: the same
+]
+
+# Inside OpenBLAS's small-matrix range (M * N <= 1200, M * N * K <= 1e6, K >= 32):
+# one or two rows by a layer's projections, attention's scores (3 query heads by
+# a few dozen keys), row and column counts off multiples of 4 (the kernel's two
+# sum trees), K with and without a partial last block of 16.
+SMALL_SHAPES = [
+    (1, 576, 576),
+    (1, 576, 192),
+    (1, 1536, 576),
+    (2, 576, 576),
+    (2, 576, 192),
+    (3, 64, 77),
+    (3, 64, 130),
+    (4, 32, 300),
+    (5, 40, 203),
+    (7, 100, 150),
+    (16, 33, 75),
+    (2, 47, 13),
+    (1, 1536, 651),
 ]
 
 
@@ -123,6 +151,39 @@ def test_results_are_bit_identical_to_openblas(fast, reference, beta):
         got = fast(a, b, c.copy(), beta=beta)
         assert want.tobytes() == got.tobytes(), (m, k, n, beta)
     assert fast.counts()[0] - before == len(SHAPES)  # every one ran the kernel
+
+
+@pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="the kernel needs AVX2 and FMA")
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_small_problems_are_bit_identical_to_openblas_small_kernel(fast, reference, beta):
+    """OpenBLAS sums these in its small-matrix kernel's order (16 lanes, then a
+    tree); the library runs the same sums on every core instead of one."""
+    assert _kernel_on(fast), fast.status()
+    rng = np.random.default_rng(4)
+    fast_before, small_before = fast.counts()[0], fast.small_count()
+    for m, k, n in SMALL_SHAPES:
+        a, b, c = _rand(rng, m, k), _rand(rng, n, k), _rand(rng, m, n)
+        want = reference(a, b, c.copy(), beta=beta)
+        got = fast(a, b, c.copy(), beta=beta)
+        assert want.tobytes() == got.tobytes(), (m, k, n, beta)
+    assert fast.small_count() - small_before == len(SMALL_SHAPES)
+    assert fast.counts()[0] == fast_before
+
+
+@pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="the kernel needs AVX2 and FMA")
+def test_small_problems_with_strided_operands_are_bit_identical(fast, reference):
+    """Attention's scores: the keys are rows of a longer cache buffer."""
+    assert _kernel_on(fast), fast.status()
+    rng = np.random.default_rng(5)
+    q = _rand(rng, 3, 80)[:, :64]  # lda 80
+    keys = _rand(rng, 256, 72)[:77, :64]  # ldb 72
+    want_buf, got_buf = np.zeros((3, 90), np.float32), np.zeros((3, 90), np.float32)
+    before = fast.small_count()
+    want = reference(q, keys, want_buf[:, :77])  # ldc 90
+    got = fast(q, keys, got_buf[:, :77])
+    assert want.tobytes() == got.tobytes()
+    assert not got_buf[:, 77:].any()
+    assert fast.small_count() == before + 1
 
 
 @pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="the kernel needs AVX2 and FMA")
@@ -144,12 +205,14 @@ def test_other_calls_go_to_openblas_unchanged(fast, reference):
     rng = np.random.default_rng(2)
     cases = [
         dict(m=17, k=576, n=1536, kw={}),  # more rows than the kernel takes
-        dict(m=8, k=576, n=64, kw={}),  # OpenBLAS's small-matrix kernel range
-        dict(m=1, k=1536, n=576, kw={}),  # the same, at one row
+        dict(m=17, k=64, n=20, kw={}),  # the same, in the small-matrix range
+        dict(m=2, k=8, n=64, kw={}),  # K too short for either kernel
         dict(m=8, k=576, n=1536, kw={"alpha": 0.5}),
         dict(m=8, k=576, n=1536, kw={"beta": 0.25}),
+        dict(m=1, k=576, n=576, kw={"alpha": 0.5}),  # small range, other alpha
     ]
     fast_before, fwd_before = fast.counts()
+    small_before = fast.small_count()
     for case in cases:
         m, k, n = case["m"], case["k"], case["n"]
         a, b, c = _rand(rng, m, k), _rand(rng, n, k), _rand(rng, m, n)
@@ -161,6 +224,7 @@ def test_other_calls_go_to_openblas_unchanged(fast, reference):
     assert np.array_equal(reference(a, b, c.copy(), trans_b=False), fast(a, b, c, trans_b=False))
     fast_after, fwd_after = fast.counts()
     assert fast_after == fast_before
+    assert fast.small_count() == small_before
     assert fwd_after - fwd_before == len(cases) + 1
 
 
@@ -197,4 +261,11 @@ def test_setup_put_it_under_mlx_and_decode_matmuls_use_it(reference):
     got = np.array(mx.array(x) @ mx.array(w).T)
     assert mlx_side.counts()[0] > before
     want = reference(x, w, np.zeros((8, 1536), np.float32))
+    assert want.tobytes() == got.tobytes()
+    # A lone sequence's projection: OpenBLAS's small-matrix sums, on every core.
+    x1, w1 = _rand(rng, 1, 576), _rand(rng, 576, 576)
+    before = mlx_side.small_count()
+    got = np.array(mx.array(x1) @ mx.array(w1).T)
+    assert mlx_side.small_count() > before
+    want = reference(x1, w1, np.zeros((1, 576), np.float32))
     assert want.tobytes() == got.tobytes()
