@@ -106,9 +106,11 @@ class BatchRunner:
     """``prefix_cache``: look prompts up before prefill; store a request's blocks
     once its prompt is in the cache and again when it leaves.
 
-    A lone request runs as a ``SoloSequence``. Once several run, new prompts
-    prefill together (``PrefillBatch``) and every sequence past its prompt
-    decodes in one ``DecodeBatch``; a solo sequence moves over with its cache.
+    A lone request prefills as a ``SoloSequence`` (and decodes there when the
+    model has no proven compiled batch step; otherwise it moves to the batch
+    after its first token). Once several run, new prompts prefill together
+    (``PrefillBatch``) and every sequence past its prompt decodes in one
+    ``DecodeBatch``; a solo sequence moves over with its cache.
     The scheduler bounds how many run at once (``max_concurrent_requests``).
     ``compiled``: a lone sequence's decode steps replay one compiled graph, and the
     batch's steps run each layer's work around attention compiled, when the model
@@ -308,6 +310,22 @@ class BatchRunner:
             decoder=self._decoder,
         )
 
+    def _solo_decodes_faster_batched(self) -> bool:
+        """Whether the lone sequence, its first token out, continues in the batch.
+
+        A lone request prefills here: its prompt's last chunk samples the first
+        token in the same forward (the time to first token). From then on the
+        batch's compiled step (a batch of one) decodes faster than the lone
+        sequence's own step: SmolLM2 on the CPU backend, one stream, 20.7 -> 25.5
+        tok/s (interleaved A/B over HTTP). It moves once the batch step is proven
+        (the pool proves it at load) and its cache would take it."""
+        solo, step = self._solo, self._batch_step
+        if solo is None or step is None or not step.proven or solo.num_pending:
+            return False
+        if not solo.decoding:
+            return False
+        return all(type(layer) is KVCache for layer in solo.cache)
+
     def _solo_to_side(self) -> None:
         """A second request arrived: a solo sequence still prefilling finishes its
         prompt on the side (keeping its snapshots); one decoding joins the batch."""
@@ -390,6 +408,8 @@ class BatchRunner:
         and one decode step of every sequence past its prompt (those whose
         prompt just ended included: their first token leaves in this step)."""
         self._run_deferred()
+        if self._solo is not None and self._solo_decodes_faster_batched():
+            self._solo_to_batch()
         outputs, self._unreported = self._unreported, []
         if self._solo is not None:
             token = self._solo.step()

@@ -1,11 +1,13 @@
-"""One sequence decoded without batching. MLX thread only.
+"""One sequence run without batching. MLX thread only.
 
-At batch size 1, a batched cache and its per-step attention mask cost ~15% of
-decode speed against mlx-lm's ``generate_step``. A lone request therefore runs
-here on a plain prompt cache, pipelined like ``generate_step`` (the next token
-computes while the current one is handed out), its decode steps compiled when
-the model qualifies (compiled.py), and moves into the batch (batch.py) with its
-cache as soon as a second request arrives.
+A lone request prefills here on a plain prompt cache: its prompt's last chunk
+samples the first token in the same forward, so the time to first token has no
+separate decode step. It then decodes in the batch (batch.py) when the model has
+a proven compiled batch step, which is faster even for one row (runner.py,
+``_solo_decodes_faster_batched``). Otherwise it decodes here, pipelined like
+mlx-lm's ``generate_step`` (the next token computes while the current one is
+handed out), its steps compiled when the model qualifies (compiled.py), and
+moves into the batch with its cache as soon as a second request arrives.
 """
 
 from __future__ import annotations
@@ -160,6 +162,11 @@ class SoloSequence:
         token = self._y.item()
         # _cached already ends with the token that produced _y; _y is not cached.
         return Handoff(self._cache, list(self._cached), [token], token, *rest)
+
+    @property
+    def decoding(self) -> bool:
+        """Past the prompt: the first token went out, the next one is queued."""
+        return self._y is not None
 
     @property
     def num_pending(self) -> int:

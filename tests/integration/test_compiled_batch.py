@@ -239,3 +239,61 @@ def test_the_checks_can_run_before_any_request(tiny_models_dir: Path) -> None:
     assert step.steps == 6
     for rid, prompt in PROMPTS.items():
         assert got[rid] == reference(model, prompt, 6), rid
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_a_lone_request_continues_in_the_batch_after_its_first_token(
+    tiny_models_dir: Path, name: str
+) -> None:
+    """A lone request prefills on its own (its prompt's last chunk samples the
+    first token in the same forward), then decodes in the batch, whose compiled
+    step is the faster one once proven: mlx-lm's tokens across a cache buffer
+    growth, none from the lone sequence's own compiled step after the first."""
+    model, _ = load(str(tiny_models_dir / name))
+    runner = make_runner(model)
+    runner.prove_compiled()
+    step, solo = runner.compiled_batch_step, runner.compiled_decoder
+    assert step is not None and solo is not None
+    # 250 prompt tokens + 20 decoded: the batch's 256-token buffer grows mid-decode.
+    prompt = [(7 * i) % 200 + 3 for i in range(250)]
+    runner.add([request("a", prompt, 20)])
+    steps_to_first = 0
+    got: list[int] = []
+    while not got:
+        got += [t.token_id for t in runner.step()]
+        steps_to_first += 1
+    # The prompt went in in prefill chunks of 64, the last one sampling: no extra
+    # decode step before the first token.
+    assert steps_to_first == -(-(len(prompt) - 64) // 64) + 1
+    got += collect(runner, {"a": 19})["a"]
+    assert got == reference(model, prompt, 20)
+    assert step.steps >= 17 and solo.steps == 0
+
+
+def test_a_lone_request_stays_on_its_own_until_the_batch_step_is_proven(
+    tiny_models_dir: Path,
+) -> None:
+    """Before the pool's proof (or when it failed) the batch step is not known to
+    be right, so a lone request decodes on its own, compiled."""
+    model, _ = load(str(tiny_models_dir / "tiny-llama"))
+    runner = make_runner(model)
+    step, solo = runner.compiled_batch_step, runner.compiled_decoder
+    assert step is not None and solo is not None and not step.proven
+    runner.add([request("a", PROMPTS["a"], 12)])
+    got = collect(runner, {"a": 12})["a"]
+    assert got == reference(model, PROMPTS["a"], 12)
+    assert step.steps == 0 and solo.steps >= 9
+
+
+def test_a_request_joins_a_lone_one_already_in_the_batch(tiny_models_dir: Path) -> None:
+    """The lone request moved into the batch; a second one arriving later prefills
+    and joins it: both get mlx-lm's tokens."""
+    model, _ = load(str(tiny_models_dir / "tiny-qwen3"))
+    runner = make_runner(model)
+    runner.prove_compiled()
+    runner.add([request("a", PROMPTS["a"], 16)])
+    got = collect(runner, {"a": 6})
+    runner.add([request("b", PROMPTS["b"], 8)])
+    collect(runner, {"a": 16, "b": 8}, got)
+    assert got["a"][:16] == reference(model, PROMPTS["a"], 16)
+    assert got["b"][:8] == reference(model, PROMPTS["b"], 8)
