@@ -411,7 +411,7 @@ class BatchRunner:
         and one decode step of every sequence past its prompt (those whose
         prompt just ended included: their first token leaves in this step)."""
         self._run_deferred()
-        if self._solo is not None and self._solo_decodes_faster_batched():
+        if self._solo_decodes_faster_batched():
             self._solo_to_batch()
         outputs, self._unreported = self._unreported, []
         if self._solo is not None:

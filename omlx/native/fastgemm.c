@@ -219,8 +219,9 @@ static void small_columns(int M, int N, int K, const float* a, int lda, const fl
                     float xt[16] = {0};
                     const float* x = a + (size_t)m * lda + k16;
                     for (int i = 0; i < rem; i++) xt[i] = x[i];
-                    lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wt), _mm256_loadu_ps(xt), lo[r]);
-                    hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wt + 8), _mm256_loadu_ps(xt + 8), hi[r]);
+                    __m256 wl = _mm256_loadu_ps(wt), wh = _mm256_loadu_ps(wt + 8);
+                    lo[r] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xt), lo[r]);
+                    hi[r] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xt + 8), hi[r]);
                 }
                 float p[16];
                 _mm256_storeu_ps(p, lo[r]);
