@@ -7,6 +7,7 @@ decides those and the engine removes finished requests.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 from collections.abc import Callable, Iterable, Sequence
@@ -34,8 +35,9 @@ from omlx.scheduler import Request, SamplingParams, TokenOutput
 
 log = logging.getLogger(__name__)
 
-# Requests starting together share the prefill of their common opening when it is
-# at least this many tokens (below, the separate forward costs more than it saves).
+# Requests starting together share the prefill of their common opening when that
+# saves at least this many token-rows of prefill (below, the separate forward costs
+# more than it saves).
 MIN_SHARED_OPENING = 16
 
 
@@ -214,13 +216,13 @@ class BatchRunner:
             if self._solo is not None:
                 self._solo_to_batch()
             with mx.stream(self._stream):
-                shared = self._share_openings([r for r in requests if hits[r.request_id] is None])
+                shared = self._share_openings(requests, hits)
                 for r in requests:
                     hit = hits[r.request_id]
-                    if hit is not None:
-                        done, cache = hit.num_tokens, hit.layers
-                    elif r.request_id in shared:
+                    if r.request_id in shared:
                         done, cache = shared[r.request_id]
+                    elif hit is not None:
+                        done, cache = hit.num_tokens, hit.layers
                     else:
                         done, cache = 0, make_prompt_cache(self._model)
                     row = Row.make(
@@ -232,37 +234,76 @@ class BatchRunner:
                     self._start_batched(row, cache, done, r.prompt_ids[done:])
         return {rid: hit.num_tokens for rid, hit in hits.items() if hit is not None}
 
-    def _share_openings(self, requests: list[Request]) -> dict[str, tuple[int, list[Any]]]:
+    def _share_openings(
+        self, requests: list[Request], hits: dict[str, CacheHit | None]
+    ) -> dict[str, tuple[int, list[Any]]]:
         """Requests starting together whose prompts open with the same tokens (a
-        system prompt, tool definitions, a chat template's preamble): the common
-        opening is prefilled once, up to one prefill chunk, and each request
-        starts from a copy of that cache. Returns (tokens cached, cache) per
-        request that shares; only for models whose cache is plain KV layers."""
+        system prompt, tool definitions, a chat template's preamble, a client's
+        fixed opening of each turn): the common opening is prefilled once, up to
+        one prefill chunk, and each request starts from a copy of that cache.
+
+        The prefix cache may already hold part of an opening (a burst usually
+        shares a cached preamble and goes on with tokens nobody sent before): the
+        shared forward starts where the shortest hit among the sharers ends, from
+        that hit's cache. Sharers are picked best first (see ``_best_share``) and
+        share when that saves at least MIN_SHARED_OPENING token-rows of prefill.
+        Returns (tokens cached, cache) per request that shares; only for models
+        whose cache is plain KV layers."""
         if len(requests) < 2:
             return {}
         template = make_prompt_cache(self._model)
         if any(type(layer) is not KVCache for layer in template):
             return {}
-        groups: dict[tuple[int, ...], list[Request]] = {}
-        for r in requests:
-            if len(r.prompt_ids) >= MIN_SHARED_OPENING + 2:
-                groups.setdefault(tuple(r.prompt_ids[:MIN_SHARED_OPENING]), []).append(r)
+        cached = {r.request_id: _hit_length(hits[r.request_id]) for r in requests}
+        # Prompts in token order: requests sharing an opening sit next to each other.
+        pending = sorted(requests, key=lambda r: r.prompt_ids)
         out: dict[str, tuple[int, list[Any]]] = {}
-        for group in groups.values():
-            if len(group) < 2:
-                continue
-            # Each request keeps at least two tokens of its own to prefill.
-            limit = min(self._prefill_step_size, *(len(r.prompt_ids) - 2 for r in group))
-            first = group[0].prompt_ids
-            n = min(limit, *(common_prefix(first, r.prompt_ids) for r in group[1:]))
-            if n < MIN_SHARED_OPENING:
-                continue
-            opening = make_prompt_cache(self._model)
-            self._model(mx.array(group[0].prompt_ids[:n])[None], cache=opening)
+        while len(pending) >= 2:
+            best = self._best_share(pending, cached)
+            if best is None:
+                break
+            lo, hi, start, n = best
+            group, pending = pending[lo:hi], pending[:lo] + pending[hi:]
+            base = min(group, key=lambda r: cached[r.request_id])
+            hit = hits[base.request_id]
+            if hit is None:
+                opening = make_prompt_cache(self._model)
+            else:
+                # A copy of the hit's first ``start`` tokens: the forward appends to it.
+                opening = [_kv_prefix(layer, start) for layer in hit.layers]
+            self._model(mx.array(base.prompt_ids[start:n])[None], cache=opening)
             mx.eval([layer.state for layer in opening])
             for r in group:
-                out[r.request_id] = (n, [_kv_prefix(layer, n) for layer in opening])
+                if cached[r.request_id] < n:
+                    out[r.request_id] = (n, [_kv_prefix(layer, n) for layer in opening])
         return out
+
+    def _best_share(
+        self, ordered: list[Request], cached: dict[str, int]
+    ) -> tuple[int, int, int, int] | None:
+        """The run ``ordered[lo:hi]`` (prompts in token order) whose shared opening
+        saves the most token-rows of prefill: the rows each request would prefill
+        itself up to the opening's end ``n``, less the rows prefilled once from
+        ``start`` (the shortest hit). Each request keeps at least two tokens of its
+        own to prefill. (lo, hi, start, n), or None below MIN_SHARED_OPENING."""
+        adjacent = [
+            common_prefix(a.prompt_ids, b.prompt_ids) for a, b in itertools.pairwise(ordered)
+        ]
+        best, best_saved = None, MIN_SHARED_OPENING - 1
+        for lo in range(len(ordered) - 1):
+            n_common, start = len(ordered[lo].prompt_ids) - 2, cached[ordered[lo].request_id]
+            for hi in range(lo + 2, len(ordered) + 1):
+                r = ordered[hi - 1]
+                n_common = min(n_common, adjacent[hi - 2], len(r.prompt_ids) - 2)
+                start = min(start, cached[r.request_id])
+                n = min(n_common, start + self._prefill_step_size)
+                if n <= start:
+                    continue
+                group = ordered[lo:hi]
+                saved = sum(max(0, n - cached[q.request_id]) for q in group) - (n - start)
+                if saved > best_saved:
+                    best, best_saved = (lo, hi, start, n), saved
+        return best
 
     def _start_batched(
         self, row: Row, cache: list[Any], num_cached: int, rest: Sequence[int]
@@ -503,6 +544,10 @@ def _kv_prefix(layer: KVCache, n: int) -> KVCache:
     out.keys, out.values = layer.keys[..., :n, :], layer.values[..., :n, :]
     out.offset = n
     return out
+
+
+def _hit_length(hit: CacheHit | None) -> int:
+    return 0 if hit is None else hit.num_tokens
 
 
 def _cache_length(layers: list[Any]) -> int:

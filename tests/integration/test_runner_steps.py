@@ -305,3 +305,42 @@ def test_a_shared_opening_is_at_most_one_prefill_chunk(llama) -> None:
     for rid, prompt in prompts.items():
         assert got[rid][:6] == reference(llama, prompt, 6), rid
     runner.close()
+
+
+def test_a_burst_shares_its_opening_past_what_the_prefix_cache_holds(llama) -> None:
+    """A chat template's preamble is in the prefix cache; a burst of requests goes on
+    with a common part nobody sent before (a client's fixed opening of each turn)
+    and then each its own. The common part is prefilled once, from the cached
+    preamble, and every request still gets mlx-lm's tokens for its prompt alone.
+    A request whose own hit already covers the common part keeps its hit."""
+    from omlx.cache.hot import HotTier
+    from omlx.cache.prefix import PrefixCache
+
+    layout = tuple("kv" for _ in llama.layers)
+    prefix = PrefixCache("tiny@0", layout, 16, HotTier(1 << 26, mode="hot-only"), None)
+    runner = BatchRunner(
+        llama, prefill_step_size=64, stream=mx.new_stream(mx.cpu), prefix_cache=prefix
+    )
+    preamble = [(11 * i) % 180 + 4 for i in range(20)]
+    common = [(17 * i) % 160 + 6 for i in range(14)]
+    warm = preamble + [(19 * i) % 150 + 7 for i in range(6)]
+    runner.add([request("warm", warm, 2)])
+    run(runner, 3)
+    runner.remove(["warm"])
+    run(runner, 1)  # the store runs at the start of the next step
+
+    prompts = {
+        "a": preamble + common + [(7 * i) % 150 + 3 for i in range(9)],
+        "b": preamble + common + [(5 * i) % 140 + 2 for i in range(17)],
+        "c": preamble + common + [(3 * i) % 130 + 9 for i in range(5)],
+        # Its first 26 tokens are the warm prompt's: its hit covers the common 20.
+        "again": warm + [(13 * i) % 170 + 5 for i in range(8)],
+    }
+    hits = runner.add([request(rid, p, 8) for rid, p in prompts.items()])
+    assert 0 < hits["a"] == hits["b"] == hits["c"] <= 20 < hits["again"]
+    left = {c.request_id: c.num_remaining for c in runner.prefill_plan()}
+    assert left == {"a": 9, "b": 17, "c": 5, "again": 34 - hits["again"]}
+    got = tokens_of(run(runner, 12))
+    for rid, prompt in prompts.items():
+        assert got[rid][:8] == reference(llama, prompt, 8), rid
+    runner.close()
