@@ -187,14 +187,18 @@ def _serve(settings: Settings) -> int:
 
     from omlx.api.server import Server
     from omlx.blas import active_blas
+    from omlx.mlxjit import enable as enable_vectorized_jit
     from omlx.models.discovery import discover_models
 
+    # Before anything is compiled: MLX's CPU kernels are built at first use.
+    jit = enable_vectorized_jit()
     log.info(
-        "omlx %s, MLX %s on %s, BLAS: %s",
+        "omlx %s, MLX %s on %s, BLAS: %s; compiled kernels: %s",
         __version__,
         mx.__version__,
         mx.default_device(),
         active_blas(),
+        jit,
     )
     if settings.models.install_default_model and not discover_models(settings.model_dirs):
         from omlx.models.builtin import install_default_model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -48,6 +49,12 @@ def test_serve_chats_logs_and_stops_on_sigint(tiny_models_dir: Path, tmp_path: P
     assert "BLAS:" in err  # the active BLAS is logged at start
     log = (tmp_path / "logs" / "server.log").read_text()
     assert "loaded tiny-qwen3" in log and "chat model=tiny-qwen3" in log
+    if sys.platform.startswith("linux"):
+        # MLX's CPU kernels are built vectorised (omlx/mlxjit.py) into omlx's own
+        # kernel directory, where the model's compiled steps put theirs.
+        found = re.search(r"compiled kernels: on \(.*; kernels in (\S+)\)", err)
+        assert found, err
+        assert list(Path(found.group(1)).glob("mlx/*/cpu/*.so"))
 
 
 def test_invalid_settings_fail_at_start_naming_the_field(tmp_path: Path) -> None:
