@@ -27,8 +27,9 @@ system_packages() {
     [ "$(uname -s)" = Linux ] || return 0
     command -v apt-get >/dev/null || { log "no apt-get: install OpenBLAS yourself"; return 0; }
     # OpenBLAS for MLX, a C++ compiler for its CPU backend's compiled (fused) kernels
-    # (mx.compile; the compiled decode step) and a C compiler for omlx's small-batch
-    # matmul (omlx/native/fastgemm.c, built by `omlx.blas link`); for the test suite also Chromium
+    # (mx.compile; the compiled decode step; built vectorised, omlx/mlxjit.py) and a C
+    # compiler for omlx's small-batch matmul (omlx/native/fastgemm.c, built by
+    # `omlx.blas link`); for the test suite also Chromium
     # (admin UI), Xvfb and the libraries Qt needs (desktop shell), xorriso (disk-image layout).
     local want=(libopenblas0-pthread g++ gcc)
     [ "${1:-}" = test ] && want+=(chromium xvfb xauth dbus libxcb-cursor0 libxkbcommon-x11-0 libnss3 xorriso)

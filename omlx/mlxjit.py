@@ -39,6 +39,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import MutableMapping
 from pathlib import Path
 
@@ -107,11 +108,14 @@ def _environ_with(bin_dir: Path, kernels: Path, base: MutableMapping[str, str]) 
     return env
 
 
-def probe(bin_dir: Path, kernels: Path) -> str | None:
-    """Build the probe's kernels with the wrapper in a child process; None when each
-    returned MLX's own bits, else what differed (or why the probe failed)."""
+def probe(
+    bin_dir: Path, kernels: Path, environ: MutableMapping[str, str] | None = None
+) -> tuple[str | None, bool]:
+    """Build the probe's kernels with the wrapper in a child process. Returns (None,
+    True) when each returned MLX's own bits; (what differed, True) when some did not;
+    (why, False) when the probe could not tell (worth trying again next start)."""
     kernels.mkdir(parents=True, exist_ok=True)
-    env = _environ_with(bin_dir, kernels, os.environ)
+    env = _environ_with(bin_dir, kernels, os.environ if environ is None else environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]
     )
@@ -119,17 +123,25 @@ def probe(bin_dir: Path, kernels: Path) -> str | None:
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return f"the probe took over {PROBE_TIMEOUT_S:.0f} s"
+        return f"the probe took over {PROBE_TIMEOUT_S:.0f} s", False
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"the probe failed ({tail})"
+        return f"the probe failed ({tail})", False
     result = json.loads(lines[-1])
     if not result["compiled"]:
-        return "MLX built no kernels (is g++ working?)"
+        return "MLX built no kernels (is g++ working?)", False
     if result["differ"]:
-        return "kernels differ from MLX's ops: " + ", ".join(result["differ"])
-    return None
+        return "kernels differ from MLX's ops: " + ", ".join(result["differ"]), True
+    return None, True
+
+
+def _verdict(path: Path) -> tuple[bool, str | None]:
+    """(known, why) from a kept verdict; unknown when missing or unreadable."""
+    try:
+        return True, json.loads(path.read_text())["why"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False, None
 
 
 def enable(root: Path | None = None, environ: MutableMapping[str, str] | None = None) -> str:
@@ -155,17 +167,21 @@ def enable(root: Path | None = None, environ: MutableMapping[str, str] | None = 
     bin_dir, kernels, verdict_file = home / "bin", home / "kernels", home / "verdict.json"
     try:
         write_wrapper(bin_dir, compiler, JIT_FLAGS)
-        if verdict_file.exists():
-            why = json.loads(verdict_file.read_text())["why"]
-        else:
-            why = probe(bin_dir, kernels)
-            tmp = home / f".verdict.{os.getpid()}"
-            tmp.write_text(json.dumps({"why": why, "flags": JIT_FLAGS, "compiler": compiler}))
-            tmp.replace(verdict_file)
+        known, why = _verdict(verdict_file)
+        if not known:
+            why, definitive = probe(bin_dir, kernels, environ)
+            if definitive:  # a failed probe is tried again next start
+                tmp = home / f".verdict.{os.getpid()}"
+                tmp.write_text(json.dumps({"why": why, "flags": JIT_FLAGS, "compiler": compiler}))
+                tmp.replace(verdict_file)
+        kernels.mkdir(parents=True, exist_ok=True)
     except (OSError, ValueError, KeyError) as exc:
         return f"off ({home}: {exc})"
     if why is not None:
         return f"off ({why})"
+    if environ is os.environ:
+        # Python's own temporary files stay where they were (it keeps the first answer).
+        tempfile.gettempdir()
     environ.update(_environ_with(bin_dir, kernels, environ))
     return f"on ({compiler} {' '.join(JIT_FLAGS)}; kernels in {kernels})"
 

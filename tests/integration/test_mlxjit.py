@@ -130,3 +130,16 @@ def test_off_when_asked_or_without_a_compiler(tmp_path: Path) -> None:
     env = {"PATH": str(tmp_path / "empty")}
     assert mlxjit.enable(tmp_path, environ=env) == "off (no g++: apt-get install g++)"
     assert env == {"PATH": str(tmp_path / "empty")} and not list(tmp_path.iterdir())
+
+
+def test_a_probe_that_cannot_tell_is_tried_again_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A flag g++ rejects: MLX cannot build the probe's kernels. Nothing is switched
+    # and no verdict is kept (a broken compiler may be fixed before the next start).
+    monkeypatch.setattr(mlxjit, "JIT_FLAGS", (*mlxjit.JIT_FLAGS, "-fno-such-flag-omlx"))
+    env = {k: v for k, v in os.environ.items() if k not in ("OMLX_MLX_JIT", "TMPDIR")}
+    before = dict(env)
+    status = mlxjit.enable(tmp_path, environ=env)
+    assert status.startswith("off (the probe failed"), status
+    assert env == before and not list(tmp_path.glob("*/verdict.json"))
