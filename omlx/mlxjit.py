@@ -109,13 +109,13 @@ def _environ_with(bin_dir: Path, kernels: Path, base: MutableMapping[str, str]) 
 
 
 def probe(
-    bin_dir: Path, kernels: Path, environ: MutableMapping[str, str] | None = None
+    bin_dir: Path, kernels: Path, environ: MutableMapping[str, str]
 ) -> tuple[str | None, bool]:
     """Build the probe's kernels with the wrapper in a child process. Returns (None,
     True) when each returned MLX's own bits; (what differed, True) when some did not;
     (why, False) when the probe could not tell (worth trying again next start)."""
     kernels.mkdir(parents=True, exist_ok=True)
-    env = _environ_with(bin_dir, kernels, os.environ if environ is None else environ)
+    env = _environ_with(bin_dir, kernels, environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]
     )

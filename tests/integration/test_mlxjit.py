@@ -53,6 +53,21 @@ def _run_model(model: Path, out: Path, env: dict[str, str]) -> list[int]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _server_env() -> dict[str, str]:
+    """This process's environment as ``omlx serve`` would start with it."""
+    return {k: v for k, v in os.environ.items() if k not in ("OMLX_MLX_JIT", "TMPDIR")}
+
+
+def _enable_with_flag(
+    flag: str, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[str, dict[str, str], dict[str, str]]:
+    """``enable`` with ``flag`` added to the wrapper's: (status, env after, env before)."""
+    monkeypatch.setattr(mlxjit, "JIT_FLAGS", (*mlxjit.JIT_FLAGS, flag))
+    env = _server_env()
+    before = dict(env)
+    return mlxjit.enable(root, environ=env), env, before
+
+
 def _kernels(tmpdir: str) -> list[Path]:
     return sorted(Path(tmpdir).glob("mlx/*/cpu/*.so"))
 
@@ -61,7 +76,7 @@ def _kernels(tmpdir: str) -> list[Path]:
 def switched_on(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str], Path]:
     """``enable`` on a fresh cache root (runs the proof once for the module)."""
     root = tmp_path_factory.mktemp("mlx-jit")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMLX_MLX_JIT", "TMPDIR")}
+    env = _server_env()
     status = mlxjit.enable(root, environ=env)
     return status, env, root
 
@@ -90,9 +105,8 @@ def test_kernels_built_vectorised_keep_a_models_logits_bit_for_bit(
     # Each side built its kernels in its own directory; ours are vectorised: no
     # kernel of ours calls MLX's one-element exp or libm's fmaf, while MLX's
     # default build of the same SwiGLU kernel does.
-    swiglu = "Sigmoid"
-    mine = [k for k in _kernels(env["TMPDIR"]) if swiglu in k.name]
-    default = [k for k in _kernels(str(default_tmp)) if swiglu in k.name]
+    mine = [k for k in _kernels(env["TMPDIR"]) if "Sigmoid" in k.name]
+    default = [k for k in _kernels(str(default_tmp)) if "Sigmoid" in k.name]
     assert mine and default
     assert all(b"fmaf" not in k.read_bytes() for k in mine)
     assert any(b"fmaf" in k.read_bytes() for k in default)
@@ -102,7 +116,7 @@ def test_the_verdict_is_kept_and_the_switch_is_the_same_next_start(switched_on) 
     status, env, root = switched_on
     verdicts = list(root.glob("*/verdict.json"))
     assert len(verdicts) == 1 and json.loads(verdicts[0].read_text())["why"] is None
-    again = {k: v for k, v in os.environ.items() if k not in ("OMLX_MLX_JIT", "TMPDIR")}
+    again = _server_env()
     assert mlxjit.enable(root, environ=again) == status
     assert again["TMPDIR"] == env["TMPDIR"] and again["PATH"] == env["PATH"]
 
@@ -111,10 +125,7 @@ def test_flags_that_change_the_bits_are_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # -ffast-math lets GCC reorder and approximate: the proof sees other bits.
-    monkeypatch.setattr(mlxjit, "JIT_FLAGS", (*mlxjit.JIT_FLAGS, "-ffast-math"))
-    env = {k: v for k, v in os.environ.items() if k not in ("OMLX_MLX_JIT", "TMPDIR")}
-    before = dict(env)
-    status = mlxjit.enable(tmp_path, environ=env)
+    status, env, before = _enable_with_flag("-ffast-math", tmp_path, monkeypatch)
     assert status.startswith("off (kernels differ from MLX's ops: "), status
     assert "swiglu" in status
     assert env == before  # nothing switched
@@ -137,9 +148,6 @@ def test_a_probe_that_cannot_tell_is_tried_again_next_start(
 ) -> None:
     # A flag g++ rejects: MLX cannot build the probe's kernels. Nothing is switched
     # and no verdict is kept (a broken compiler may be fixed before the next start).
-    monkeypatch.setattr(mlxjit, "JIT_FLAGS", (*mlxjit.JIT_FLAGS, "-fno-such-flag-omlx"))
-    env = {k: v for k, v in os.environ.items() if k not in ("OMLX_MLX_JIT", "TMPDIR")}
-    before = dict(env)
-    status = mlxjit.enable(tmp_path, environ=env)
+    status, env, before = _enable_with_flag("-fno-such-flag-omlx", tmp_path, monkeypatch)
     assert status.startswith("off (the probe failed"), status
     assert env == before and not list(tmp_path.glob("*/verdict.json"))
