@@ -89,7 +89,9 @@ def run(argv: list[str]) -> int:
         api.window = window
 
     def loaded() -> None:
-        _emit("loaded", str(window.evaluate_js("document.title") or ""))
+        # run_js, not evaluate_js: that wraps the script in eval(), which the admin
+        # panel's Content-Security-Policy refuses.
+        _emit("loaded", str(window.run_js("document.title") or ""))
 
     window.events.loaded += loaded
     threading.Thread(target=_commands, args=(window,), daemon=True).start()

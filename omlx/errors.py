@@ -39,6 +39,21 @@ class RequestTooLargeError(InvalidRequestError):
     code = "request_too_large"
 
 
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """A state-changing request that is not JSON (what a web page's form would send)."""
+
+    http_status = 415
+    code = "unsupported_media_type"
+
+
+class ForbiddenError(OmlxError):
+    """Refused whoever asks: a foreign Host or a cross-site request."""
+
+    http_status = 403
+    error_type = "permission_error"
+    code = "forbidden"
+
+
 class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
 
@@ -97,6 +112,27 @@ class QueueFullError(OmlxError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class RateLimitedError(OmlxError):
+    """Too many attempts from one client (e.g. failed logins); retry after the header."""
+
+    http_status = 429
+    error_type = "rate_limit_error"
+    code = "rate_limited"
+
+    def __init__(self, message: str, *, retry_after_s: int = 60):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class ProtectedSettingError(ForbiddenError):
+    """A security setting the request may not change over HTTP; the message says how."""
+
+    code = "protected_setting"
 
 
 class ServiceUnavailableError(OmlxError):

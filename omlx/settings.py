@@ -8,8 +8,10 @@ This is the only module that reads ``os.environ``.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +28,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from omlx.errors import SettingsError
+from omlx.private_fs import make_private_dir
 
 SETTINGS_FILE = "settings.json"
 ENV_PREFIX = "OMLX_"
@@ -48,8 +51,65 @@ class ServerSettings(_Group):
     allow_unauthenticated_remote: bool = False
     # Request bodies larger than this get 413 before they are parsed.
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    # A chat template still rendering after this many seconds is stopped and its
+    # request gets 400 (a model's template is code; real ones take milliseconds).
+    template_timeout_s: float = Field(10.0, gt=0.0, le=300.0)
     # The admin panel's static files; None is the repo's web/ (a frozen app sets its own).
     web_dir: Path | None = None
+    # Host names (or addresses) the server also answers to besides its own; any other
+    # Host header is refused (DNS rebinding). E.g. a reverse proxy's name.
+    allowed_hosts: list[str] = Field(default_factory=list)
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, value: list[str]) -> list[str]:
+        return [_check_host_name(v) for v in value]
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        return [_check_origin(v) for v in value]
+
+    @model_validator(mode="after")
+    def _no_open_cors_without_key(self) -> ServerSettings:
+        # Any page could use the server (and its memory) from every site the user visits.
+        if "*" in self.cors_origins and not self.api_key:
+            raise ValueError(
+                "server.cors_origins '*' lets every web site call the server; it needs "
+                "server.api_key set (or list the sites' origins instead)"
+            )
+        return self
+
+
+_HOST_LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
+_HOST_NAME = re.compile(rf"^{_HOST_LABEL}(?:\.{_HOST_LABEL})*$")
+_ORIGIN = re.compile(r"^https?://[^/?#@\s]+$")
+
+
+def _check_host_name(value: str) -> str:
+    """A host name or IP address, lower-cased, IPv6 without brackets."""
+    name = value.strip().lower()
+    bare = name[1:-1] if name.startswith("[") and name.endswith("]") else name
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        pass
+    if not _HOST_NAME.match(name):
+        raise ValueError(
+            f"{value!r} is not a host name: give a bare name or address such as "
+            "'mymac.local' or '192.168.1.20' (no scheme, port, path or wildcard)"
+        )
+    return name
+
+
+def _check_origin(value: str) -> str:
+    origin = value.strip()
+    if origin != "*" and not _ORIGIN.match(origin):
+        raise ValueError(
+            f"{value!r} is not an origin: give scheme://host[:port] such as "
+            "'http://localhost:3000' (no path or trailing slash), or '*'"
+        )
+    return origin
 
 
 class ModelSettings(_Group):
@@ -285,7 +345,7 @@ def describe_validation_error(exc: ValidationError) -> str:
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON to a temp file in the same folder, fsync, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:

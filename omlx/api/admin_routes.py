@@ -5,6 +5,7 @@ Every route requires the API key or a login session when a key is set.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import asdict
 from typing import Any
@@ -13,7 +14,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 
 from omlx import __version__
-from omlx.api.auth import require_admin
+from omlx.api import protected_settings
+from omlx.api.auth import ApiKeyAuth, require_admin
 from omlx.api.state import ServerState, state_of
 from omlx.errors import InvalidRequestError, NotFoundError, SettingsError
 from omlx.settings import Settings, describe_validation_error, set_file_value
@@ -54,6 +56,12 @@ async def _json_object(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequestError("the body must be a JSON object")
     return body
+
+
+def _authenticated(request: Request) -> bool:
+    """A key is set and this request proves it: the gate for protected settings."""
+    auth: ApiKeyAuth = request.app.state.auth
+    return auth.authenticated(request)
 
 
 def _known_model(state: ServerState, name: str) -> str:
@@ -150,6 +158,7 @@ async def get_settings(request: Request) -> dict[str, Any]:
         "settings": _public_settings(state.settings),
         "live": sorted(LIVE_SETTINGS),
         "path": str(state.settings.settings_path),
+        **protected_settings.describe(authenticated=_authenticated(request)),
     }
 
 
@@ -174,7 +183,10 @@ async def put_settings(request: Request) -> dict[str, Any]:
     if not flat:
         raise InvalidRequestError("no settings given")
     settings = state.settings
-    # Validate everything against the running settings before writing anything.
+    # Refuse protected keys and validate everything before writing anything.
+    protected_settings.check_settings_change(
+        flat, authenticated=_authenticated(request), settings_path=settings.settings_path
+    )
     merged = settings.model_dump()
     for key, value in flat.items():
         group, field = key.split(".", 1)
@@ -238,7 +250,8 @@ async def cache_clear(request: Request) -> dict[str, Any]:
                 param="model",
             )
         identity = engine.prefix_cache.identity
-    hot.clear(identity, tier=tier)
+    # Off the event loop: the SSD tier flushes its writer (up to seconds) and unlinks files.
+    await asyncio.to_thread(hot.clear, identity, tier=tier)
     return {"cleared": tier, "model": body.get("model"), "hot": asdict(hot.stats())}
 
 

@@ -9,16 +9,16 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 
 from omlx import __version__
 from omlx.api.admin_routes import memory_router
 from omlx.api.admin_routes import router as admin_router
 from omlx.api.anthropic_routes import router as anthropic_router
-from omlx.api.auth import ApiKeyAuth, login_router, require_api_key
+from omlx.api.auth import ApiKeyAuth, login_router, require_admin, require_api_key
 from omlx.api.body_guard import BodyGuardMiddleware
 from omlx.api.errors import install_error_handlers
 from omlx.api.openai_routes import router as openai_router
+from omlx.api.origin_guard import OriginGuardMiddleware, PathScopedCORS
 from omlx.api.quant_routes import router as quant_router
 from omlx.api.state import ServerState
 from omlx.api.stats_routes import install_metrics
@@ -49,20 +49,30 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
         maintenance.cancel()
         await pool.close()
 
-    app = FastAPI(title="omlx", version=__version__, lifespan=lifespan)
+    # No /docs or /redoc: they load Swagger UI from a CDN into the admin origin.
+    app = FastAPI(
+        title="omlx",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.omlx = ServerState(settings, pool)
     # Read through the settings object: the admin API can change the key live.
     app.state.auth = ApiKeyAuth(lambda: settings.server.api_key)
     app.add_middleware(BodyGuardMiddleware, limit_fn=lambda: settings.server.max_body_bytes)
     if settings.server.cors_origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=settings.server.cors_origins,
-            allow_methods=["*"],
-            allow_headers=["*"],
-        )
+        app.add_middleware(PathScopedCORS, origins=settings.server.cors_origins)
     install_error_handlers(app)
-    install_metrics(app)  # its middleware outermost: counts every response
+    install_metrics(app)  # counts every response that passed the origin guard
+    # Added last, so outermost: a foreign Host or cross-site request reaches nothing.
+    app.add_middleware(
+        OriginGuardMiddleware,
+        bind_host=settings.server.host,
+        allowed_hosts_fn=lambda: settings.server.allowed_hosts,
+        cors_origins_fn=lambda: settings.server.cors_origins,
+    )
     api_key = [Depends(require_api_key)]
     app.include_router(openai_router, dependencies=api_key)
     app.include_router(anthropic_router, dependencies=api_key)
@@ -71,6 +81,10 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
     app.include_router(memory_router)
     app.include_router(quant_router)
     install_web(app, settings)
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(require_admin)])
+    async def openapi() -> dict[str, Any]:
+        return app.openapi()
 
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:

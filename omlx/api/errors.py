@@ -4,6 +4,7 @@ on the Anthropic routes)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -58,7 +59,7 @@ def _error_response(
     request: Request,
     body: dict[str, Any],
     status: int,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     if request.url.path.startswith(ANTHROPIC_PATH_PREFIX):
         body = anthropic_error_body(body["error"]["message"], body["error"]["type"], status)
@@ -70,7 +71,8 @@ def omlx_error_response(request: Request, exc: OmlxError) -> JSONResponse:
     return _error_response(request, omlx_error_body(exc), exc.http_status, exc.headers())
 
 
-def _is_json_type(content_type: str) -> bool:
+def is_json_type(content_type: str) -> bool:
+    """``application/json`` or ``application/<x>+json``, any parameters."""
     media = content_type.split(";", 1)[0].strip().lower()
     return media == "application/json" or (
         media.startswith("application/") and media.endswith("+json")
@@ -79,7 +81,7 @@ def _is_json_type(content_type: str) -> bool:
 
 def _unparsed_body(request: Request, exc: RequestValidationError) -> bool:
     """FastAPI leaves a body with a non-JSON content type unparsed, then fails it."""
-    if _is_json_type(request.headers.get("content-type", "")):
+    if is_json_type(request.headers.get("content-type", "")):
         return False
     return any(tuple(err.get("loc", ()))[:1] == ("body",) for err in exc.errors())
 

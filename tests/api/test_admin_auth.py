@@ -100,7 +100,8 @@ def test_admin_login_session(server: Server) -> None:
             server.base_url + "/v1/models", headers={"Authorization": f"Bearer {token}"}
         )
         assert refused.status_code == 401
-        browser.post("/admin/api/logout")
+        # As the panel does: a cookie-authorized change carries the client header.
+        browser.post("/admin/api/logout", headers={"X-Omlx-Client": "admin"})
         assert browser.get("/admin/api/models").status_code == 401
         assert browser.get("/v1/models").status_code == 401
 
@@ -208,3 +209,25 @@ def test_cache_and_memory_endpoints(http: httpx.Client) -> None:
     assert http.post("/admin/api/cache/clear", json={}, headers=AUTH).status_code == 404
     memory = http.get("/admin/api/memory", headers=AUTH).json()
     assert memory["limit_bytes"] >= memory["soft_limit_bytes"] > 0
+
+
+def test_ten_wrong_logins_then_even_the_right_key_gets_429(
+    tiny_models_dir: Path, tmp_path: Path
+) -> None:
+    """Guessing the key through the login form is limited per client (its own server:
+    the lock-out would otherwise leak into the other tests' logins)."""
+    with (
+        live_server(tmp_path, tiny_models_dir, server={"api_key": KEY}) as srv,
+        httpx.Client(base_url=srv.base_url, headers={"X-Omlx-Client": "test"}) as browser,
+    ):
+        for n in range(10):
+            wrong = browser.post("/admin/api/login", json={"api_key": f"sk-guess-{n}"})
+            assert wrong.status_code == 401
+        limited = browser.post("/admin/api/login", json={"api_key": KEY})
+        assert limited.status_code == 429
+        assert 1 <= int(limited.headers["retry-after"]) <= 60
+        assert limited.json()["error"]["type"] == "rate_limit_error"
+        assert "omlx_session" not in browser.cookies
+        assert browser.get("/admin/api/models").status_code == 401
+        # The key itself keeps working in a header: only guessing logins is held up.
+        assert browser.get("/admin/api/models", headers=AUTH).status_code == 200

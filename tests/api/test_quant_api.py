@@ -50,7 +50,9 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+    # Body-less POSTs and DELETEs carry the header the admin panel sends (or they are 415).
+    headers = {"X-Omlx-Client": "admin"}
+    with httpx.Client(base_url=server.base_url, timeout=60, headers=headers) as client:
         yield client
 
 

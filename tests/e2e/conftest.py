@@ -33,19 +33,32 @@ class PageProblems:
         assert not self.server_errors, f"server errors: {self.server_errors}"
 
 
+# Flags every test browser needs here (root, no GPU, a small /dev/shm).
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+
+
 @pytest.fixture(scope="package")
-def browser() -> Iterator:
+def playwright() -> Iterator:
+    """One Playwright for the package: its sync API refuses a second one running."""
     if not CHROMIUM.exists():
         pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium; setup.sh test does it)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
-        chromium = pw.chromium.launch(
-            executable_path=str(CHROMIUM),
-            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
-        )
-        yield chromium
-        chromium.close()
+        yield pw
+
+
+def launch_chromium(playwright, *extra_args: str):
+    return playwright.chromium.launch(
+        executable_path=str(CHROMIUM), args=[*CHROMIUM_ARGS, *extra_args]
+    )
+
+
+@pytest.fixture(scope="package")
+def browser(playwright) -> Iterator:
+    chromium = launch_chromium(playwright)
+    yield chromium
+    chromium.close()
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from omlx.api.auth import (
     require_api_key,
 )
 from omlx.api.errors import install_error_handlers
-from omlx.errors import AuthenticationError, SettingsError
+from omlx.errors import AuthenticationError, RateLimitedError, SettingsError
 
 KEY = "sk-test-0123456789"
 TTL_S = 3600.0
@@ -36,11 +36,13 @@ class FakeClock:
 class Harness:
     """A minimal app wired as the server wires it; the key and clock are mutable."""
 
-    def __init__(self, key: str | None):
+    def __init__(self, key: str | None, session_ttl_s: float = TTL_S, **auth_options: float):
         self.key = key
         self.clock = FakeClock()
         app = FastAPI()
-        self.auth = ApiKeyAuth(lambda: self.key, session_ttl_s=TTL_S, clock=self.clock)
+        self.auth = ApiKeyAuth(
+            lambda: self.key, session_ttl_s=session_ttl_s, clock=self.clock, **auth_options
+        )
         app.state.auth = self.auth
         install_error_handlers(app)
         app.include_router(login_router())
@@ -246,6 +248,112 @@ def test_login_rejects_wrong_key_directly() -> None:
         auth.login("wrong")
     with pytest.raises(AuthenticationError):
         ApiKeyAuth(lambda: None).login("")
+
+
+def opens_admin(h: Harness, token: str) -> bool:
+    """Whether ``token`` alone (as the browser's cookie) opens the admin API."""
+    h.client.cookies.clear()
+    h.client.cookies.set(SESSION_COOKIE, token)
+    return h.client.get("/admin/api/settings").status_code == 200
+
+
+def test_idle_session_expires_but_a_used_one_lives_to_its_ttl() -> None:
+    week_s, hour_s = 7 * 24 * 3600.0, 3600.0
+    h = Harness(key=KEY, session_ttl_s=week_s, session_idle_s=12 * hour_s)
+    used, idle = h.login(), h.login()
+    started = h.clock.now
+    # Used every 11 h, a session outlives the 12 h idle limit ...
+    for _ in range(15):
+        h.clock.now += 11 * hour_s
+        assert opens_admin(h, used)
+    # ... while one left alone for 12 h is gone, and stays gone.
+    assert not opens_admin(h, idle)
+    # The absolute TTL (7 days) still ends the used one.
+    h.clock.now += 11 * hour_s
+    assert h.clock.now - started > week_s
+    assert not opens_admin(h, used)
+    assert h.auth.session_count() == 0
+
+
+def test_session_table_is_bounded_dropping_the_least_recently_used(server: Harness) -> None:
+    auth = server.auth
+    first, second = server.login(), server.login()
+    server.clock.now += 1
+    assert opens_admin(server, first)  # used just now: the next to go is `second`
+    others = []
+    for _ in range(auth.max_sessions - 2):
+        server.clock.now += 1
+        others.append(server.login())
+    assert auth.session_count() == auth.max_sessions == 64
+    newest = server.login()
+    assert auth.session_count() == 64
+    assert not opens_admin(server, second)
+    assert opens_admin(server, first)
+    assert opens_admin(server, newest) and opens_admin(server, others[0])
+
+
+def failed_login(h: Harness, key: str = "sk-guess"):
+    return h.client.post("/admin/api/login", json={"api_key": key})
+
+
+def test_ten_failed_logins_then_429_with_retry_after_even_for_the_right_key(
+    server: Harness,
+) -> None:
+    for _ in range(10):
+        assert failed_login(server).status_code == 401
+        server.clock.now += 1
+    refused = failed_login(server, KEY)
+    assert refused.status_code == 429
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert "too many failed logins" in refused.json()["error"]["message"]
+    # The oldest failure (10 s ago) leaves the 60 s window in 50 s.
+    assert refused.headers["retry-after"] == "50"
+    assert SESSION_COOKIE not in refused.cookies
+    server.clock.now += 50
+    assert server.client.post("/admin/api/login", json={"api_key": KEY}).status_code == 200
+
+
+def test_the_right_key_within_the_limit_still_logs_in(server: Harness) -> None:
+    for _ in range(9):
+        assert failed_login(server).status_code == 401
+    server.login()
+    assert server.client.get("/admin/api/settings").status_code == 200
+
+
+def test_the_window_slides(server: Harness) -> None:
+    for _ in range(5):
+        assert failed_login(server).status_code == 401
+    server.clock.now += 30
+    for _ in range(5):
+        assert failed_login(server).status_code == 401
+    server.clock.now += 29
+    assert failed_login(server).status_code == 429  # all ten are inside the last minute
+    server.clock.now += 2  # the first five are now older than a minute
+    for _ in range(5):
+        assert failed_login(server).status_code == 401
+    assert failed_login(server, KEY).status_code == 429
+
+
+def test_limits_are_per_client_and_memory_stays_bounded() -> None:
+    clock = FakeClock()
+    auth = ApiKeyAuth(lambda: KEY, clock=clock)
+    limiter = auth.login_limiter
+    for _ in range(10):
+        with pytest.raises(AuthenticationError):
+            auth.login("wrong", "10.0.0.1")
+    with pytest.raises(RateLimitedError):
+        auth.login(KEY, "10.0.0.1")
+    assert auth.login(KEY, "10.0.0.2")  # another client is not affected
+    # Many guessing clients: only the most recent MAX_TRACKED_CLIENTS are remembered.
+    for n in range(3000):
+        with pytest.raises(AuthenticationError):
+            auth.login("wrong", f"10.1.{n // 256}.{n % 256}")
+    assert limiter.tracked_clients() == limiter.max_clients == 1024
+    # Clients quiet for a whole window are forgotten at the next failure.
+    clock.now += 61
+    with pytest.raises(AuthenticationError):
+        auth.login("wrong", "10.0.0.3")
+    assert limiter.tracked_clients() == 1
 
 
 # --- check_bind -------------------------------------------------------------------

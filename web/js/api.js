@@ -26,9 +26,13 @@ function loginRequired() {
   window.dispatchEvent(new CustomEvent("omlx:login-required"));
 }
 
+/** Sent on every call: the server refuses state changes without it (or a JSON body),
+ * which a cross-site form or no-cors fetch cannot send. */
+export const CLIENT_HEADERS = { "X-Omlx-Client": "admin" };
+
 export async function request(path, { method = "GET", body, signal, headers = {} } = {}) {
   // The login session cookie authorizes both the admin API and /v1: no key is kept in the page.
-  const init = { method, signal, headers: { ...headers }, credentials: "same-origin" };
+  const init = { method, signal, headers: { ...CLIENT_HEADERS, ...headers }, credentials: "same-origin" };
   if (body !== undefined) {
     init.headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(body);
@@ -55,7 +59,7 @@ export const encodeName = (name) => name.split("/").map(encodeURIComponent).join
 export async function streamChat(body, { signal, onChunk }) {
   const response = await fetch("/v1/chat/completions", {
     method: "POST",
-    headers: { "Content-Type": "application/json" },
+    headers: { ...CLIENT_HEADERS, "Content-Type": "application/json" },
     credentials: "same-origin",
     body: JSON.stringify({ ...body, stream: true }),
     signal,

@@ -1,6 +1,6 @@
 // The shell: navigation, hash routing, theme, login gate and the server status pill.
 
-import { ApiError, get, post } from "./api.js";
+import { ApiError, CLIENT_HEADERS, get, post } from "./api.js";
 import { clear, h, icon, toast } from "./ui.js";
 
 const PAGES = [
@@ -91,7 +91,7 @@ function toggleTheme() {
 async function refreshPill() {
   const pill = document.getElementById("server-pill");
   try {
-    const response = await fetch("/health");
+    const response = await fetch("/health", { headers: CLIENT_HEADERS });
     const health = await response.json();
     pill.className = "server-pill up";
     pill.textContent = `online · v${health.version}`;

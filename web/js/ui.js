@@ -16,6 +16,8 @@ export function h(spec, attrs = {}, ...children) {
     if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
     else if (key === "class") el.className += (el.className ? " " : "") + value;
     else if (key === "dataset") Object.assign(el.dataset, value);
+    // Through the CSSOM: the CSP (style-src 'self') refuses inline style attributes.
+    else if (key === "style") el.style.cssText = value;
     else if (key in el && typeof value !== "string") el[key] = value;
     else el.setAttribute(key, value === true ? "" : value);
   }

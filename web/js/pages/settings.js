@@ -1,8 +1,9 @@
 // Settings: every global setting grouped, validated by the server with the error
-// shown next to its field, and marked when it needs a restart.
+// shown next to its field, and marked when it needs a restart. Security settings the
+// server will not change for this session are shown read-only with the reason.
 
 import { get, post, put } from "../api.js";
-import { clear, field, formatBytes, h, toast, uid } from "../ui.js";
+import { clear, field, formatBytes, h, icon, toast, uid } from "../ui.js";
 
 const SIZE_HELP = "A size (24GB, 512MB), NN% of RAM";
 // [title, [[group, field, type, help, options]]]; types: text, number, bool, select, list, size, secret.
@@ -12,6 +13,7 @@ const GROUPS = [
     ["server", "port", "number"],
     ["server", "log_level", "select", null, ["debug", "info", "warning", "error"]],
     ["server", "cors_origins", "list", "Comma-separated origins allowed to call the API from a browser."],
+    ["server", "allowed_hosts", "list", "Comma-separated extra host names the server answers to (e.g. a proxy's name)."],
     ["server", "sse_keepalive_s", "number", "Seconds between keep-alive comments during a long prefill."],
     ["server", "web_dir", "path", "Folder of this admin panel; empty: the bundled one."],
   ]],
@@ -84,6 +86,23 @@ function makeInput(group, name, type, value, options) {
   return h("input", { ...attrs, type: type === "number" ? "number" : "text", step: type === "number" ? "any" : undefined, value: toInput(type, value) });
 }
 
+const LOCK_PATH = "M7 11V7a5 5 0 0 1 10 0v4M5 11h14v10H5z";
+
+function lockIcon() {
+  const svg = icon("");
+  svg.querySelector("path").setAttribute("d", LOCK_PATH);
+  return svg;
+}
+
+/** Show a field the server will not change for this session read-only, with why. */
+function lockField(f, reason) {
+  f.input.disabled = true;
+  f.el.classList.add("locked");
+  f.el.title = reason;
+  f.el.querySelector("label").append(h("span.badge.warn.locked", { title: reason }, lockIcon(), "read-only"));
+  f.el.querySelector(".error").before(h("div.help.locked-note", reason));
+}
+
 /** Field keys named in a settings error ("invalid setting 'memory.soft_fraction': ..."). */
 function erroredKeys(error, known) {
   const keys = new Set();
@@ -123,6 +142,7 @@ function memoryPreview(fields) {
 export async function render(view) {
   const data = await get("/settings");
   const live = new Set(data.live);
+  const locked = data.locked ?? {};
   const fields = {};
   const cards = GROUPS.map(([title, specs]) => {
     const items = specs.map(([group, name, type, help, options]) => {
@@ -134,7 +154,8 @@ export async function render(view) {
       const label = f.el.querySelector("label");
       if (live.has(key)) label.append(h("span.badge.ok", { title: "Applies at once" }, "live"));
       label.append(mark);
-      fields[key] = { ...f, type, original: JSON.stringify(type === "secret" ? null : fromInput(type, input)), mark };
+      if (locked[key]) lockField(f, locked[key]);
+      fields[key] = { ...f, type, locked: Boolean(locked[key]), original: JSON.stringify(type === "secret" ? null : fromInput(type, input)), mark };
       return f.el;
     });
     return h("section.card.settings-group", { dataset: { group: title.toLowerCase() } }, h("div.card-head", h("h2", title)), h("div.fields", items));
@@ -143,12 +164,14 @@ export async function render(view) {
   memoryCard.insertBefore(memoryPreview(fields), memoryCard.querySelector(".fields"));
   const result = h("div.notice", { hidden: true, id: "settings-result" });
   const save = h("button.btn.primary", { type: "submit" }, "Save changes");
-  const form = h("form.stack", { novalidate: true }, h("p.muted.small", `Saved to ${data.path}. Fields marked live apply at once; the others at the next start.`), cards, h("div.settings-actions", save, result));
+  const lockedNote = Object.keys(locked).length ? h("div.notice.warn", { id: "settings-locked" }, data.protected_reason) : null;
+  const form = h("form.stack", { novalidate: true }, h("p.muted.small", `Saved to ${data.path}. Fields marked live apply at once; the others at the next start.`), lockedNote, cards, h("div.settings-actions", save, result));
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
     const changes = {};
     for (const [key, f] of Object.entries(fields)) {
       f.setError("");
+      if (f.locked) continue;
       const value = fromInput(f.type, f.input);
       if (f.type === "secret" ? value === null : JSON.stringify(value) === f.original) continue;
       const [group, name] = key.split(".");
