@@ -43,11 +43,17 @@ def sse_event(frame: Frame) -> str:
     return f"event: {name}\ndata: {data}\n\n"
 
 
-def _render(
-    engine: ModelEngine, body: CountTokensRequest, messages: list[dict[str, Any]]
+async def _render(
+    request: Request, engine: ModelEngine, body: CountTokensRequest, messages: list[dict[str, Any]]
 ) -> tuple[RenderedPrompt, list[dict[str, Any]] | None]:
     tools = chat_tools(body)
-    prompt = render_chat(engine, messages, tools=tools, template_kwargs=template_kwargs(body))
+    prompt = await render_chat(
+        engine,
+        messages,
+        tools=tools,
+        template_kwargs=template_kwargs(body),
+        timeout_s=state_of(request).settings.server.template_timeout_s,
+    )
     return prompt, tools
 
 
@@ -55,7 +61,7 @@ def _render(
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     messages = chat_messages(body)  # a bad conversation is refused before any model loads
     engine = await state_of(request).pool.get_engine(body.model)
-    prompt, _ = _render(engine, body, messages)
+    prompt, _ = await _render(request, engine, body, messages)
     return {"input_tokens": len(prompt.ids)}
 
 
@@ -65,7 +71,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     messages = chat_messages(body)
     spec = output_grammar(body)
     engine = await state.pool.get_engine(body.model)
-    prompt, tools = _render(engine, body, messages)
+    prompt, tools = await _render(request, engine, body, messages)
     params = build_sampling(
         engine,
         len(prompt.ids),

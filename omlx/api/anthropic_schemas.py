@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from omlx.api.schemas import MAX_STOP_STRINGS, check_stop_strings
 
 
 class _Body(BaseModel):
@@ -55,7 +57,7 @@ class CountTokensRequest(_Body):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = Field(default=None, max_length=16)
+    stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
@@ -67,3 +69,9 @@ class MessagesRequest(CountTokensRequest):
     output_format: dict[str, Any] | None = None
     # Extension (as on the OpenAI routes): exactly one of json, regex, grammar, choice.
     structured_outputs: dict[str, Any] | None = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stop_caps(cls, value: list[str] | None) -> list[str] | None:
+        check_stop_strings(value or [])
+        return value

@@ -15,6 +15,7 @@ from omlx.api.output_parser import parser_for
 from omlx.api.prompts import (
     chat_prompt,
     completion_prompt_ids,
+    decoded_prompts,
     make_request,
     new_request_id,
     sampling_params,
@@ -112,7 +113,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         body.tools, body.tool_choice, extra.get("parallel_tool_calls")
     )
     spec = combined(grammar_spec(body), tools_rule)
-    prompt = chat_prompt(engine, body, defaults.template_kwargs(body.chat_template_kwargs))
+    prompt = await chat_prompt(
+        engine,
+        body,
+        defaults.template_kwargs(body.chat_template_kwargs),
+        state.settings.server.template_timeout_s,
+    )
     params = sampling_params(
         body, len(prompt.ids), engine, defaults.sampling, defaults.generation, defaults.forced
     )
@@ -140,7 +146,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     if body.suffix:
         raise InvalidRequestError("'suffix' is not supported", param="suffix")
     spec = grammar_spec(body)
-    prompts = completion_prompt_ids(engine, body)
+    prompts = await completion_prompt_ids(engine, body)
     grammar = await bind_grammar(engine, spec)
     rid = new_request_id("cmpl")
     defaults = state.pool.request_defaults(engine.name)
@@ -155,7 +161,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         )
         for i, ids in enumerate(prompts)
     ]
-    echoes = [engine.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
+    echoes = await decoded_prompts(engine, prompts) if body.echo else [""] * len(prompts)
     fmt = CompletionFormat(rid, state.pool.public_name(engine.name), echoes)
     gen = Generation(engine, requests, observer=observer_for(request))
     return await _respond(request, body, gen, fmt, "completion")

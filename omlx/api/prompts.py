@@ -1,4 +1,8 @@
-"""Turn validated request bodies into scheduler Requests (runs on the event loop)."""
+"""Turn validated request bodies into scheduler Requests.
+
+Templates are rendered and prompts tokenized on the render pool (render_pool.py),
+never on the event loop.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,12 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from omlx.api.output_parser import HERMES_FORMATS, tool_format
-from omlx.api.schemas import ChatCompletionRequest, CompletionRequest
+from omlx.api.render_pool import RENDER_POOL
+from omlx.api.schemas import ChatCompletionRequest, CompletionRequest, PromptField
 from omlx.engine.model_engine import ModelEngine
 from omlx.errors import ContextLengthExceededError, InvalidRequestError
 from omlx.scheduler import Request, SamplingParams
@@ -53,11 +59,20 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_prompt(
-    engine: ModelEngine, body: ChatCompletionRequest, template_kwargs: dict[str, Any] | None
+async def chat_prompt(
+    engine: ModelEngine,
+    body: ChatCompletionRequest,
+    template_kwargs: dict[str, Any] | None,
+    timeout_s: float,
 ) -> RenderedPrompt:
     tools = body.tools if body.tool_choice != "none" else None
-    return render_chat(engine, chat_messages(body), tools=tools, template_kwargs=template_kwargs)
+    return await render_chat(
+        engine,
+        chat_messages(body),
+        tools=tools,
+        template_kwargs=template_kwargs,
+        timeout_s=timeout_s,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,20 +81,48 @@ class RenderedPrompt:
     ids: list[int]
 
 
-def render_chat(
+async def render_chat(
     engine: ModelEngine,
     messages: list[dict[str, Any]],
     *,
+    timeout_s: float,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
 ) -> RenderedPrompt:
-    """The model's chat template over OpenAI-style messages (role, content, tool_calls...)."""
+    """The model's chat template over OpenAI-style messages (role, content, tool_calls...),
+    rendered and tokenized on the render pool; a render past ``timeout_s`` is stopped (400)."""
     tokenizer = engine.tokenizer
+    render = partial(_chat_text, tokenizer, messages, tools, template_kwargs or {})
+    try:
+        text, templated = await RENDER_POOL.run(render, timeout_s)
+    except TimeoutError:
+        raise InvalidRequestError(
+            f"the chat template took longer than {timeout_s:g} s to render; the template of "
+            f"'{engine.name}' loops too long for these messages (server.template_timeout_s "
+            "sets the limit)",
+            param="messages",
+            code="chat_template_timeout",
+        ) from None
+    # Native code that ends on its own; the body size limit bounds it.
+    if templated:  # the template wrote the special tokens already
+        encode = partial(tokenizer.encode, text, add_special_tokens=False)
+    else:
+        encode = partial(tokenizer.encode, text)
+    return RenderedPrompt(text, list(await RENDER_POOL.run(encode)))
+
+
+def _chat_text(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any],
+) -> tuple[str, bool]:
+    """The prompt text, and whether a chat template made it (runs on the render pool)."""
     if not getattr(tokenizer, "chat_template", None):
         # No template: a plain transcript the base model can continue.
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return RenderedPrompt(text, list(tokenizer.encode(text)))
-    kwargs = dict(template_kwargs or {})
+        return text, False
+    kwargs = dict(template_kwargs)
     if tools and "tools" in str(tokenizer.chat_template):
         kwargs["tools"] = tools
     elif tools and tool_format(tokenizer) in HERMES_FORMATS:
@@ -92,7 +135,7 @@ def render_chat(
         raise InvalidRequestError(
             f"the model's chat template rejected the messages: {exc}", param="messages"
         ) from exc
-    return RenderedPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
+    return text, True
 
 
 _HERMES_TOOLS = (
@@ -136,15 +179,19 @@ def _hermes_call(call: dict[str, Any]) -> str:
     return f"<tool_call>\n{body}\n</tool_call>"
 
 
-def completion_prompt_ids(engine: ModelEngine, body: CompletionRequest) -> list[list[int]]:
-    prompt = body.prompt
+async def completion_prompt_ids(engine: ModelEngine, body: CompletionRequest) -> list[list[int]]:
+    """The prompts' token ids, on the render pool: a prompt can be 32 MiB of text or ids."""
     vocab = engine.loaded.vocab_size
+    return await RENDER_POOL.run(partial(_prompt_ids, engine.tokenizer, vocab, body.prompt))
+
+
+def _prompt_ids(tokenizer: Any, vocab: int, prompt: PromptField) -> list[list[int]]:
     if isinstance(prompt, str):
-        prompts = [list(engine.tokenizer.encode(prompt))]
+        prompts = [list(tokenizer.encode(prompt))]
     elif all(isinstance(p, int) for p in prompt):
         prompts = [list(prompt)]  # type: ignore[arg-type]
     elif all(isinstance(p, str) for p in prompt):
-        prompts = [list(engine.tokenizer.encode(p)) for p in prompt]  # type: ignore[arg-type]
+        prompts = [list(tokenizer.encode(p)) for p in prompt]  # type: ignore[arg-type]
     else:
         prompts = [list(p) for p in prompt]  # type: ignore[arg-type]
     if not prompts:
@@ -159,6 +206,12 @@ def completion_prompt_ids(engine: ModelEngine, body: CompletionRequest) -> list[
                 param="prompt",
             )
     return prompts
+
+
+async def decoded_prompts(engine: ModelEngine, prompts: list[list[int]]) -> list[str]:
+    """The prompts as text (for ``echo``), decoded on the render pool."""
+    decode = engine.tokenizer.decode
+    return await RENDER_POOL.run(lambda: [decode(ids) for ids in prompts])
 
 
 def sampling_params(

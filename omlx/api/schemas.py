@@ -10,6 +10,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from omlx.errors import InvalidRequestError
+from omlx.template_vars import TemplateVarError, check_template_vars
+
+# Generous next to OpenAI's 4; each stop string is matched against every new token.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -30,6 +38,17 @@ class ChatMessage(_Body):
 StopField = Annotated[str | list[str] | None, Field(default=None)]
 
 
+def check_stop_strings(stops: list[str]) -> None:
+    """Caps on stop strings (raises ValueError: a 400 naming the field)."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(
+            f"each stop sequence must be at most {MAX_STOP_CHARS} characters (got {longest})"
+        )
+
+
 class _Sampling(_Body):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -40,7 +59,9 @@ class _Sampling(_Body):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     seed: int | None = None
     stop: StopField
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS
+    )
     # Extension (as in vLLM): keep generating past end-of-sequence, for benchmarks.
     ignore_eos: bool = False
     stream: bool = False
@@ -54,8 +75,7 @@ class _Sampling(_Body):
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and len(value) > 16:
-            raise ValueError("at most 16 stop sequences")
+        check_stop_strings([value] if isinstance(value, str) else value or [])
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -73,6 +93,16 @@ class ChatCompletionRequest(_Sampling):
     # (omlx/api/tool_grammar.py).
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:
+            check_template_vars(value or {})
+        except TemplateVarError as exc:
+            # Not a ValueError: pydantic lets it through, so the 400 names the key.
+            raise InvalidRequestError(str(exc), param=f"chat_template_kwargs.{exc.key}") from None
+        return value
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -66,8 +66,15 @@ class StopStringMatcher:
         match, the one that starts first wins (the longest on a tie)."""
         if not self._stops:
             return text, None
+        held = len(self._held)
         buf = self._held + text
-        hits = [(i, -len(s), s) for s in self._stops if (i := buf.find(s)) >= 0]
+        # The held text holds no whole stop (it would have matched), so a match
+        # ends in the new text: start looking where that is possible.
+        hits = [
+            (i, -len(s), s)
+            for s in self._stops
+            if (i := buf.find(s, max(held - len(s) + 1, 0))) >= 0
+        ]
         if hits:
             self._held = ""
             start, _, stop = min(hits)
@@ -84,8 +91,13 @@ class StopStringMatcher:
         """Length of the longest suffix of ``buf`` that starts some stop string."""
         best = 0
         for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(buf)), best, -1):
-                if stop.startswith(buf[-n:]):
-                    best = n
+            # Candidates: where the stop's first character occurs, in the last
+            # len(stop) - 1 characters, giving a suffix longer than ``best``.
+            start, end = max(len(buf) - len(stop) + 1, 0), len(buf) - best
+            i = buf.find(stop[0], start, end)
+            while i >= 0:
+                if stop.startswith(buf[i:]):
+                    best = len(buf) - i
                     break
+                i = buf.find(stop[0], i + 1, end)
         return best

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from omlx.errors import SettingsError
 from omlx.settings import write_json_atomic
+from omlx.template_vars import check_template_vars
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,13 @@ class ModelSettings(BaseModel):
             raise ValueError("must not start with '/'")
         if any(ch.isspace() for ch in value):
             raise ValueError("must not contain whitespace")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # Settings change over the admin API too: same rule as a request's kwargs.
+        check_template_vars(value)
         return value
 
     def overrides(self) -> dict[str, Any]:

@@ -213,3 +213,33 @@ def test_character_stream_matches_reference():
         stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 4))) for _ in range(2)]
         out, hit = feed_all(StopStringMatcher(stops), list(text))
         assert ("".join(out), hit) == first_stop_cut(text, stops), (text, stops)
+
+
+def test_a_long_stop_split_over_many_chunks_is_found_among_many_stops():
+    stop = "<|" + "x" * 250 + "|>"
+    stops = [stop] + [f"<|x{i}" for i in range(15)]
+    matcher = StopStringMatcher(stops)
+    text = "before " + stop + " after"
+    chunks = [text[i : i + 3] for i in range(0, len(text), 3)]
+
+    out, hit = feed_all(matcher, chunks)
+
+    assert hit
+    assert "".join(out) == "before "
+
+
+def test_random_chunks_cut_where_one_whole_feed_does():
+    # Each feed searches only where a new match can end; chunking must not change
+    # the cut. (The stops end in a character found nowhere else in any stop, so
+    # none can end inside another: first to end is also first to start.)
+    rng = random.Random(11)
+    for _ in range(300):
+        text = "".join(rng.choice("abcd") for _ in range(rng.randint(2, 40)))
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) + "c", "dd"]
+        whole, stop = StopStringMatcher(stops).feed(text)
+        cuts = sorted(rng.sample(range(1, len(text)), k=min(5, len(text) - 1)))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+        out, hit = feed_all(StopStringMatcher(stops), chunks)
+
+        assert ("".join(out), hit) == ((whole, True) if stop else (text, False)), (text, stops)
