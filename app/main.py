@@ -67,6 +67,10 @@ def run_shell(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from omlx.private_fs import restrict_umask
+
+    # Before any file is written; the server and window children inherit it.
+    restrict_umask()
     argv = sys.argv[1:] if argv is None else argv
     # The frozen bundle has one executable; these flags make it the CLI or the window.
     if argv[:1] == [paths.SERVE_FLAG]:

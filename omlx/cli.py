@@ -14,6 +14,7 @@ from typing import Any
 from omlx import __version__
 from omlx.errors import OmlxError, SettingsError
 from omlx.net import port_is_free
+from omlx.private_fs import make_private_dir, restrict_umask, tighten_base_dir
 from omlx.quant.console import add_quantize_parser
 from omlx.settings import Settings, load_settings, resolve_base_path, set_file_value
 
@@ -155,7 +156,7 @@ def setup_logging(settings: Settings) -> None:
     stderr.addFilter(redact)
     root.addHandler(stderr)
     try:
-        settings.log_dir.mkdir(parents=True, exist_ok=True)
+        make_private_dir(settings.log_dir)
         file = logging.handlers.RotatingFileHandler(
             settings.log_dir / "server.log", maxBytes=10_000_000, backupCount=5, encoding="utf-8"
         )
@@ -183,6 +184,9 @@ def _serve(settings: Settings) -> int:
         )
         return 1
     setup_logging(settings)
+    old_mode = tighten_base_dir(settings.base_path)
+    if old_mode is not None:
+        log.warning("made %s private (mode %o -> 700)", settings.base_path, old_mode)
     import mlx.core as mx
 
     from omlx.api.server import Server
@@ -258,6 +262,8 @@ def _config(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before any file is written: settings, logs, KV blocks and models stay the user's.
+    restrict_umask()
     args = _parser().parse_args(argv)
     try:
         settings = load_settings(cli_overrides(args))

@@ -43,6 +43,8 @@ import tempfile
 from collections.abc import MutableMapping
 from pathlib import Path
 
+from omlx.private_fs import make_private_dir
+
 JIT_FLAGS = (
     "-march=native",
     "-ffp-contract=off",
@@ -90,13 +92,13 @@ def fingerprint(compiler: str, flags: tuple[str, ...]) -> str:
 
 def write_wrapper(bin_dir: Path, compiler: str, flags: tuple[str, ...]) -> Path:
     """A ``g++`` in ``bin_dir`` that runs ``compiler`` with ``flags`` first."""
-    bin_dir.mkdir(parents=True, exist_ok=True)
+    make_private_dir(bin_dir)
     script = bin_dir / "g++"
     text = f'#!/bin/sh\nexec {shlex.join([compiler, *flags])} "$@"\n'
     if not script.exists() or script.read_text() != text:
         tmp = bin_dir / f".g++.{os.getpid()}"
         tmp.write_text(text)
-        tmp.chmod(0o755)
+        tmp.chmod(0o700)  # run only by this user's omlx
         tmp.replace(script)
     return script
 
@@ -114,7 +116,7 @@ def probe(
     """Build the probe's kernels with the wrapper in a child process. Returns (None,
     True) when each returned MLX's own bits; (what differed, True) when some did not;
     (why, False) when the probe could not tell (worth trying again next start)."""
-    kernels.mkdir(parents=True, exist_ok=True)
+    make_private_dir(kernels)
     env = _environ_with(bin_dir, kernels, environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]
@@ -174,7 +176,7 @@ def enable(root: Path | None = None, environ: MutableMapping[str, str] | None = 
                 tmp = home / f".verdict.{os.getpid()}"
                 tmp.write_text(json.dumps({"why": why, "flags": JIT_FLAGS, "compiler": compiler}))
                 tmp.replace(verdict_file)
-        kernels.mkdir(parents=True, exist_ok=True)
+        make_private_dir(kernels)
     except (OSError, ValueError, KeyError) as exc:
         return f"off ({home}: {exc})"
     if why is not None:

@@ -4,16 +4,18 @@ model, its SSD store and PrefixCache."""
 from __future__ import annotations
 
 import logging
-import re
 import shutil
 from pathlib import Path
 from typing import Literal
 
 from omlx.cache.hot import HotTier
 from omlx.cache.kv_codec import layer_layout
+from omlx.cache.location import check_cache_location, model_cache_dir, report_old_layout
 from omlx.cache.prefix import PrefixCache, model_identity
 from omlx.cache.ssd import SSDStore
+from omlx.errors import SettingsError
 from omlx.models.loader import LoadedModel
+from omlx.private_fs import make_private_dir
 from omlx.settings import Settings
 from omlx.sizes import format_bytes, parse_byte_size
 
@@ -21,10 +23,15 @@ log = logging.getLogger(__name__)
 
 
 def make_hot_tier(settings: Settings, ram_bytes: int) -> HotTier | None:
+    """The RAM tier, after refusing (``SettingsError``) a cache folder that overlaps
+    a model folder; called once as the engine pool starts."""
     cfg = settings.cache
     if not cfg.enabled:
         log.info("prefix cache disabled (cache.enabled=false)")
         return None
+    if cfg.hot_cache_mode != "hot-only":
+        check_cache_location(settings)
+        report_old_layout(settings)
     budget = parse_byte_size(
         cfg.hot_cache_max_size, total_bytes=ram_bytes, field="cache.hot_cache_max_size"
     )
@@ -40,13 +47,9 @@ def make_hot_tier(settings: Settings, ram_bytes: int) -> HotTier | None:
 def ssd_budget(value: str | int, directory: Path) -> int | Literal["auto"]:
     if value == "auto":
         return "auto"
-    directory.mkdir(parents=True, exist_ok=True)
+    make_private_dir(directory)
     total = shutil.disk_usage(directory).total
     return parse_byte_size(value, total_bytes=total, field="cache.ssd_cache_max_size")
-
-
-def safe_dir_name(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"
 
 
 def make_prefix_cache(
@@ -68,15 +71,7 @@ def make_prefix_cache(
     identity = model_identity(name, loaded.info.path)
     ssd = None
     if cfg.hot_cache_mode != "hot-only":
-        directory = settings.cache_dir / safe_dir_name(name)
-        ssd = SSDStore(
-            directory,
-            model_identity=identity,
-            layer_layout=layout,
-            block_size=cfg.block_size,
-            max_size_bytes=ssd_budget(cfg.ssd_cache_max_size, directory),
-            auto_fraction=cfg.ssd_auto_fraction,
-        )
+        ssd = open_ssd_store(settings, name, identity, layout)
     prefix = PrefixCache(identity, layout, cfg.block_size, hot, ssd)
     log.info(
         "prefix cache for %s: %s, block %d tokens, %s%s",
@@ -87,3 +82,27 @@ def make_prefix_cache(
         f", SSD {ssd.cache_dir} ({len(ssd.keys())} blocks)" if ssd else ", RAM only",
     )
     return prefix
+
+
+def open_ssd_store(
+    settings: Settings, name: str, identity: str, layout: tuple[str, ...]
+) -> SSDStore | None:
+    """The model's SSD store; None (RAM only, with a warning) when its folder holds
+    files omlx did not write, which the store refuses to touch, or cannot be used."""
+    cfg = settings.cache
+    directory = model_cache_dir(settings, name)
+    budget = ssd_budget(cfg.ssd_cache_max_size, directory)
+    try:
+        return SSDStore(
+            directory,
+            model_identity=identity,
+            layer_layout=layout,
+            block_size=cfg.block_size,
+            max_size_bytes=budget,
+            auto_fraction=cfg.ssd_auto_fraction,
+        )
+    except SettingsError as exc:
+        log.warning("prefix cache for %s stays in RAM: %s", name, exc.message)
+    except OSError as exc:  # e.g. a full or read-only disk while marking the folder
+        log.warning("prefix cache for %s stays in RAM: cannot use %s: %s", name, directory, exc)
+    return None

@@ -5,16 +5,23 @@ Bytes in, bytes out: the MLX thread turns arrays into bytes before calling
 mlx. A single writer thread drains a bounded queue; eviction unlinks files
 inline on that thread and never puts work on the queue (a queue that carried
 both writes and unlinks could only fill up, never drain, once saturated).
+
+The store's folder carries a marker file written when omlx claims it; a folder
+with other files and no marker is refused. Inside its folder the store reads and
+deletes only files named exactly as it names them (hex key + ``.safetensors``,
+and its temp files): anything else there is never touched.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import queue
 import re
 import shutil
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -25,6 +32,8 @@ from typing import Literal
 
 from omlx.cache import safetensors_io
 from omlx.cache.safetensors_io import BlockPayload, BlockSpec, SafetensorsFormatError
+from omlx.errors import SettingsError
+from omlx.private_fs import FILE_MODE, make_private_dir
 
 __all__ = ["BlockPayload", "SSDStore", "SSDStoreStats"]
 
@@ -33,6 +42,11 @@ logger = logging.getLogger(__name__)
 BLOCK_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 _KEY_RE = re.compile(r"[0-9a-f]{8,128}")
+# The only names the store ever opens or deletes.
+_BLOCK_NAME_RE = re.compile(r"([0-9a-f]{8,128})\.safetensors")
+_TEMP_NAME_RE = re.compile(r"[0-9a-f]{8,128}\.safetensors\.[0-9]+\.tmp")
+MARKER_NAME = "OMLX_CACHE"
+MARKER = {"format": "omlx-kv", "version": 1}
 
 # How long a put waits for room in the write queue before dropping the block.
 PUT_TIMEOUT_S = 0.25
@@ -89,7 +103,9 @@ class SSDStore:
     """An LRU, size-bounded directory of KV blocks, written by one background thread.
 
     ``cache_dir`` belongs to one (model identity, layer layout, block size):
-    files written for anything else are removed when the store opens.
+    block files written for anything else are removed when the store opens;
+    files the store did not name are left alone. Raises ``SettingsError`` for a
+    folder with other files and no omlx marker.
     ``max_size_bytes="auto"`` budgets ``auto_fraction`` of the space the cache
     could use (free bytes plus what it already holds), re-reading free space
     at most every ``disk_usage_ttl_s``. ``free_bytes_fn`` exists for tests.
@@ -117,7 +133,7 @@ class SSDStore:
                 f"max_size_bytes must be a positive int or 'auto', got {max_size_bytes!r}"
             )
         self.cache_dir = Path(cache_dir)
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        _claim_folder(self.cache_dir)
         self.spec = BlockSpec(model_identity, tuple(layer_layout), block_size)
         self._max_size_bytes = max_size_bytes
         self._auto_fraction = auto_fraction
@@ -257,9 +273,8 @@ class SSDStore:
                 self._counters.discarded += 1
                 self._finish_one_locked()
         self.flush(timeout_s)
-        for path in self.cache_dir.iterdir():
-            if path.name.endswith((BLOCK_SUFFIX, TEMP_SUFFIX)):
-                path.unlink(missing_ok=True)
+        for path in _own_files(self.cache_dir):
+            path.unlink(missing_ok=True)
 
     def close(self, timeout_s: float = 5.0) -> bool:
         """Stop accepting puts, write what is queued within ``timeout_s``, stop the writer.
@@ -340,8 +355,10 @@ class SSDStore:
             path.unlink(missing_ok=True)
 
     def _write_file(self, path: Path, header: bytes, chunks: list[bytes]) -> None:
-        """Write and fsync one temp file. The test seam for injecting I/O failures."""
-        with open(path, "wb") as f:
+        """Write and fsync one temp file. The test seam for injecting I/O failures.
+        O_EXCL: never write through a file (or symlink) that is already there."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
             f.write(header)
             for chunk in chunks:
                 f.write(chunk)
@@ -421,14 +438,16 @@ class SSDStore:
             return safetensors_io.read_block(f, os.fstat(f.fileno()).st_size, key, self.spec)
 
     def _rebuild_index(self) -> None:
-        """Index the files already in cache_dir from their headers, oldest mtime first.
-        Removes temp files from a crash and any file that is corrupt or not ours."""
+        """Index the block files already in cache_dir from their headers, oldest mtime
+        first. Removes temp files from a crash and block files that are corrupt or
+        belong to another model identity; files named otherwise are never opened."""
         found: list[tuple[float, str, _Entry]] = []
-        for path in self.cache_dir.iterdir():
-            if path.name.endswith(TEMP_SUFFIX):
-                path.unlink(missing_ok=True)
-            elif path.name.endswith(BLOCK_SUFFIX):
-                key = path.name[: -len(BLOCK_SUFFIX)]
+        for path in _own_files(self.cache_dir):
+            block = _BLOCK_NAME_RE.fullmatch(path.name)
+            if block is None:
+                path.unlink(missing_ok=True)  # a temp file from a crash
+            else:
+                key = block.group(1)
                 try:
                     stat = path.stat()
                     with open(path, "rb") as f:
@@ -445,3 +464,57 @@ class SSDStore:
         for _, key, entry in sorted(found):
             self._index[key] = entry
             self._total_bytes += entry.size_bytes
+
+
+# -- the store's folder -------------------------------------------------------
+
+
+def _own_files(folder: Path) -> list[Path]:
+    """Regular files in ``folder`` named as the store names its blocks and temp files."""
+    with os.scandir(folder) as entries:
+        return [
+            Path(entry.path)
+            for entry in entries
+            if (_BLOCK_NAME_RE.fullmatch(entry.name) or _TEMP_NAME_RE.fullmatch(entry.name))
+            and entry.is_file(follow_symlinks=False)
+        ]
+
+
+def _read_marker(path: Path) -> object:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return "unreadable"
+
+
+def _claim_folder(folder: Path) -> None:
+    """Create ``folder`` (0700) and mark it as omlx's, or accept it when already marked.
+
+    A folder holding other files and no marker is someone else's: refused, so the
+    store never deletes there. A marker left half-written cannot happen (it is
+    renamed into place); leftovers of that rename are ignored.
+    """
+    make_private_dir(folder)
+    marker = folder / MARKER_NAME
+    found = _read_marker(marker)
+    if found == MARKER:
+        return
+    others = sorted(p.name for p in folder.iterdir() if not p.name.startswith(f".{MARKER_NAME}."))
+    if found is not None or others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise SettingsError(
+            f"{folder} is not an omlx cache folder (no valid {MARKER_NAME} marker; it holds "
+            f"{shown}): omlx will not write or delete there. Empty it or choose another "
+            "cache.ssd_cache_dir.",
+            param="cache.ssd_cache_dir",
+        )
+    fd, tmp = tempfile.mkstemp(prefix=f".{MARKER_NAME}.", dir=folder)  # 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(MARKER, f)
+        os.replace(tmp, marker)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from omlx.cache import safetensors_io
+from omlx.cache.location import SSD_ROOT_NAME, model_folder_name
 from omlx.cache.ssd import BLOCK_SUFFIX, TEMP_SUFFIX
 from tests.fixtures.servers import serve_process
 from tests.fixtures.tiny_models import CORPUS
@@ -44,8 +45,8 @@ def make_base(path: Path, settings: dict) -> Path:
 
 
 def block_dir(base: Path) -> Path:
-    # EnginePool puts a model's blocks in <cache_dir>/<safe model name>.
-    return base / "cache" / MODEL
+    # EnginePool puts a model's blocks in <cache_dir>/omlx-kv-v1/<model folder>.
+    return base / "cache" / SSD_ROOT_NAME / model_folder_name(MODEL)
 
 
 def block_files(base: Path) -> list[Path]:
