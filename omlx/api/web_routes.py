@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import re
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from starlette.staticfiles import StaticFiles
 
 from omlx.api.auth import require_admin
 from omlx.api.state import state_of
+from omlx.engine.pool import EnginePool
 from omlx.errors import ImportFailedError, InvalidRequestError, NotFoundError, SettingsError
 from omlx.settings import MemorySettings, Settings
 
@@ -200,12 +199,15 @@ async def logs(
 # -- model import --------------------------------------------------------------
 
 
-def _run_in_process(fn: Callable[..., Any], *args: Any) -> Any:
+def _run_in_process(pool: EnginePool, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` in a fresh process: an import's MLX arrays and its peak memory
-    (a whole model dequantized) stay out of the serving process."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as executor:
-        return executor.submit(fn, *args).result()
+    (a whole model dequantized) stay out of the serving process, count in its
+    memory readings, and are capped by what the memory ceiling leaves."""
+    from omlx.models.import_child import import_memory_limit, run_in_child
+
+    used = pool.probe.reading(fresh=True).resident_bytes
+    limit = import_memory_limit(pool.limits.hard_bytes, used)
+    return run_in_child(fn, *args, memory_limit_bytes=limit, tracker=pool.probe)
 
 
 def _import_job(source: str, target: str, dtype: str | None) -> str:
@@ -278,7 +280,8 @@ async def import_gguf_route(request: Request) -> dict[str, Any]:
                 param="name",
             )
         log.info("importing %s as %s", source, target)
-        await asyncio.to_thread(_run_in_process, _import_job, str(source), str(target), dtype)
+        pool = state_of(request).pool
+        await asyncio.to_thread(_run_in_process, pool, _import_job, str(source), str(target), dtype)
     return {"name": name, "path": str(target), "model": _model_entry(request, name)}
 
 
@@ -297,7 +300,8 @@ async def install_default_route(request: Request) -> dict[str, Any]:
         present = not force and is_complete_model_folder(target)
         if not present:
             log.info("installing the built-in model into %s", models_dir)
-            await asyncio.to_thread(_run_in_process, _install_job, str(models_dir), force)
+            pool = state_of(request).pool
+            await asyncio.to_thread(_run_in_process, pool, _install_job, str(models_dir), force)
     return {
         "name": BUILTIN_MODEL_NAME,
         "path": str(target),

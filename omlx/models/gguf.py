@@ -21,7 +21,7 @@ from typing import Any, Literal, get_args
 import mlx.core as mx
 
 from omlx.errors import ImportFailedError
-from omlx.models.gguf_reader import GGUFHeader, read_header
+from omlx.models.gguf_reader import GGUFHeader, as_float, as_int, as_str, read_header
 from omlx.models.gguf_tokenizer import ImportedTokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -83,35 +83,39 @@ def build_config(header: GGUFHeader) -> dict[str, Any]:
     """mlx-lm llama config.json from the GGUF's ``llama.*`` metadata."""
     meta = header.metadata
     arch = meta.get("general.architecture")
-    if arch != "llama":
+    if not isinstance(arch, str) or arch != "llama":
+        shown = repr(arch) if isinstance(arch, str | None) else "(not a string)"
         raise ImportFailedError(
-            f"architecture {arch!r} is not supported: only 'llama' GGUF files can be imported"
+            f"architecture {shown} is not supported: only 'llama' GGUF files can be imported"
         )
-    if int(meta.get("llama.expert_count", 0)) > 0:
+    if _int(meta, "expert_count", 0, low=0) > 0:
         raise ImportFailedError("mixture-of-experts llama models (Mixtral) are not supported")
-    hidden = int(_llama(meta, "embedding_length"))
-    heads = int(_llama(meta, "attention.head_count"))
-    head_dim = int(meta.get("llama.attention.key_length", hidden // heads))
-    if int(meta.get("llama.rope.dimension_count", head_dim)) != head_dim:
+    hidden = _int(meta, "embedding_length")
+    heads = _int(meta, "attention.head_count")
+    head_dim = _int(meta, "attention.key_length", hidden // heads)
+    if _int(meta, "rope.dimension_count", head_dim) != head_dim:
         raise ImportFailedError("partial RoPE (rope.dimension_count < head_dim) is not supported")
     config = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
-        "num_hidden_layers": int(_llama(meta, "block_count")),
-        "intermediate_size": int(_llama(meta, "feed_forward_length")),
+        "num_hidden_layers": _block_count(header),
+        "intermediate_size": _int(meta, "feed_forward_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
+        "num_key_value_heads": _int(meta, "attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "rms_norm_eps": float(_llama(meta, "attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _float(meta, "attention.layer_norm_rms_epsilon"),
+        "rope_theta": _float(meta, "rope.freq_base", 10000.0),
         "rope_traditional": True,  # llama.cpp interleaves q/k rows for GPT-J style RoPE
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+        "max_position_embeddings": _int(meta, "context_length", 2048),
         "vocab_size": _vocab_size(header),
     }
     if scaling := _rope_scaling(meta):
         config["rope_scaling"] = scaling
     return config
+
+
+_LLAMA = "llama."
 
 
 def _llama(meta: dict[str, Any], key: str) -> Any:
@@ -120,20 +124,45 @@ def _llama(meta: dict[str, Any], key: str) -> Any:
     return meta[f"llama.{key}"]
 
 
+def _int(meta: dict[str, Any], key: str, default: int | None = None, *, low: int = 1) -> int:
+    """``llama.<key>`` as an int of at least ``low``; required when ``default`` is None."""
+    value = _llama(meta, key) if default is None else meta.get(_LLAMA + key, default)
+    return as_int(_LLAMA + key, value, low=low)
+
+
+def _float(meta: dict[str, Any], key: str, default: float | None = None) -> float:
+    value = _llama(meta, key) if default is None else meta.get(_LLAMA + key, default)
+    return as_float(_LLAMA + key, value)
+
+
+def _block_count(header: GGUFHeader) -> int:
+    # Every layer has nine tensors, so the table bounds the count.
+    count = _int(header.metadata, "block_count")
+    if count > len(header.tensors):
+        raise ImportFailedError(
+            f"llama.block_count is {count}, but the file has only {len(header.tensors)} tensors"
+        )
+    return count
+
+
 def _vocab_size(header: GGUFHeader) -> int:
     # The embedding's rows are authoritative: llama.vocab_size is optional.
     for tensor in header.tensors:
         if tensor.name == "token_embd.weight":
+            if len(tensor.shape) != 2:
+                raise ImportFailedError(
+                    f"token_embd.weight must be 2-D, not of shape {list(tensor.shape)}"
+                )
             return tensor.shape[0]
     raise ImportFailedError("the GGUF has no token_embd.weight tensor")
 
 
 def _rope_scaling(meta: dict[str, Any]) -> dict[str, Any] | None:
-    kind = meta.get("llama.rope.scaling.type", "none")
+    kind = as_str(_LLAMA + "rope.scaling.type", meta.get(_LLAMA + "rope.scaling.type", "none"))
     if kind == "none":
         return None
     if kind == "linear":
-        return {"type": "linear", "factor": float(meta["llama.rope.scaling.factor"])}
+        return {"type": "linear", "factor": _float(meta, "rope.scaling.factor")}
     raise ImportFailedError(f"RoPE scaling {kind!r} is not supported (only none and linear)")
 
 

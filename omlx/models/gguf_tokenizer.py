@@ -16,6 +16,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from omlx.errors import ImportFailedError
+from omlx.models.gguf_reader import as_bool, as_int, as_int_array, as_str, as_str_list
 
 log = logging.getLogger(__name__)
 
@@ -51,21 +52,22 @@ class ImportedTokenizer:
 def build_tokenizer(metadata: dict[str, Any], *, model_max_length: int) -> ImportedTokenizer:
     """Tokenizer plus its config files; unsupported or missing pieces raise ImportFailedError."""
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if not isinstance(kind, str) or kind != "gpt2":
+        shown = repr(kind) if isinstance(kind, str | None) else "(not a string)"
         raise ImportFailedError(
-            f"tokenizer model {kind!r} is not supported: only byte-level BPE ('gpt2') "
+            f"tokenizer model {shown} is not supported: only byte-level BPE ('gpt2') "
             "tokenizers can be imported"
         )
-    tokens = _required(metadata, "tokenizer.ggml.tokens")
-    merges = _required(metadata, "tokenizer.ggml.merges")
-    pre = metadata.get("tokenizer.ggml.pre", "default")
+    tokens = as_str_list(_TOKENS, _required(metadata, _TOKENS))
+    merges = as_str_list(_MERGES, _required(metadata, _MERGES))
+    pre = as_str(_PRE, metadata.get(_PRE, "default"))
     tokenizer = _bpe_tokenizer(tokens, merges, pre)
-    _add_special_tokens(tokenizer, tokens, metadata.get("tokenizer.ggml.token_type"))
+    _add_special_tokens(tokenizer, tokens, metadata.get(_TOKEN_TYPE))
 
     ids = _special_ids(metadata, len(tokens))
     names = {role: tokens[i] for role, i in ids.items() if i is not None}
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
-    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    add_bos = as_bool(_ADD_BOS, metadata.get(_ADD_BOS, False))
+    add_eos = as_bool(_ADD_EOS, metadata.get(_ADD_EOS, False))
     tokenizer.post_processor = _post_processor(names, ids, add_bos=add_bos, add_eos=add_eos)
 
     config = {
@@ -76,7 +78,7 @@ def build_tokenizer(metadata: dict[str, Any], *, model_max_length: int) -> Impor
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
     }
-    if template := metadata.get("tokenizer.chat_template"):
+    if template := as_str(_TEMPLATE, metadata.get(_TEMPLATE, "")):
         config["chat_template"] = template
     special_map = {f"{role}_token": name for role, name in names.items() if role in _ROLES}
     eos_ids = [i for role in ("eos", "eot", "eom") if (i := ids[role]) is not None]
@@ -85,6 +87,9 @@ def build_tokenizer(metadata: dict[str, Any], *, model_max_length: int) -> Impor
     )
 
 
+_TOKENS, _MERGES, _PRE = "tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre"
+_TOKEN_TYPE, _TEMPLATE = "tokenizer.ggml.token_type", "tokenizer.chat_template"
+_ADD_BOS, _ADD_EOS = "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token"
 _ROLES = ("bos", "eos", "unk", "pad")
 _ID_KEYS = {
     "bos": "bos_token_id",
@@ -107,9 +112,11 @@ def _special_ids(metadata: dict[str, Any], vocab_size: int) -> dict[str, int | N
     ids: dict[str, int | None] = {}
     for role, key in _ID_KEYS.items():
         value = metadata.get(f"tokenizer.ggml.{key}")
-        if value is not None and not 0 <= int(value) < vocab_size:
-            raise ImportFailedError(f"tokenizer.ggml.{key} = {value} is outside the vocabulary")
-        ids[role] = None if value is None else int(value)
+        if value is not None:
+            value = as_int(f"tokenizer.ggml.{key}", value)
+            if value >= vocab_size:
+                raise ImportFailedError(f"tokenizer.ggml.{key} = {value} is outside the vocabulary")
+        ids[role] = value
     return ids
 
 
@@ -126,8 +133,11 @@ def _bpe_tokenizer(tokens: list[str], merges: list[str], pre: str) -> Tokenizer:
     for i, token in enumerate(tokens):
         vocab.setdefault(token, i)
     pairs = [_merge_pair(m) for m in merges]
-    # Llama 3's tokenizer takes whole words found in the vocab before merging.
-    bpe = models.BPE(vocab, pairs, ignore_merges=pre in _LLAMA3_PRE)
+    try:
+        # Llama 3's tokenizer takes whole words found in the vocab before merging.
+        bpe = models.BPE(vocab, pairs, ignore_merges=pre in _LLAMA3_PRE)
+    except Exception as exc:  # tokenizers raises plain Exception, e.g. a merge of unknown tokens
+        raise ImportFailedError(f"the GGUF's BPE tokenizer is invalid: {exc}") from exc
     tokenizer = Tokenizer(bpe)
     tokenizer.pre_tokenizer = _pre_tokenizer(pre)
     tokenizer.decoder = decoders.ByteLevel()
@@ -155,7 +165,11 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 def _add_special_tokens(tokenizer: Tokenizer, tokens: list[str], token_types: Any) -> None:
     if token_types is None:
         return
-    types = [int(t) for t in token_types]
+    types = as_int_array(_TOKEN_TYPE, token_types).tolist()
+    if len(types) != len(tokens):
+        raise ImportFailedError(
+            f"{_TOKEN_TYPE} has {len(types)} entries, but there are {len(tokens)} tokens"
+        )
     control = [_added(tokens[i], special=True) for i, t in enumerate(types) if t == _CONTROL]
     user = [_added(tokens[i], special=False) for i, t in enumerate(types) if t == _USER_DEFINED]
     tokenizer.add_special_tokens(control)
