@@ -10,6 +10,7 @@ from omlx.api.schemas import ChatCompletionRequest, CompletionRequest
 from omlx.api.tool_grammar import tool_grammar_spec
 from omlx.engine.model_engine import ModelEngine
 from omlx.errors import InvalidRequestError
+from omlx.grammar.compile_pool import COMPILE_POOL
 from omlx.grammar.spec import GrammarSpec
 from omlx.grammar.tools import ToolConstraint
 
@@ -79,19 +80,27 @@ def extension_spec(ext: dict[str, Any] | None) -> GrammarSpec | None:
         return GrammarSpec.choice(value, param)
     if not isinstance(value, str) or not value:
         raise InvalidRequestError(f"{kind} must be a non-empty string", param=param)
-    return GrammarSpec(kind, value, False, param)
+    return GrammarSpec.regex(value, param) if kind == "regex" else GrammarSpec.ebnf(value, param)
 
 
 async def bind_grammar(engine: ModelEngine, spec: GrammarSpec | ToolConstraint | None) -> Any:
-    """Compile ``spec`` for the engine's tokenizer off the event loop (cached); a
-    tool constraint is first written in the model's tool-call syntax."""
+    """Compile ``spec`` for the engine's tokenizer on the grammar pool, within its
+    time bound (cached); a tool constraint is first written in the model's
+    tool-call syntax."""
     if spec is None:
         return None
     from omlx.grammar.processor import BoundGrammar
 
-    if isinstance(spec, ToolConstraint):
-        spec = await asyncio.to_thread(tool_grammar_spec, engine.tokenizer, spec)
-
     compiler = await asyncio.to_thread(engine.grammar_compiler)
-    compiled = await asyncio.to_thread(compiler.compile, spec)
+    compiled = compiler.cached(spec) if isinstance(spec, GrammarSpec) else None
+    if compiled is None:
+
+        def work() -> Any:
+            grammar = (
+                spec if isinstance(spec, GrammarSpec) else tool_grammar_spec(engine.tokenizer, spec)
+            )
+            return compiler.compile(grammar)
+
+        what = "tool-call grammar" if isinstance(spec, ToolConstraint) else spec.what
+        compiled = await COMPILE_POOL.run((compiler, spec), work, what=what, param=spec.param)
     return BoundGrammar(compiled, compiler)

@@ -9,7 +9,15 @@ from typing import Any
 from omlx.api.output_parser import HERMES_FORMATS, think_markers, tool_format
 from omlx.errors import InvalidRequestError
 from omlx.grammar.spec import GrammarSpec
-from omlx.grammar.tools import HERMES, CallSyntax, Mode, ToolConstraint, ToolSchema, tool_grammar
+from omlx.grammar.tools import (
+    HERMES,
+    CallSyntax,
+    Mode,
+    ToolConstraint,
+    ToolSchema,
+    check_limits,
+    tool_grammar,
+)
 
 # "hermes" is output_parser's default for models that name no format.
 _SYNTAXES: dict[str, CallSyntax] = {name: HERMES for name in HERMES_FORMATS}
@@ -103,7 +111,9 @@ def tool_constraint(
         raise InvalidRequestError(
             f"tool_choice '{mode}' needs at least one tool in 'tools'", param=param
         )
-    return ToolConstraint(mode, tuple(schemas), parallel, param)
+    constraint = ToolConstraint(mode, tuple(schemas), parallel, param)
+    check_limits(constraint)
+    return constraint
 
 
 def _tool_schema(tool: Any, i: int, schema_param: str) -> ToolSchema:

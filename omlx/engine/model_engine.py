@@ -27,6 +27,7 @@ from omlx.errors import (
     QueueFullError,
     ServiceUnavailableError,
 )
+from omlx.grammar.processor import MAX_STEP_CPU_S
 from omlx.memory.budget import prefill_step_transient_bytes
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
@@ -208,6 +209,9 @@ class ModelEngine:
     def _on_update(self, update: RequestUpdate, outbox: list) -> str | None:
         """Returns the finish reason when the request finished with this token."""
         live = self._live[update.request_id]
+        if not update.status.is_finished and _grammar_overran(live.request):
+            self._fail_request(update.request_id, _grammar_overrun_error(live.request), outbox)
+            return None  # failed and released here
         text = live.detok.add(update.token_id) if update.visible else ""
         status = update.status
         if status.is_finished:
@@ -412,3 +416,16 @@ def _private_decoder(tokenizer: Any) -> Any:
     if isinstance(backend, Tokenizer):
         return Tokenizer.from_str(backend.to_str())
     return tokenizer
+
+
+def _grammar_overran(request: Request) -> bool:
+    return request.grammar is not None and request.grammar.overrun.cpu_s is not None
+
+
+def _grammar_overrun_error(request: Request) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"the grammar needed {request.grammar.overrun.cpu_s:.2f} s of CPU to constrain one "
+        f"token (limit {MAX_STEP_CPU_S} s), so the request was ended to keep the other "
+        "requests' speed: the grammar is too ambiguous (e.g. a rule like 's ::= s s'); "
+        "rewrite it so each prefix parses one way"
+    )

@@ -1,7 +1,8 @@
 """Compile grammars with xgrammar for one model's tokenizer, with an LRU cache.
 
-Compilation runs off the event loop (``asyncio.to_thread``); compiled grammars
-are immutable and shared by every request that asks for the same constraint.
+Compilation runs on the grammar pool (compile_pool.py), off the event loop;
+compiled grammars are immutable and shared by every request that asks for the
+same constraint.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class GrammarCompiler:
         self._xgr = xgr
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self.vocab_size = vocab_size
+        self.stop_token_ids = tuple(sorted(stop_token_ids))
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
         self.num_hits = 0
@@ -68,28 +70,27 @@ class GrammarCompiler:
             sorted(stop_token_ids),
         )
 
-    def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled grammar for ``spec``; InvalidRequestError with the compiler's
-        message when the schema, regex or grammar is invalid. Blocking: call it
-        through ``asyncio.to_thread``."""
+    def cached(self, spec: GrammarSpec) -> Any | None:
+        """The compiled grammar for ``spec`` if it is in the cache (cheap: no compile)."""
         with self._lock:
             compiled = self._cache.get(spec.cache_key)
             if compiled is not None:
                 self._cache.move_to_end(spec.cache_key)
                 self.num_hits += 1
-                return compiled
+            return compiled
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar for ``spec``; InvalidRequestError with the compiler's
+        message when the schema, regex or grammar is invalid. Blocking: call it
+        through the grammar pool (compile_pool.py)."""
+        compiled = self.cached(spec)
+        if compiled is not None:
+            return compiled
         try:
             compiled = self._compile(spec)
         except (RuntimeError, ValueError, TypeError) as exc:
-            what = {
-                "json_schema": "JSON schema",
-                "regex": "regex",
-                "grammar": "grammar",
-                "choice": "choice list",
-                "json_object": "JSON grammar",
-            }[spec.kind]
             raise InvalidRequestError(
-                f"invalid {what}: {clean_message(exc)}", param=spec.param
+                f"invalid {spec.what}: {clean_message(exc)}", param=spec.param
             ) from exc
         with self._lock:
             self._cache[spec.cache_key] = compiled

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -18,6 +19,10 @@ _TABLES: dict[Any, mx.array] = {}
 # Draws a request's next token from (1, V) logits, as its sampler would.
 Draw = Callable[[mx.array], int]
 _DRAW_STREAM = 0x6772616D6D6172  # "grammar"
+# CPU seconds of matcher work one request may take in one step. A normal step
+# takes ~0.01-10 ms; an ambiguous grammar's grows with every token (an Earley
+# parse) and, on the MLX thread, would slow every request in the batch.
+MAX_STEP_CPU_S = 0.05
 
 
 def _byte_table(dtype: Any) -> mx.array:
@@ -57,25 +62,52 @@ class GrammarLogitsProcessor:
     would not be exact, so those requests always take the mask.
     """
 
-    def __init__(self, matcher: Any, vocab_size: int, *, draw: Draw | None = None):
+    def __init__(
+        self,
+        matcher: Any,
+        vocab_size: int,
+        *,
+        draw: Draw | None = None,
+        stop_token_ids: tuple[int, ...] = (),
+        overrun: StepOverrun | None = None,
+    ):
         self._matcher = matcher
         words = (vocab_size + 31) // 32
         self._bitmask = np.zeros((1, words), dtype=np.int32)
         self._first = True
         self._draw = draw
         self._ahead: int | None = None  # a choice already accepted (fast path)
+        self._stop_ids = stop_token_ids
+        # Set once a step's matcher work went over MAX_STEP_CPU_S: the request ends.
+        self.overrun = overrun if overrun is not None else StepOverrun()
+        self._step_cpu_s = 0.0
         self.num_fills = 0
         self.num_fast = 0
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self.overrun.cpu_s is not None:
+            return _only(logits, *self._stop_ids)
+        self._step_cpu_s = 0.0
+        out = self._constrain(tokens, logits)
+        if self._step_cpu_s > MAX_STEP_CPU_S and self._stop_ids:
+            log.warning(
+                "grammar step took %.2f s of CPU (limit %.2f s): ending the request so "
+                "the batch keeps its speed; the grammar is too ambiguous",
+                self._step_cpu_s,
+                MAX_STEP_CPU_S,
+            )
+            self.overrun.cpu_s = self._step_cpu_s
+        return out
+
+    def _constrain(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if not self._first:
-            self._accept_previous(int(tokens[-1].item()))
+            self._timed(self._accept_previous, int(tokens[-1].item()))
         self._first = False
         if self._matcher.is_terminated():
             return logits  # only stop tokens remain; the request is ending
         if self._draw is not None:
             choice = self._draw(logits)
-            if self._matcher.accept_token(choice):
+            if self._timed(self._matcher.accept_token, choice):
                 self._ahead = choice
                 self.num_fast += 1
                 return _only(logits, choice)
@@ -83,9 +115,17 @@ class GrammarLogitsProcessor:
             # Start the forward pass now: the CPU-side bitmask fill then overlaps
             # the model compute instead of idling the device.
             mx.async_eval(logits)
-        self._matcher.fill_next_token_bitmask(self._bitmask)
+        self._timed(self._matcher.fill_next_token_bitmask, self._bitmask)
         self.num_fills += 1
         return apply_bitmask(logits, self._bitmask)
+
+    def _timed(self, work: Callable[..., Any], *args: Any) -> Any:
+        """``work(*args)``, its CPU time (this thread only: not the model's) counted."""
+        start = time.thread_time()
+        try:
+            return work(*args)
+        finally:
+            self._step_cpu_s += time.thread_time() - start
 
     def _accept_previous(self, token: int) -> None:
         ahead, self._ahead = self._ahead, None
@@ -119,10 +159,22 @@ def temperature_draw(temperature: float, seed: int | None) -> Draw:
     return draw
 
 
-def _only(logits: mx.array, token: int) -> mx.array:
-    """``logits`` with every entry but ``token`` at -inf."""
-    keep = mx.arange(logits.shape[-1]) == token
+def _only(logits: mx.array, *tokens: int) -> mx.array:
+    """``logits`` with every entry but ``tokens`` at -inf."""
+    ids = mx.arange(logits.shape[-1])
+    keep = ids == tokens[0]
+    for token in tokens[1:]:
+        keep = keep | (ids == token)
     return mx.where(keep, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+@dataclass(slots=True)
+class StepOverrun:
+    """Shared by a request's grammar and its processor: the processor sets it when
+    one step's matcher work passed MAX_STEP_CPU_S, and the engine then ends the
+    request with an error (its output so far may not yet satisfy the grammar)."""
+
+    cpu_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +186,13 @@ class BoundGrammar:
 
     compiled: Any
     compiler: Any  # omlx.grammar.compiler.GrammarCompiler
+    overrun: StepOverrun = field(default_factory=StepOverrun)
 
     def new_processor(self, *, draw: Draw | None = None) -> GrammarLogitsProcessor:
         return GrammarLogitsProcessor(
-            self.compiler.matcher(self.compiled), self.compiler.vocab_size, draw=draw
+            self.compiler.matcher(self.compiled),
+            self.compiler.vocab_size,
+            draw=draw,
+            stop_token_ids=self.compiler.stop_token_ids,
+            overrun=self.overrun,
         )

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from omlx.errors import InvalidRequestError
+from omlx.grammar import limits
 from omlx.grammar.compiler import clean_message, import_xgrammar
 from omlx.grammar.spec import GrammarSpec
 
@@ -142,9 +143,21 @@ def _tag(xgr: Any, tool: ToolSchema, syntax: CallSyntax, mode: Mode) -> dict[str
     }
 
 
+def _enforced(tool: ToolSchema, mode: Mode) -> bool:
+    return tool.parameters is not None and (tool.strict or mode != "auto")
+
+
+def check_limits(constraint: ToolConstraint) -> None:
+    """The caps of ``limits`` on every argument schema the grammar will enforce
+    (the others become "any object" and cost nothing)."""
+    for tool in constraint.tools:
+        if tool.parameters is not None and _enforced(tool, constraint.mode):
+            limits.check_json_schema(json.loads(tool.parameters), tool.param)
+
+
 def _arguments_ebnf(xgr: Any, tool: ToolSchema, mode: Mode) -> str:
-    enforced = tool.parameters is not None and (tool.strict or mode != "auto")
-    schema = tool.parameters if enforced else _ANY_OBJECT
+    enforced = _enforced(tool, mode)
+    schema = tool.parameters if enforced and tool.parameters is not None else _ANY_OBJECT
     try:
         # Compact JSON: small models loop on free whitespace otherwise.
         grammar = xgr.Grammar.from_json_schema(
