@@ -29,6 +29,7 @@ LIVE_SETTINGS = frozenset(
         "server.api_key",
         "server.sse_keepalive_s",
         "server.max_body_bytes",
+        "server.template_timeout_s",
         "models.default_model",
         "models.idle_timeout_s",
         "sampling.temperature",

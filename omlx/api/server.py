@@ -28,6 +28,10 @@ class Server:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=5,
+            # Longer than clients keep idle connections (httpx, so the openai and
+            # anthropic SDKs: 5 s); at uvicorn's own 5 s the server may close one just
+            # as the client reuses it, and that request fails with a reset.
+            timeout_keep_alive=30,
         )
         self._uvicorn = uvicorn.Server(config)
         self._thread: threading.Thread | None = None

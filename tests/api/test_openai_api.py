@@ -146,6 +146,9 @@ def test_sixteen_concurrent_streams_each_equal_their_solo_output(
 
 # Decodes ~60 tok/s: a 4000-token request is still running a minute later.
 SLOW = "slow-llama"
+# Greedy, so the reply cannot end by chance in its first tokens (a sampled one from a
+# random model sometimes does), before the disconnect is seen.
+GREEDY = {"temperature": 0}
 
 
 def test_client_disconnect_mid_stream_aborts_and_the_server_keeps_serving(
@@ -153,7 +156,7 @@ def test_client_disconnect_mid_stream_aborts_and_the_server_keeps_serving(
 ) -> None:
     chat(client, model=SLOW, max_tokens=1)  # the model is loaded
     before = aborted_count(server, SLOW)
-    body = {"model": SLOW, "messages": CHAT, "max_tokens": 4000, "stream": True}
+    body = {"model": SLOW, "messages": CHAT, "max_tokens": 4000, "stream": True, **GREEDY}
     with (
         httpx.Client(base_url=server.base_url, timeout=30) as http,
         http.stream("POST", "/v1/chat/completions", json=body) as resp,
@@ -173,7 +176,7 @@ def test_non_streaming_client_disconnect_aborts_the_request(
 ) -> None:
     chat(client, model=SLOW, max_tokens=1)
     before = aborted_count(server, SLOW)
-    body = {"model": SLOW, "messages": CHAT, "max_tokens": 4000}
+    body = {"model": SLOW, "messages": CHAT, "max_tokens": 4000, **GREEDY}
     try:
         resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=0.05)
     except httpx.ReadTimeout:

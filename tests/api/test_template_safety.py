@@ -177,6 +177,27 @@ def test_several_slow_renders_each_end_on_time(server: Server) -> None:
     assert renders_stop_running(within_s=1.0)
 
 
+def test_the_render_bound_changes_live_from_the_admin_api(server: Server) -> None:
+    def set_bound(seconds: float) -> None:
+        changed = httpx.put(
+            server.base_url + "/admin/api/settings",
+            json={"server": {"template_timeout_s": seconds}},
+            timeout=30,
+        )
+        assert changed.status_code == 200, changed.text
+        assert "server.template_timeout_s" in changed.json()["applied"]
+
+    set_bound(0.5)
+    try:
+        results: list = []
+        slow_chat(server, results)
+    finally:
+        set_bound(TIMEOUT_S)
+    [(status, body, _)] = results
+    assert status == 400
+    assert "took longer than 0.5 s" in body["error"]["message"]
+
+
 def test_anthropic_route_has_the_same_render_bound(server: Server) -> None:
     client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
     start = time.perf_counter()

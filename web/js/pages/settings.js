@@ -15,6 +15,7 @@ const GROUPS = [
     ["server", "cors_origins", "list", "Comma-separated origins allowed to call the API from a browser."],
     ["server", "allowed_hosts", "list", "Comma-separated extra host names the server answers to (e.g. a proxy's name)."],
     ["server", "sse_keepalive_s", "number", "Seconds between keep-alive comments during a long prefill."],
+    ["server", "template_timeout_s", "number", "Seconds a chat template may take to render before its request is refused."],
     ["server", "web_dir", "path", "Folder of this admin panel; empty: the bundled one."],
   ]],
   ["Authentication", [
