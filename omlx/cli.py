@@ -41,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int)
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--cors-origin", action="append", dest="cors_origins", metavar="ORIGIN")
+    serve.add_argument(
+        "--allowed-host",
+        action="append",
+        dest="allowed_hosts",
+        metavar="NAME",
+        help="a further Host name the server answers to, e.g. a proxy's (repeatable)",
+    )
     serve.add_argument("--max-concurrent-requests", type=int)
     serve.add_argument("--max-queued-requests", type=int)
     serve.add_argument("--prefill-step-size", type=int)
@@ -105,6 +112,7 @@ _SERVE_FLAGS = {
     "port": ("server", "port"),
     "log_level": ("server", "log_level"),
     "cors_origins": ("server", "cors_origins"),
+    "allowed_hosts": ("server", "allowed_hosts"),
     "model_dirs": ("models", "model_dirs"),
     "default_model": ("models", "default_model"),
     "max_concurrent_requests": ("scheduler", "max_concurrent_requests"),

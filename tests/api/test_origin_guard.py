@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from omlx.api.server import Server
-from tests.fixtures.servers import live_server
+from tests.fixtures.servers import live_server, serve_process
 
 KEY = "sk-origin-guard-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -106,6 +106,18 @@ def test_allowed_hosts_admits_a_listed_name(http: httpx.Client) -> None:
     assert http.get("/health", headers={"Host": f"{PROXY_NAME}:{port}"}).status_code == 200
     # Only that name: a look-alike is still someone else.
     assert http.get("/health", headers={"Host": f"x.{PROXY_NAME}:{port}"}).status_code == 403
+
+
+def test_the_allowed_host_flag_admits_a_name(tmp_path: Path, tiny_models_dir: Path) -> None:
+    with serve_process(tmp_path / "base", tiny_models_dir, "--allowed-host", "omlx.lan") as (
+        _,
+        url,
+    ):
+        port = httpx.URL(url).port
+        listed = httpx.get(url + "/health", headers={"Host": f"omlx.lan:{port}"})
+        other = httpx.get(url + "/health", headers={"Host": f"evil.example:{port}"})
+    assert listed.status_code == 200
+    assert other.status_code == 403
 
 
 @pytest.mark.parametrize(
