@@ -122,12 +122,12 @@ def renders_stop_running(within_s: float) -> bool:
     return True
 
 
-def slow_chat(server: Server, results: list) -> None:
+def slow_chat(server: Server, results: list, model: str = "slow-template") -> None:
     """A chat request whose rendering takes forever; appends (status, body, seconds)."""
     start = time.perf_counter()
     response = httpx.post(
         server.base_url + "/v1/chat/completions",
-        json={"model": "slow-template", "messages": SLOW_ASK, "max_tokens": 4},
+        json={"model": model, "messages": SLOW_ASK, "max_tokens": 4},
         timeout=60,
     )
     results.append((response.status_code, response.json(), time.perf_counter() - start))
@@ -196,6 +196,39 @@ def test_the_render_bound_changes_live_from_the_admin_api(server: Server) -> Non
     [(status, body, _)] = results
     assert status == 400
     assert "took longer than 0.5 s" in body["error"]["message"]
+
+
+def test_an_imported_gguf_template_gets_the_same_bound(
+    server: Server, client: openai.OpenAI, tmp_path: Path
+) -> None:
+    from tests.unit.test_gguf_import import (
+        MIXED_TYPES,
+        gguf_tensors,
+        random_weights,
+        train_tokenizer,
+        write_gguf,
+    )
+
+    tokenizer = train_tokenizer("smollm")
+    tensors = gguf_tensors(random_weights(tokenizer.get_vocab_size()), MIXED_TYPES, tied=False)
+    source = write_gguf(tmp_path / "slow.gguf", tokenizer, tensors, chat_template=SLOW_TEMPLATE)
+    imported = httpx.post(
+        server.base_url + "/admin/api/models/import-gguf",
+        json={"path": str(source), "name": "slow-gguf"},
+        headers={"X-Omlx-Client": "test"},
+        timeout=300,
+    )
+    assert imported.status_code == 200, imported.text
+    # The file's own template renders ordinary messages...
+    assert chat(client, "slow-gguf").choices[0].finish_reason in ("stop", "length")
+    # ...and is stopped at the bound when it loops.
+    results: list = []
+    slow_chat(server, results, model="slow-gguf")
+    [(status, body, seconds)] = results
+    assert status == 400
+    assert "took longer than" in body["error"]["message"]
+    assert seconds < TIMEOUT_S + 2.0
+    assert renders_stop_running(within_s=1.0)
 
 
 def test_anthropic_route_has_the_same_render_bound(server: Server) -> None:

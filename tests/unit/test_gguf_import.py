@@ -195,6 +195,7 @@ def write_gguf(
     pre: str = "smollm",
     add_bos: bool = False,
     extra: list[tuple[str, np.ndarray, Q]] = (),
+    chat_template: str = CHAT_TEMPLATE,
 ) -> Path:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(NUM_LAYERS)
@@ -207,7 +208,7 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(HEAD_DIM)
     writer.add_vocab_size(tokenizer.get_vocab_size())
-    _add_tokenizer(writer, tokenizer, tokenizer_model, pre, add_bos)
+    _add_tokenizer(writer, tokenizer, tokenizer_model, pre, add_bos, chat_template)
     for name, tensor, kind, *_ in [*tensors, *extra]:
         data = tensor if kind == Q.F32 else gguf.quants.quantize(tensor, kind)
         writer.add_tensor(name, data, raw_dtype=kind)
@@ -218,7 +219,9 @@ def write_gguf(
     return path
 
 
-def _add_tokenizer(writer, tokenizer: Tokenizer, model: str, pre: str, add_bos: bool) -> None:
+def _add_tokenizer(
+    writer, tokenizer: Tokenizer, model: str, pre: str, add_bos: bool, chat_template: str
+) -> None:
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     tokens = [token for token, _ in vocab]
     merges = json.loads(tokenizer.to_str())["model"]["merges"]
@@ -233,7 +236,7 @@ def _add_tokenizer(writer, tokenizer: Tokenizer, model: str, pre: str, add_bos: 
     writer.add_unk_token_id(EOT_ID)
     writer.add_pad_token_id(EOS_ID)
     writer.add_add_bos_token(add_bos)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    writer.add_chat_template(chat_template)
 
 
 def llama_cpp_decode(tensor: np.ndarray, kind: Q) -> np.ndarray:
