@@ -140,6 +140,13 @@ class ServiceUnavailableError(OmlxError):
     error_type = "overloaded_error"
     code = "service_unavailable"
 
+    def __init__(self, message: str, *, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+
 
 class InsufficientMemoryError(OmlxError):
     """Loading a model cannot fit under the memory ceiling, even after evictions."""

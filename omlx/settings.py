@@ -164,8 +164,10 @@ class MemorySettings(_Group):
     # "NN%" of RAM, or a size such as "24GB".
     max_process_memory: str | int = "auto"
     soft_fraction: float = Field(0.85, gt=0.0, le=1.0)
-    # Room for transients no estimate models (seed 000 measured GBs on big MoE models).
-    prefill_transient_margin: str | int = "1GB"
+    # Room for transients no estimate models (seed 000 measured GBs on big MoE models):
+    # "auto" = each model's measured worst step transient x 1.25 (at least 64 MiB; 1 GiB
+    # when its capacity is pinned and nothing was measured), or a size that pins it.
+    prefill_transient_margin: str | int = "auto"
     poll_interval_s: float = Field(1.0, gt=0.0, le=60.0)
     # Budget for loaded weights across models ("auto": the hard limit itself).
     max_model_memory: str | int = "auto"
@@ -185,7 +187,7 @@ class MemorySettings(_Group):
     @field_validator("prefill_transient_margin")
     @classmethod
     def _margin(cls, value: str | int) -> str | int:
-        return _check_size(value, "prefill_transient_margin", allow_auto=False)
+        return _check_size(value, "prefill_transient_margin", allow_auto=True)
 
 
 class CacheSettings(_Group):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import asdict
 from typing import Any
 
@@ -17,10 +18,21 @@ from omlx import __version__
 from omlx.api import protected_settings
 from omlx.api.auth import ApiKeyAuth, require_admin
 from omlx.api.state import ServerState, state_of
-from omlx.errors import InvalidRequestError, NotFoundError, SettingsError
+from omlx.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    ServiceUnavailableError,
+    SettingsError,
+)
 from omlx.settings import Settings, describe_validation_error, set_file_value
 
+log = logging.getLogger(__name__)
+
 router = APIRouter(prefix="/admin/api", dependencies=[Depends(require_admin)])
+
+# A cache clear past this answers 503 (a slow or stuck disk); the clear itself
+# cannot be interrupted and finishes in the background.
+CACHE_CLEAR_TIMEOUT_S = 30.0
 
 # Global settings that take effect on the running server when changed; the
 # rest are saved and apply at the next start.
@@ -252,7 +264,21 @@ async def cache_clear(request: Request) -> dict[str, Any]:
             )
         identity = engine.prefix_cache.identity
     # Off the event loop: the SSD tier flushes its writer (up to seconds) and unlinks files.
-    await asyncio.to_thread(hot.clear, identity, tier=tier)
+    clearing = asyncio.to_thread(hot.clear, identity, tier=tier)
+    try:
+        await asyncio.wait_for(clearing, CACHE_CLEAR_TIMEOUT_S)
+    except TimeoutError:
+        log.warning(
+            "cache clear (tier %s) still running after %.0f s; it finishes in the background",
+            tier,
+            CACHE_CLEAR_TIMEOUT_S,
+        )
+        raise ServiceUnavailableError(
+            f"clearing the {tier} cache took over {CACHE_CLEAR_TIMEOUT_S:.0f} s (a slow or "
+            "busy disk); it goes on in the background: check /admin/api/cache/stats, and "
+            "retry the clear if blocks remain",
+            retry_after_s=max(1, int(CACHE_CLEAR_TIMEOUT_S)),
+        ) from None
     return {"cleared": tier, "model": body.get("model"), "hot": asdict(hot.stats())}
 
 

@@ -32,6 +32,8 @@ from omlx.api.state import state_of
 from omlx.api.structured import bind_grammar
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.stream import StreamEvent
+from omlx.grammar.spec import GrammarSpec
+from omlx.grammar.tools import ToolConstraint
 
 router = APIRouter()
 
@@ -67,10 +69,21 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
 
 @router.post("/v1/messages")
 async def create_message(body: MessagesRequest, request: Request) -> Response:
-    state = state_of(request)
     messages = chat_messages(body)
     spec = output_grammar(body)
-    engine = await state.pool.get_engine(body.model)
+    # The lease keeps unload/release from taking the engine before the submit.
+    async with state_of(request).pool.lease(body.model) as engine:
+        return await _message(body, request, engine, messages, spec)
+
+
+async def _message(
+    body: MessagesRequest,
+    request: Request,
+    engine: ModelEngine,
+    messages: list[dict[str, Any]],
+    spec: GrammarSpec | ToolConstraint | None,
+) -> Response:
+    state = state_of(request)
     prompt, tools = await _render(request, engine, body, messages)
     params = build_sampling(
         engine,

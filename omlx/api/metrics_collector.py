@@ -49,6 +49,7 @@ def take_snapshot(state: ServerState, metrics: ServerMetrics) -> Snapshot:
             "soft_limit_bytes": pool.limits.soft_bytes,
             "hard_limit_bytes": pool.limits.hard_bytes,
             "mlx_active_bytes": reading.mlx_active_bytes,
+            "mlx_cache_bytes": reading.mlx_cache_bytes,
             "process_bytes": reading.process_footprint_bytes,
             "model_budget_bytes": pool.model_budget_bytes,
         },
@@ -190,11 +191,12 @@ def _requests(snap: Snapshot) -> Iterator[Metric]:
 
 def _memory(snap: Snapshot) -> Iterator[Metric]:
     docs = {
-        "used_bytes": "Memory in use (max of MLX active and process resident)",
+        "used_bytes": "Memory in use (max of MLX active plus cache, and the process footprint)",
         "soft_limit_bytes": "Soft limit: admission pauses and idle models are evicted above it",
         "hard_limit_bytes": "Hard limit: running requests are ended above it",
         "mlx_active_bytes": "MLX active memory (weights, KV caches, transients)",
-        "process_bytes": "Process resident memory",
+        "mlx_cache_bytes": "Freed MLX buffers kept for reuse (still held by the process)",
+        "process_bytes": "Process footprint (phys_footprint on macOS, RSS on Linux)",
         "model_budget_bytes": "Budget for loaded weights across models",
     }
     for key, doc in docs.items():

@@ -25,6 +25,7 @@ from omlx.api.sse import SSE_HEADERS
 from omlx.api.state import state_of
 from omlx.api.structured import bind_grammar, grammar_spec
 from omlx.api.tool_grammar import combined, openai_tool_constraint
+from omlx.engine.model_engine import ModelEngine
 from omlx.engine.stream import StreamEvent
 from omlx.errors import InvalidRequestError
 
@@ -105,8 +106,15 @@ async def _respond(
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    # The lease keeps unload/release from taking the engine before the submit.
+    async with state_of(request).pool.lease(body.model) as engine:
+        return await _chat_completion(body, request, engine)
+
+
+async def _chat_completion(
+    body: ChatCompletionRequest, request: Request, engine: ModelEngine
+) -> Response:
     state = state_of(request)
-    engine = await state.pool.get_engine(body.model)
     defaults = state.pool.request_defaults(engine.name)
     extra = body.model_extra or {}
     tools_rule = openai_tool_constraint(
@@ -141,8 +149,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
+    async with state_of(request).pool.lease(body.model) as engine:
+        return await _completion(body, request, engine)
+
+
+async def _completion(body: CompletionRequest, request: Request, engine: ModelEngine) -> Response:
     state = state_of(request)
-    engine = await state.pool.get_engine(body.model)
     if body.suffix:
         raise InvalidRequestError("'suffix' is not supported", param="suffix")
     spec = grammar_spec(body)

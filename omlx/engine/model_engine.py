@@ -7,6 +7,7 @@ worker thread calls ``step``. Events flow back through ``RequestStream``s, one
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import threading
@@ -95,6 +96,10 @@ class ModelEngine:
         # Front-door count of submitted, unfinished requests (event loop + MLX thread).
         self._lock = threading.Lock()
         self._num_in_flight = 0
+        # Set (under _lock) when the engine stops taking requests: memory released
+        # (until resume) or the model unloaded (for good, ``_closed``).
+        self._refusal: OmlxError | None = None
+        self._closed = False
         # Finished requests by reason ("stop", "length", "abort", "error", "rejected").
         self.finish_counts: Counter[str] = Counter()
         # Decoding runs on the MLX thread with its own tokenizer object so it
@@ -133,6 +138,8 @@ class ModelEngine:
         never fit under the memory limit, QueueFullError when at capacity."""
         self.guard.check_prefill(request.num_prompt_tokens)
         with self._lock:
+            if self._refusal is not None:
+                raise copy.copy(self._refusal)
             if self._num_in_flight >= self._scheduler.capacity:
                 raise QueueFullError(
                     f"model '{self.name}' is at capacity ({self._num_in_flight} requests "
@@ -144,6 +151,20 @@ class ModelEngine:
 
     def abort(self, request_id: str) -> None:
         self._worker.post(self._abort, request_id)
+
+    def refuse_new(self, error: OmlxError | None) -> None:
+        """Refuse requests submitted from now on with ``error`` (None: take them
+        again, unless closed). Requests already submitted are not touched."""
+        with self._lock:
+            if not self._closed:
+                self._refusal = error
+
+    def close(self, error: OmlxError) -> None:
+        """Refuse every request from now on with ``error``: the model is going away.
+        Any thread; the unload that follows ends what was submitted before."""
+        with self._lock:
+            self._refusal = error
+            self._closed = True
 
     # ---- MLX thread --------------------------------------------------------
     @property
@@ -161,7 +182,11 @@ class ModelEngine:
         return self._scheduler.ready_in(time.monotonic())
 
     def _add(self, request: Request, stream: RequestStream) -> None:
+        # Closed and shut down already: nothing will step this engine again.
+        gone = self._refusal if self._closed else None
         try:
+            if gone is not None:
+                raise copy.copy(gone)
             self._scheduler.add(request)
         except OmlxError as exc:
             self._release("rejected")
@@ -384,7 +409,10 @@ class ModelEngine:
     def shutdown(self) -> None:
         """MLX thread: abort everything and free the runner."""
         outbox: list = []
-        gone = ServiceUnavailableError(f"model '{self.name}' was unloaded (server stopping)")
+        gone = self._refusal if self._closed else None
+        if gone is None:
+            gone = unloaded_error(self.name, "the server is stopping")
+            self.close(gone)
         for rid, live in list(self._live.items()):
             self._scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
             self._release("abort")
@@ -392,6 +420,13 @@ class ModelEngine:
         self._live.clear()
         self._runner.close()
         self._flush(outbox)
+
+
+def unloaded_error(name: str, why: str) -> ServiceUnavailableError:
+    """The retryable 503 for a request whose model went away (``why``: how)."""
+    return ServiceUnavailableError(
+        f"model '{name}' was unloaded ({why}); retry to load it again", retry_after_s=1
+    )
 
 
 def _hf_tokenizer(tokenizer: Any) -> Any:

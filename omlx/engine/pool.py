@@ -7,12 +7,13 @@ import dataclasses
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from omlx.cache.setup import make_hot_tier, make_prefix_cache
-from omlx.engine.model_engine import ModelEngine
+from omlx.engine.model_engine import ModelEngine, unloaded_error
 from omlx.engine.residency import ResidentModel, choose_evictions, expired
 from omlx.engine.runner import BatchRunner
 from omlx.engine.worker import MLXWorker
@@ -21,8 +22,10 @@ from omlx.errors import (
     InvalidRequestError,
     MemoryPressureError,
     ModelNotFoundError,
+    OmlxError,
 )
-from omlx.memory.budget import guard_dims
+from omlx.memory import mlx_stats
+from omlx.memory.budget import Limits, guard_dims
 from omlx.memory.guard import MemoryGuard, memory_limits
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
 from omlx.memory.profile import auto_profile
@@ -63,6 +66,13 @@ class _Resident:
     engine: ModelEngine
     size_bytes: int
     last_used_s: float
+    # Requests holding the engine between fetch and submit (template render,
+    # grammar compile): busy like the ones in flight, so nothing unloads it unseen.
+    leases: int = 0
+
+    @property
+    def busy(self) -> int:
+        return self.engine.num_in_flight + self.leases
 
 
 class EnginePool:
@@ -83,7 +93,12 @@ class EnginePool:
         ram = total_ram_bytes()
         self.limits = memory_limits(memory, ram)
         self.model_budget_bytes = _model_budget(memory.max_model_memory, self.limits.hard_bytes)
-        self.probe = MemoryProbe(memory.poll_interval_s)
+        # MLX's counters are sampled on the MLX thread after every turn and
+        # published; readings on other threads (HTTP, enforcer) use that sample.
+        self.probe = MemoryProbe(memory.poll_interval_s, on_mlx_thread=worker.on_thread)
+        worker.after_every_turn(self.probe.publish_mlx)
+        self._mlx_limits: Limits | None = None
+        self._apply_mlx_limits()
         log.info(
             "memguard: hard limit %s (max_process_memory=%s, RAM %s), soft %s, transient margin "
             "%s, weights budget %s",
@@ -91,7 +106,9 @@ class EnginePool:
             memory.max_process_memory,
             format_bytes(ram),
             format_bytes(self.limits.soft_bytes),
-            format_bytes(self.limits.transient_margin_bytes),
+            format_bytes(self.limits.transient_margin_bytes)
+            if self.limits.margin_pinned
+            else "auto (each model's measured step transient x1.25, at least 64 MiB)",
             format_bytes(self.model_budget_bytes),
         )
         self.model_settings = ModelSettingsStore(settings.model_settings_path)
@@ -184,18 +201,36 @@ class EnginePool:
 
     async def get_engine(self, requested: str) -> ModelEngine:
         """The engine for ``requested`` (name or alias), loading it first if needed."""
+        return (await self._get_resident(requested)).engine
+
+    @asynccontextmanager
+    async def lease(self, requested: str) -> AsyncIterator[ModelEngine]:
+        """The engine for ``requested``, counted busy until the block ends: a request
+        awaiting its template or grammar before ``submit`` is drained by unload and
+        release like one in flight, and never evicted."""
+        resident = await self._get_resident(requested)
+        resident.leases += 1
+        try:
+            yield resident.engine
+        finally:
+            resident.leases -= 1
+
+    async def _get_resident(self, requested: str) -> _Resident:
+        self._refuse_if_released()
+        resident = self._resident.get(requested)
+        if resident is None:
+            info = self.resolve(requested)
+            resident = self._resident.get(info.name) or await self._load(info)
+        resident.last_used_s = self._clock()
+        return resident
+
+    def _refuse_if_released(self) -> None:
         if self.released:
             raise MemoryPressureError(
                 f"memory is released ({', '.join(sorted(self.released))}); POST "
                 "/resume_memory_occupation to serve again",
                 retry_after_s=5,
             )
-        resident = self._resident.get(requested)
-        if resident is None:
-            info = self.resolve(requested)
-            resident = self._resident.get(info.name) or await self._load(info)
-        resident.last_used_s = self._clock()
-        return resident.engine
 
     async def load(self, requested: str) -> ModelEngine:
         return await self.get_engine(requested)
@@ -207,6 +242,8 @@ class EnginePool:
             if resident is not None:
                 return resident
             async with self._room_lock:
+                # A release ran while this load waited: it must not bring memory back.
+                self._refuse_if_released()
                 await self._make_room(info)
                 self._loading.add(info.name)
                 try:
@@ -242,7 +279,8 @@ class EnginePool:
                 for name in victims:
                     log.info("evicting %s (least recently used) to load %s", name, info.name)
                     self.num_evictions += 1
-                    await self.unload(name)
+                    why = f"evicted to load {info.name}"
+                    await self.unload(name, error=unloaded_error(name, why))
                 return
             if self._clock() >= deadline:
                 pinned = [n for n, r in self._resident.items() if self._pinned(n)]
@@ -270,7 +308,7 @@ class EnginePool:
                 name,
                 r.size_bytes,
                 pinned=self._pinned(name),
-                in_flight=r.engine.num_in_flight,
+                in_flight=r.busy,
                 last_used_s=r.last_used_s,
                 ttl_s=self.model_settings.get(name).ttl_s,
             )
@@ -279,16 +317,20 @@ class EnginePool:
 
     # -- unloading ----------------------------------------------------------
 
-    async def unload(self, requested: str, *, drain_s: float = 0.0) -> bool:
-        """Unload a model. Requests in flight get ``drain_s`` to finish; what is
-        left is failed with a clear 503 error. False if it was not loaded."""
+    async def unload(
+        self, requested: str, *, drain_s: float = 0.0, error: OmlxError | None = None
+    ) -> bool:
+        """Unload a model. Requests in flight or leased get ``drain_s`` to finish;
+        what is left, and any request that reaches it later, is failed with
+        ``error`` (default: a retryable 503). False if it was not loaded."""
         name = self._resident_name(requested)
         if name is None:
             return False
         resident = self._resident[name]
         deadline = self._clock() + drain_s
-        while resident.engine.num_in_flight and self._clock() < deadline:
+        while resident.busy and self._clock() < deadline:
             await asyncio.sleep(0.05)
+        resident.engine.close(error or unloaded_error(name, "on request or to free memory"))
         del self._resident[name]
         if self._worker.is_alive:
             await asyncio.wrap_future(self._worker.submit(self._unload_on_worker, resident.engine))
@@ -306,7 +348,7 @@ class EnginePool:
         names = expired(self._residents(), self._clock(), self.settings.models.idle_timeout_s)
         for name in names:
             log.info("unloading %s: idle past its time to live", name)
-            await self.unload(name)
+            await self.unload(name, error=unloaded_error(name, "idle past its time to live"))
         return names
 
     async def maintain(self, interval_s: float) -> None:
@@ -363,48 +405,66 @@ class EnginePool:
     async def release(
         self, tags: set[str], model: str | None = None, timeout_s: float = 30.0
     ) -> dict[str, Any]:
-        """Quiesce (no new work; wait for in-flight requests up to ``timeout_s``, then
-        end them with a clear error) and free the tagged memory."""
+        """Quiesce (no new work; wait for requests in flight or leased up to
+        ``timeout_s``, then end them with a clear error) and free the tagged memory.
+        A load in progress finishes first and is released with the rest."""
         async with self._release_lock:
-            names = [self._must_be_loaded(model)] if model else list(self._resident)
-            before = self.probe.reading(fresh=True).resident_bytes
-            self.released |= tags
-            deadline = self._clock() + timeout_s
-            engines = [self._resident[n].engine for n in names]
-            while any(e.num_in_flight for e in engines) and self._clock() < deadline:
-                await asyncio.sleep(0.05)
-            error = MemoryPressureError("memory is being released; retry after it is resumed")
-            ended = 0
-            for engine in engines:
-                if engine.num_in_flight:
-                    ended += await asyncio.wrap_future(self._worker.submit(engine.fail_all, error))
-            if "weights" in tags:
-                for name in names:
-                    await self.unload(name)
-                self._released_models = sorted(set(self._released_models) | set(names))
-            if "kv_cache" in tags and self.hot_cache is not None:
-                self.hot_cache.clear(tier="hot")
-            await asyncio.wrap_future(self._worker.submit(_clear_mlx_cache))
-            after = self.probe.reading(fresh=True).resident_bytes
-            log.info(
-                "released %s: %s freed, %d requests ended",
-                ",".join(sorted(tags)),
-                format_bytes(max(0, before - after)),
-                ended,
-            )
-            return {
-                "released": sorted(self.released),
-                "models": names,
-                "requests_ended": ended,
-                "bytes_before": before,
-                "bytes_after": after,
-                "bytes_freed": max(0, before - after),
-            }
+            newly = tags - self.released
+            self.released |= tags  # no new requests and no new loads from here
+            async with self._room_lock:  # waits for a load in progress
+                try:
+                    names = [self._must_be_loaded(model)] if model else list(self._resident)
+                except OmlxError:
+                    self.released -= newly
+                    raise
+                return await self._release_models(tags, names, timeout_s)
+
+    async def _release_models(
+        self, tags: set[str], names: list[str], timeout_s: float
+    ) -> dict[str, Any]:
+        before = self.probe.reading(fresh=True).resident_bytes
+        residents = [self._resident[n] for n in names]
+        deadline = self._clock() + timeout_s
+        while any(r.busy for r in residents) and self._clock() < deadline:
+            await asyncio.sleep(0.05)
+        error = MemoryPressureError("memory is being released; retry after it is resumed")
+        ended = 0
+        for resident in residents:
+            # A request still between fetch and submit is refused when it submits.
+            resident.engine.refuse_new(error)
+            if resident.engine.num_in_flight:
+                future = self._worker.submit(resident.engine.fail_all, error)
+                ended += await asyncio.wrap_future(future)
+        if "weights" in tags:
+            for name in names:
+                await self.unload(name, error=error)
+            self._released_models = sorted(set(self._released_models) | set(names))
+        if "kv_cache" in tags and self.hot_cache is not None:
+            self.hot_cache.clear(tier="hot")
+        await asyncio.wrap_future(self._worker.submit(_clear_mlx_cache))
+        after = self.probe.reading(fresh=True).resident_bytes
+        log.info(
+            "released %s: %s freed, %d requests ended",
+            ",".join(sorted(tags)),
+            format_bytes(max(0, before - after)),
+            ended,
+        )
+        return {
+            "released": sorted(self.released),
+            "models": names,
+            "requests_ended": ended,
+            "bytes_before": before,
+            "bytes_after": after,
+            "bytes_freed": max(0, before - after),
+        }
 
     async def resume(self, tags: set[str]) -> dict[str, Any]:
         """Serve again; models unloaded by a release of "weights" are loaded back."""
         async with self._release_lock:
             self.released -= tags
+            if not self.released:
+                for resident in self._resident.values():
+                    resident.engine.refuse_new(None)
             loaded = []
             if "weights" in tags:
                 names, self._released_models = self._released_models, []
@@ -452,6 +512,13 @@ class EnginePool:
     def _publish_limits(self) -> None:
         for resident in self._resident.values():
             resident.engine.guard.publish(self.limits)
+        self._apply_mlx_limits()
+
+    def _apply_mlx_limits(self) -> None:
+        """MLX's own memory/cache limits follow the hard limit (set on the MLX thread)."""
+        if self._mlx_limits is not self.limits:
+            self._mlx_limits = self.limits
+            self._worker.post(mlx_stats.apply_limits, self.limits)
 
     def _load_on_worker(self, info: ModelInfo) -> ModelEngine:
         loaded = load_model(info)
@@ -516,6 +583,8 @@ class EnginePool:
         """Abort all work and unload every model."""
         engines = [r.engine for r in self._resident.values()]
         self._resident.clear()
+        for engine in engines:
+            engine.close(unloaded_error(engine.name, "the server is stopping"))
         if not self._worker.is_alive:
             return
         for engine in engines:

@@ -34,6 +34,8 @@ class MLXWorker:
     def __init__(self) -> None:
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._engines: list[Steppable] = []
+        # Run on this thread after every turn (steps, idle wakes) and submitted task.
+        self._after_turn: list[Callable[[], None]] = []
         self._stopping = threading.Event()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
@@ -50,6 +52,15 @@ class MLXWorker:
         self._inbox.put(None)
         self._done.wait(timeout_s)
 
+    def on_thread(self) -> bool:
+        """True when called on the MLX thread itself."""
+        return threading.current_thread() is self._thread
+
+    def after_every_turn(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the MLX thread after each turn and each submitted task, e.g.
+        to publish MLX's memory counters, which only this thread may read."""
+        self._after_turn.append(fn)
+
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._done.is_set()
@@ -62,9 +73,14 @@ class MLXWorker:
             if not future.set_running_or_notify_cancel():
                 return
             try:
-                future.set_result(fn(*args))
+                result = fn(*args)
             except BaseException as exc:
+                self._run_after_turn()
                 future.set_exception(exc)
+            else:
+                # Published before the caller wakes: it reads memory as the task left it.
+                self._run_after_turn()
+                future.set_result(result)
 
         self._inbox.put(call)
         return future
@@ -110,6 +126,14 @@ class MLXWorker:
         for engine in ready:
             if engine in self._engines:
                 self._step(engine)
+        self._run_after_turn()
+
+    def _run_after_turn(self) -> None:
+        for fn in self._after_turn:
+            try:
+                fn()
+            except Exception:
+                log.exception("MLX worker after-turn task failed")
 
     def _drain(self, *, timeout: float | None) -> None:
         """Run every queued task; with ``timeout``, first wait that long for one."""

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from omlx.sizes import format_bytes, parse_byte_size
@@ -33,6 +34,7 @@ __all__ = [
     "PrefillEstimate",
     "PrefillMemoryExceeded",
     "admit",
+    "apply_measured_margin",
     "attention_transient_bytes",
     "canary_bytes",
     "conservative_dims",
@@ -40,7 +42,9 @@ __all__ = [
     "fused_sdpa_applies",
     "gate",
     "guard_dims",
+    "held_tokens_peak_bytes",
     "kv_capacity_tokens",
+    "measured_margin_bytes",
     "model_dims",
     "preflight",
     "resolve_limits",
@@ -179,7 +183,41 @@ class Limits:
 
     hard_bytes: int
     soft_bytes: int
+    # The margin every estimate adds. When not pinned (setting "auto") this is the
+    # value for a model nothing measured; a measured model's guard replaces it.
     transient_margin_bytes: int
+    margin_pinned: bool = True
+
+
+# "auto" transient margin: the auto-profile's worst measured step transient x 1.25
+# (seed 000 padded a measured 10.6 GB spike to 12 GB, x1.13), at least 64 MiB for
+# allocator slack and sampling buffers no stress pass exercises.
+MARGIN_FACTOR = 1.25
+MARGIN_FLOOR_BYTES = 64 * 1024**2
+# A model whose transient nothing measured (capacity pinned, profile skipped) keeps
+# the old fixed default: without a measurement, the Mac's safety comes first.
+UNMEASURED_MARGIN_BYTES = GIB
+
+
+def measured_margin_bytes(step_transient_bytes: int) -> int:
+    """The "auto" margin from a measured worst step transient: x MARGIN_FACTOR, floored."""
+    return max(MARGIN_FLOOR_BYTES, math.ceil(MARGIN_FACTOR * max(0, step_transient_bytes)))
+
+
+def apply_measured_margin(
+    limits: Limits, *, step_transient_bytes: int | None, unmodeled_bytes: int
+) -> tuple[Limits, int]:
+    """One model's limits and the unmodeled bytes its estimates add.
+
+    Under "auto" with a measured step transient, the margin becomes that
+    transient x MARGIN_FACTOR (floored) and carries the unmodeled part (which is
+    inside what was measured), so it is not added twice. A pinned margin, or a
+    model nothing measured (None), keeps the limits and adds the unmodeled bytes.
+    """
+    if limits.margin_pinned or step_transient_bytes is None:
+        return limits, unmodeled_bytes
+    margin = measured_margin_bytes(step_transient_bytes)
+    return replace(limits, transient_margin_bytes=margin), 0
 
 
 def resolve_limits(
@@ -187,7 +225,7 @@ def resolve_limits(
     *,
     total_ram_bytes: int,
     soft_fraction: float = 0.85,
-    transient_margin_bytes: int,
+    transient_margin_bytes: int | None,
 ) -> Limits:
     """Turn the ``max_process_memory`` setting into limits; the hard limit is the ceiling itself.
 
@@ -195,7 +233,8 @@ def resolve_limits(
     browser need a few GiB whatever the machine) and at most half of RAM (so an
     8 GiB machine still gets 6 GiB and a 2 GiB one 1 GiB). Otherwise bytes,
     ``"24GB"`` or ``"NN%"`` of RAM. Raises ValueError naming the field for a
-    ceiling above physical RAM or a margin that leaves no room.
+    ceiling above physical RAM or a margin that leaves no room. A margin of
+    None is "auto": measured per model (see ``measured_margin_bytes``).
     """
     _positive(total_ram_bytes, "total_ram_bytes")
     if isinstance(max_process_memory, str) and max_process_memory.strip().lower() == "auto":
@@ -212,6 +251,8 @@ def resolve_limits(
         )
     if not 0 < soft_fraction <= 1:
         raise ValueError(f"soft_fraction must be in (0, 1], got {soft_fraction}")
+    if transient_margin_bytes is None:
+        return Limits(hard, int(hard * soft_fraction), UNMEASURED_MARGIN_BYTES, margin_pinned=False)
     if not 0 <= transient_margin_bytes < hard:
         raise ValueError(
             f"prefill_transient_margin: {transient_margin_bytes} bytes must be at least 0 "
@@ -228,11 +269,16 @@ class MemoryReading:
     process_footprint_bytes: int
     recent_peak_bytes: int
     taken_at_s: float
+    # Freed MLX buffers kept for reuse: still held by the process.
+    mlx_cache_bytes: int = 0
 
     @property
     def resident_bytes(self) -> int:
-        """What is held now: the larger of MLX's view and the OS's view."""
-        return max(self.mlx_active_bytes, self.process_footprint_bytes)
+        """What is held now: the larger of MLX's view (active plus its buffer cache)
+        and the OS's view. The footprint already holds the cache (Metal buffers on a
+        Mac, heap pages on the CPU backend); MLX's sum covers a footprint that
+        misses them (RSS on a Mac, when phys_footprint cannot be read)."""
+        return max(self.mlx_active_bytes + self.mlx_cache_bytes, self.process_footprint_bytes)
 
     @property
     def high_water(self) -> int:
@@ -386,7 +432,11 @@ def preflight(
 
 def _hint(estimate: PrefillEstimate, limits: Limits) -> str:
     if estimate.current_bytes + estimate.margin_bytes >= limits.hard_bytes:
-        return "the model alone fills it: raise max_process_memory or load a smaller model."
+        return (
+            f"the model and the {format_bytes(estimate.margin_bytes)} transient margin fill "
+            "it: raise max_process_memory, load a smaller model, or (if the model's "
+            "max_kv_tokens is pinned) set memory.prefill_transient_margin."
+        )
     if estimate.attention_bytes > estimate.kv_bytes:
         return "the attention transient dominates: lower prefill_step_size or shorten the prompt."
     return "shorten the prompt or raise max_process_memory."
@@ -477,6 +527,8 @@ class KVProfile:
     overhead_bytes: int = 0
     # Of a prefill chunk's transient, what the estimate's formulas do not model.
     unmodeled_bytes: int = 0
+    # The transient margin its estimates add: measured x factor ("auto"), or pinned.
+    margin_bytes: int = 0
     canary_bytes: int = 0
     attempts: int = 0
     seconds: float = 0.0
@@ -494,22 +546,68 @@ def canary_bytes(limits: Limits) -> int:
     return min(CANARY_MAX_BYTES, int(limits.hard_bytes * CANARY_FRACTION))
 
 
+def held_tokens_peak_bytes(
+    limits: Limits,
+    dims: ModelDims,
+    *,
+    tokens: int,
+    baseline_bytes: int,
+    chunk_tokens: int,
+    overhead_bytes: int,
+    unmodeled_bytes: int,
+) -> int:
+    """Peak with ``tokens`` of KV held: the front door's estimate for a prompt that
+    long (from the baseline), or the measured worst step (``overhead_bytes``, e.g.
+    a full decode batch) beside that KV, whichever is larger."""
+    estimate = estimate_prefill(
+        dims,
+        MemoryReading(baseline_bytes, baseline_bytes, 0, taken_at_s=0.0),
+        num_new_tokens=tokens,
+        num_cached_tokens=0,
+        chunk_tokens=chunk_tokens,
+        limits=limits,
+        others_in_flight=False,
+        unmodeled_bytes=unmodeled_bytes,
+    )
+    step = baseline_bytes + dims.kv_bytes_per_token * tokens + max(0, overhead_bytes)
+    return max(estimate.peak_bytes, step)
+
+
 def kv_capacity_tokens(
     limits: Limits,
+    dims: ModelDims,
     *,
     baseline_bytes: int,
+    chunk_tokens: int,
     overhead_bytes: int,
+    unmodeled_bytes: int,
     canary_bytes: int,
-    kv_bytes_per_token: int,
     attempt: int = 0,
 ) -> int:
-    """KV tokens that fit under the hard limit beside the model, its measured
-    worst-case step transient and the safety canary; shrunk 5% per retry."""
-    _positive(kv_bytes_per_token, "kv_bytes_per_token")
-    room = limits.hard_bytes - baseline_bytes - max(0, overhead_bytes) - canary_bytes
-    if room <= 0:
+    """KV tokens whose ``held_tokens_peak_bytes`` fits under the hard limit beside
+    the safety canary, shrunk 5% per retry. Solved from the front door's own
+    estimate, so a prompt within capacity is never refused there."""
+
+    def fits(tokens: int) -> bool:
+        peak = held_tokens_peak_bytes(
+            limits,
+            dims,
+            tokens=tokens,
+            baseline_bytes=baseline_bytes,
+            chunk_tokens=chunk_tokens,
+            overhead_bytes=overhead_bytes,
+            unmodeled_bytes=unmodeled_bytes,
+        )
+        return peak + canary_bytes <= limits.hard_bytes
+
+    if not fits(0):
         return 0
-    return int(room // kv_bytes_per_token * PROFILE_SHRINK**attempt)
+    low = 0
+    high = max(0, (limits.hard_bytes - baseline_bytes) // dims.kv_bytes_per_token)
+    while low < high:  # the peak grows with the tokens: bisect the largest that fits
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return int(low * PROFILE_SHRINK**attempt)
 
 
 def unmodeled_transient_bytes(dims: ModelDims, *, chunk_tokens: int, measured_bytes: int) -> int:

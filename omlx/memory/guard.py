@@ -10,15 +10,19 @@ import logging
 
 from omlx.errors import PrefillMemoryExceededError, SettingsError
 from omlx.memory.budget import (
+    MARGIN_FACTOR,
+    MARGIN_FLOOR_BYTES,
     KVProfile,
     Limits,
     MemoryReading,
     ModelDims,
     PrefillMemoryExceeded,
     admit,
+    apply_measured_margin,
     canary_bytes,
     estimate_prefill,
     gate,
+    held_tokens_peak_bytes,
     kv_capacity_tokens,
     preflight,
     resolve_limits,
@@ -32,9 +36,7 @@ log = logging.getLogger(__name__)
 def memory_limits(settings: MemorySettings, total_ram_bytes: int) -> Limits:
     """The hard/soft limits from settings; SettingsError naming the field if invalid."""
     try:
-        margin = parse_byte_size(
-            settings.prefill_transient_margin, field="memory.prefill_transient_margin"
-        )
+        margin = _pinned_margin(settings.prefill_transient_margin)
         return resolve_limits(
             settings.max_process_memory,
             total_ram_bytes=total_ram_bytes,
@@ -45,13 +47,24 @@ def memory_limits(settings: MemorySettings, total_ram_bytes: int) -> Limits:
         raise SettingsError(f"invalid memory setting: {exc}") from None
 
 
+def _pinned_margin(value: str | int) -> int | None:
+    """A size pins the margin; "auto" (None) lets each model's auto-profile set it."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    return parse_byte_size(value, field="memory.prefill_transient_margin")
+
+
 class MemoryGuard:
     def __init__(
         self, model: str, dims: ModelDims, *, limits: Limits, baseline_bytes: int, chunk_tokens: int
     ):
         self.model = model
         self.dims = dims
+        # The published limits, and this model's view of them (its own margin).
+        self._published = limits
         self.limits = limits
+        self._unmodeled = 0
+        self._margin_measured = False
         # Process memory with this model loaded and nothing in flight.
         self.baseline_bytes = baseline_bytes
         self.chunk_tokens = chunk_tokens
@@ -61,10 +74,12 @@ class MemoryGuard:
     def set_profile(self, profile: KVProfile) -> None:
         self.profile = profile
         self.baseline_bytes = max(self.baseline_bytes, profile.baseline_bytes)
+        self.publish(self._published)
 
     @property
     def unmodeled_bytes(self) -> int:
-        return self.profile.unmodeled_bytes if self.profile is not None else 0
+        """Measured transient the formulas miss, when the margin does not already carry it."""
+        return self._unmodeled
 
     @property
     def max_kv_tokens(self) -> int | None:
@@ -75,12 +90,25 @@ class MemoryGuard:
             return p.max_kv_tokens if p is not None else None
         return kv_capacity_tokens(
             self.limits,
+            self.dims,
             baseline_bytes=self.baseline_bytes,
+            chunk_tokens=self.chunk_tokens,
             overhead_bytes=p.overhead_bytes,
+            unmodeled_bytes=self.unmodeled_bytes,
             canary_bytes=canary_bytes(self.limits),
-            kv_bytes_per_token=self.dims.kv_bytes_per_token,
             attempt=p.attempts - 1,
         )
+
+    @property
+    def margin_source(self) -> str:
+        """Where the transient margin comes from, for the log and the admin API."""
+        if self.limits.margin_pinned:
+            return "pinned by memory.prefill_transient_margin"
+        if self._margin_measured:
+            return f"auto: measured step transient x{MARGIN_FACTOR}, at least " + format_bytes(
+                MARGIN_FLOOR_BYTES
+            )
+        return "auto, unmeasured: the capacity is pinned, so the fixed default applies"
 
     def kv_fits(self, num_tokens_in_flight: int, num_new_tokens: int) -> bool:
         """Admission by KV capacity: the running requests' tokens plus this prompt."""
@@ -88,7 +116,15 @@ class MemoryGuard:
         return cap is None or num_tokens_in_flight + num_new_tokens <= cap
 
     def publish(self, limits: Limits) -> None:
-        self.limits = limits
+        """Take new limits; an "auto" margin becomes this model's measured one."""
+        self._published, p = limits, self.profile
+        measured = p is not None and p.source == "measured"
+        self._margin_measured = measured and not limits.margin_pinned
+        self.limits, self._unmodeled = apply_measured_margin(
+            limits,
+            step_transient_bytes=p.overhead_bytes if p is not None and measured else None,
+            unmodeled_bytes=p.unmodeled_bytes if p is not None else 0,
+        )
 
     def admit(self, num_prompt_tokens: int, num_in_flight: int, reading: MemoryReading) -> bool:
         """Scheduler admission: False keeps the request queued (re-checked next step).
@@ -129,18 +165,8 @@ class MemoryGuard:
 
     def check_prefill(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> None:
         """Raise PrefillMemoryExceededError (HTTP 400) for a prompt that cannot fit
-        under the hard limit even with nothing else in flight."""
-        cap = self.max_kv_tokens
-        if cap is not None and num_prompt_tokens > cap:
-            kv = self.dims.kv_bytes_per_token * num_prompt_tokens
-            raise PrefillMemoryExceededError(
-                f"this prompt ({num_prompt_tokens} tokens) needs more KV cache than the "
-                f"{cap} tokens model '{self.model}' can hold under the "
-                f"{format_bytes(self.limits.hard_bytes)} memory limit; shorten the prompt, "
-                "raise memory.max_process_memory, or load a smaller model",
-                estimated_bytes=self.baseline_bytes + kv,
-                limit_bytes=self.limits.hard_bytes,
-            )
+        under the hard limit even with nothing else in flight. The estimate goes
+        first: its message names the knob that helps."""
         try:
             preflight(
                 self.dims,
@@ -159,6 +185,31 @@ class MemoryGuard:
                 estimated_bytes=exc.estimated_bytes,
                 limit_bytes=exc.limit_bytes,
             ) from None
+        self._check_capacity(num_prompt_tokens)
+
+    def _check_capacity(self, num_prompt_tokens: int) -> None:
+        cap = self.max_kv_tokens
+        if cap is None or num_prompt_tokens <= cap:
+            return
+        p = self.profile
+        # What the capacity was solved from: this prompt's peak plus the canary.
+        need = canary_bytes(self.limits) + held_tokens_peak_bytes(
+            self.limits,
+            self.dims,
+            tokens=num_prompt_tokens,
+            baseline_bytes=self.baseline_bytes,
+            chunk_tokens=self.chunk_tokens,
+            overhead_bytes=p.overhead_bytes if p is not None else 0,
+            unmodeled_bytes=self.unmodeled_bytes,
+        )
+        raise PrefillMemoryExceededError(
+            f"this prompt ({num_prompt_tokens} tokens) needs more KV cache than the "
+            f"{cap} tokens model '{self.model}' can hold under the "
+            f"{format_bytes(self.limits.hard_bytes)} memory limit; shorten the prompt, "
+            "raise memory.max_process_memory, or load a smaller model",
+            estimated_bytes=need,
+            limit_bytes=self.limits.hard_bytes,
+        )
 
     def describe(self) -> str:
         d, lim, p = self.dims, self.limits, self.profile
@@ -175,7 +226,7 @@ class MemoryGuard:
         return (
             f"memguard {self.model}: hard {format_bytes(lim.hard_bytes)}, soft "
             f"{format_bytes(lim.soft_bytes)}, margin "
-            f"{format_bytes(lim.transient_margin_bytes)}, baseline "
+            f"{format_bytes(lim.transient_margin_bytes)} ({self.margin_source}), baseline "
             f"{format_bytes(self.baseline_bytes)}; dims layers={d.num_layers} "
             f"kv_heads={d.num_kv_heads} head_dim={d.head_dim} heads={d.num_attention_heads}"
             f", KV {d.kv_bytes_per_token} B/token, prefill chunk {self.chunk_tokens}; "

@@ -3,8 +3,9 @@
 MLX thread only. Two stress passes run on the freshly loaded model: one full
 prefill chunk (the largest step one request takes) and one decode step of a
 full batch. Their measured peaks give the step transient beyond the model's
-resident bytes; the KV tokens that fit beside it and a safety canary under the
-hard limit become the model's ``max_kv_tokens``. A validation pass holds the
+resident bytes and, under ``prefill_transient_margin: auto``, the model's margin
+(x1.25, floored); the KV tokens whose front-door estimate fits beside a safety
+canary under the hard limit become the model's ``max_kv_tokens``. A validation pass holds the
 canary and re-runs the worst stress: if the transient grew past what the
 canary absorbs (or MLX fails to allocate), capacity shrinks 5% and the pass
 repeats, at most 3 times, then the load fails naming every knob. An explicit
@@ -28,6 +29,7 @@ from omlx.memory.budget import (
     KVProfile,
     Limits,
     ModelDims,
+    apply_measured_margin,
     canary_bytes,
     kv_capacity_tokens,
     unmodeled_transient_bytes,
@@ -58,7 +60,10 @@ def auto_profile(
     """
     baseline = probe.reading(fresh=True).resident_bytes
     if explicit_tokens is not None:
-        return KVProfile(explicit_tokens, "explicit", baseline)
+        # Nothing measured: the margin is the pinned size or the unmeasured default.
+        return KVProfile(
+            explicit_tokens, "explicit", baseline, margin_bytes=limits.transient_margin_bytes
+        )
     started = time.monotonic()
     stress = _Stress(model, vocab_size, chunk_tokens, batch_size)
     kv = dims.kv_bytes_per_token
@@ -71,14 +76,23 @@ def auto_profile(
     overhead = max(*overs, 0)
     worst = prefill if overs[0] >= overs[1] else decode
     canary = canary_bytes(limits)
+    unmodeled = unmodeled_transient_bytes(
+        dims, chunk_tokens=chunk_tokens, measured_bytes=max(overs[0], 0)
+    )
     validated = 0
     for attempt in range(PROFILE_MAX_RETRIES + 1):
+        # The margin follows the measured transient (when "auto"), as the guard's will.
+        model_limits, extra = apply_measured_margin(
+            limits, step_transient_bytes=overhead, unmodeled_bytes=unmodeled
+        )
         tokens = kv_capacity_tokens(
-            limits,
+            model_limits,
+            dims,
             baseline_bytes=baseline,
+            chunk_tokens=chunk_tokens,
             overhead_bytes=overhead,
+            unmodeled_bytes=extra,
             canary_bytes=canary,
-            kv_bytes_per_token=kv,
             attempt=attempt,
         )
         if tokens < chunk_tokens:
@@ -96,16 +110,16 @@ def auto_profile(
                     prefill_peak_bytes=prefill_peak,
                     decode_peak_bytes=decode_peak,
                     overhead_bytes=overhead,
-                    unmodeled_bytes=unmodeled_transient_bytes(
-                        dims, chunk_tokens=chunk_tokens, measured_bytes=max(overs[0], 0)
-                    ),
+                    unmodeled_bytes=unmodeled,
+                    margin_bytes=model_limits.transient_margin_bytes,
                     canary_bytes=canary,
                     attempts=attempt + 1,
                     seconds=time.monotonic() - started,
                 )
             overhead = max(overhead, over)
         log.warning("memprofile: validation attempt %d failed; shrinking 5%%", attempt + 1)
-    raise _failure(dims, limits, baseline, overhead, canary, chunk_tokens, validated)
+    failed, _ = apply_measured_margin(limits, step_transient_bytes=overhead, unmodeled_bytes=0)
+    raise _failure(dims, failed, baseline, overhead, canary, chunk_tokens, validated)
 
 
 @dataclass(frozen=True)
@@ -203,7 +217,8 @@ def _failure(
     chunk: int,
     num_validations: int,
 ) -> InsufficientMemoryError:
-    need = baseline + overhead + canary + dims.kv_bytes_per_token * chunk
+    margin = limits.transient_margin_bytes
+    need = baseline + max(overhead, margin) + canary + 2 * dims.kv_bytes_per_token * chunk
     if num_validations > PROFILE_MAX_RETRIES:
         what = f"no KV capacity held up in {num_validations} validation passes"
     else:
@@ -211,9 +226,11 @@ def _failure(
     return InsufficientMemoryError(
         f"{what} under the "
         f"{format_bytes(limits.hard_bytes)} memory limit: resident {format_bytes(baseline)}, "
-        f"measured step transient {format_bytes(overhead)}, canary {format_bytes(canary)}, "
+        f"measured step transient {format_bytes(overhead)}, transient margin "
+        f"{format_bytes(margin)}, canary {format_bytes(canary)}, "
         f"KV {format_bytes(dims.kv_bytes_per_token)}/token. Raise memory.max_process_memory, "
-        "lower scheduler.prefill_step_size or scheduler.max_concurrent_requests, set "
+        "lower scheduler.prefill_step_size or scheduler.max_concurrent_requests or "
+        "memory.prefill_transient_margin, set "
         "memory.max_kv_tokens (or the model's max_kv_tokens) to pin a capacity and skip the "
         "profile, or load a smaller (more quantized) model",
         needed_bytes=need,

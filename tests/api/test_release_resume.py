@@ -29,7 +29,9 @@ def http(server: Server) -> Iterator[httpx.Client]:
 
 
 def mlx_active(server: Server) -> int:
-    return server.pool.probe.reading(fresh=True).mlx_active_bytes
+    """MLX's active bytes now, read on the MLX thread (the only one that may)."""
+    reading = server.worker.submit(lambda: server.pool.probe.reading(fresh=True)).result()
+    return reading.mlx_active_bytes
 
 
 def test_release_and_resume(server: Server, http: httpx.Client) -> None:

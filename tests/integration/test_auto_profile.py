@@ -15,11 +15,27 @@ import pytest
 
 from omlx.errors import InsufficientMemoryError, PrefillMemoryExceededError
 from omlx.memory.budget import Limits, MemoryReading, canary_bytes, kv_capacity_tokens
+from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
 from omlx.scheduler import Request, SamplingParams
 from tests.integration.test_memory_admission import generate
 
 MB = 1_000_000
+
+
+def _capacity(guard: MemoryGuard, attempt: int) -> int:
+    """The capacity the guard's measured profile implies under its own (auto) margin."""
+    assert guard.profile is not None
+    return kv_capacity_tokens(
+        guard.limits,
+        guard.dims,
+        baseline_bytes=guard.baseline_bytes,
+        chunk_tokens=guard.chunk_tokens,
+        overhead_bytes=guard.profile.overhead_bytes,
+        unmodeled_bytes=guard.unmodeled_bytes,
+        canary_bytes=canary_bytes(guard.limits),
+        attempt=attempt,
+    )
 
 
 def test_load_measures_a_capacity_the_admin_api_shows(make_pool) -> None:
@@ -33,14 +49,7 @@ def test_load_measures_a_capacity_the_admin_api_shows(make_pool) -> None:
         # A real chunk of a real model allocates more than its KV (activations, scores).
         assert profile.prefill_peak_bytes > engine.guard.dims.kv_bytes_per_token * 256
         assert profile.overhead_bytes > 0
-        expected = kv_capacity_tokens(
-            pool.limits,
-            baseline_bytes=engine.guard.baseline_bytes,
-            overhead_bytes=profile.overhead_bytes,
-            canary_bytes=canary_bytes(pool.limits),
-            kv_bytes_per_token=engine.guard.dims.kv_bytes_per_token,
-            attempt=profile.attempts - 1,
-        )
+        expected = _capacity(engine.guard, profile.attempts - 1)
         assert engine.guard.max_kv_tokens == expected > 256
         assert "max_kv_tokens" in engine.guard.describe()
         status = {m["name"]: m for m in pool.status()}
@@ -167,14 +176,7 @@ def test_a_failed_validation_shrinks_capacity_by_five_percent(make_pool) -> None
         profile = engine.guard.profile
         assert profile.attempts == 2
         assert profile.overhead_bytes >= spike  # the larger measurement is kept
-        assert engine.guard.max_kv_tokens == kv_capacity_tokens(
-            pool.limits,
-            baseline_bytes=engine.guard.baseline_bytes,
-            overhead_bytes=profile.overhead_bytes,
-            canary_bytes=canary_bytes(pool.limits),
-            kv_bytes_per_token=engine.guard.dims.kv_bytes_per_token,
-            attempt=1,
-        )
+        assert engine.guard.max_kv_tokens == _capacity(engine.guard, 1)
         assert probe.calls == 4
 
     asyncio.run(main())

@@ -115,6 +115,30 @@ def test_waiting_for_busy_models_gives_up_with_507(make_pool, tiny_models_dir):
     asyncio.run(main())
 
 
+def test_a_model_leased_to_a_request_not_yet_submitted_is_not_evicted(make_pool, tiny_models_dir):
+    """A route holds the engine while it renders and compiles a grammar; loading
+    another model must not evict it under that request (which then could not run)."""
+    size = sizes(tiny_models_dir)
+    pool = make_pool(memory={"max_model_memory": size["tiny-llama"] + size["tiny-qwen3"] // 2})
+    pool.busy_wait_s = 0.3
+
+    async def main() -> None:
+        async with pool.lease("tiny-llama") as engine:
+            with pytest.raises(InsufficientMemoryError) as err:
+                await pool.get_engine("tiny-qwen3")
+            assert "busy" in err.value.message
+            stream = RequestStream("leased", asyncio.get_running_loop())
+            engine.submit(Request("leased", (5, 6, 7), SamplingParams(max_tokens=4)), stream)
+            event = await stream.get()
+            while event is not None and not event.finished:
+                event = await stream.get()
+            assert event is not None and event.finish_reason == "length"
+        # Lease ended, nothing in flight: now it may make room.
+        assert (await run(pool, "tiny-qwen3"))[0] == "length"
+
+    asyncio.run(main())
+
+
 def test_pinned_models_are_never_evicted(make_pool, tiny_models_dir):
     size = sizes(tiny_models_dir)
     pool = make_pool(memory={"max_model_memory": size["tiny-llama"] + size["tiny-qwen3"] // 2})

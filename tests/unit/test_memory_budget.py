@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 
 import pytest
@@ -16,6 +17,7 @@ from omlx.memory.budget import (
     PrefillEstimate,
     PrefillMemoryExceeded,
     admit,
+    apply_measured_margin,
     attention_transient_bytes,
     canary_bytes,
     conservative_dims,
@@ -24,6 +26,7 @@ from omlx.memory.budget import (
     gate,
     guard_dims,
     kv_capacity_tokens,
+    measured_margin_bytes,
     model_dims,
     preflight,
     resolve_limits,
@@ -488,53 +491,130 @@ def test_lone_request_ignores_a_stale_recent_peak() -> None:
 # -- auto-profile arithmetic ----------------------------------------------------------------
 
 
-def test_kv_capacity_is_the_room_beside_model_transient_and_canary() -> None:
-    dims = _dims()  # 128 KiB of KV per token
+def _capacity(limits: Limits, dims: ModelDims, **overrides: int) -> int:
+    args = {
+        "baseline_bytes": 8 * GIB,
+        "chunk_tokens": 512,
+        "overhead_bytes": 2 * GIB,
+        "unmodeled_bytes": 0,
+        "canary_bytes": 256 * MIB,
+    } | overrides
+    return kv_capacity_tokens(limits, dims, **args)
+
+
+def _front_door_peak(limits: Limits, dims: ModelDims, tokens: int, unmodeled: int = 0) -> int:
+    return estimate_prefill(
+        dims,
+        _reading(8 * GIB),
+        num_new_tokens=tokens,
+        num_cached_tokens=0,
+        chunk_tokens=512,
+        limits=limits,
+        others_in_flight=False,
+        unmodeled_bytes=unmodeled,
+    ).peak_bytes
+
+
+def test_kv_capacity_is_the_largest_prompt_the_front_door_passes() -> None:
+    dims = _dims()  # 128 KiB of KV per token, fused attention
+    limits = _limits(20 * GIB, margin=2 * GIB)
+    tokens = _capacity(limits, dims)
+    # The front door counts the prompt's KV twice (the cache's growth copy) and one
+    # chunk's fused attention transient beside the model, margin and canary.
+    attention = 512 * 32 * 128 * 4
+    room = 20 * GIB - 8 * GIB - 2 * GIB - 256 * MIB - attention
+    assert tokens == room // (2 * dims.kv_bytes_per_token)
+    canary = 256 * MIB
+    assert _front_door_peak(limits, dims, tokens) + canary <= limits.hard_bytes
+    assert _front_door_peak(limits, dims, tokens + 1) + canary > limits.hard_bytes
+
+
+def test_kv_capacity_never_contradicts_the_front_door() -> None:
+    rng = random.Random(27)
+    for _ in range(300):
+        dims = _dims(rng.choice([64, 96, 128, 256]), heads=rng.choice([8, 32]))
+        limits = _limits(rng.randint(2, 64) * GIB, margin=rng.randint(0, 2048) * MIB)
+        unmodeled = rng.randint(0, 512) * MIB
+        overhead = rng.randint(0, 4096) * MIB
+        tokens = _capacity(
+            limits, dims, overhead_bytes=overhead, unmodeled_bytes=unmodeled, canary_bytes=0
+        )
+        if tokens:
+            assert _front_door_peak(limits, dims, tokens, unmodeled) <= limits.hard_bytes
+            # Beside that KV the measured worst step (e.g. a decode batch) fits too.
+            assert 8 * GIB + tokens * dims.kv_bytes_per_token + overhead <= limits.hard_bytes
+        more = _front_door_peak(limits, dims, tokens + 1, unmodeled)
+        step = 8 * GIB + (tokens + 1) * dims.kv_bytes_per_token + overhead
+        assert max(more, step) > limits.hard_bytes
+
+
+def test_the_measured_decode_step_bounds_capacity_when_it_is_the_worst() -> None:
+    dims = _dims()
     limits = _limits(20 * GIB)
-    tokens = kv_capacity_tokens(
-        limits,
-        baseline_bytes=8 * GIB,
-        overhead_bytes=2 * GIB,
-        canary_bytes=256 * MIB,
-        kv_bytes_per_token=dims.kv_bytes_per_token,
-    )
-    assert tokens == (10 * GIB - 256 * MIB) // dims.kv_bytes_per_token
-    # Every token of that capacity, the model and the transient fit; one more would not.
-    used = 8 * GIB + 2 * GIB + 256 * MIB + tokens * dims.kv_bytes_per_token
-    assert used <= limits.hard_bytes < used + dims.kv_bytes_per_token
+    prefill_bound = _capacity(limits, dims, overhead_bytes=0)
+    decode_bound = _capacity(limits, dims, overhead_bytes=10 * GIB)
+    assert decode_bound < prefill_bound
+    assert 8 * GIB + decode_bound * dims.kv_bytes_per_token + 10 * GIB + 256 * MIB <= 20 * GIB
 
 
 def test_each_retry_shrinks_capacity_by_five_percent() -> None:
-    args = {
-        "baseline_bytes": GIB,
-        "overhead_bytes": GIB,
-        "canary_bytes": 0,
-        "kv_bytes_per_token": MIB,
-    }
-    sizes = [kv_capacity_tokens(_limits(12 * GIB), attempt=a, **args) for a in range(4)]
-    assert sizes[0] == 10 * 1024
+    dims = _dims()
+    sizes = [_capacity(_limits(40 * GIB), dims, attempt=a) for a in range(4)]
     for before, after in itertools.pairwise(sizes):
         assert after == pytest.approx(before * 0.95, abs=1)
 
 
-def test_no_room_means_zero_capacity_and_a_negative_overhead_counts_as_zero() -> None:
-    assert (
-        kv_capacity_tokens(
-            _limits(4 * GIB),
-            baseline_bytes=4 * GIB,
-            overhead_bytes=MIB,
-            canary_bytes=MIB,
-            kv_bytes_per_token=1024,
-        )
-        == 0
+def test_no_room_means_zero_capacity() -> None:
+    dims = _dims()
+    assert _capacity(_limits(8 * GIB + 100 * MIB), dims, overhead_bytes=0) == 0
+    assert _capacity(_limits(20 * GIB, margin=12 * GIB), dims) == 0
+
+
+# -- the transient margin -----------------------------------------------------------------
+
+
+def test_auto_margin_is_the_measured_transient_times_the_factor_with_a_floor() -> None:
+    assert measured_margin_bytes(132 * MIB) == math.ceil(1.25 * 132 * MIB)
+    # Seed 000's worst MoE dequant step (10.6 GB) is covered with room to spare.
+    assert measured_margin_bytes(10_600_000_000) >= 12 * 10**9
+    assert measured_margin_bytes(0) == measured_margin_bytes(-MIB) == 64 * MIB
+    assert measured_margin_bytes(MIB) == 64 * MIB
+
+
+def test_auto_margin_replaces_the_unmodeled_term_a_pinned_one_adds_to_it() -> None:
+    auto = resolve_limits("8GiB", total_ram_bytes=64 * GIB, transient_margin_bytes=None)
+    assert not auto.margin_pinned and auto.transient_margin_bytes == GIB  # unmeasured default
+    measured, extra = apply_measured_margin(
+        auto, step_transient_bytes=400 * MIB, unmodeled_bytes=300 * MIB
     )
-    assert kv_capacity_tokens(
-        _limits(4 * GIB),
-        baseline_bytes=0,
-        overhead_bytes=-GIB,
-        canary_bytes=0,
-        kv_bytes_per_token=1,
-    ) == (4 * GIB)
+    # The measured step already holds the unmodeled part: counted once, with the factor.
+    assert (measured.transient_margin_bytes, extra) == (500 * MIB, 0)
+    assert (measured.hard_bytes, measured.soft_bytes) == (auto.hard_bytes, auto.soft_bytes)
+    unmeasured, extra = apply_measured_margin(
+        auto, step_transient_bytes=None, unmodeled_bytes=300 * MIB
+    )
+    assert (unmeasured, extra) == (auto, 300 * MIB)
+    pinned = resolve_limits("8GiB", total_ram_bytes=64 * GIB, transient_margin_bytes=GIB)
+    kept, extra = apply_measured_margin(
+        pinned, step_transient_bytes=400 * MIB, unmodeled_bytes=300 * MIB
+    )
+    assert (kept, extra) == (pinned, 300 * MIB)
+
+
+def test_auto_margin_serves_a_small_ceiling_the_fixed_one_refused() -> None:
+    # The issue's numbers: SmolLM2 (float32) resident 712 MB, measured step 132 MB.
+    dims = ModelDims(30, 3, 64, 9, 576, kv_dtype_bytes=4)
+    limits = resolve_limits(1_200_000_000, total_ram_bytes=16 * GIB, transient_margin_bytes=None)
+    auto, extra = apply_measured_margin(
+        limits, step_transient_bytes=132_000_000, unmodeled_bytes=107_000_000
+    )
+    args = {"num_new_tokens": 33, "num_cached_tokens": 0, "chunk_tokens": 512}
+    est = preflight(dims, baseline_bytes=712_000_000, limits=auto, unmodeled_bytes=extra, **args)
+    assert est.peak_bytes < limits.hard_bytes
+    with pytest.raises(PrefillMemoryExceeded, match="transient margin fill"):
+        preflight(
+            dims, baseline_bytes=712_000_000, limits=limits, unmodeled_bytes=107_000_000, **args
+        )
 
 
 def test_canary_is_two_percent_of_the_limit_capped_at_256_mib() -> None:

@@ -123,6 +123,16 @@ def test_sources_merge_field_by_field_within_a_group(base, monkeypatch):
     )
 
 
+def test_transient_margin_defaults_to_auto_and_a_saved_size_still_pins_it(base):
+    assert load_settings().memory.prefill_transient_margin == "auto"
+    # A settings file from before "auto" existed keeps its size.
+    write_settings(base, {"memory": {"prefill_transient_margin": "1GB"}})
+    assert load_settings().memory.prefill_transient_margin == "1GB"
+    write_settings(base, {"memory": {"prefill_transient_margin": "lots"}})
+    with pytest.raises(SettingsError, match="prefill_transient_margin"):
+        load_settings()
+
+
 # ---- validation -----------------------------------------------------------------------
 
 

@@ -1,0 +1,69 @@
+"""MLX's own memory counters and limits: the only module that calls them.
+
+Every call here belongs on the MLX worker thread (seed 003: no MLX call on the
+HTTP path); the probe samples on that thread and publishes the numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from omlx.memory.budget import Limits
+from omlx.sizes import format_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MlxStats:
+    """One sample of MLX's allocator; published as a unit (a reference swap)."""
+
+    active_bytes: int
+    cache_bytes: int
+    # Highest active bytes since the previous sample (the counter is reset at each).
+    peak_bytes: int
+
+
+NO_STATS = MlxStats(0, 0, 0)
+
+
+def sample() -> MlxStats:
+    """MLX thread: read the counters and restart the peak."""
+    import mlx.core as mx
+
+    peak = int(mx.get_peak_memory())
+    mx.reset_peak_memory()
+    return MlxStats(int(mx.get_active_memory()), int(mx.get_cache_memory()), peak)
+
+
+def mlx_limits(limits: Limits) -> tuple[int, int]:
+    """(MLX memory limit, MLX cache limit) from the server's limits.
+
+    MLX alone may use up to the hard limit; its cache of freed buffers is capped
+    at the band between the soft and hard limits, so idle cached buffers cannot
+    hold the process above the soft limit by more than that band (admission
+    pauses above soft, and MLX reclaims the cache past its limit on allocation).
+    """
+    return limits.hard_bytes, max(0, limits.hard_bytes - limits.soft_bytes)
+
+
+def apply_limits(limits: Limits) -> None:
+    """MLX thread: set MLX's own limits on Metal (a second line under the guard)."""
+    import mlx.core as mx
+
+    if not mx.metal.is_available():
+        log.info(
+            "memguard: MLX runs on the CPU backend, where its memory and cache limits "
+            "do not cap allocations; left unset (the guard's readings are the only line)"
+        )
+        return
+    memory, cache = mlx_limits(limits)
+    mx.set_memory_limit(memory)
+    mx.set_cache_limit(cache)
+    log.info(
+        "memguard: MLX memory limit %s, cache limit %s (Metal, under the %s hard limit)",
+        format_bytes(memory),
+        format_bytes(cache),
+        format_bytes(limits.hard_bytes),
+    )
