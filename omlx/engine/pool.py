@@ -32,14 +32,13 @@ from omlx.memory.profile import auto_profile
 from omlx.models.discovery import ModelInfo, discover_models
 from omlx.models.loader import LoadedModel, load_model
 from omlx.models.model_settings import (
-    SAMPLING_KEYS,
-    ModelSettings,
     ModelSettingsStore,
+    RequestDefaults,
     effective_context_window,
-    effective_template_kwargs,
+    request_defaults,
 )
 from omlx.scheduler import Scheduler
-from omlx.settings import GenerationSettings, SamplingSettings, Settings
+from omlx.settings import Settings
 from omlx.sizes import format_bytes, parse_byte_size
 
 log = logging.getLogger(__name__)
@@ -47,18 +46,6 @@ log = logging.getLogger(__name__)
 # A request for this model name gets the default model (per-model is_default,
 # else models.default_model), unless a model is really called that.
 DEFAULT_MODEL_NAME = "default"
-
-
-@dataclass(frozen=True, slots=True)
-class RequestDefaults:
-    sampling: SamplingSettings
-    generation: GenerationSettings
-    # Sampling fields whose model value wins over the request's (force_sampling).
-    forced: frozenset[str]
-    model: ModelSettings
-
-    def template_kwargs(self, requested: dict[str, Any] | None) -> dict[str, Any]:
-        return effective_template_kwargs(requested, self.model)
 
 
 @dataclass(slots=True)
@@ -251,7 +238,7 @@ class EnginePool:
                     engine = await asyncio.wrap_future(future)
                 finally:
                     self._loading.discard(info.name)
-            resident = _Resident(engine, _weights_bytes(engine), self._clock())
+            resident = _Resident(engine, engine.loaded.weights_bytes(), self._clock())
             self._resident[info.name] = resident
             self.num_loads += 1
             self._publish_limits()
@@ -483,17 +470,7 @@ class EnginePool:
 
     def request_defaults(self, name: str) -> RequestDefaults:
         """Global sampling/generation defaults with the model's settings over them."""
-        model = self.model_settings.get(name)
-        sampling = self.settings.sampling.model_copy(
-            update={k: getattr(model, k) for k in SAMPLING_KEYS if getattr(model, k) is not None}
-        )
-        generation = self.settings.generation
-        if model.max_tokens is not None:
-            generation = generation.model_copy(update={"max_tokens": model.max_tokens})
-        forced = frozenset(
-            k for k in SAMPLING_KEYS if model.force_sampling and getattr(model, k) is not None
-        )
-        return RequestDefaults(sampling, generation, forced, model)
+        return request_defaults(self.settings, self.model_settings.get(name))
 
     def context_window_for(self, loaded: LoadedModel) -> int:
         return effective_context_window(
@@ -543,7 +520,7 @@ class EnginePool:
         )
         window = self.context_window_for(loaded)
         dims = guard_dims(
-            loaded.config, kv_dtype_bytes=_activation_bytes(loaded.model), model=loaded.info.name
+            loaded.config, kv_dtype_bytes=loaded.activation_bytes(), model=loaded.info.name
         )
         guard = MemoryGuard(
             loaded.info.name,
@@ -601,17 +578,6 @@ class EnginePool:
         _clear_mlx_cache()
 
 
-def _activation_bytes(model: object) -> int:
-    """Bytes per element of the model's floating parameters (the KV cache dtype)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    for _, param in tree_flatten(model.parameters()):  # type: ignore[attr-defined]
-        if mx.issubdtype(param.dtype, mx.floating):
-            return int(param.dtype.size)
-    return 2
-
-
 def _kv_profile(engine: ModelEngine) -> dict[str, Any] | None:
     """The load-time auto-profile and the KV capacity under the limits in force now."""
     guard = engine.guard
@@ -624,18 +590,6 @@ def _model_budget(value: str | int, hard_bytes: int) -> int:
     if value == "auto":
         return hard_bytes
     return min(hard_bytes, parse_byte_size(value, total_bytes=hard_bytes, field="max_model_memory"))
-
-
-def _weights_bytes(engine: ModelEngine) -> int:
-    """Bytes of the loaded parameters (what the model really holds, e.g. after a
-    float32 upcast), falling back to the files' size."""
-    from mlx.utils import tree_flatten
-
-    try:
-        params = tree_flatten(engine.loaded.model.parameters())
-        return int(sum(p.nbytes for _, p in params)) or engine.loaded.info.size_bytes
-    except Exception:
-        return engine.loaded.info.size_bytes
 
 
 def _with_kind(info: ModelInfo, kind: str | None) -> ModelInfo:

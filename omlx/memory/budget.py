@@ -16,12 +16,10 @@ limit, which is the configured ceiling itself.
 from __future__ import annotations
 
 import enum
-import logging
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
+from omlx.memory.dims import ModelDims, conservative_dims, guard_dims, model_dims
 from omlx.sizes import format_bytes, parse_byte_size
 
 __all__ = [
@@ -50,7 +48,6 @@ __all__ = [
     "resolve_limits",
 ]
 
-logger = logging.getLogger(__name__)
 
 GIB = 1024**3
 # Reserve for macOS and other apps under "auto": 15% of RAM, at least 2 GiB, at most half.
@@ -61,114 +58,6 @@ FUSED_SDPA_HEAD_DIMS = frozenset({64, 80, 128})
 # Unfused path holds bf16 scores and bf16 softmax output at once: 2 + 2 bytes per element.
 SCORE_BYTES_PER_ELEMENT = 4
 FUSED_BYTES_PER_ELEMENT = 4
-
-_LM_SUBCONFIGS = ("text_config", "language_config", "llm_config", "language_model")
-_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
-_KV_HEAD_KEYS = ("num_key_value_heads", "n_head_kv", "num_kv_heads", "n_kv_heads")
-_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
-_HEAD_DIM_KEYS = ("head_dim",)
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The language model's shape, as far as prefill memory is concerned."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_attention_heads: int
-    hidden_size: int
-    kv_dtype_bytes: int = 2  # bf16/fp16 on Metal; callers pass 4 for float32
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
-
-
-def model_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int) -> ModelDims | None:
-    """Resolve dimensions from a config.json dict, or None when they cannot all be found.
-
-    A nested LM sub-config (text/language/llm config, language_model) wins over
-    the top level whenever it names a layer count, because VLM packs may put the
-    vision encoder's numbers at the top level. Legacy names (GPT-2 ``n_layer``,
-    ``n_head``, ``n_embd``; falcon ``n_head_kv``) are accepted. Missing KV heads
-    mean multi-head attention (falcon ``multi_query`` means one); missing
-    ``head_dim`` means hidden / heads.
-    """
-    source = _language_model_config(config)
-    num_layers = _first_int(source, _LAYER_KEYS)
-    num_heads = _first_int(source, _HEAD_KEYS)
-    if num_layers is None or num_heads is None:
-        return None
-    num_kv_heads = _first_int(source, _KV_HEAD_KEYS)
-    if num_kv_heads is None:
-        num_kv_heads = 1 if source.get("multi_query") is True else num_heads
-    hidden = _first_int(source, _HIDDEN_KEYS)
-    head_dim = _first_int(source, _HEAD_DIM_KEYS)
-    if head_dim is None:
-        if hidden is None or hidden % num_heads:
-            return None
-        head_dim = hidden // num_heads
-    return ModelDims(
-        num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        num_attention_heads=num_heads,
-        hidden_size=hidden if hidden is not None else num_heads * head_dim,
-        kv_dtype_bytes=_positive(kv_dtype_bytes, "kv_dtype_bytes"),
-    )
-
-
-def conservative_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int) -> ModelDims:
-    """Dimensions for a config ``model_dims`` cannot resolve: never a reason to skip the guard.
-
-    Every field the config does name is kept; the rest come from a large
-    70B-class model (80 layers, 64 heads, 8 KV heads) with head_dim 256, which
-    the fused kernel does not cover, so the full score matrix is counted. This
-    over-estimates small models, which costs concurrency, never safety.
-    """
-    source = _language_model_config(config)
-    num_heads = _first_int(source, _HEAD_KEYS) or 64
-    head_dim = _first_int(source, _HEAD_DIM_KEYS) or 256
-    return ModelDims(
-        num_layers=_first_int(source, _LAYER_KEYS) or 80,
-        num_kv_heads=_first_int(source, _KV_HEAD_KEYS) or min(8, num_heads),
-        head_dim=head_dim,
-        num_attention_heads=num_heads,
-        hidden_size=_first_int(source, _HIDDEN_KEYS) or num_heads * head_dim,
-        kv_dtype_bytes=_positive(kv_dtype_bytes, "kv_dtype_bytes"),
-    )
-
-
-def guard_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int, model: str) -> ModelDims:
-    """The dimensions the guard uses for ``model``: resolved, or the conservative fallback.
-
-    Warns on fallback, so a guard running on guessed numbers is never silent (the
-    resolved state, dims included, is logged once by the guard that uses them).
-    """
-    dims = model_dims(config, kv_dtype_bytes=kv_dtype_bytes)
-    if dims is not None:
-        return dims
-    dims = conservative_dims(config, kv_dtype_bytes=kv_dtype_bytes)
-    logger.warning("memguard %s: config dims unresolved, conservative fallback %s", model, dims)
-    return dims
-
-
-def _language_model_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    for key in _LM_SUBCONFIGS:
-        sub = config.get(key)
-        if isinstance(sub, Mapping) and _first_int(sub, _LAYER_KEYS) is not None:
-            return sub
-    return config
-
-
-def _first_int(source: Mapping[str, Any], keys: tuple[str, ...]) -> int | None:
-    for key in keys:
-        value = source.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
 
 
 def _positive(value: int, field: str) -> int:

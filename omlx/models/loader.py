@@ -30,6 +30,27 @@ class LoadedModel:
     vocab_size: int
     load_s: float
 
+    def weights_bytes(self) -> int:
+        """Bytes of the loaded parameters (what the model really holds, e.g. after a
+        float32 upcast), falling back to the files' size."""
+        from mlx.utils import tree_flatten
+
+        try:
+            params = tree_flatten(self.model.parameters())
+            return int(sum(p.nbytes for _, p in params)) or self.info.size_bytes
+        except Exception:
+            return self.info.size_bytes
+
+    def activation_bytes(self) -> int:
+        """Bytes per element of the model's floating parameters (the KV cache dtype)."""
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        for _, param in tree_flatten(self.model.parameters()):
+            if mx.issubdtype(param.dtype, mx.floating):
+                return int(param.dtype.size)
+        return 2
+
 
 def native_context_length(config: dict) -> int | None:
     for section in (config, config.get("text_config") or {}):

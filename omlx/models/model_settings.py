@@ -17,13 +17,14 @@ import shutil
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from omlx.errors import SettingsError
-from omlx.settings import write_json_atomic
+from omlx.settings import GenerationSettings, SamplingSettings, Settings, write_json_atomic
 from omlx.template_vars import check_template_vars
 
 log = logging.getLogger(__name__)
@@ -349,3 +350,31 @@ def effective_context_window(
     """The model's cap (else the global one), never above the model's native window."""
     cap = model_value if model_value is not None else global_value
     return cap if native is None else min(cap, native)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDefaults:
+    """What a request to one model starts from: global defaults, the model's over them."""
+
+    sampling: SamplingSettings
+    generation: GenerationSettings
+    # Sampling fields whose model value wins over the request's (force_sampling).
+    forced: frozenset[str]
+    model: ModelSettings
+
+    def template_kwargs(self, requested: dict[str, Any] | None) -> dict[str, Any]:
+        return effective_template_kwargs(requested, self.model)
+
+
+def request_defaults(settings: Settings, model: ModelSettings) -> RequestDefaults:
+    """Global sampling/generation defaults with ``model``'s settings over them."""
+    sampling = settings.sampling.model_copy(
+        update={k: getattr(model, k) for k in SAMPLING_KEYS if getattr(model, k) is not None}
+    )
+    generation = settings.generation
+    if model.max_tokens is not None:
+        generation = generation.model_copy(update={"max_tokens": model.max_tokens})
+    forced = frozenset(
+        k for k in SAMPLING_KEYS if model.force_sampling and getattr(model, k) is not None
+    )
+    return RequestDefaults(sampling, generation, forced, model)
