@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from omlx import __version__
@@ -327,18 +328,32 @@ async def _release_body(request: Request) -> tuple[set[str], dict[str, Any]]:
     return set(tags), body
 
 
-async def _release(request: Request) -> dict[str, Any]:
+async def _release(request: Request) -> Any:
     tags, body = await _release_body(request)
     timeout_s = body.get("timeout_s", 30.0)
     if not isinstance(timeout_s, int | float) or not 0 <= timeout_s <= 600:
         raise InvalidRequestError("'timeout_s' must be a number of seconds in 0..600")
-    model = body.get("model")
-    return await state_of(request).pool.release(tags, model, float(timeout_s))
+    report = await state_of(request).pool.release(tags, _model_of(body), float(timeout_s))
+    if not report["failed"]:
+        return report
+    # 500, not 502: the models that failed are this server's own, not an upstream's.
+    # The per-model report says what was released; resume restores either way.
+    message = "release incomplete: " + "; ".join(f"{n}: {e}" for n, e in report["failed"].items())
+    error = {"message": message, "type": "server_error", "code": "release_incomplete"}
+    return JSONResponse({"error": error, **report}, status_code=500)
 
 
 async def _resume(request: Request) -> dict[str, Any]:
-    tags, _ = await _release_body(request)
-    return await state_of(request).pool.resume(tags)
+    tags, body = await _release_body(request)
+    return await state_of(request).pool.resume(tags, _model_of(body))
+
+
+def _model_of(body: dict[str, Any]) -> str | None:
+    """The optional "model" a release or resume is scoped to (default: every model)."""
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise InvalidRequestError("'model' must be a model name", param="model")
+    return model
 
 
 for _prefix in ("", "/admin/api/memory"):

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from omlx.cache.prefix import PrefixCache
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from omlx.engine.runner import PrefillChunk
+from omlx.engine.runner import OpeningGate, PrefillChunk
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
 from omlx.errors import (
     EngineError,
@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 class Runner(Protocol):
     @property
     def has_work(self) -> bool: ...
-    def add(self, requests: list[Request]) -> dict[str, int]: ...
+    def add(
+        self, requests: list[Request], may_share: OpeningGate | None = None
+    ) -> dict[str, int]: ...
     def prefill_plan(self) -> list[PrefillChunk]: ...
     def remove(self, request_ids: list[str]) -> None: ...
     def step(self) -> list[TokenOutput]: ...
@@ -87,6 +89,8 @@ class ModelEngine:
         self.admission_paused = False
         self.num_deferrals = 0
         self.num_gated = 0
+        # Shared openings the gate held back (their requests prefilled them alone).
+        self.num_unshared_openings = 0
         self._pending_bytes = 0
         self.prefix_cache = prefix_cache
         self._runner = runner
@@ -209,7 +213,7 @@ class ModelEngine:
         """Admit, run one batched step, turn tokens into stream events."""
         outbox: list[tuple[RequestStream, StreamEvent]] = []
         try:
-            cached = self._runner.add(self._admit())
+            cached = self._runner.add(self._admit(), self._gate_shared_opening)
             for rid, num in cached.items():
                 self._live[rid].num_cached_tokens = num
             self._gate_prefill(outbox)
@@ -362,6 +366,29 @@ class ModelEngine:
                 ),
                 outbox,
             )
+
+    def _gate_shared_opening(self, num_tokens: int, num_cached_tokens: int) -> bool:
+        """The gate for a burst's shared opening (one row, run before the batch's
+        chunks), with a fresh reading like every chunk's. Refused, nothing is ended:
+        each request prefills the opening in its own chunks, gated one by one, so
+        they are served if memory allows and ended by that gate if not."""
+        reading = self.probe.reading(fresh=True)
+        others = self._scheduler.num_running > 1
+        if self.guard.gate(num_tokens, num_cached_tokens, reading, others=others):
+            return True
+        self.num_unshared_openings += 1
+        log.warning(
+            "memgate %s: not sharing a %d-token opening: memory %s (recent peak %s) plus "
+            "its forward and the %s margin would pass the %s limit; its requests prefill "
+            "it in their own gated chunks",
+            self.name,
+            num_tokens,
+            format_bytes(reading.resident_bytes),
+            format_bytes(reading.recent_peak_bytes),
+            format_bytes(self.guard.limits.transient_margin_bytes),
+            format_bytes(self.guard.limits.hard_bytes),
+        )
+        return False
 
     def _fail_request(self, request_id: str, error: OmlxError, outbox: list) -> None:
         where = self._scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)

@@ -14,12 +14,12 @@ from typing import Any
 
 from omlx.cache.setup import make_hot_tier, make_prefix_cache
 from omlx.engine.model_engine import ModelEngine, unloaded_error
+from omlx.engine.release import Releases
 from omlx.engine.residency import ResidentModel, choose_evictions, expired
 from omlx.engine.runner import BatchRunner
 from omlx.engine.worker import MLXWorker
 from omlx.errors import (
     InsufficientMemoryError,
-    InvalidRequestError,
     MemoryPressureError,
     ModelNotFoundError,
     OmlxError,
@@ -108,10 +108,8 @@ class EnginePool:
         self.hot_cache = make_hot_tier(settings, ram)
         self.num_loads = 0
         self.num_evictions = 0
-        # Tags released by /release_memory_occupation; inference waits for resume.
-        self.released: set[str] = set()
-        self._released_models: list[str] = []
-        self._release_lock = asyncio.Lock()
+        # What /release_memory_occupation released; those models wait for resume.
+        self.releases = Releases(self)
 
     # -- discovery and names ------------------------------------------------
 
@@ -203,21 +201,15 @@ class EnginePool:
             resident.leases -= 1
 
     async def _get_resident(self, requested: str) -> _Resident:
-        self._refuse_if_released()
         resident = self._resident.get(requested)
         if resident is None:
             info = self.resolve(requested)
+            self.releases.refuse_if_released(info.name)
             resident = self._resident.get(info.name) or await self._load(info)
+        else:
+            self.releases.refuse_if_released(requested)
         resident.last_used_s = self._clock()
         return resident
-
-    def _refuse_if_released(self) -> None:
-        if self.released:
-            raise MemoryPressureError(
-                f"memory is released ({', '.join(sorted(self.released))}); POST "
-                "/resume_memory_occupation to serve again",
-                retry_after_s=5,
-            )
 
     async def load(self, requested: str) -> ModelEngine:
         return await self.get_engine(requested)
@@ -230,7 +222,7 @@ class EnginePool:
                 return resident
             async with self._room_lock:
                 # A release ran while this load waited: it must not bring memory back.
-                self._refuse_if_released()
+                self.releases.refuse_if_released(info.name)
                 await self._make_room(info)
                 self._loading.add(info.name)
                 try:
@@ -387,86 +379,20 @@ class EnginePool:
                 "memory above the hard limit: ended %d requests, dropped the RAM cache", ended
             )
 
-    # -- release / resume ---------------------------------------------------
+    # -- release / resume (omlx/engine/release.py) ---------------------------
+
+    @property
+    def released(self) -> set[str]:
+        """Every tag released, for all models or some."""
+        return self.releases.all_tags()
 
     async def release(
         self, tags: set[str], model: str | None = None, timeout_s: float = 30.0
     ) -> dict[str, Any]:
-        """Quiesce (no new work; wait for requests in flight or leased up to
-        ``timeout_s``, then end them with a clear error) and free the tagged memory.
-        A load in progress finishes first and is released with the rest."""
-        async with self._release_lock:
-            newly = tags - self.released
-            self.released |= tags  # no new requests and no new loads from here
-            async with self._room_lock:  # waits for a load in progress
-                try:
-                    names = [self._must_be_loaded(model)] if model else list(self._resident)
-                except OmlxError:
-                    self.released -= newly
-                    raise
-                return await self._release_models(tags, names, timeout_s)
+        return await self.releases.release(tags, model, timeout_s)
 
-    async def _release_models(
-        self, tags: set[str], names: list[str], timeout_s: float
-    ) -> dict[str, Any]:
-        before = self.probe.reading(fresh=True).resident_bytes
-        residents = [self._resident[n] for n in names]
-        deadline = self._clock() + timeout_s
-        while any(r.busy for r in residents) and self._clock() < deadline:
-            await asyncio.sleep(0.05)
-        error = MemoryPressureError("memory is being released; retry after it is resumed")
-        ended = 0
-        for resident in residents:
-            # A request still between fetch and submit is refused when it submits.
-            resident.engine.refuse_new(error)
-            if resident.engine.num_in_flight:
-                future = self._worker.submit(resident.engine.fail_all, error)
-                ended += await asyncio.wrap_future(future)
-        if "weights" in tags:
-            for name in names:
-                await self.unload(name, error=error)
-            self._released_models = sorted(set(self._released_models) | set(names))
-        if "kv_cache" in tags and self.hot_cache is not None:
-            self.hot_cache.clear(tier="hot")
-        await asyncio.wrap_future(self._worker.submit(_clear_mlx_cache))
-        after = self.probe.reading(fresh=True).resident_bytes
-        log.info(
-            "released %s: %s freed, %d requests ended",
-            ",".join(sorted(tags)),
-            format_bytes(max(0, before - after)),
-            ended,
-        )
-        return {
-            "released": sorted(self.released),
-            "models": names,
-            "requests_ended": ended,
-            "bytes_before": before,
-            "bytes_after": after,
-            "bytes_freed": max(0, before - after),
-        }
-
-    async def resume(self, tags: set[str]) -> dict[str, Any]:
-        """Serve again; models unloaded by a release of "weights" are loaded back."""
-        async with self._release_lock:
-            self.released -= tags
-            if not self.released:
-                for resident in self._resident.values():
-                    resident.engine.refuse_new(None)
-            loaded = []
-            if "weights" in tags:
-                names, self._released_models = self._released_models, []
-                for name in names:
-                    if not self.released:
-                        await self.get_engine(name)
-                        loaded.append(name)
-            return {"released": sorted(self.released), "models_loaded": loaded}
-
-    def _must_be_loaded(self, requested: str) -> str:
-        name = self._resident_name(requested)
-        if name is None:
-            self.resolve(requested)  # 404 for an unknown name
-            raise InvalidRequestError(f"model '{requested}' is not loaded", param="model")
-        return name
+    async def resume(self, tags: set[str], model: str | None = None) -> dict[str, Any]:
+        return await self.releases.resume(tags, model)
 
     def request_defaults(self, name: str) -> RequestDefaults:
         """Global sampling/generation defaults with the model's settings over them."""

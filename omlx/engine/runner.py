@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 # more than it saves).
 MIN_SHARED_OPENING = 16
 
+# The memory gate for a shared opening's forward: (tokens, tokens already cached)
+# -> may it run now?
+OpeningGate = Callable[[int, int], bool]
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillChunk:
@@ -188,8 +192,11 @@ class BatchRunner:
             or self._deferred
         )
 
-    def add(self, requests: Iterable[Request]) -> dict[str, int]:
-        """Start requests; returns the prompt tokens each got from the prefix cache."""
+    def add(
+        self, requests: Iterable[Request], may_share: OpeningGate | None = None
+    ) -> dict[str, int]:
+        """Start requests; returns the prompt tokens each got from the prefix cache.
+        ``may_share``: the memory gate asked before each shared opening's forward."""
         requests = list(requests)
         if not requests:
             return {}
@@ -216,7 +223,7 @@ class BatchRunner:
             if self._solo is not None:
                 self._solo_to_batch()
             with mx.stream(self._stream):
-                shared = self._share_openings(requests, hits)
+                shared = self._share_openings(requests, hits, may_share)
                 for r in requests:
                     hit = hits[r.request_id]
                     if r.request_id in shared:
@@ -235,7 +242,10 @@ class BatchRunner:
         return {rid: hit.num_tokens for rid, hit in hits.items() if hit is not None}
 
     def _share_openings(
-        self, requests: list[Request], hits: dict[str, CacheHit | None]
+        self,
+        requests: list[Request],
+        hits: dict[str, CacheHit | None],
+        may_share: OpeningGate | None = None,
     ) -> dict[str, tuple[int, list[Any]]]:
         """Requests starting together whose prompts open with the same tokens (a
         system prompt, tool definitions, a chat template's preamble, a client's
@@ -247,8 +257,11 @@ class BatchRunner:
         shared forward starts where the shortest hit among the sharers ends, from
         that hit's cache. Sharers are picked best first (see ``_best_share``) and
         share when that saves at least MIN_SHARED_OPENING token-rows of prefill.
-        Returns (tokens cached, cache) per request that shares; only for models
-        whose cache is plain KV layers."""
+        The shared forward is one row of ``n - start`` tokens after ``start``
+        cached: ``may_share(n - start, start)`` gates it as the engine gates every
+        chunk; refused, the group's requests prefill the opening themselves, in
+        their own gated chunks. Returns (tokens cached, cache) per request that
+        shares; only for models whose cache is plain KV layers."""
         if len(requests) < 2:
             return {}
         template = make_prompt_cache(self._model)
@@ -264,6 +277,8 @@ class BatchRunner:
                 break
             lo, hi, start, n = best
             group, pending = pending[lo:hi], pending[:lo] + pending[hi:]
+            if may_share is not None and not may_share(n - start, start):
+                continue
             base = min(group, key=lambda r: cached[r.request_id])
             hit = hits[base.request_id]
             if hit is None:

@@ -1,6 +1,8 @@
 """Release and resume memory occupation against a real server: memory drops,
 inference is refused with 503 + Retry-After while released, and after resume the
-same greedy output comes back."""
+same greedy output comes back. A release is as narrow as it says: kv_cache keeps the
+weights, one model blocks only that model, and a partial failure is reported per
+model and still resumes."""
 
 from __future__ import annotations
 
@@ -48,7 +50,12 @@ def test_release_and_resume(server: Server, http: httpx.Client) -> None:
     assert int(refused.headers["retry-after"]) > 0
     assert "resume" in refused.json()["error"]["message"]
     resumed = http.post("/resume_memory_occupation", json={"tags": ["weights", "kv_cache"]})
-    assert resumed.json() == {"released": [], "models_loaded": ["slow-llama"]}
+    assert resumed.json() == {
+        "released": [],
+        "released_by_model": {},
+        "models_loaded": ["slow-llama"],
+        "models_to_reload": [],
+    }
     after = http.post("/v1/completions", json=ASK).json()["choices"][0]["text"]
     assert after == before
 
@@ -88,3 +95,109 @@ def test_release_waits_for_in_flight_then_ends_them(server: Server, http: httpx.
     assert results["r"].status_code == 503
     assert "released" in results["r"].json()["error"]["message"]
     http.post("/resume_memory_occupation", json={})
+
+
+def ask(http: httpx.Client, model: str, prompt: str = "Once upon a time") -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    return http.post("/v1/completions", json=body)
+
+
+def loaded_names(http: httpx.Client) -> set[str]:
+    health = {m["name"] for m in http.get("/health").json()["loaded_models"]}
+    admin = {
+        m["name"]
+        for m in http.get("/admin/api/models").json()["models"]
+        if m["state"] in {"loaded", "pinned"}
+    }
+    assert health == admin
+    return health
+
+
+def test_kv_cache_release_keeps_the_weights_loaded(server: Server, http: httpx.Client) -> None:
+    # Long enough to fill a 256-token block, so the RAM cache tier holds something.
+    assert ask(http, "tiny-llama", "A long shared prefix kept by the cache. " * 40).is_success
+    assert server.pool.hot_cache is not None and server.pool.hot_cache.stats().hot_bytes > 0
+    engine, loads = server.pool.engine("tiny-llama"), server.pool.num_loads
+    released = http.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).json()
+    assert "tiny-llama" in released["models"] and released["released"] == ["kv_cache"]
+    assert "tiny-llama" in loaded_names(http)
+    assert server.pool.hot_cache.stats().hot_bytes == 0
+    assert ask(http, "tiny-llama").status_code == 503
+    resumed = http.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).json()
+    assert resumed["models_loaded"] == []
+    assert ask(http, "tiny-llama").status_code == 200
+    # Served by the same engine: the weights never left.
+    assert server.pool.engine("tiny-llama") is engine and server.pool.num_loads == loads
+
+
+def test_release_of_one_model_blocks_only_that_model(server: Server, http: httpx.Client) -> None:
+    assert ask(http, "tiny-llama").is_success and ask(http, "tiny-qwen3").is_success
+    released = http.post(
+        "/release_memory_occupation", json={"model": "tiny-llama", "tags": ["weights"]}
+    ).json()
+    assert ask(http, "tiny-qwen3").status_code == 200
+    assert released["models"] == ["tiny-llama"] and released["failed"] == {}
+    assert released["released_by_model"] == {"tiny-llama": ["weights"]}
+    assert loaded_names(http) >= {"tiny-qwen3"} and "tiny-llama" not in loaded_names(http)
+    refused = ask(http, "tiny-llama")
+    assert refused.status_code == 503 and "tiny-llama" in refused.json()["error"]["message"]
+    # An unscoped resume of other tags does not resume it; a scoped one does.
+    assert http.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).json()[
+        "models_to_reload"
+    ] == ["tiny-llama"]
+    assert ask(http, "tiny-llama").status_code == 503
+    resumed = http.post(
+        "/resume_memory_occupation", json={"model": "tiny-llama", "tags": ["weights"]}
+    ).json()
+    assert resumed["models_loaded"] == ["tiny-llama"] and resumed["released"] == []
+    assert ask(http, "tiny-llama").status_code == 200
+    assert ask(http, "tiny-qwen3").status_code == 200
+
+
+def test_a_release_failing_half_way_reports_each_model_and_resumes(
+    server: Server, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert ask(http, "tiny-llama").is_success and ask(http, "tiny-qwen3").is_success
+    unload = server.pool.unload
+
+    async def unload_failing_for_qwen(name: str, **kwargs: object) -> bool:
+        if name == "tiny-qwen3":
+            raise RuntimeError("the MLX worker could not free tiny-qwen3")
+        return await unload(name, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(server.pool, "unload", unload_failing_for_qwen)
+    r = http.post("/release_memory_occupation", json={"tags": ["weights"]})
+    monkeypatch.undo()
+    assert r.status_code == 500, r.text
+    report = r.json()
+    assert report["error"]["code"] == "release_incomplete"
+    assert "tiny-qwen3" in report["error"]["message"]
+    assert "tiny-llama" in report["models"] and "tiny-qwen3" not in report["models"]
+    assert "could not free" in report["failed"]["tiny-qwen3"]
+    assert "still loaded" in report["failed"]["tiny-qwen3"]
+    assert server.pool.engine("tiny-llama") is None
+    # Everything stays refused until resumed; resume loads back what was released.
+    assert ask(http, "tiny-qwen3").status_code == 503
+    resumed = http.post("/resume_memory_occupation", json={}).json()
+    assert "tiny-llama" in resumed["models_loaded"] and resumed["released"] == []
+    assert "tiny-qwen3" not in resumed["models_loaded"]
+    assert ask(http, "tiny-llama").status_code == 200
+    assert ask(http, "tiny-qwen3").status_code == 200
+
+
+def test_resuming_weights_while_kv_cache_is_released_keeps_the_reload_list(
+    server: Server, http: httpx.Client
+) -> None:
+    assert ask(http, "tiny-llama").is_success
+    http.post("/release_memory_occupation", json={"tags": ["weights", "kv_cache"]})
+    assert server.pool.engine("tiny-llama") is None
+    half = http.post("/resume_memory_occupation", json={"tags": ["weights"]}).json()
+    # Still released: nothing can be served, so nothing is loaded back yet ...
+    assert half["released"] == ["kv_cache"] and half["models_loaded"] == []
+    assert ask(http, "tiny-llama").status_code == 503
+    # ... until the rest is resumed: then the models come back and serve.
+    resumed = http.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).json()
+    assert server.pool.engine("tiny-llama") is not None
+    assert "tiny-llama" in resumed["models_loaded"] and resumed["models_to_reload"] == []
+    assert "tiny-llama" in half["models_to_reload"]
+    assert ask(http, "tiny-llama").status_code == 200
