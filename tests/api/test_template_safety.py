@@ -122,6 +122,19 @@ def renders_stop_running(within_s: float) -> bool:
     return True
 
 
+def health_times_while(server: Server, worker: threading.Thread) -> list[float]:
+    """Start ``worker`` and time ``/health`` every 0.1 s until it ends."""
+    worker.start()
+    health_s = []
+    while worker.is_alive():
+        start = time.perf_counter()
+        assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
+        health_s.append(time.perf_counter() - start)
+        time.sleep(0.1)
+    worker.join()
+    return health_s
+
+
 def slow_chat(server: Server, results: list, model: str = "slow-template") -> None:
     """A chat request whose rendering takes forever; appends (status, body, seconds)."""
     start = time.perf_counter()
@@ -139,14 +152,7 @@ def test_health_answers_while_a_slow_template_renders_and_the_render_stops(
     chat(client, "slow-template")  # loaded, so only rendering is timed below
     results: list = []
     worker = threading.Thread(target=slow_chat, args=(server, results))
-    worker.start()
-    health_s = []
-    while worker.is_alive():
-        start = time.perf_counter()
-        assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
-        health_s.append(time.perf_counter() - start)
-        time.sleep(0.1)
-    worker.join()
+    health_s = health_times_while(server, worker)
 
     assert len(health_s) >= 5  # polled through the whole render
     assert max(health_s) < 1.0
@@ -251,14 +257,7 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(server: Server) -> None
         results.append((response.status_code, response.json()))
 
     worker = threading.Thread(target=complete)
-    worker.start()
-    health_s = []
-    while worker.is_alive():
-        start = time.perf_counter()
-        assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
-        health_s.append(time.perf_counter() - start)
-        time.sleep(0.1)
-    worker.join()
+    health_s = health_times_while(server, worker)
 
     assert len(health_s) >= 3  # it was tokenizing for a while
     assert max(health_s) < 1.0
