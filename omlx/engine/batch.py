@@ -83,6 +83,8 @@ class PrefillBatch:
         self._left: list[list[int]] = []  # still to prefill
         self._last: list[int] = []  # the last prompt token, fed by the decode step
         self._num_cached: list[int] = []  # tokens in the row's cache
+        # The memory gate's cap on the next chunk of every row (None: none; 0: wait).
+        self._cap: int | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -118,12 +120,18 @@ class PrefillBatch:
             for row, left, cached in zip(self.rows, self._left, self._num_cached, strict=True)
         ]
 
+    def cap_next_chunk(self, cap: int | None) -> None:
+        """The memory gate's cap on the next chunk: on every row, since rows are
+        right-padded to the longest in one forward (0: the batch waits a step)."""
+        self._cap = cap
+
     def step(self) -> tuple[list[tuple[Row, int]], list[Any]]:
         """One chunk of every row. Returns the rows whose prompt is in now (with
         their last prompt token) and their batched cache."""
-        if self._batch is None or not self.rows:
+        if self._batch is None or not self.rows or self._cap == 0:
             return [], []
-        sizes = [min(self._step, len(left)) for left in self._left]
+        step = min(self._step, self._cap or self._step)
+        sizes = [min(step, len(left)) for left in self._left]
         chunks = [left[:n] for left, n in zip(self._left, sizes, strict=True)]
         self._left = [left[n:] for left, n in zip(self._left, sizes, strict=True)]
         self._num_cached = [c + n for c, n in zip(self._num_cached, sizes, strict=True)]

@@ -29,9 +29,11 @@ from omlx.errors import (
     ServiceUnavailableError,
 )
 from omlx.grammar.processor import MAX_STEP_CPU_S
-from omlx.memory.budget import prefill_step_transient_bytes
+from omlx.memory import mlx_stats
+from omlx.memory.budget import MemoryReading, prefill_step_transient_bytes
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
+from omlx.memory.throttle import MAX_PREFILL_HOLD_S, PrefillShape, shape_prefill
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
 from omlx.sizes import format_bytes
@@ -46,6 +48,7 @@ class Runner(Protocol):
         self, requests: list[Request], may_share: OpeningGate | None = None
     ) -> dict[str, int]: ...
     def prefill_plan(self) -> list[PrefillChunk]: ...
+    def cap_prefill(self, cap: int | None) -> None: ...
     def remove(self, request_ids: list[str]) -> None: ...
     def step(self) -> list[TokenOutput]: ...
     def reset(self) -> None: ...
@@ -54,6 +57,7 @@ class Runner(Protocol):
 
 class Poster(Protocol):
     def post(self, fn: Any, *args: Any) -> None: ...
+    def busy_besides(self, engine: Any) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -89,6 +93,12 @@ class ModelEngine:
         self.admission_paused = False
         self.num_deferrals = 0
         self.num_gated = 0
+        # The gate's steps short of ending anything: MLX's cache handed back,
+        # chunks capped, prefill waiting for decoding requests (since when).
+        self.num_reclaims = 0
+        self.num_throttled_steps = 0
+        self.num_held_steps = 0
+        self._held_since: float | None = None
         # Shared openings the gate held back (their requests prefilled them alone).
         self.num_unshared_openings = 0
         self._pending_bytes = 0
@@ -328,34 +338,23 @@ class ModelEngine:
         return admitted
 
     def _gate_prefill(self, outbox: list) -> None:
-        """Before the prefill chunks of this step run: end any request whose chunk
-        would take memory past the hard limit (a fresh reading; others grew)."""
+        """Before this step's prefill chunks run: if they would take memory past
+        the hard limit (a fresh reading; others grew), hand MLX's free cache
+        back, then cap the chunks, then let prefill wait for decoding requests,
+        and only then end the requests whose chunk still does not fit."""
         plan = self._runner.prefill_plan()
         if not plan:
             return
-        reading = self.probe.reading(fresh=True)
-        others = self._scheduler.num_running > 1
-        ahead = 0
-        failed = []
-        for chunk in plan:
-            ahead += chunk.num_tokens
-            context = chunk.num_context_tokens - chunk.num_tokens + ahead
-            if self.guard.gate(ahead, context - ahead, reading, others=others):
-                continue
-            ahead -= chunk.num_tokens
-            failed.append(chunk.request_id)
-            log.warning(
-                "memgate %s: ending %s before a %d-token prefill chunk: memory %s (recent "
-                "peak %s) plus the chunk and the %s margin would pass the %s limit",
-                self.name,
-                chunk.request_id,
-                chunk.num_tokens,
-                format_bytes(reading.resident_bytes),
-                format_bytes(reading.recent_peak_bytes),
-                format_bytes(self.guard.limits.transient_margin_bytes),
-                format_bytes(self.guard.limits.hard_bytes),
-            )
-        for rid in failed:
+        shape, reading = self._shape_prefill(plan)
+        if shape.cap is not None:
+            mlx_stats.release_cache()  # freed buffers count until handed back
+            self.num_reclaims += 1
+            shape, reading = self._shape_prefill(plan)
+        self._runner.cap_prefill(shape.cap)
+        self._note_hold(shape.held)
+        if shape.cap is not None:
+            self._log_shape(shape, plan, reading)
+        for rid in shape.ended:
             self.num_gated += 1
             self._fail_request(
                 rid,
@@ -366,6 +365,49 @@ class ModelEngine:
                 ),
                 outbox,
             )
+
+    def _shape_prefill(self, plan: list[PrefillChunk]) -> tuple[PrefillShape, MemoryReading]:
+        reading = self.probe.reading(fresh=True)
+        others = self._scheduler.num_running > 1
+        # Requests past their prompt (here, or any other model's) end and free
+        # their memory: prefill may wait for them.
+        decoding = self._scheduler.num_running > len(plan) or self._worker.busy_besides(self)
+        held_for = 0.0 if self._held_since is None else time.monotonic() - self._held_since
+        shape = shape_prefill(
+            plan,
+            lambda tokens, cached: self.guard.gate(tokens, cached, reading, others=others),
+            may_hold=decoding and held_for < MAX_PREFILL_HOLD_S,
+        )
+        return shape, reading
+
+    def _note_hold(self, held: bool) -> None:
+        if not held:
+            self._held_since = None
+        elif self._held_since is None:
+            self._held_since = time.monotonic()
+
+    def _log_shape(
+        self, shape: PrefillShape, plan: list[PrefillChunk], reading: MemoryReading
+    ) -> None:
+        planned = max(c.num_tokens for c in plan)
+        if shape.held:
+            self.num_held_steps += 1
+            what = "prefill waits a step for decoding requests to free memory"
+        else:
+            self.num_throttled_steps += 1
+            what = f"prefill chunks capped at {shape.cap} tokens (planned {planned})"
+        if shape.ended:
+            what += f"; ending {', '.join(shape.ended)}: not even a {shape.cap}-token chunk fits"
+        log.warning(
+            "memgate %s: %s: memory %s (recent peak %s) plus the chunks and the %s margin "
+            "would pass the %s limit",
+            self.name,
+            what,
+            format_bytes(reading.resident_bytes),
+            format_bytes(reading.recent_peak_bytes),
+            format_bytes(self.guard.limits.transient_margin_bytes),
+            format_bytes(self.guard.limits.hard_bytes),
+        )
 
     def _gate_shared_opening(self, num_tokens: int, num_cached_tokens: int) -> bool:
         """The gate for a burst's shared opening (one row, run before the batch's

@@ -25,7 +25,8 @@ from omlx.errors import (
     OmlxError,
 )
 from omlx.memory import mlx_stats
-from omlx.memory.budget import Limits, guard_dims
+from omlx.memory.baseline import IdleBaseline
+from omlx.memory.budget import Limits, MemoryReading, guard_dims
 from omlx.memory.guard import MemoryGuard, memory_limits
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
 from omlx.memory.profile import auto_profile
@@ -83,7 +84,10 @@ class EnginePool:
         # MLX's counters are sampled on the MLX thread after every turn and
         # published; readings on other threads (HTTP, enforcer) use that sample.
         self.probe = MemoryProbe(memory.poll_interval_s, on_mlx_thread=worker.on_thread)
-        worker.after_every_turn(self.probe.publish_mlx)
+        # What the process holds with nothing in flight, for every model's guard.
+        self.baseline = IdleBaseline()
+        self._went_busy = False
+        worker.after_every_turn(self._after_turn)
         self._mlx_limits: Limits | None = None
         self._apply_mlx_limits()
         log.info(
@@ -310,9 +314,12 @@ class EnginePool:
         while resident.busy and self._clock() < deadline:
             await asyncio.sleep(0.05)
         resident.engine.close(error or unloaded_error(name, "on request or to free memory"))
-        del self._resident[name]
+        # The list holds the only reference left here: the worker drops it, so
+        # the weights are collected there and handed back with this unload.
+        engines = [self._resident.pop(name).engine]
+        del resident
         if self._worker.is_alive:
-            await asyncio.wrap_future(self._worker.submit(self._unload_on_worker, resident.engine))
+            await asyncio.wrap_future(self._worker.submit(self._unload_on_worker, engines))
         log.info("unloaded %s", name)
         return True
 
@@ -423,10 +430,38 @@ class EnginePool:
             self._mlx_limits = self.limits
             self._worker.post(mlx_stats.apply_limits, self.limits)
 
+    def _after_turn(self) -> None:
+        """MLX thread, after every turn: publish MLX's counters. With nothing in
+        flight the reading is also the live baseline; when the last request has
+        just ended, the memory it freed goes back to the machine first."""
+        if self._worker.has_work():
+            self._went_busy = True
+            self.probe.publish_mlx()
+            return
+        if self._went_busy:
+            self._went_busy = False
+            mlx_stats.release_cache()
+        self.baseline.observe_idle(self.probe.reading(fresh=True))
+
+    def _track_baseline(self, before: MemoryReading) -> None:
+        """MLX thread, after a load or unload: observe the baseline, or (work in
+        flight) move it by what the load or unload changed."""
+        after = self.probe.reading(fresh=True)
+        if self._worker.has_work():
+            self.baseline.moved(after.in_use_bytes - before.in_use_bytes)
+        else:
+            self.baseline.observe_idle(after)
+
+    def _live_baseline(self) -> int:
+        return self.baseline.bytes_now(self.probe.reading())
+
     def _load_on_worker(self, info: ModelInfo) -> ModelEngine:
+        before = self.probe.reading(fresh=True)
         loaded = load_model(info)
         engine = self._make_engine(loaded)
         self._worker.attach(engine)
+        self._track_baseline(before)
+        log.info(engine.guard.describe())
         return engine
 
     def _make_engine(self, loaded: LoadedModel) -> ModelEngine:
@@ -452,7 +487,7 @@ class EnginePool:
             loaded.info.name,
             dims,
             limits=self.limits,
-            baseline_bytes=self.probe.reading(fresh=True).resident_bytes,
+            baseline=self._live_baseline,
             chunk_tokens=sched.prefill_step_size,
         )
         explicit = self.model_settings.get(loaded.info.name).max_kv_tokens
@@ -468,7 +503,6 @@ class EnginePool:
                 explicit_tokens=explicit or self.settings.memory.max_kv_tokens,
             )
         )
-        log.info(guard.describe())
         # After the profile, so its readings are what they were without the checks.
         runner.prove_compiled()
         return ModelEngine(
@@ -486,22 +520,28 @@ class EnginePool:
         """Abort all work and unload every model."""
         engines = [r.engine for r in self._resident.values()]
         self._resident.clear()
-        for engine in engines:
-            engine.close(unloaded_error(engine.name, "the server is stopping"))
-        if not self._worker.is_alive:
-            return
-        for engine in engines:
-            await asyncio.wrap_future(self._worker.submit(self._unload_on_worker, engine))
+        for name in [e.name for e in engines]:
+            engines[0].close(unloaded_error(name, "the server is stopping"))
+            engines.append(engines.pop(0))
+        if self._worker.is_alive:
+            await asyncio.wrap_future(self._worker.submit(self._unload_on_worker, engines))
 
-    def _unload_on_worker(self, engine: ModelEngine) -> None:
-        self._worker.detach(engine)
-        engine.shutdown()
-        if engine.prefix_cache is not None:
-            engine.prefix_cache.close()
+    def _unload_on_worker(self, engines: list[ModelEngine]) -> None:
+        """Stop stepping and drop the engines (the list is emptied: the caller keeps
+        no reference), then hand their memory back and track the baseline."""
+        before = self.probe.reading(fresh=True)
+        while engines:
+            engine = engines.pop()
+            self._worker.detach(engine)
+            engine.shutdown()
+            if engine.prefix_cache is not None:
+                engine.prefix_cache.close()
+            del engine
         # Engines, runners and their batches reference each other: collect the
         # cycles now so the weights go back to the system with this unload.
         gc.collect()
-        _clear_mlx_cache()
+        mlx_stats.release_cache()
+        self._track_baseline(before)
 
 
 def _kv_profile(engine: ModelEngine) -> dict[str, Any] | None:
@@ -520,9 +560,3 @@ def _model_budget(value: str | int, hard_bytes: int) -> int:
 
 def _with_kind(info: ModelInfo, kind: str | None) -> ModelInfo:
     return info if kind is None or kind == info.kind else dataclasses.replace(info, kind=kind)
-
-
-def _clear_mlx_cache() -> None:
-    import mlx.core as mx
-
-    mx.clear_cache()

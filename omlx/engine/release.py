@@ -9,6 +9,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from omlx.errors import InvalidRequestError, MemoryPressureError
+from omlx.memory import mlx_stats
 from omlx.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -80,9 +81,7 @@ class Releases:
             failed = await self._unload_each(names)
             gone = [n for n in names if n not in pool._resident]
             self.to_reload += [n for n in gone if n not in self.to_reload]
-        import mlx.core as mx
-
-        await asyncio.wrap_future(pool._worker.submit(mx.clear_cache))
+        await asyncio.wrap_future(pool._worker.submit(mlx_stats.release_cache))
         after = pool.probe.reading(fresh=True).resident_bytes
         log.info(
             "released %s of %s: %s freed, %d requests ended%s",

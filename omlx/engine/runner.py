@@ -452,15 +452,23 @@ class BatchRunner:
         gate). A batched chunk is planned as attending over the whole prompt: an
         upper bound (rows are right-padded to the longest chunk)."""
         plan = []
-        solo = self._solo
-        sequences = [solo] if solo is not None else []
-        sequences += [seq for seq, _ in self._side.values()]
-        for seq in sequences:
+        for seq in self._prefilling():
             if n := seq.next_prefill_tokens():
                 plan.append(PrefillChunk(seq.request_id, n, seq.num_cached + n, seq.num_pending))
         for rid, n, left, whole in self._prefill.plan():
             plan.append(PrefillChunk(rid, n, whole, left))
         return plan
+
+    def cap_prefill(self, cap: int | None) -> None:
+        """The memory gate's cap on the next step's prefill chunks (None: as
+        planned; 0: prefill waits this step while decoding goes on)."""
+        for seq in self._prefilling():
+            seq.cap_next_chunk(cap)
+        self._prefill.cap_next_chunk(cap)
+
+    def _prefilling(self) -> list[SoloSequence]:
+        solo = [self._solo] if self._solo is not None else []
+        return solo + [seq for seq, _ in self._side.values()]
 
     def step(self) -> list[TokenOutput]:
         """One step: the solo sequence's, or a prefill chunk of the new prompts
@@ -470,7 +478,7 @@ class BatchRunner:
         if self._solo_decodes_faster_batched():
             self._solo_to_batch()
         outputs, self._unreported = self._unreported, []
-        if self._solo is not None:
+        if self._solo is not None and not self._solo.held:
             token = self._solo.step()
             if token is not None:
                 outputs.append(TokenOutput(self._solo.request_id, token))
@@ -488,6 +496,8 @@ class BatchRunner:
         """One prefill chunk for each side sequence; those down to their last
         prompt token join the batch (which samples their first token)."""
         for rid, (seq, _) in list(self._side.items()):
+            if seq.held:
+                continue
             if seq.num_pending > 1:
                 seq.step()
             if seq.num_pending <= 1:

@@ -113,6 +113,8 @@ class SoloSequence:
             mx.array(self._cached) if processors and self._cached else None
         )
         self._num_steps = 0
+        # The memory gate's cap on the next prefill chunk (None: none; 0: wait).
+        self._cap: int | None = None
         self._one_pass_max = (
             prefill_step_size if output_head(model) else min(_ONE_PASS_MAX, prefill_step_size)
         )
@@ -173,17 +175,30 @@ class SoloSequence:
         """Prompt tokens not in the cache yet."""
         return len(self._prompt)
 
+    def cap_next_chunk(self, cap: int | None) -> None:
+        """The memory gate's cap on the next prefill chunk (0: it waits a step)."""
+        self._cap = cap
+
+    @property
+    def held(self) -> bool:
+        """Still prefilling, and told to wait this step."""
+        return self._cap == 0 and self._y is None and len(self._prompt) > 1
+
     def _in_one_pass(self) -> bool:
         """Whether the next step feeds the whole rest of the prompt and samples.
-        Not with a boundary hook: its snapshot is taken before the last token."""
+        Not with a boundary hook: its snapshot is taken before the last token;
+        nor past the gate's cap."""
         n = len(self._prompt)
-        return n <= 1 or (self._on_boundary is None and n <= self._one_pass_max)
+        capped = self._cap is not None and n > self._cap
+        return n <= 1 or (self._on_boundary is None and n <= self._one_pass_max and not capped)
 
     def next_prefill_tokens(self) -> int:
         """Prompt tokens the next step will prefill (0 once decoding)."""
         if self._y is None and len(self._prompt) > 1 and self._in_one_pass():
             return len(self._prompt)
         n = min(self._step_size, len(self._prompt) - 1)
+        if self._cap:
+            n = min(n, self._cap)
         pos = len(self._cached)
         if n > 0 and self._on_boundary is not None and self._block_size:
             n = min(n, (pos // self._block_size + 1) * self._block_size - pos)

@@ -61,6 +61,14 @@ class MLXWorker:
         to publish MLX's memory counters, which only this thread may read."""
         self._after_turn.append(fn)
 
+    def has_work(self) -> bool:
+        """MLX thread: whether any engine has requests in flight."""
+        return any(e.has_work for e in self._engines)
+
+    def busy_besides(self, engine: Steppable) -> bool:
+        """MLX thread: whether an engine other than ``engine`` has requests in flight."""
+        return any(e.has_work for e in self._engines if e is not engine)
+
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._done.is_set()

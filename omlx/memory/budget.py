@@ -170,6 +170,12 @@ class MemoryReading:
         return max(self.mlx_active_bytes + self.mlx_cache_bytes, self.process_footprint_bytes)
 
     @property
+    def in_use_bytes(self) -> int:
+        """Resident bytes less MLX's cache of freed buffers, which MLX hands back
+        on demand: what the process cannot give up without ending work."""
+        return max(self.mlx_active_bytes, self.process_footprint_bytes - self.mlx_cache_bytes)
+
+    @property
     def high_water(self) -> int:
         return max(self.resident_bytes, self.recent_peak_bytes)
 
@@ -322,9 +328,10 @@ def preflight(
 def _hint(estimate: PrefillEstimate, limits: Limits) -> str:
     if estimate.current_bytes + estimate.margin_bytes >= limits.hard_bytes:
         return (
-            f"the model and the {format_bytes(estimate.margin_bytes)} transient margin fill "
-            "it: raise max_process_memory, load a smaller model, or (if the model's "
-            "max_kv_tokens is pinned) set memory.prefill_transient_margin."
+            f"the loaded models and the {format_bytes(estimate.margin_bytes)} transient "
+            "margin fill it: unload another model, raise max_process_memory, load a smaller "
+            "model, or (if the model's max_kv_tokens is pinned) set "
+            "memory.prefill_transient_margin."
         )
     if estimate.attention_bytes > estimate.kv_bytes:
         return "the attention transient dominates: lower prefill_step_size or shorten the prompt."

@@ -8,6 +8,7 @@ Linux has no footprint; RSS is the nearest number it offers.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import struct
@@ -116,3 +117,26 @@ class ProcessFootprint:
             pid,
             reason,
         )
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to trim with
+        return None
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc only).
+
+    MLX's CPU allocator frees through malloc, whose freed pages stay resident: on
+    Linux RSS would never come down after a model unloads or MLX's cache is
+    cleared, and every reading would count memory the process can reuse. A Mac
+    needs nothing: phys_footprint drops as Metal buffers are freed.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

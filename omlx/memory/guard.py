@@ -7,6 +7,7 @@ loaded after start is guarded as soon as it has a guard.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from omlx.errors import PrefillMemoryExceededError, SettingsError
 from omlx.memory.budget import (
@@ -55,8 +56,18 @@ def _pinned_margin(value: str | int) -> int | None:
 
 
 class MemoryGuard:
+    """``baseline`` answers, at each call, what the process holds with nothing in
+    flight (``omlx/memory/baseline.py``): the front door and the KV capacity
+    follow the live machine, not the moment this model loaded."""
+
     def __init__(
-        self, model: str, dims: ModelDims, *, limits: Limits, baseline_bytes: int, chunk_tokens: int
+        self,
+        model: str,
+        dims: ModelDims,
+        *,
+        limits: Limits,
+        baseline: Callable[[], int],
+        chunk_tokens: int,
     ):
         self.model = model
         self.dims = dims
@@ -65,16 +76,19 @@ class MemoryGuard:
         self.limits = limits
         self._unmodeled = 0
         self._margin_measured = False
-        # Process memory with this model loaded and nothing in flight.
-        self.baseline_bytes = baseline_bytes
+        self._baseline = baseline
         self.chunk_tokens = chunk_tokens
         # Set once the load-time auto-profile (or an explicit max_kv_tokens) ran.
         self.profile: KVProfile | None = None
 
     def set_profile(self, profile: KVProfile) -> None:
         self.profile = profile
-        self.baseline_bytes = max(self.baseline_bytes, profile.baseline_bytes)
         self.publish(self._published)
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Process memory with nothing in flight, now (this model loaded)."""
+        return self._baseline()
 
     @property
     def unmodeled_bytes(self) -> int:
@@ -84,14 +98,18 @@ class MemoryGuard:
     @property
     def max_kv_tokens(self) -> int | None:
         """The KV capacity: explicit, or recomputed from the measured transient
-        under the limits in force now (they change with settings)."""
+        under the limits in force now (they change with settings) and the live
+        baseline (other models load and unload)."""
+        return self._capacity(self.baseline_bytes)
+
+    def _capacity(self, baseline_bytes: int) -> int | None:
         p = self.profile
         if p is None or p.source == "explicit":
             return p.max_kv_tokens if p is not None else None
         return kv_capacity_tokens(
             self.limits,
             self.dims,
-            baseline_bytes=self.baseline_bytes,
+            baseline_bytes=baseline_bytes,
             chunk_tokens=self.chunk_tokens,
             overhead_bytes=p.overhead_bytes,
             unmodeled_bytes=self.unmodeled_bytes,
@@ -167,10 +185,11 @@ class MemoryGuard:
         """Raise PrefillMemoryExceededError (HTTP 400) for a prompt that cannot fit
         under the hard limit even with nothing else in flight. The estimate goes
         first: its message names the knob that helps."""
+        baseline = self.baseline_bytes
         try:
             preflight(
                 self.dims,
-                baseline_bytes=self.baseline_bytes,
+                baseline_bytes=baseline,
                 num_new_tokens=num_prompt_tokens - num_cached_tokens,
                 num_cached_tokens=num_cached_tokens,
                 chunk_tokens=self.chunk_tokens,
@@ -185,10 +204,10 @@ class MemoryGuard:
                 estimated_bytes=exc.estimated_bytes,
                 limit_bytes=exc.limit_bytes,
             ) from None
-        self._check_capacity(num_prompt_tokens)
+        self._check_capacity(num_prompt_tokens, baseline)
 
-    def _check_capacity(self, num_prompt_tokens: int) -> None:
-        cap = self.max_kv_tokens
+    def _check_capacity(self, num_prompt_tokens: int, baseline: int) -> None:
+        cap = self._capacity(baseline)
         if cap is None or num_prompt_tokens <= cap:
             return
         p = self.profile
@@ -197,7 +216,7 @@ class MemoryGuard:
             self.limits,
             self.dims,
             tokens=num_prompt_tokens,
-            baseline_bytes=self.baseline_bytes,
+            baseline_bytes=baseline,
             chunk_tokens=self.chunk_tokens,
             overhead_bytes=p.overhead_bytes if p is not None else 0,
             unmodeled_bytes=self.unmodeled_bytes,
@@ -205,8 +224,9 @@ class MemoryGuard:
         raise PrefillMemoryExceededError(
             f"this prompt ({num_prompt_tokens} tokens) needs more KV cache than the "
             f"{cap} tokens model '{self.model}' can hold under the "
-            f"{format_bytes(self.limits.hard_bytes)} memory limit; shorten the prompt, "
-            "raise memory.max_process_memory, or load a smaller model",
+            f"{format_bytes(self.limits.hard_bytes)} memory limit beside what is loaded now; "
+            "shorten the prompt, unload another model, raise memory.max_process_memory, or "
+            "load a smaller model",
             estimated_bytes=need,
             limit_bytes=self.limits.hard_bytes,
         )

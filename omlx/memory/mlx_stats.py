@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 
 from omlx.memory.budget import Limits
+from omlx.memory.footprint import trim_heap
 from omlx.sizes import format_bytes
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,16 @@ def sample() -> MlxStats:
     peak = int(mx.get_peak_memory())
     mx.reset_peak_memory()
     return MlxStats(int(mx.get_active_memory()), int(mx.get_cache_memory()), peak)
+
+
+def release_cache() -> None:
+    """MLX thread: hand MLX's cache of freed buffers (and the heap pages they
+    leave on the CPU backend) back to the system, so readings count only what
+    is in use and the rest of the machine gets the memory."""
+    import mlx.core as mx
+
+    mx.clear_cache()
+    trim_heap()
 
 
 def mlx_limits(limits: Limits) -> tuple[int, int]:

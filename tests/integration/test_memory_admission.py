@@ -59,7 +59,6 @@ async def load_with_ceiling(pool: EnginePool, room_bytes: int):
     hard = baseline + MARGIN + room_bytes
     pool.limits = Limits(hard, int(hard * 0.99), MARGIN)
     engine.guard.publish(pool.limits)
-    engine.guard.baseline_bytes = baseline
     return engine, probe, hard
 
 

@@ -72,7 +72,6 @@ async def setup(pool: EnginePool):
     hard = baseline + MARGIN + 400 * MB
     pool.limits = Limits(hard, int(hard * 0.99), MARGIN)
     engine.guard.publish(pool.limits)
-    engine.guard.baseline_bytes = baseline
     solo = [await generate(engine, f"solo-{k}", p) for k, p in enumerate(PROMPTS)]
     probe.engine, probe.at_limit = engine, hard - MARGIN // 2
     return engine, probe, solo

@@ -1,0 +1,73 @@
+"""Throttle before the kill (issue 27, defect 5), with a real model.
+
+Near the ceiling the forward gate first hands MLX's cache back, then caps the
+step's prefill chunks, then lets prefill wait for decoding requests, and only
+then ends a request. A flood near the ceiling completes more requests than a
+gate that ends at once, under the same peak bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from omlx.memory.budget import Limits
+from omlx.memory.probe import PEAK_WINDOW_S
+from tests.fixtures.tiny_models import build_tiny_model
+from tests.integration.test_memory_admission import MARGIN, MB, MLXProbe, generate
+
+# Mixed lengths, so long prefills run beside requests already decoding.
+LENGTHS = (1500, 300, 1200, 200, 900, 1500, 250, 700)
+
+
+def _prompts() -> list[list[int]]:
+    return [[5 + (i * 7 + j) % 400 for j in range(n)] for i, n in enumerate(LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def two_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("two-slow")
+    build_tiny_model(root / "slow-a", "slow-llama", seed=2)
+    build_tiny_model(root / "slow-b", "slow-llama", seed=3)
+    return root
+
+
+async def _flood(pool, room_bytes: int):
+    """Both models flooded at once: neither engine's admission counts what the
+    other is about to allocate, so memory drifts under admitted prefills."""
+    probe = pool.probe = MLXProbe()
+    engines = [await pool.get_engine(name) for name in ("slow-a", "slow-b")]
+    await asyncio.sleep(PEAK_WINDOW_S + 0.1)
+    baseline = probe.reading(fresh=True).resident_bytes
+    hard = baseline + MARGIN + room_bytes
+    pool.limits = Limits(hard, int(hard * 0.99), MARGIN)
+    for engine in engines:
+        engine.guard.publish(pool.limits)
+    probe.max_peak = 0
+    results = await asyncio.gather(
+        *(
+            generate(engine, f"{engine.name}-{i}", p, max_tokens=24)
+            for engine in engines
+            for i, p in enumerate(_prompts())
+        )
+    )
+    probe.reading(fresh=True)
+    return engines, probe, hard, results
+
+
+def test_a_flood_near_the_ceiling_is_throttled_not_ended(make_pool, two_models_dir) -> None:
+    pool = make_pool(two_models_dir, max_concurrent_requests=8, prefill_step_size=512)
+
+    async def main() -> None:
+        engines, probe, hard, results = await _flood(pool, room_bytes=80 * MB)
+        completed = [r for r, _ in results if r in ("stop", "length")]
+        # Every request is served (a gate that ends at once ended 5 of these 16
+        # here), the gate did step in short of ending, and the peak stayed bounded.
+        assert len(completed) == len(results), results
+        assert sum(e.num_throttled_steps + e.num_held_steps for e in engines) > 0
+        assert sum(e.num_gated for e in engines) == 0
+        assert probe.max_peak <= hard
+
+    asyncio.run(main())
