@@ -78,6 +78,8 @@ class ServerProc:
     log: Path
     model_dir: Path
     proc: subprocess.Popen | None = None
+    # Where ``python -m omlx.cli`` runs: its omlx package wins (another commit's tree).
+    cwd: Path = ROOT
 
     @property
     def url(self) -> str:
@@ -98,7 +100,7 @@ class ServerProc:
             "--no-install-default",
         ]
         env = {**os.environ, **self.env}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=self.log.open("a"))
+        self.proc = subprocess.Popen(cmd, cwd=self.cwd, env=env, stderr=self.log.open("a"))
         while True:
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:

@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/bench_flood.py [--model-dir DIR] [--clients 16]
         [--prompt-tokens 1500] [--room-prompts 2] [--skip-flood] [--skip-overhead]
+    .venv/bin/python benchmarks/bench_flood.py --realistic [--clients 12]
+        [--requests-per-client 3] [--ceiling 1200MB] [--compare-ref 06b521d]
 
 1. Flood (a real ``omlx serve``, SmolLM2 float32, prefix cache off so every prompt
    is prefilled in full): the server is started once with the default ceiling to
@@ -16,6 +18,11 @@
 2. Guard overhead (in process, ample ceiling): aggregate decode tok/s of 8
    concurrent greedy streams with the real guard vs with every guard check
    disabled, interleaved pairs. Target: on >= 0.97 x off.
+3. ``--realistic`` (issue 27's bar; benchmarks/flood_realistic.py): a tight
+   ceiling, two models (one loaded and unloaded mid-flood), plain and structured
+   requests of mixed lengths, a release/resume cycle in the middle; reports hung
+   requests, every outcome, false 400s, peaks against the ceiling; with
+   ``--compare-ref REF`` the same run against another commit's code.
 Targets are reported, never enforced: the exit code is always 0.
 """
 
@@ -100,7 +107,7 @@ async def _watch_mlx(http: httpx.AsyncClient, done: asyncio.Event) -> int:
 def _loaded_state(server: ServerProc) -> tuple[int, dict]:
     """What the server holds with the model loaded, and the model's status row."""
     with httpx.Client(base_url=server.url, timeout=600) as http:
-        http.post("/admin/api/models/" + MODEL + "/load").raise_for_status()
+        http.post("/admin/api/models/" + MODEL + "/load", json={}).raise_for_status()
         time.sleep(1.5)  # the load's transients leave the recent window
         memory = http.get("/admin/api/memory").json()
         row = next(m for m in http.get("/admin/api/models").json()["models"] if m["name"] == MODEL)
@@ -276,14 +283,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", type=Path, default=Path.home() / ".omlx" / "models")
     ap.add_argument("--port", type=int, default=0, help="default: a free port")
-    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--clients", type=int, help="default 16 (12 with --realistic)")
     ap.add_argument("--prompt-tokens", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--room-prompts", type=float, default=2.0)
     ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--skip-flood", action="store_true")
     ap.add_argument("--skip-overhead", action="store_true")
+    real = ap.add_argument_group("--realistic")
+    real.add_argument("--realistic", action="store_true", help="run the realistic flood only")
+    real.add_argument("--ceiling", help="max_process_memory, e.g. 1200MB (default: computed)")
+    real.add_argument("--compare-ref", metavar="REF", help="also run REF's code (git archive)")
+    real.add_argument("--requests-per-client", type=int, default=3)
+    real.add_argument("--lengths", type=int, nargs="+", default=[64, 300, 800, 1500])
+    real.add_argument("--timeout", type=float, default=600.0, help="per-request bound (s)")
+    real.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.realistic:
+        from flood_realistic import main_realistic
+
+        args.clients = args.clients or 12
+        main_realistic(args)
+        return
+    args.clients = args.clients or 16
     if not args.port:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))

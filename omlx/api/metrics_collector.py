@@ -30,6 +30,9 @@ class Snapshot:
     prefix: dict[str, dict[str, Any]]  # model -> PrefixCache.stats()
     prefill_rate: float
     decode_rate: float
+    # Above the soft limit the enforcer pauses admission: now, and how often.
+    admission_paused: bool = False
+    num_admission_pauses: int = 0
 
     @property
     def ssd_bytes(self) -> int:
@@ -52,6 +55,7 @@ def take_snapshot(state: ServerState, metrics: ServerMetrics) -> Snapshot:
             "mlx_cache_bytes": reading.mlx_cache_bytes,
             "process_bytes": reading.process_footprint_bytes,
             "model_budget_bytes": pool.model_budget_bytes,
+            "baseline_bytes": pool.baseline.bytes_now(reading),
         },
         num_loads=pool.num_loads,
         num_evictions=pool.num_evictions,
@@ -59,6 +63,8 @@ def take_snapshot(state: ServerState, metrics: ServerMetrics) -> Snapshot:
         prefix={n: e.prefix_cache.stats() for n, e in loaded.items() if e.prefix_cache},
         prefill_rate=metrics.prefill.rate(),
         decode_rate=metrics.decode.rate(),
+        admission_paused=pool.admission_paused,
+        num_admission_pauses=pool.num_admission_pauses,
     )
 
 
@@ -155,6 +161,7 @@ class PoolCollector(Collector):
         yield _gauge("omlx_uptime_seconds", "Seconds since the server started", snap.uptime_s)
         yield from _requests(snap)
         yield from _memory(snap)
+        yield from _memory_guard(snap)
         yield from _cache(snap)
 
     def __repr__(self) -> str:
@@ -198,6 +205,7 @@ def _memory(snap: Snapshot) -> Iterator[Metric]:
         "mlx_cache_bytes": "Freed MLX buffers kept for reuse (still held by the process)",
         "process_bytes": "Process footprint (phys_footprint on macOS, RSS on Linux)",
         "model_budget_bytes": "Budget for loaded weights across models",
+        "baseline_bytes": "Memory in use with nothing in flight (the front door's baseline)",
     }
     for key, doc in docs.items():
         yield _gauge(f"omlx_memory_{key}", doc, snap.memory[key])
@@ -205,6 +213,36 @@ def _memory(snap: Snapshot) -> Iterator[Metric]:
         "omlx_model_weights_bytes",
         "Bytes of each loaded model's weights",
         {m["name"]: m["memory_bytes"] for m in snap.models},
+    )
+
+
+def _memory_guard(snap: Snapshot) -> Iterator[Metric]:
+    """What the guard did short of refusing at the front door, per model."""
+    guards = {m["name"]: m["memory_guard"] for m in snap.models if m.get("memory_guard")}
+    yield _counter(
+        "omlx_memory_deferrals",
+        "Admission deferrals (a queued request re-checked next step), by reason",
+        ["model", "reason"],
+        {(name, why): n for name, g in guards.items() for why, n in g["deferrals"].items()},
+    )
+    for key, doc in (
+        ("gate_ended", "Requests the forward gate ended (503) before a prefill chunk"),
+        ("throttled_steps", "Steps whose prefill chunks the gate capped to fit"),
+        ("held_steps", "Steps whose prefill waited for decoding requests to free memory"),
+        ("reclaims", "Times the gate handed MLX's free cache back before deciding"),
+        ("unshared_openings", "Shared openings the gate held back (prefilled per request)"),
+    ):
+        yield _counter(f"omlx_memory_{key}", doc, ["model"], {n: g[key] for n, g in guards.items()})
+    yield _gauge(
+        "omlx_memory_admission_paused",
+        "1 while memory is above the soft limit and admission is paused",
+        int(snap.admission_paused),
+    )
+    yield _counter(
+        "omlx_memory_admission_pauses",
+        "Times admission was paused above the soft limit",
+        [],
+        {(): snap.num_admission_pauses},
     )
 
 
@@ -246,6 +284,17 @@ def _cache(snap: Snapshot) -> Iterator[Metric]:
         yield family
     if hot is not None:
         yield _gauge("omlx_cache_hot_max_bytes", "Byte budget of the RAM tier", hot["max_bytes"])
+    for key, doc in (
+        ("saves", "Blocks accepted for writing to the SSD tier"),
+        ("saves_persisted", "Blocks whose SSD file was written (atomically renamed in)"),
+        ("drops", "Blocks dropped instead of written (writer saturated or store closed)"),
+    ):
+        yield _counter(
+            f"omlx_cache_ssd_{key}",
+            doc,
+            ["model"],
+            {model: s["ssd"][key] for model, s in snap.prefix.items() if s["ssd"]},
+        )
     for key, doc in (
         ("lookups", "Prefix lookups"),
         ("hits", "Prefix lookups that found cached tokens"),

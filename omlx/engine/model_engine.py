@@ -91,7 +91,8 @@ class ModelEngine:
         # Set by the pool's enforcer above the soft limit: admit nothing new
         # while something runs (a lone request is still admitted, so no deadlock).
         self.admission_paused = False
-        self.num_deferrals = 0
+        # Admission deferrals by reason: "memory", "kv_capacity", "paused".
+        self.deferrals: Counter[str] = Counter()
         self.num_gated = 0
         # The gate's steps short of ending anything: MLX's cache handed back,
         # chunks capped, prefill waiting for decoding requests (since when).
@@ -202,9 +203,10 @@ class ModelEngine:
             if gone is not None:
                 raise copy.copy(gone)
             self._scheduler.add(request)
-        except OmlxError as exc:
+        except (OmlxError, ValueError) as exc:  # ValueError: a duplicate request id
+            error = exc if isinstance(exc, OmlxError) else EngineError(f"not queued: {exc}")
             self._release("rejected")
-            stream.loop.call_soon_threadsafe(stream.push, StreamEvent(error=exc))
+            stream.loop.call_soon_threadsafe(stream.push, StreamEvent(error=error))
             return
         detok = IncrementalDetokenizer(self._decoder, request.prompt_ids)
         self._live[request.request_id] = _Live(
@@ -297,18 +299,41 @@ class ModelEngine:
         )
         return self._scheduler.schedule(self._can_admit)
 
+    @property
+    def num_deferrals(self) -> int:
+        return self.deferrals.total()
+
+    def guard_counters(self) -> dict[str, Any]:
+        """What the memory guard did to this model's requests (admin API, /metrics)."""
+        return {
+            "deferrals": dict(self.deferrals),
+            "gate_ended": self.num_gated,
+            "throttled_steps": self.num_throttled_steps,
+            "held_steps": self.num_held_steps,
+            "reclaims": self.num_reclaims,
+            "unshared_openings": self.num_unshared_openings,
+        }
+
     def _can_admit(self, request: Request, num_running: int) -> bool:
         """Memory admission for the head of the queue (never defers a lone request)."""
+        reason = None
         if num_running == 0:
             admitted = True
         elif self.admission_paused:
-            admitted = False
+            admitted, reason = False, "paused"
+            log.info(
+                "memadmit %s: deferred a %d-token prompt: admission paused (memory above "
+                "the soft limit) with %d in flight",
+                self.name,
+                request.num_prompt_tokens,
+                num_running,
+            )
         elif not self.guard.kv_fits(
             # The scheduler counts the ones admitted earlier in this step too.
             self._scheduler.num_running_tokens,
             request.num_prompt_tokens,
         ):
-            admitted = False
+            admitted, reason = False, "kv_capacity"
             log.info(
                 "memadmit %s: deferred a %d-token prompt: %d KV tokens in flight, capacity %s",
                 self.name,
@@ -327,6 +352,7 @@ class ModelEngine:
                 process_footprint_bytes=reading.process_footprint_bytes + pending,
             )
             admitted = self.guard.admit(request.num_prompt_tokens, num_running, reading)
+            reason = None if admitted else "memory"
         if admitted:
             dims, n = self.guard.dims, request.num_prompt_tokens
             self._pending_bytes += dims.kv_bytes_per_token * n + (
@@ -334,7 +360,7 @@ class ModelEngine:
                 + self.guard.unmodeled_bytes
             )
         else:
-            self.num_deferrals += 1
+            self.deferrals[reason or "memory"] += 1
         return admitted
 
     def _gate_prefill(self, outbox: list) -> None:

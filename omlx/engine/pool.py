@@ -14,6 +14,7 @@ from typing import Any
 
 from omlx.cache.setup import make_hot_tier, make_prefix_cache
 from omlx.engine.model_engine import ModelEngine, unloaded_error
+from omlx.engine.profile import auto_profile
 from omlx.engine.release import Releases
 from omlx.engine.residency import ResidentModel, choose_evictions, expired
 from omlx.engine.runner import BatchRunner
@@ -29,7 +30,6 @@ from omlx.memory.baseline import IdleBaseline
 from omlx.memory.budget import Limits, MemoryReading, guard_dims
 from omlx.memory.guard import MemoryGuard, memory_limits
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
-from omlx.memory.profile import auto_profile
 from omlx.models.discovery import ModelInfo, discover_models
 from omlx.models.loader import LoadedModel, load_model
 from omlx.models.model_settings import (
@@ -112,6 +112,9 @@ class EnginePool:
         self.hot_cache = make_hot_tier(settings, ram)
         self.num_loads = 0
         self.num_evictions = 0
+        # Above the soft limit the enforcer pauses admission: now, and how often.
+        self.admission_paused = False
+        self.num_admission_pauses = 0
         # What /release_memory_occupation released; those models wait for resume.
         self.releases = Releases(self)
 
@@ -182,6 +185,7 @@ class EnginePool:
                     # Requests memory admission kept queued / the forward gate ended.
                     "num_deferrals": resident.engine.num_deferrals if resident else 0,
                     "num_gated": resident.engine.num_gated if resident else 0,
+                    "memory_guard": resident.engine.guard_counters() if resident else None,
                 }
             )
         return out
@@ -356,6 +360,9 @@ class EnginePool:
         reading = self.probe.reading(fresh=True)
         used, limits = reading.resident_bytes, self.limits
         above_soft = used > limits.soft_bytes
+        if above_soft and not self.admission_paused:
+            self.num_admission_pauses += 1
+        self.admission_paused = above_soft
         for resident in self._resident.values():
             resident.engine.admission_paused = above_soft
         if not above_soft:
@@ -501,6 +508,8 @@ class EnginePool:
                 batch_size=sched.max_concurrent_requests,
                 vocab_size=loaded.vocab_size,
                 explicit_tokens=explicit or self.settings.memory.max_kv_tokens,
+                # Validation holds the KV that can really be in flight at once.
+                max_tokens_in_flight=window * sched.max_concurrent_requests,
             )
         )
         # After the profile, so its readings are what they were without the checks.

@@ -428,6 +428,13 @@ class KVProfile:
     canary_bytes: int = 0
     attempts: int = 0
     seconds: float = 0.0
+    # The batched prefill stress: rows x chunk run as one step (0: not run), its peak.
+    batch_rows: int = 0
+    batch_peak_bytes: int = 0
+    # KV really allocated (every page written) beside the steps in the passing validation.
+    held_kv_bytes: int = 0
+    # Resident bytes after the passes were torn down (the baseline when higher).
+    teardown_bytes: int = 0
 
 
 # Auto-profile (seed 002): each retry shrinks the capacity by 5%, at most 3 retries.

@@ -251,3 +251,22 @@ def test_metrics_and_stats_need_the_key_when_one_is_set(
         good = {"Authorization": "Bearer s3cret"}
         assert value(scrape(srv.base_url, good), "omlx_uptime_seconds") > 0
         assert stats(srv, {"x-api-key": "s3cret"})["requests"]["total"] == 0
+
+
+def test_ssd_tier_saves_persisted_and_drops_are_exported(
+    tiny_models_dir: Path, tmp_path: Path
+) -> None:
+    """A write-through SSD tier writes every block: /metrics shows the saves, the
+    ones on disk and the drops, as the store counts them."""
+    cache = {"block_size": 16, "hot_cache_mode": "write-through"}
+    with live_server(tmp_path, tiny_models_dir, cache=cache) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
+        chat(client, "Write these words to the disk tier, block after block. " * 4)
+        store = srv.pool.engine(MODEL).prefix_cache
+        deadline = time.monotonic() + 30
+        while (ssd := store.stats()["ssd"])["pending_writes"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        samples = scrape(srv.base_url)
+        assert ssd["saves_persisted"] > 0 and ssd["saves"] >= ssd["saves_persisted"]
+        for key in ("saves", "saves_persisted", "drops"):
+            assert value(samples, f"omlx_cache_ssd_{key}_total", model=MODEL) == ssd[key]

@@ -1,8 +1,9 @@
 """The KV-capacity auto-profile at model load (seed 002), with real models.
 
-The profile measures a full prefill chunk and a full decode batch on the loaded
-model, validates with a canary held, and turns what it measured into the
-model's ``max_kv_tokens``; an explicit ``max_kv_tokens`` skips it. Capacity
+The profile measures a full prefill chunk, the batched prefill of several rows
+and a full decode batch on the loaded model, validates with the chosen KV and a
+canary held, and turns what it measured into the model's ``max_kv_tokens``; an
+explicit ``max_kv_tokens`` gets one pass of every step beside its KV. Capacity
 then admits (queues) and refuses prompts by their KV.
 """
 
@@ -73,8 +74,8 @@ def test_capacity_follows_the_limits_in_force(make_pool) -> None:
     asyncio.run(main())
 
 
-def test_explicit_max_kv_tokens_skips_the_profile(make_pool) -> None:
-    pool = make_pool(memory={"max_kv_tokens": 5000})
+def test_explicit_max_kv_tokens_keeps_one_stress_pass(make_pool) -> None:
+    pool = make_pool(memory={"max_kv_tokens": 5000}, prefill_step_size=256)
     pool.model_settings.update("tiny-qwen3", {"max_kv_tokens": 700})
 
     async def main() -> None:
@@ -83,7 +84,55 @@ def test_explicit_max_kv_tokens_skips_the_profile(make_pool) -> None:
         assert llama.guard.profile.source == "explicit"
         assert llama.guard.max_kv_tokens == 5000  # the global setting
         assert qwen.guard.max_kv_tokens == 700  # the model's own wins
-        assert qwen.guard.profile.seconds == 0.0 and qwen.guard.profile.attempts == 0
+        # The safety net (seed 002): one pass of every step beside the pinned KV,
+        # really allocated, and the transient it measured.
+        profile = qwen.guard.profile
+        assert profile.source == "explicit" and profile.attempts == 1
+        # Its 700 tokens in flight: held beside the batched step, which adds its rows' own.
+        held_tokens = profile.held_kv_bytes // qwen.guard.dims.kv_bytes_per_token
+        assert profile.batch_rows == 2 and held_tokens + 2 * 256 == 700
+        assert profile.overhead_bytes > 0
+        # Nothing measured sets the margin: the unmeasured default stays.
+        assert qwen.guard.limits.transient_margin_bytes == pool.limits.transient_margin_bytes
+
+    asyncio.run(main())
+
+
+def test_an_explicit_capacity_too_large_for_the_limit_fails_the_load(make_pool) -> None:
+    # Room for the weights and one step, not for 4096 tokens of slow-llama's KV (64 MB).
+    hard = psutil.Process().memory_info().rss + 40 * MB
+    pool = make_pool(
+        memory={"max_process_memory": hard, "max_kv_tokens": 100_000},
+        prefill_step_size=256,
+    )
+
+    async def main() -> None:
+        with pytest.raises(InsufficientMemoryError) as info:
+            await pool.get_engine("slow-llama")
+        message = str(info.value)
+        assert "max_kv_tokens 100000 does not fit" in message
+        fits = int(message.split("about ")[1].split(" KV tokens would fit")[0])
+        assert 0 <= fits < 100_000
+        assert "memory.max_process_memory" in message
+        assert info.value.http_status == 507
+        assert pool.loaded() == []
+
+    asyncio.run(main())
+
+
+def test_the_batched_prefill_is_stressed_at_max_concurrent_requests_rows(make_pool) -> None:
+    pool = make_pool(max_concurrent_requests=8, prefill_step_size=256)
+
+    async def main() -> None:
+        engine = await pool.get_engine("tiny-llama")
+        profile, kv = engine.guard.profile, engine.guard.dims.kv_bytes_per_token
+        assert profile.batch_rows == 8  # a tiny model: all rows fit the time budget
+        batch_over = profile.batch_peak_bytes - kv * 8 * 256
+        solo_over = profile.prefill_peak_bytes - kv * 256
+        # Eight rows' activations at once, not one: the capacity and margin count them.
+        assert batch_over > 2 * solo_over
+        assert profile.overhead_bytes >= batch_over
+        assert engine.guard.max_kv_tokens == _capacity(engine.guard, profile.attempts - 1)
 
     asyncio.run(main())
 
@@ -152,8 +201,8 @@ def test_no_room_for_one_chunk_fails_the_load_naming_every_knob(make_pool) -> No
 
 class SpikyProbe(MemoryProbe):
     """The real probe, plus another allocation that shows up while chosen stress
-    passes run (numbered by ``watched_peak`` calls: 1 prefill, 2 decode, 3+
-    validations)."""
+    passes run (numbered by ``watched_peak`` calls: 1 prefill, 2 decode, 3 the
+    batched prefill, 4+ validations)."""
 
     def __init__(self, spikes: dict[int, int]) -> None:
         super().__init__()
@@ -168,30 +217,28 @@ class SpikyProbe(MemoryProbe):
 
 def test_a_failed_validation_shrinks_capacity_by_five_percent(make_pool) -> None:
     pool = make_pool(prefill_step_size=256)
-    spike = 2 * canary_bytes(pool.limits)
-    probe = pool.probe = SpikyProbe({3: spike})
+    # The first validation peaks over the hard limit.
+    probe = pool.probe = SpikyProbe({4: pool.limits.hard_bytes})
 
     async def main() -> None:
         engine = await pool.get_engine("tiny-llama")
         profile = engine.guard.profile
         assert profile.attempts == 2
-        assert profile.overhead_bytes >= spike  # the larger measurement is kept
         assert engine.guard.max_kv_tokens == _capacity(engine.guard, 1)
-        assert probe.calls == 4
+        assert probe.calls == 5
 
     asyncio.run(main())
 
 
 def test_validation_failing_every_retry_fails_the_load(make_pool) -> None:
     pool = make_pool(prefill_step_size=256)
-    step = 2 * canary_bytes(pool.limits)
-    # Each validation sees more than the one before: 1 try + 3 retries, then give up.
-    probe = pool.probe = SpikyProbe({n: (n - 2) * step for n in range(3, 10)})
+    # Every validation peaks over the hard limit: 1 try + 3 retries, then give up.
+    probe = pool.probe = SpikyProbe({n: pool.limits.hard_bytes for n in range(4, 10)})
 
     async def main() -> None:
         with pytest.raises(InsufficientMemoryError, match="max_kv_tokens"):
             await pool.get_engine("tiny-llama")
-        assert probe.calls == 2 + 4
+        assert probe.calls == 3 + 4
         assert pool.loaded() == []
 
     asyncio.run(main())

@@ -4,6 +4,8 @@ models never yanked, explicit unload, pinning, TTL, aliases."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 from pathlib import Path
 
 import pytest
@@ -26,10 +28,13 @@ def sizes(model_dir: Path) -> dict[str, int]:
     return {name: info.size_bytes for name, info in discover_models([model_dir]).items()}
 
 
+_REQUEST_NUMBERS = itertools.count()
+
+
 async def run(pool: EnginePool, model: str, max_tokens: int = 8) -> tuple[str, str | None]:
     """(finish reason or error code, text) of one greedy request through the pool."""
     engine = await pool.get_engine(model)
-    stream = RequestStream(f"{model}-{id(object())}", asyncio.get_running_loop())
+    stream = RequestStream(f"{model}-{next(_REQUEST_NUMBERS)}", asyncio.get_running_loop())
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     engine.submit(Request(stream.request_id, (5, 6, 7, 8), params), stream)
     text = ""
@@ -228,8 +233,8 @@ class SetProbe(MemoryProbe):
 
 
 def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool):
-    # The readings are made up (a few MB): a pinned KV capacity skips the load-time
-    # auto-profile, which would rightly refuse to load under such a ceiling.
+    # The readings are made up (a few MB): a pinned KV capacity replaces the load-time
+    # auto-profile's measured one, which would rightly refuse such a ceiling.
     pool = make_pool(memory={"max_kv_tokens": 4096})
     probe = pool.probe = SetProbe()
 
@@ -263,6 +268,43 @@ def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool):
     asyncio.run(main())
 
 
+def test_a_pause_above_the_soft_limit_is_counted_and_its_deferrals_logged(
+    make_pool, caplog: pytest.LogCaptureFixture
+):
+    pool = make_pool(memory={"max_kv_tokens": 4096})  # made-up readings: see above
+    probe = pool.probe = SetProbe()
+    caplog.set_level(logging.INFO, logger="omlx")
+
+    async def main() -> None:
+        await run(pool, "slow-llama")
+        # Above the soft limit, with room under the hard one for the prompts.
+        pool.limits = Limits(1_000_000_000, 100_000_000, 1_000)
+        probe.bytes = 200_000_000
+        await pool.enforce()
+        await pool.enforce()  # still above soft: the same pause
+        assert pool.admission_paused and pool.num_admission_pauses == 1
+        engine = pool.engine("slow-llama")
+        first = asyncio.create_task(run(pool, "slow-llama", max_tokens=200))
+        while not engine.num_in_flight:
+            assert not first.done(), first.result()
+            await asyncio.sleep(0.01)
+        second = asyncio.create_task(run(pool, "slow-llama", max_tokens=4))
+        while not engine.deferrals["paused"]:
+            assert not second.done(), second.result()
+            await asyncio.sleep(0.01)
+        probe.bytes = 50_000_000
+        await pool.enforce()
+        assert not pool.admission_paused and pool.num_admission_pauses == 1
+        assert (await second)[0] == "length" and (await first)[0] == "length"
+        paused = [m for m in caplog.messages if "admission paused (memory above" in m]
+        assert len(paused) == engine.deferrals["paused"]
+        assert all(m.startswith("memadmit slow-llama: deferred a 4-token prompt") for m in paused)
+        counters = {m["name"]: m["memory_guard"] for m in pool.status()}["slow-llama"]
+        assert counters["deferrals"]["paused"] == engine.deferrals["paused"]
+
+    asyncio.run(main())
+
+
 def test_the_default_model_answers_to_default(make_pool):
     pool = make_pool()
 
@@ -274,5 +316,24 @@ def test_the_default_model_answers_to_default(make_pool):
         pool.model_settings.put("tiny-llama", {"is_default": True})  # per-model wins
         assert (await pool.get_engine("default")).name == "tiny-llama"
         assert {m["name"] for m in pool.status() if m["is_default"]} == {"tiny-llama"}
+
+    asyncio.run(main())
+
+
+def test_a_duplicate_request_id_ends_with_an_error_not_a_hang(make_pool):
+    pool = make_pool()
+
+    async def main() -> None:
+        engine = await pool.get_engine("slow-llama")
+        loop = asyncio.get_running_loop()
+        first, second = RequestStream("same-id", loop), RequestStream("same-id", loop)
+        params = SamplingParams(temperature=0.0, max_tokens=40)
+        for stream in (first, second):
+            engine.submit(Request("same-id", (5, 6, 7, 8), params), stream)
+        event = await asyncio.wait_for(second.get(), timeout=30)
+        assert event.error is not None and "duplicate request id" in event.error.message
+        while not (event := await asyncio.wait_for(first.get(), timeout=30)).finish_reason:
+            assert event.error is None
+        assert engine.num_in_flight == 0
 
     asyncio.run(main())

@@ -9,10 +9,14 @@ gate that ends at once, under the same peak bound.
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
 
+from omlx.api.metrics import ServerMetrics
+from omlx.api.metrics_collector import PoolCollector
+from omlx.api.state import ServerState
 from omlx.memory.budget import Limits
 from omlx.memory.probe import PEAK_WINDOW_S
 from tests.fixtures.tiny_models import build_tiny_model
@@ -57,8 +61,11 @@ async def _flood(pool, room_bytes: int):
     return engines, probe, hard, results
 
 
-def test_a_flood_near_the_ceiling_is_throttled_not_ended(make_pool, two_models_dir) -> None:
+def test_a_flood_near_the_ceiling_is_throttled_not_ended(
+    make_pool, two_models_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     pool = make_pool(two_models_dir, max_concurrent_requests=8, prefill_step_size=512)
+    caplog.set_level(logging.INFO, logger="omlx")
 
     async def main() -> None:
         engines, probe, hard, results = await _flood(pool, room_bytes=80 * MB)
@@ -69,5 +76,42 @@ def test_a_flood_near_the_ceiling_is_throttled_not_ended(make_pool, two_models_d
         assert sum(e.num_throttled_steps + e.num_held_steps for e in engines) > 0
         assert sum(e.num_gated for e in engines) == 0
         assert probe.max_peak <= hard
+        _metrics_show(pool, engines)
+        _log_lines_show(caplog.messages, engines)
 
     asyncio.run(main())
+
+
+def _metrics_show(pool, engines) -> None:
+    """/metrics (its collector, on this pool) reports what the guard did."""
+    families = PoolCollector(ServerState(pool.settings, pool), ServerMetrics()).collect()
+    samples = [s for f in families for s in f.samples]
+
+    def total(name: str, **labels: str) -> float:
+        return sum(
+            s.value
+            for s in samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    for e in engines:
+        model = e.name
+        assert total("omlx_memory_throttled_steps_total", model=model) == e.num_throttled_steps
+        assert total("omlx_memory_held_steps_total", model=model) == e.num_held_steps
+        assert total("omlx_memory_reclaims_total", model=model) == e.num_reclaims
+        assert total("omlx_memory_gate_ended_total", model=model) == 0
+        for reason, n in e.deferrals.items():
+            assert total("omlx_memory_deferrals_total", model=model, reason=reason) == n
+    assert total("omlx_memory_deferrals_total") == sum(e.num_deferrals for e in engines) > 0
+    assert 0 < total("omlx_memory_baseline_bytes") < pool.limits.hard_bytes
+
+
+def _log_lines_show(messages: list[str], engines) -> None:
+    """The lines a person debugging memory greps for, one per kind of event."""
+    gate = [m for m in messages if m.startswith("memgate slow-")]
+    steps = sum(e.num_throttled_steps + e.num_held_steps for e in engines)
+    assert len(gate) == steps
+    assert all("limit" in m and ("capped at" in m or "waits a step" in m) for m in gate)
+    admit = [m for m in messages if m.startswith("memadmit slow-")]
+    assert len(admit) == sum(e.num_deferrals for e in engines)
+    assert all("deferred a " in m and "-token prompt" in m for m in admit)
