@@ -299,11 +299,11 @@ def _greedy(logits: mx.array) -> mx.array:
 
 def _measure(probe: MemoryProbe, run: Callable[[], None]) -> int:
     """Bytes the pass added at its peak over what was resident before it."""
-    mx.clear_cache()
+    mlx_stats.release_cache()
     try:
         return _peak_delta(probe, run)[1]
     finally:
-        mx.clear_cache()
+        mlx_stats.release_cache()
 
 
 def _peak_delta(probe: MemoryProbe, run: Callable[[], None]) -> tuple[int, int]:
@@ -342,7 +342,7 @@ def _validate(stress: _Stress, probe: MemoryProbe, tokens: int, canary: int) -> 
         mx.eval(held)
         stress.every_step(rows)
 
-    mx.clear_cache()
+    mlx_stats.release_cache()
     try:
         before, delta = _peak_delta(probe, run)
         held_bytes = sum(a.nbytes for a in held[:-1])
@@ -352,7 +352,7 @@ def _validate(stress: _Stress, probe: MemoryProbe, tokens: int, canary: int) -> 
         return None
     finally:
         held.clear()
-        mx.clear_cache()
+        mlx_stats.release_cache()
 
 
 def _settled_baseline(probe: MemoryProbe, baseline: int) -> int:

@@ -16,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from omlx.engine.profile import auto_profile
 from omlx.errors import InsufficientMemoryError
+from omlx.memory import mlx_stats
 from omlx.memory.budget import (
     Limits,
     MemoryReading,
@@ -77,9 +78,16 @@ class RecordingProbe(MemoryProbe):
         return peak, reading
 
 
+def _settled_resident() -> int:
+    """What this process holds once the memory earlier tests freed is handed back
+    (the profile hands it back at its teardown: it must not pass for a change)."""
+    mlx_stats.release_cache()
+    return MemoryProbe().reading(fresh=True).resident_bytes
+
+
 def _limits(headroom: int) -> Limits:
     """An "auto"-margin ceiling ``headroom`` bytes above what this process holds now."""
-    resident = MemoryProbe().reading(fresh=True).resident_bytes
+    resident = _settled_resident()
     hard = resident + headroom
     return Limits(hard, int(hard * 0.85), 1024**3, margin_pinned=False)
 
@@ -176,7 +184,7 @@ def test_memory_not_back_after_the_passes_is_reported_and_counted(
     llama: LoadedModel, caplog: pytest.LogCaptureFixture
 ) -> None:
     leaky = LeakyModel(llama.model)
-    before = MemoryProbe().reading(fresh=True).resident_bytes
+    before = _settled_resident()
     with caplog.at_level(logging.WARNING, logger="omlx.engine.profile"):
         profile = _profile(llama, MemoryProbe(), _limits(600 * MB), model=leaky)
     leaked = sum(a.nbytes for a in leaky.kept)
