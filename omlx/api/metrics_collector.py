@@ -63,8 +63,8 @@ def take_snapshot(state: ServerState, metrics: ServerMetrics) -> Snapshot:
         prefix={n: e.prefix_cache.stats() for n, e in loaded.items() if e.prefix_cache},
         prefill_rate=metrics.prefill.rate(),
         decode_rate=metrics.decode.rate(),
-        admission_paused=pool.admission_paused,
-        num_admission_pauses=pool.num_admission_pauses,
+        admission_paused=pool.enforcer.admission_paused,
+        num_admission_pauses=pool.enforcer.num_admission_pauses,
     )
 
 

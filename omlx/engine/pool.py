@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omlx.cache.setup import make_hot_tier, make_prefix_cache
+from omlx.engine.enforcer import Enforcer
 from omlx.engine.model_engine import ModelEngine, unloaded_error
 from omlx.engine.profile import auto_profile
 from omlx.engine.release import Releases
@@ -21,7 +22,6 @@ from omlx.engine.runner import BatchRunner
 from omlx.engine.worker import MLXWorker
 from omlx.errors import (
     InsufficientMemoryError,
-    MemoryPressureError,
     ModelNotFoundError,
     OmlxError,
 )
@@ -112,9 +112,7 @@ class EnginePool:
         self.hot_cache = make_hot_tier(settings, ram)
         self.num_loads = 0
         self.num_evictions = 0
-        # Above the soft limit the enforcer pauses admission: now, and how often.
-        self.admission_paused = False
-        self.num_admission_pauses = 0
+        self.enforcer = Enforcer(self)
         # What /release_memory_occupation released; those models wait for resume.
         self.releases = Releases(self)
 
@@ -241,7 +239,7 @@ class EnginePool:
             resident = _Resident(engine, engine.loaded.weights_bytes(), self._clock())
             self._resident[info.name] = resident
             self.num_loads += 1
-            self._publish_limits()
+            self.publish_limits()
             return resident
 
     async def _make_room(self, info: ModelInfo) -> None:
@@ -353,45 +351,21 @@ class EnginePool:
                 log.exception("pool maintenance failed")
 
     async def enforce(self) -> None:
-        """Above the soft limit: pause admission and evict one idle unpinned model
-        (LRU) per poll. Above the hard limit: end in-flight work with a clear error
-        and drop the RAM cache tier."""
-        self._publish_limits()
-        reading = self.probe.reading(fresh=True)
-        used, limits = reading.resident_bytes, self.limits
-        above_soft = used > limits.soft_bytes
-        if above_soft and not self.admission_paused:
-            self.num_admission_pauses += 1
-        self.admission_paused = above_soft
-        for resident in self._resident.values():
-            resident.engine.admission_paused = above_soft
-        if not above_soft:
-            return
-        log.warning(
-            "memory %s above the soft limit %s: admission paused",
-            format_bytes(used),
-            format_bytes(limits.soft_bytes),
-        )
+        """One poll of the enforcer (omlx/engine/enforcer.py)."""
+        await self.enforcer.enforce()
+
+    async def evict_one_idle(self, why: str) -> None:
+        """Unload the least recently used idle unpinned model, if another stays."""
         idle = [m for m in self._residents() if m.evictable]
         if len(self._resident) > 1 and idle:
             victim = min(idle, key=lambda m: (m.last_used_s, m.name)).name
-            log.warning("evicting %s (least recently used) to get under the soft limit", victim)
+            log.warning("evicting %s (least recently used) %s", victim, why)
             self.num_evictions += 1
             await self.unload(victim)
-        if used > limits.hard_bytes:
-            error = MemoryPressureError(
-                f"memory {format_bytes(used)} passed the {format_bytes(limits.hard_bytes)} "
-                "limit: the server ended running requests to stay safe; retry shortly"
-            )
-            ended = 0
-            for resident in list(self._resident.values()):
-                future = self._worker.submit(resident.engine.fail_all, error)
-                ended += await asyncio.wrap_future(future)
-            if self.hot_cache is not None:
-                self.hot_cache.clear(tier="hot")
-            log.error(
-                "memory above the hard limit: ended %d requests, dropped the RAM cache", ended
-            )
+
+    @property
+    def worker(self) -> MLXWorker:
+        return self._worker
 
     # -- release / resume (omlx/engine/release.py) ---------------------------
 
@@ -426,7 +400,7 @@ class EnginePool:
             if name is None or engine.name == name:
                 engine.context_window = self.context_window_for(engine.loaded)
 
-    def _publish_limits(self) -> None:
+    def publish_limits(self) -> None:
         for resident in self._resident.values():
             resident.engine.guard.publish(self.limits)
         self._apply_mlx_limits()

@@ -263,9 +263,13 @@ def test_ssd_tier_saves_persisted_and_drops_are_exported(
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
         chat(client, "Write these words to the disk tier, block after block. " * 4)
         store = srv.pool.engine(MODEL).prefix_cache
+        # The request's blocks are stored as it ends (after its answer): wait until
+        # the store's counters hold still, written and counted.
         deadline = time.monotonic() + 30
-        while (ssd := store.stats()["ssd"])["pending_writes"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        ssd, last = store.stats()["ssd"], None
+        while (ssd != last or ssd["pending_writes"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            last, ssd = ssd, store.stats()["ssd"]
         samples = scrape(srv.base_url)
         assert ssd["saves_persisted"] > 0 and ssd["saves"] >= ssd["saves_persisted"]
         for key in ("saves", "saves_persisted", "drops"):

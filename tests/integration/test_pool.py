@@ -282,7 +282,7 @@ def test_a_pause_above_the_soft_limit_is_counted_and_its_deferrals_logged(
         probe.bytes = 200_000_000
         await pool.enforce()
         await pool.enforce()  # still above soft: the same pause
-        assert pool.admission_paused and pool.num_admission_pauses == 1
+        assert pool.enforcer.admission_paused and pool.enforcer.num_admission_pauses == 1
         engine = pool.engine("slow-llama")
         first = asyncio.create_task(run(pool, "slow-llama", max_tokens=200))
         while not engine.num_in_flight:
@@ -294,7 +294,7 @@ def test_a_pause_above_the_soft_limit_is_counted_and_its_deferrals_logged(
             await asyncio.sleep(0.01)
         probe.bytes = 50_000_000
         await pool.enforce()
-        assert not pool.admission_paused and pool.num_admission_pauses == 1
+        assert not pool.enforcer.admission_paused and pool.enforcer.num_admission_pauses == 1
         assert (await second)[0] == "length" and (await first)[0] == "length"
         paused = [m for m in caplog.messages if "admission paused (memory above" in m]
         assert len(paused) == engine.deferrals["paused"]
@@ -335,5 +335,38 @@ def test_a_duplicate_request_id_ends_with_an_error_not_a_hang(make_pool):
         while not (event := await asyncio.wait_for(first.get(), timeout=30)).finish_reason:
             assert event.error is None
         assert engine.num_in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_the_enforcer_hands_freed_memory_back_before_ending_anything(
+    make_pool, caplog: pytest.LogCaptureFixture
+):
+    """Freed memory the process still holds (heap pages the C allocator keeps, as
+    MLX's CPU backend leaves them) puts the footprint past the hard limit while a
+    request decodes: the enforcer hands it back and the request goes on (it used to
+    be ended)."""
+    pool = make_pool()  # the real probe: the process footprint counts
+    caplog.set_level(logging.INFO, logger="omlx")
+
+    async def main() -> None:
+        await run(pool, "slow-llama")
+        engine = pool.engine("slow-llama")
+        task = asyncio.create_task(run(pool, "slow-llama", max_tokens=300))
+        while not engine.num_in_flight:
+            await asyncio.sleep(0.01)
+        blobs = [bytes(64 * 1024) for _ in range(4096)]  # ~256 MB of heap pages
+        top = bytes(64 * 1024)  # keeps free() from trimming the heap's top
+        del blobs
+        held = pool.probe.reading(fresh=True).resident_bytes
+        hard = held - 2**26  # above it only because of the freed pages
+        pool.limits = Limits(hard, int(hard * 0.95), 1_000)
+        await pool.enforce()
+        assert pool.enforcer.num_reclaims == 1 and not pool.enforcer.admission_paused
+        assert (await task)[0] == "length"
+        assert any(
+            m.startswith("memcheck: memory ") and "handed back" in m for m in caplog.messages
+        )
+        del top
 
     asyncio.run(main())
