@@ -225,6 +225,7 @@ class ModelEngine:
         """Admit, run one batched step, turn tokens into stream events."""
         outbox: list[tuple[RequestStream, StreamEvent]] = []
         try:
+            self._reclaim_near_limit()
             cached = self._runner.add(self._admit(), self._gate_shared_opening)
             for rid, num in cached.items():
                 self._live[rid].num_cached_tokens = num
@@ -342,15 +343,11 @@ class ModelEngine:
                 self.guard.max_kv_tokens,
             )
         else:
-            reading = self.probe.reading(fresh=True)
-            # KV still to come for admitted requests, and the step transients of
-            # every request that will prefill in the same batch as this one.
-            pending = self._pending_bytes
-            reading = dataclasses.replace(
-                reading,
-                mlx_active_bytes=reading.mlx_active_bytes + pending,
-                process_footprint_bytes=reading.process_footprint_bytes + pending,
-            )
+            # KV still to come for admitted requests, the step transients of every
+            # request that will prefill in the same batch as this one, and the copy
+            # of the decode batch's KV its rows make when this one joins them.
+            pending = self._pending_bytes + self._join_copy_bytes(request.num_prompt_tokens)
+            reading = _plus(self.probe.reading(fresh=True), pending)
             admitted = self.guard.admit(request.num_prompt_tokens, num_running, reading)
             reason = None if admitted else "memory"
         if admitted:
@@ -392,8 +389,27 @@ class ModelEngine:
                 outbox,
             )
 
+    def _reclaim_near_limit(self) -> None:
+        """Within one margin of the hard limit, hand freed memory back before the
+        step allocates: on the CPU backend freed heap pages stay in the footprint
+        and would stack with the step's own transient (decode steps are not gated)."""
+        if not self.has_work:
+            return
+        reading, limits = self.probe.reading(fresh=True), self.guard.limits
+        if reading.resident_bytes + limits.transient_margin_bytes > limits.hard_bytes:
+            mlx_stats.release_cache()
+            self.num_reclaims += 1
+
+    def _join_copy_bytes(self, num_new_tokens: int) -> int:
+        """Rows joining the decode batch extend its KV into new buffers: the old
+        and the new batch are alive together for a moment."""
+        tokens = self._scheduler.num_running_tokens + num_new_tokens
+        return self.guard.dims.kv_bytes_per_token * tokens
+
     def _shape_prefill(self, plan: list[PrefillChunk]) -> tuple[PrefillShape, MemoryReading]:
         reading = self.probe.reading(fresh=True)
+        if any(c.num_remaining <= c.num_tokens + 1 for c in plan):  # a row joins this step
+            reading = _plus(reading, self._join_copy_bytes(0))
         others = self._scheduler.num_running > 1
         # Requests past their prompt (here, or any other model's) end and free
         # their memory: prefill may wait for them.
@@ -558,4 +574,13 @@ def _grammar_overrun_error(request: Request) -> InvalidRequestError:
         f"token (limit {MAX_STEP_CPU_S} s), so the request was ended to keep the other "
         "requests' speed: the grammar is too ambiguous (e.g. a rule like 's ::= s s'); "
         "rewrite it so each prefix parses one way"
+    )
+
+
+def _plus(reading: MemoryReading, num_bytes: int) -> MemoryReading:
+    """``reading`` with ``num_bytes`` more held (by MLX and so by the process)."""
+    return dataclasses.replace(
+        reading,
+        mlx_active_bytes=reading.mlx_active_bytes + num_bytes,
+        process_footprint_bytes=reading.process_footprint_bytes + num_bytes,
     )
