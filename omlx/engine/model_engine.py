@@ -408,12 +408,13 @@ class ModelEngine:
 
     def _shape_prefill(self, plan: list[PrefillChunk]) -> tuple[PrefillShape, MemoryReading]:
         reading = self.probe.reading(fresh=True)
-        if any(c.num_remaining <= c.num_tokens + 1 for c in plan):  # a row joins this step
-            reading = _plus(reading, self._join_copy_bytes(0))
         others = self._scheduler.num_running > 1
-        # Requests past their prompt (here, or any other model's) end and free
-        # their memory: prefill may wait for them.
-        decoding = self._scheduler.num_running > len(plan) or self._worker.busy_besides(self)
+        # Requests past their prompt: a row finishing its prompt joins (copies) their
+        # batch; and they end and free their memory, so prefill may wait for them.
+        decoding_here = self._scheduler.num_running > len(plan)
+        if decoding_here and any(c.num_remaining <= c.num_tokens + 1 for c in plan):
+            reading = _plus(reading, self._join_copy_bytes(0))
+        decoding = decoding_here or self._worker.busy_besides(self)
         held_for = 0.0 if self._held_since is None else time.monotonic() - self._held_since
         shape = shape_prefill(
             plan,

@@ -68,10 +68,11 @@ def test_a_flood_near_the_ceiling_is_throttled_not_ended(
     caplog.set_level(logging.INFO, logger="omlx")
 
     async def main() -> None:
-        engines, probe, hard, results = await _flood(pool, room_bytes=80 * MB)
+        engines, probe, hard, results = await _flood(pool, room_bytes=60 * MB)
         completed = [r for r, _ in results if r in ("stop", "length")]
-        # Every request is served (a gate that ends at once ended 5 of these 16
-        # here), the gate did step in short of ending, and the peak stayed bounded.
+        # Every request is served (the previous code refused some of these at a front
+        # door frozen at load, and its gate, ending at once, ended 5 of 16 with 20 MB
+        # more room), the gate did step in short of ending, and the peak stayed bounded.
         assert len(completed) == len(results), results
         assert sum(e.num_throttled_steps + e.num_held_steps for e in engines) > 0
         assert sum(e.num_gated for e in engines) == 0
