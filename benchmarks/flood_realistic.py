@@ -4,12 +4,10 @@ A real ``omlx serve``, a tight ceiling, two models (the built-in SmolLM2 and a
 random llama of the tests' ``slow-llama`` shape). Clients send plain and
 structured (json_schema) chats of mixed lengths and prompts that cannot fit;
 mid-flood the second model is loaded, given requests and unloaded, then every
-model's weights and KV cache are released and resumed. Reported: outcomes by
-status and code, hung requests (not ended within the bound), false 400s (each
-``prefill_memory_exceeded`` re-checked against the live reading after the
-flood), peak RSS (sampled every few ms) and the server's MLX peak against the
-ceiling, wall time. ``--compare-ref REF`` runs the same prompts under the same
-ceiling against REF's code (``git archive``, read-only) and prints both.
+model's weights and KV cache are released and resumed. Reported: outcomes, hung
+requests, false 400s (re-checked against the live reading after the flood), peak
+RSS and MLX peak against the ceiling, wall time. ``--compare-ref REF`` runs the
+same prompts under the same ceiling against REF's code (``git archive``).
 """
 
 from __future__ import annotations

@@ -393,8 +393,6 @@ class ModelEngine:
         """Within one margin of the hard limit, hand freed memory back before the
         step allocates: on the CPU backend freed heap pages stay in the footprint
         and would stack with the step's own transient (decode steps are not gated)."""
-        if not self.has_work:
-            return
         reading, limits = self.probe.reading(fresh=True), self.guard.limits
         if reading.resident_bytes + limits.transient_margin_bytes > limits.hard_bytes:
             mlx_stats.release_cache()
@@ -441,8 +439,12 @@ class ModelEngine:
             what = f"prefill chunks capped at {shape.cap} tokens (planned {planned})"
         if shape.ended:
             what += f"; ending {', '.join(shape.ended)}: not even a {shape.cap}-token chunk fits"
+        self._log_over_limit(what, reading)
+
+    def _log_over_limit(self, what: str, reading: MemoryReading) -> None:
+        """The ``memgate`` line: what the gate did, and the numbers that made it."""
         log.warning(
-            "memgate %s: %s: memory %s (recent peak %s) plus the chunks and the %s margin "
+            "memgate %s: %s: memory %s (recent peak %s) plus the forward and the %s margin "
             "would pass the %s limit",
             self.name,
             what,
@@ -462,16 +464,10 @@ class ModelEngine:
         if self.guard.gate(num_tokens, num_cached_tokens, reading, others=others):
             return True
         self.num_unshared_openings += 1
-        log.warning(
-            "memgate %s: not sharing a %d-token opening: memory %s (recent peak %s) plus "
-            "its forward and the %s margin would pass the %s limit; its requests prefill "
-            "it in their own gated chunks",
-            self.name,
-            num_tokens,
-            format_bytes(reading.resident_bytes),
-            format_bytes(reading.recent_peak_bytes),
-            format_bytes(self.guard.limits.transient_margin_bytes),
-            format_bytes(self.guard.limits.hard_bytes),
+        self._log_over_limit(
+            f"not sharing a {num_tokens}-token opening (its requests prefill it in their "
+            "own gated chunks)",
+            reading,
         )
         return False
 

@@ -503,9 +503,7 @@ class EnginePool:
         """Abort all work and unload every model."""
         engines = [r.engine for r in self._resident.values()]
         self._resident.clear()
-        for name in [e.name for e in engines]:
-            engines[0].close(unloaded_error(name, "the server is stopping"))
-            engines.append(engines.pop(0))
+        _close_each(engines, "the server is stopping")
         if self._worker.is_alive:
             await asyncio.wrap_future(self._worker.submit(self._unload_on_worker, engines))
 
@@ -525,6 +523,13 @@ class EnginePool:
         gc.collect()
         mlx_stats.release_cache()
         self._track_baseline(before)
+
+
+def _close_each(engines: list[ModelEngine], why: str) -> None:
+    """Refuse new requests on each engine. A function, so no loop variable here
+    keeps an engine (and its weights) alive past the unload."""
+    for engine in engines:
+        engine.close(unloaded_error(engine.name, why))
 
 
 def _kv_profile(engine: ModelEngine) -> dict[str, Any] | None:
