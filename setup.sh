@@ -89,6 +89,8 @@ test)
     "$VENV/bin/ruff" format --check .
     log "mypy (pure layers)"
     "$VENV/bin/mypy"
+    log "build.py verify (the Mac app's rules on its real macOS wheels, cached)"
+    "$PY" build.py verify
     log "pytest"
     exec "$PY" -m pytest "$@"
     ;;

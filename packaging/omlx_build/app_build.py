@@ -1,17 +1,21 @@
-"""`build.py app`: py2app on macOS, then the grammar packages and the strip step."""
+"""`build.py app`: py2app on macOS, then mlx, the grammar packages, strip, version, signing."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omlx_build.grammar import install_grammar, pip_installer
+from omlx_build.app_check import app_problems
+from omlx_build.bundle_layout import bake_version, bundle_site_packages
+from omlx_build.copy_whole import copy_whole
+from omlx_build.grammar import Installer, install_grammar, pip_installer
 from omlx_build.plist import info_plist
 from omlx_build.project import ROOT, BuildError, BundleConfig, grammar_pins
-from omlx_build.strip import strip_packages
+from omlx_build.signing import ADHOC, sign_app
+from omlx_build.strip import strip_debug_symbols, strip_packages
 
 
 def py2app_options(config: BundleConfig) -> dict[str, Any]:
@@ -27,15 +31,6 @@ def py2app_options(config: BundleConfig) -> dict[str, Any]:
         "site_packages": False,
         "optimize": 0,
     }
-
-
-def bundle_site_packages(app: Path) -> Path:
-    """The folder on the bundle's sys.path where py2app put whole packages."""
-    lib = app / "Contents" / "Resources" / "lib"
-    found = sorted(p for p in lib.glob("python3*") if p.is_dir())
-    if not found:
-        raise BuildError(f"no lib/python3.x folder in {lib}: did py2app finish?")
-    return found[-1]
 
 
 def build_app(config: BundleConfig, dist: Path, work: Path, sign: str | None = None) -> Path:
@@ -64,21 +59,32 @@ def build_app(config: BundleConfig, dist: Path, work: Path, sign: str | None = N
     finally:
         os.chdir(cwd)
     app = dist / f"{config.name}.app"
-    site = bundle_site_packages(app)
-    install_grammar(site, grammar_pins(), pip_installer())
-    removed = strip_packages(site, config.strip)
-    print(f"stripped from the bundle: {', '.join(removed) or 'nothing'}")
-    if sign:
-        codesign(app, sign)
+    finish_bundle(app, config)
+    # py2app signed ad hoc before the steps above changed Contents/Resources, which
+    # broke that signature: sign again (ad hoc when no identity is given) after the last
+    # change.
+    sign_app(app, sign or ADHOC)
     return app
 
 
-def codesign(app: Path, identity: str) -> None:
-    """Hardened-runtime signature, inside out (nested .so/.dylib first via --deep)."""
-    entitlements = ROOT / "packaging" / "entitlements.plist"
-    subprocess.run(
-        ["codesign", "--force", "--deep", "--timestamp", "--options", "runtime",
-         "--entitlements", str(entitlements), "--sign", identity, str(app)],
-        check=True,
-    )  # fmt: skip
-    subprocess.run(["codesign", "--verify", "--deep", "--strict", str(app)], check=True)
+def finish_bundle(
+    app: Path,
+    config: BundleConfig,
+    search_path: Sequence[str] | None = None,
+    installer: Installer | None = None,
+) -> None:
+    """Everything after py2app that changes the bundle, then the checks it must pass.
+
+    ``search_path`` is where the [copy] packages come from (the build environment's
+    sys.path by default); ``installer`` installs the grammar packages (pip by default).
+    """
+    site = bundle_site_packages(app)
+    for name in config.copy_packages:
+        print(f"copied whole: {copy_whole(name, site, search_path)}")
+    install_grammar(site, grammar_pins(), installer or pip_installer())
+    removed = strip_packages(site, config.strip) + strip_debug_symbols(site)
+    print(f"stripped from the bundle: {', '.join(removed) or 'nothing'}")
+    bake_version(site, config.version)
+    problems = app_problems(app, config)
+    if problems:
+        raise BuildError("the built app is not right:\n  " + "\n  ".join(problems))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from omlx_build import dmg
@@ -27,6 +28,16 @@ def _parser() -> argparse.ArgumentParser:
     layout.add_argument("--out", type=Path, help="default dist/omlx-VERSION-layout.dmg")
     grammar = sub.add_parser("grammar", help="install xgrammar + tvm-ffi into a folder")
     grammar.add_argument("--target", type=Path, required=True)
+    sub.add_parser("lock", help="resolve the app's macOS package set with uv")
+    sub.add_parser("verify", help="check the bundle's rules on the real macOS wheels (any OS)")
+    check_app = sub.add_parser("check-app", help="check a built omlx.app (signatures: macOS)")
+    check_app.add_argument("app", type=Path)
+    check_dmg = sub.add_parser("check-dmg", help="mount a DMG and check its layout (macOS)")
+    check_dmg.add_argument("image", type=Path)
+    pins = sub.add_parser("pins", help="print a pin for the macOS workflow")
+    what = pins.add_mutually_exclusive_group(required=True)
+    what.add_argument("--bundled", action="store_true", help="setup.sh's built-in model package")
+    what.add_argument("--version", action="store_true", help="the app's version")
     return parser
 
 
@@ -38,6 +49,86 @@ def _check() -> int:
         config = load_config()
         print(f"check: ok ({config.name} {config.version}, {config.bundle_id}, {config.arch})")
     return 1 if problems else 0
+
+
+def _lock() -> int:
+    from omlx_build.wheelset import LOCK_FILE, compile_lock
+
+    text, constrained = compile_lock(load_config(), ROOT)
+    (ROOT / LOCK_FILE).write_text(text)
+    count = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+    note = "" if constrained else ", not constrained to this environment's versions"
+    print(f"wrote {LOCK_FILE} ({count} packages{note})")
+    return 0
+
+
+def _verify() -> int:
+    from omlx_build.verify import run_verify
+
+    started = time.monotonic()
+    result = run_verify()
+    print(f"the bundle's packages (macOS set in {result.wheels.staging}):")
+    for name, version, size in result.sizes:
+        print(f"  {size / 1e6:9.1f} MB  {name} {version}")
+    total = sum(size for _name, _version, size in result.sizes)
+    print(f"  {total / 1e6:9.1f} MB  total, {len(result.sizes)} packages")
+    for problem in result.problems:
+        print(f"verify: {problem}", file=sys.stderr)
+    if not result.problems:
+        print(f"verify: ok ({time.monotonic() - started:.1f} s)")
+    return 1 if result.problems else 0
+
+
+def _report(what: str, problems: list[str]) -> int:
+    for problem in problems:
+        print(f"{what}: {problem}", file=sys.stderr)
+    if not problems:
+        print(f"{what}: ok")
+    return 1 if problems else 0
+
+
+def _check_app(app: Path) -> int:
+    from omlx_build.app_check import app_problems
+    from omlx_build.signing import unsigned_files
+
+    problems = app_problems(app, load_config())
+    if sys.platform == "darwin":
+        # Each file on its own: `codesign --verify --deep` skips Contents/Resources/lib.
+        problems += [f"{path.relative_to(app)} is not signed" for path in unsigned_files(app)]
+    return _report("check-app", problems)
+
+
+def _check_dmg(image: Path) -> int:
+    with dmg.attached(image) as volume:
+        return _report("check-dmg", dmg.image_problems(volume, load_config()))
+
+
+def _pins(args: argparse.Namespace) -> int:
+    from omlx_build.wheelset import bundled_model_pin
+
+    print(load_config().version if args.version else bundled_model_pin(ROOT))
+    return 0
+
+
+def _build(args: argparse.Namespace) -> int:
+    from omlx_build.app_build import build_app
+    from omlx_build.signing import sign_image
+
+    config = load_config()
+    app = build_app(config, DIST, WORK, sign=args.sign)
+    if args.command == "dmg":
+        image = DIST / f"{config.name}-{config.version}.dmg"
+        dmg.hdiutil_image(dmg.stage(app, WORK / "dmg-stage"), image, config.name)
+        if args.sign:
+            sign_image(image, args.sign)
+        print(f"wrote {image}")
+    return 0
+
+
+def _grammar(args: argparse.Namespace) -> int:
+    done = install_grammar(args.target, grammar_pins(), pip_installer())
+    print("installed" if done else "already installed (sentinel matches)")
+    return 0
 
 
 def _dmg_layout(out: Path | None) -> int:
@@ -64,24 +155,20 @@ def _fresh(path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    commands = {
+        "check": lambda: _check(),
+        "dmg-layout": lambda: _dmg_layout(args.out),
+        "lock": lambda: _lock(),
+        "verify": lambda: _verify(),
+        "grammar": lambda: _grammar(args),
+        "check-app": lambda: _check_app(args.app),
+        "check-dmg": lambda: _check_dmg(args.image),
+        "pins": lambda: _pins(args),
+        "app": lambda: _build(args),
+        "dmg": lambda: _build(args),
+    }
     try:
-        if args.command == "check":
-            return _check()
-        if args.command == "dmg-layout":
-            return _dmg_layout(args.out)
-        if args.command == "grammar":
-            done = install_grammar(args.target, grammar_pins(), pip_installer())
-            print("installed" if done else "already installed (sentinel matches)")
-            return 0
-        from omlx_build.app_build import build_app
-
-        config = load_config()
-        app = build_app(config, DIST, WORK, sign=args.sign)
-        if args.command == "dmg":
-            image = DIST / f"{config.name}-{config.version}.dmg"
-            dmg.hdiutil_image(dmg.stage(app, WORK / "dmg-stage"), image, config.name)
-            print(f"wrote {image}")
-        return 0
+        return commands[args.command]()
     except BuildError as exc:
         print(f"build.py: {exc}", file=sys.stderr)
         return 1

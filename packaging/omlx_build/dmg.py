@@ -7,9 +7,13 @@ structure and Info.plist; that image is not verified to mount on a Mac.
 
 from __future__ import annotations
 
+import os
 import plistlib
 import shutil
 import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from omlx_build.plist import info_plist
@@ -81,3 +85,38 @@ def extract_image(image: Path, dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     _run(["xorriso", "-osirrox", "on", "-indev", str(image), "-extract", "/", str(dest)])
     return dest
+
+
+def image_problems(volume: Path, config: BundleConfig) -> list[str]:
+    """What is wrong with a mounted (or read-back) image's layout for ``config``."""
+    app = volume / f"{config.name}.app"
+    problems = []
+    if (
+        not (volume / "Applications").is_symlink()
+        or os.readlink(volume / "Applications") != "/Applications"
+    ):
+        problems.append("the image has no Applications -> /Applications link to drag onto")
+    plist_path = app / "Contents" / "Info.plist"
+    if not plist_path.is_file():
+        return [*problems, f"the image holds no {app.name} with an Info.plist"]
+    plist = plistlib.loads(plist_path.read_bytes())
+    for key, want in (("CFBundleIdentifier", config.bundle_id),
+                      ("CFBundleShortVersionString", config.version)):  # fmt: skip
+        if plist.get(key) != want:
+            problems.append(f"{app.name} Info.plist {key} is {plist.get(key)!r}, expected {want!r}")
+    launcher = app / "Contents" / "MacOS" / config.name
+    if not os.access(launcher, os.X_OK):
+        problems.append(f"{launcher.relative_to(volume)} is missing or not executable")
+    return problems
+
+
+@contextmanager
+def attached(image: Path) -> Iterator[Path]:
+    """The image mounted read-only (macOS's hdiutil), detached afterwards."""
+    with tempfile.TemporaryDirectory(prefix="omlx-dmg-") as mount:
+        _run(["hdiutil", "attach", "-nobrowse", "-readonly", "-noautoopen",
+              "-mountpoint", mount, str(image)])  # fmt: skip
+        try:
+            yield Path(mount)
+        finally:
+            _run(["hdiutil", "detach", mount])

@@ -28,7 +28,15 @@ class BundleConfig:
     resources: tuple[Path, ...]
     py2app_packages: tuple[str, ...]
     py2app_excludes: tuple[str, ...]
+    # Copied whole from site-packages after py2app (see bundle.toml [copy]).
+    copy_packages: tuple[str, ...]
+    # Exact build-tool pins: {"py2app": "0.28.10", "setuptools": "70.3.0"}.
+    build_tools: dict[str, str]
     strip: tuple[str, ...]
+    # The Python the bundle is built with (bundle.toml [build] python), e.g. "3.12".
+    python: str
+    # Packages with no macOS wheel that `build.py verify` accepts as pure-Python sdists.
+    sdist_ok: tuple[str, ...]
 
 
 def project_version(root: Path = ROOT) -> str:
@@ -50,6 +58,8 @@ def grammar_pins(root: Path = ROOT) -> dict[str, str]:
 def load_config(root: Path = ROOT) -> BundleConfig:
     data = tomllib.loads((root / "packaging" / "bundle.toml").read_text())
     app = data["app"]
+    build = dict(data["build"])
+    python = build.pop("python")  # the rest are the build-tool pins
     return BundleConfig(
         name=app["name"],
         bundle_id=app["bundle_id"],
@@ -62,5 +72,9 @@ def load_config(root: Path = ROOT) -> BundleConfig:
         resources=tuple(root / r for r in app["resources"]),
         py2app_packages=tuple(data["py2app"]["packages"]),
         py2app_excludes=tuple(data["py2app"]["excludes"]),
+        copy_packages=tuple(data["copy"]["packages"]),
+        build_tools=build,
         strip=tuple(data["strip"]["packages"]),
+        python=python,
+        sdist_ok=tuple(data.get("verify", {}).get("sdist_ok", ())),
     )

@@ -193,6 +193,14 @@ def test_dmg_layout_image_reads_back(tmp_path):
     assert (app / "Resources" / "welcome.html").is_file()
     assert (app / "Resources" / "web" / "index.html").is_file()
     assert (app / "PkgInfo").read_text() == "APPL????"
+    # The same check the macOS job runs on the mounted DMG (build.py check-dmg).
+    assert dmg.image_problems(out, load_config()) == []
+    (out / "Applications").unlink()
+    (app / "MacOS" / "omlx").chmod(0o644)
+    assert dmg.image_problems(out, load_config()) == [
+        "the image has no Applications -> /Applications link to drag onto",
+        "omlx.app/Contents/MacOS/omlx is missing or not executable",
+    ]
 
 
 def test_check_reports_a_missing_icon_and_a_server_that_imports_the_shell(tmp_path):
