@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from app import paths
-from app.login_item import LoginItem, login_item
+from app.login_item import LoginItem, LoginItemError, login_item
 from app.menu import MenuEntry, build_menu
 from app.ports import PortUse, free_port, probe_port
 from app.stats import Stats, fetch_stats
@@ -76,9 +76,10 @@ class Controller:
             ServeConfig(config.base_path, config.host, config.extra_args), config.policy
         )
         self.window = window or AdminWindow(config.base_path, on_action=self.dispatch)
-        self.login = login or login_item(paths.app_command())
+        self.login = login or login_item(paths.app_command(), frozen=paths.is_frozen())
         self._open_url = open_url
         self._offer: PortOffer | None = None
+        self._notice = ""  # from the last action (e.g. why Launch at Login was refused)
         self._stats: Stats | None = None
         self._listeners: list[Listener] = []
         self._published: tuple[Status, Stats | None, bool] | None = None
@@ -93,6 +94,8 @@ class Controller:
     @property
     def status(self) -> Status:
         status = self.supervisor.status
+        if self._notice:
+            status = replace(status, message=self._notice)
         if self._offer is not None and status.state is ServerState.STOPPED:
             return replace(status, offer=self._offer)
         return status
@@ -153,6 +156,7 @@ class Controller:
             raise ValueError(f"unknown action {action!r}")
 
         def run() -> None:
+            self._notice = ""
             try:
                 handler()
             finally:
@@ -213,11 +217,33 @@ class Controller:
         self._open_url(log_dir.as_uri())
 
     def do_toggle_login(self) -> None:
-        self.login.set_enabled(not self.login.is_enabled())
+        try:
+            self.login.set_enabled(not self.login.is_enabled())
+        except LoginItemError as exc:
+            self._notice = str(exc)
+            log.warning("Launch at Login: %s", exc)
 
     def do_quit(self) -> None:
         self.shutdown()
         self.on_quit()
+
+    def shutdown_then(self, done: Callable[[], None], timeout_s: float | None = None) -> None:
+        """Shut down on a thread, then call ``done`` (also after timeout_s or an error).
+
+        The macOS app delegate answers "may the app terminate?" from ``done``: the main
+        thread keeps drawing while the server stops, and the answer always comes.
+        """
+        bound = timeout_s or self.config.policy.stop_timeout_s + 10
+        worker = threading.Thread(target=self.shutdown, name="omlx-shutdown", daemon=True)
+
+        def wait_then_done() -> None:
+            worker.start()
+            worker.join(bound)
+            if worker.is_alive():
+                log.error("shutdown took over %g s; quitting anyway", bound)
+            done()
+
+        threading.Thread(target=wait_then_done, name="omlx-quit", daemon=True).start()
 
     def shutdown(self) -> None:
         """Stop watching, close the window and stop our server (bounded by stop_timeout_s)."""

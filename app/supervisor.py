@@ -7,6 +7,7 @@ so tests drive the same code with real processes and no hidden threads.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -15,11 +16,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO
 
 import httpx
 
 from app import paths
+from app.console_log import ConsoleLog, tail_line
 from app.ports import url_host
 from app.status import ServerState, Status
 
@@ -57,16 +58,6 @@ def backoff_delay(policy: SupervisorPolicy, num_crashes: int) -> float:
     return min(policy.backoff_max_s, policy.backoff_base_s * 2 ** max(0, num_crashes - 1))
 
 
-def _tail_line(path: Path, max_bytes: int = 4096) -> str:
-    try:
-        with path.open("rb") as f:
-            f.seek(max(0, path.stat().st_size - max_bytes))
-            lines = f.read().decode("utf-8", "replace").strip().splitlines()
-    except OSError:
-        return ""
-    return lines[-1].strip() if lines else ""
-
-
 class Supervisor:
     def __init__(
         self,
@@ -79,7 +70,10 @@ class Supervisor:
         self.clock = clock
         self._lock = threading.RLock()
         self._proc: subprocess.Popen[bytes] | None = None
-        self._console: IO[bytes] | None = None
+        self._console: ConsoleLog | None = None
+        # Write end of the pipe the server watches (--parent-fd): only this process holds
+        # it, so the kernel closes it when we exit, crash or are force-quit.
+        self._lifeline: int | None = None
         self._want_running = False
         self._status = Status()
         self._spawned_at = 0.0
@@ -101,7 +95,9 @@ class Supervisor:
         port = self._status.port
         return f"http://{url_host(self.config.host)}:{port}" if port else None
 
-    def command(self, port: int) -> list[str]:
+    def command(self, port: int, parent_fd: int | None = None) -> list[str]:
+        # server.log has every log record; the console log keeps what logging misses.
+        watch = ("--parent-fd", str(parent_fd), "--no-log-stderr") if parent_fd is not None else ()
         return paths.omlx_command(
             "--base-path",
             str(self.config.base_path),
@@ -110,6 +106,7 @@ class Supervisor:
             self.config.host,
             "--port",
             str(port),
+            *watch,
             *self.config.extra_args,
         )
 
@@ -150,6 +147,8 @@ class Supervisor:
                     log.warning("%s", message)
                 exit_code = proc.returncode
             self._close_proc()
+            if self._console is not None:
+                self._console.wait()
             self._status = Status(ServerState.STOPPED, message=message, exit_code=exit_code)
             return self._status
 
@@ -170,23 +169,33 @@ class Supervisor:
             return self._status
 
     def _spawn(self, port: int) -> None:
-        log_dir = paths.log_dir(self.config.base_path)
-        log_dir.mkdir(parents=True, exist_ok=True)
         if self._console is None:
-            self._console = self.console_log.open("ab")
-        cmd = self.command(port)
+            self._console = ConsoleLog(self.console_log)
+        watch_fd, self._lifeline = os.pipe()  # both ends close-on-exec: no other child has them
+        cmd = self.command(port, parent_fd=watch_fd)
         log.info("starting: %s", " ".join(cmd))
-        self._proc = subprocess.Popen(
-            cmd,
-            cwd=paths.child_cwd(),
-            env=paths.server_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._console,
-            stderr=subprocess.STDOUT,
-            # A terminal's Ctrl-C goes to the shell, which then stops the server in order.
-            # (No PR_SET_PDEATHSIG: it fires when the spawning *thread* ends.)
-            start_new_session=True,
-        )
+        try:
+            self._proc = subprocess.Popen(
+                cmd,
+                cwd=paths.child_cwd(),
+                env=paths.server_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                pass_fds=(watch_fd,),
+                # A terminal's Ctrl-C goes to the shell, which then stops the server in
+                # order; if the shell dies instead, the server sees --parent-fd close.
+                # (Not PR_SET_PDEATHSIG: Linux only, and it fires when the spawning
+                # *thread* ends.)
+                start_new_session=True,
+            )
+        except OSError:
+            self._close_lifeline()
+            raise
+        finally:
+            os.close(watch_fd)
+        assert self._proc.stdout is not None
+        self._console.copy_from(self._proc.stdout, "server")
         self._spawned_at = self.clock()
         self._failed_polls = 0
         self._unhealthy_since = None
@@ -246,9 +255,11 @@ class Supervisor:
         code = self._proc.returncode
         quick = now - self._spawned_at < self.policy.stable_s
         self._crash_streak = self._crash_streak + 1 if quick else 1
-        self._close_proc(keep_console=True)
+        self._close_proc()
         what = "hung" if hung else f"exited with code {code}"
-        tail = _tail_line(self.console_log)
+        assert self._console is not None
+        self._console.wait()  # its last lines explain the exit
+        tail = tail_line(self.console_log)
         log.warning("server %s (streak %d): %s", what, self._crash_streak, tail)
         if not self._want_running:
             self._status = Status(ServerState.STOPPED, message=f"Server {what}", exit_code=code)
@@ -272,8 +283,11 @@ class Supervisor:
             message=f"Server {what}; restarting in {delay:g} s (restart {num})",
         )
 
-    def _close_proc(self, keep_console: bool = False) -> None:
+    def _close_proc(self) -> None:
         self._proc = None
-        if self._console is not None and not keep_console:
-            self._console.close()
-            self._console = None
+        self._close_lifeline()
+
+    def _close_lifeline(self) -> None:
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None

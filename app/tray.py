@@ -22,8 +22,8 @@ log = logging.getLogger("omlx.app")
 
 
 def pystray_menu(entries: Iterable[MenuEntry], controller: Controller) -> pystray.Menu:
-    """The pystray objects for ``entries``; each item's callback dispatches its action."""
-    return pystray.Menu(*(_item(entry, controller) for entry in entries))
+    """The pystray objects for the visible ``entries``; each item's callback dispatches."""
+    return pystray.Menu(*(_item(entry, controller) for entry in entries if not entry.hidden))
 
 
 def _item(entry: MenuEntry, controller: Controller) -> pystray.MenuItem:

@@ -71,6 +71,36 @@ def _commands(window) -> None:
     window.destroy()
 
 
+def _dock_entry_while_open(window) -> None:
+    """macOS: a Dock and ⌘-Tab entry while the window is open, none once it closes.
+
+    The bundle is a menu-bar app (LSUIElement), so this process starts without one and
+    its window gets lost behind others. pywebview's cocoa backend also asks for the
+    regular policy when imported, before the app has launched; this does it once the
+    window shows, activates it, and gives the entry back when the window closes.
+    """
+    from AppKit import (
+        NSApplication,
+        NSApplicationActivationPolicyAccessory,
+        NSApplicationActivationPolicyRegular,
+    )
+    from PyObjCTools import AppHelper
+
+    def set_policy(policy: int, activate: bool) -> None:  # main thread only
+        app = NSApplication.sharedApplication()
+        app.setActivationPolicy_(policy)
+        if activate:
+            app.activateIgnoringOtherApps_(True)
+
+    # pywebview runs these handlers on worker threads: hand them to the main thread.
+    window.events.shown += lambda: AppHelper.callAfter(
+        set_policy, NSApplicationActivationPolicyRegular, True
+    )
+    window.events.closed += lambda: AppHelper.callAfter(
+        set_policy, NSApplicationActivationPolicyAccessory, False
+    )
+
+
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="omlx-window")
     parser.add_argument("--url", required=True)
@@ -94,6 +124,8 @@ def run(argv: list[str]) -> int:
         _emit("loaded", str(window.run_js("document.title") or ""))
 
     window.events.loaded += loaded
+    if sys.platform == "darwin":
+        _dock_entry_while_open(window)
     threading.Thread(target=_commands, args=(window,), daemon=True).start()
     webview.start(gui="cocoa" if sys.platform == "darwin" else "qt")
     _emit("closed")

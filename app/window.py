@@ -11,9 +11,9 @@ import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
 
 from app import paths
+from app.console_log import ConsoleLog
 
 log = logging.getLogger("omlx.app")
 
@@ -25,6 +25,7 @@ class AdminWindow:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[str] | None = None
         self._loaded = threading.Event()
+        self._console: ConsoleLog | None = None
         self.page_title: str | None = None
         self.num_opened = 0
 
@@ -46,16 +47,17 @@ class AdminWindow:
             args = ["--url", url, "--base-path", str(self.base_path)]
             if welcome:
                 args.append("--welcome")
-            with self._stderr_log() as stderr:
-                self._proc = subprocess.Popen(
-                    paths.window_command(*args),
-                    cwd=paths.child_cwd(),
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=stderr,
-                    text=True,
-                    bufsize=1,
-                )
+            self._proc = subprocess.Popen(
+                paths.window_command(*args),
+                cwd=paths.child_cwd(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                bufsize=1,
+            )
+            assert self._proc.stderr is not None
+            self._console_log().copy_from(self._proc.stderr.buffer, "window")
             self.num_opened += 1
             threading.Thread(target=self._read_events, args=(self._proc,), daemon=True).start()
             return True
@@ -87,10 +89,11 @@ class AdminWindow:
         except (BrokenPipeError, ValueError):
             log.warning("admin window did not take %r", line)
 
-    def _stderr_log(self) -> IO[bytes]:
-        log_dir = paths.log_dir(self.base_path)
-        log_dir.mkdir(parents=True, exist_ok=True)
-        return (log_dir / "window.log").open("ab")
+    def _console_log(self) -> ConsoleLog:
+        """window.log: what the window process and its web engine print (size-rotated)."""
+        if self._console is None:
+            self._console = ConsoleLog(paths.log_dir(self.base_path) / "window.log")
+        return self._console
 
     def _read_events(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None

@@ -86,6 +86,17 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not import the built-in model when no model is found",
     )
+    serve.add_argument(
+        "--parent-fd",
+        type=int,
+        metavar="FD",
+        help="shut down when this inherited pipe closes (the desktop app passes it)",
+    )
+    serve.add_argument(
+        "--no-log-stderr",
+        action="store_true",
+        help="log to server.log only; stderr keeps what logging misses (crashes)",
+    )
 
     models = sub.add_parser("models", help="list, import and install models")
     msub = models.add_subparsers(dest="models_command", required=True)
@@ -150,7 +161,7 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def setup_logging(settings: Settings) -> None:
+def setup_logging(settings: Settings, to_stderr: bool = True) -> None:
     level = getattr(logging, settings.server.log_level.upper())
     root = logging.getLogger()
     root.setLevel(level)
@@ -174,9 +185,11 @@ def setup_logging(settings: Settings) -> None:
     file.setFormatter(logging.Formatter(LOG_FORMAT))
     file.addFilter(redact)
     root.addHandler(file)
+    if not to_stderr:  # only once server.log works: a record must land somewhere
+        root.removeHandler(stderr)
 
 
-def _serve(settings: Settings) -> int:
+def _serve(settings: Settings, args: argparse.Namespace) -> int:
     from omlx.api.auth import check_bind
 
     host, port = settings.server.host, settings.server.port
@@ -191,7 +204,11 @@ def _serve(settings: Settings) -> int:
             file=sys.stderr,
         )
         return 1
-    setup_logging(settings)
+    setup_logging(settings, to_stderr=not args.no_log_stderr)
+    if args.parent_fd is not None:
+        from omlx.parent_watch import watch_parent
+
+        watch_parent(args.parent_fd)  # before start-up, which may import a model for minutes
     old_mode = tighten_base_dir(settings.base_path)
     if old_mode is not None:
         log.warning("made %s private (mode %o -> 700)", settings.base_path, old_mode)
@@ -276,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings(cli_overrides(args))
         if args.command == "serve":
-            return _serve(settings)
+            return _serve(settings, args)
         if args.command == "models":
             return _models(args, settings)
         if args.command == "quantize":

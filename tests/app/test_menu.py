@@ -1,11 +1,23 @@
-"""The menu model, stats lines and login items: pure data, no processes."""
+"""The menu model (and its in-place updates), stats lines and login items."""
 
 from __future__ import annotations
 
 import plistlib
+from pathlib import Path
 
-from app.login_item import LABEL, login_item
-from app.menu import build_menu, find
+import pytest
+
+from app.login_item import (
+    LABEL,
+    MOVE_FIRST,
+    AppServiceLoginItem,
+    LoginFile,
+    LoginItemError,
+    app_bundle_of,
+    login_item,
+    refusal,
+)
+from app.menu import STATS_SLOTS, LiveMenu, MenuEntry, build_menu, find, visible, walk
 from app.stats import from_stats
 from app.status import PortOffer, ServerState, Status
 
@@ -19,7 +31,7 @@ STATS_BODY = {
 
 
 def _titles(menu) -> list[str]:
-    return [e.title for e in menu if not e.separator]
+    return [e.title for e in visible(menu) if not e.separator]
 
 
 def test_stopped_menu_offers_start_only():
@@ -28,7 +40,7 @@ def test_stopped_menu_offers_start_only():
     assert find(menu, "Start Server").enabled
     for title in ("Stop Server", "Restart Server", "Open Admin", "Open Chat", "Open in Browser"):
         assert not find(menu, title).enabled, title
-    assert [e.title for e in find(menu, "Stats").children] == ["Server not running"]
+    assert _titles(find(menu, "Stats").children) == ["Server not running"]
     assert find(menu, "Quit omlx").action == "quit"
 
 
@@ -39,7 +51,7 @@ def test_running_menu_shows_port_restarts_and_stats():
     assert find(menu, "Stop Server").enabled and find(menu, "Open Admin").enabled
     assert not find(menu, "Start Server").enabled
     assert find(menu, "Launch at Login").checked is True
-    assert [e.title for e in find(menu, "Stats").children] == [
+    assert _titles(find(menu, "Stats").children) == [
         "Requests: 2 running, 1 queued, 12 total",
         "Tokens: 3,400 in, 1,200 out",
         "Decode: 41.2 tok/s",
@@ -93,3 +105,146 @@ def test_xdg_autostart_entry_on_linux(tmp_path):
     text = (tmp_path / ".config" / "autostart" / "omlx.desktop").read_text()
     assert text.startswith("[Desktop Entry]\nType=Application\n")
     assert 'Exec=/usr/bin/python3 -m app --base-path "/a b"\n' in text
+
+
+# -- the menu updated in place -----------------------------------------------------------
+
+
+class Item:
+    """What a front end keeps per entry (macOS: an NSMenuItem), set the way macos.py does."""
+
+    def __init__(self, entry: MenuEntry, children: list[Item]):
+        self.children = children
+        self.shortcut = entry.shortcut
+        self.num_updates = 0
+        self.set(entry)
+
+    def set(self, entry: MenuEntry) -> None:
+        self.title, self.enabled, self.hidden = entry.title, entry.enabled, entry.hidden
+        self.checked = entry.checked
+
+    @staticmethod
+    def update(item: Item, entry: MenuEntry) -> None:
+        item.num_updates += 1
+        item.set(entry)
+
+
+ALL_STATES = [
+    Status(),
+    Status(ServerState.STARTING, port=8000, message="Port 8000 is used; using 8001"),
+    Status(ServerState.RUNNING, port=8000, pid=3, num_restarts=1),
+    Status(ServerState.NOT_RESPONDING, port=8000, pid=3, reason="no /health"),
+    Status(ServerState.ERROR, reason="exit 2"),
+    Status(offer=PortOffer(8000, "0.1.0")),
+    Status(ServerState.RUNNING, port=8000, adopted=True),
+]
+
+
+def test_every_state_has_the_same_layout_so_items_are_made_once():
+    layouts = {tuple(e.key for e in walk(build_menu(s, None, False))) for s in ALL_STATES}
+    running = build_menu(ALL_STATES[2], from_stats(STATS_BODY), True)
+    layouts.add(tuple(e.key for e in walk(running)))
+    assert len(layouts) == 1
+    keys = next(iter(layouts))
+    assert len(keys) == len(set(keys)) and "" not in keys
+
+
+def test_applying_a_new_status_updates_the_same_items_and_rebuilds_nothing():
+    live = LiveMenu(build_menu(Status(), None, False), Item, Item.update)
+    items = dict(live.items)
+    start, stop = live.items["start"], live.items["stop"]
+    assert start.enabled and not stop.enabled
+
+    running = Status(ServerState.RUNNING, port=8123, pid=1)
+    changed = live.apply(build_menu(running, from_stats(STATS_BODY), False))
+    assert live.items == items  # the very same objects
+    assert all(live.items[k] is items[k] for k in items)
+    assert live.items["headline"].title == "Running on :8123"
+    assert not start.enabled and stop.enabled and live.items["open_admin"].enabled
+    assert [live.items[f"stats.{i}"].title for i in range(3)] == [
+        "Requests: 2 running, 1 queued, 12 total",
+        "Tokens: 3,400 in, 1,200 out",
+        "Decode: 41.2 tok/s",
+    ]
+    assert "quit" not in changed and "open_logs" not in changed
+    assert live.items["quit"].num_updates == 0
+
+    # The same state again (a poll with nothing new) touches no item.
+    assert live.apply(build_menu(running, from_stats(STATS_BODY), False)) == []
+
+    offered = live.apply(build_menu(Status(offer=PortOffer(8000, "0.1.0")), None, False))
+    assert live.items["use_running"].title == "Use the omlx on :8000"
+    assert not live.items["use_running"].hidden and start.hidden and stop.hidden
+    assert {"use_running", "start", "stop", "restart"} <= set(offered)
+    assert live.items["stats.0"].title == "Server not running"
+    assert all(live.items[f"stats.{i}"].hidden for i in range(1, STATS_SLOTS))
+
+
+def test_quit_has_command_q_and_login_is_a_toggle():
+    live = LiveMenu(build_menu(Status(), None, False), Item, Item.update)
+    assert live.items["quit"].shortcut == "q" and live.items["quit"].title == "Quit omlx"
+    assert live.items["toggle_login"].checked is False
+    live.apply(build_menu(Status(), None, True))
+    assert live.items["toggle_login"].checked is True
+
+
+def test_a_menu_of_another_shape_is_refused_not_half_applied():
+    live = LiveMenu(build_menu(Status(), None, False), Item, Item.update)
+    other = build_menu(Status(), None, False)[:-1]
+    with pytest.raises(ValueError, match="menu layout changed"):
+        live.apply(other)
+    assert live.items["quit"].num_updates == 0
+
+
+# -- Launch at Login on macOS: the decision, testable anywhere -----------------------------
+
+TRANSLOCATED = (
+    "/private/var/folders/xy/abc/T/AppTranslocation/1A2B3C4D-5E6F/d/omlx.app/Contents/MacOS/omlx"
+)
+
+
+def test_the_bundle_is_found_from_its_launcher():
+    assert app_bundle_of("/Applications/omlx.app/Contents/MacOS/omlx") == Path(
+        "/Applications/omlx.app"
+    )
+    assert app_bundle_of("/usr/bin/python3") is None
+
+
+def test_launch_at_login_is_refused_while_translocated_or_on_a_disk_image():
+    assert refusal(app_bundle_of(TRANSLOCATED)) == MOVE_FIRST == "move omlx to Applications first"
+    assert refusal(Path("/Volumes/omlx/omlx.app")) == MOVE_FIRST
+    assert refusal(Path("/Applications/omlx.app")) is None
+    assert refusal(Path.home() / "Applications" / "omlx.app") is None
+
+
+def test_frozen_app_uses_the_app_service_and_refuses_before_touching_it(tmp_path):
+    item = login_item([TRANSLOCATED], tmp_path, "darwin", frozen=True)
+    assert isinstance(item, AppServiceLoginItem)
+    assert item.bundle == app_bundle_of(TRANSLOCATED)
+    # An old LaunchAgent stays until the service is really asked (it is the only
+    # launcher the user has now).
+    agent = tmp_path / "Library" / "LaunchAgents" / f"{LABEL}.plist"
+    agent.parent.mkdir(parents=True)
+    agent.write_bytes(b"old")
+    with pytest.raises(LoginItemError, match="move omlx to Applications first"):
+        item.set_enabled(True)  # raised before ServiceManagement is imported
+    assert agent.exists()
+    # Unbundled (from source) macOS keeps its LaunchAgent.
+    dev = login_item(["/opt/homebrew/bin/python3", "-m", "app"], tmp_path, "darwin")
+    assert isinstance(dev, LoginFile) and dev.path == agent
+
+
+def test_an_unwritable_autostart_folder_is_a_message_not_a_crash(make_controller, tmp_path):
+    controller, _ = make_controller()
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".config").write_text("a file where the folder should be")
+    controller.login = login_item(["omlx-app"], home, "linux")
+    controller.dispatch("toggle_login").result()
+    message = controller.menu()[2]
+    assert message.key == "message" and not message.hidden
+    assert message.title.startswith("Launch at Login: cannot write ")
+    assert "omlx.desktop" in message.title
+    assert find(controller.menu(), "Launch at Login").checked is False
+    controller.dispatch("open_logs").result()  # the next action clears the notice
+    assert controller.menu()[2].hidden
