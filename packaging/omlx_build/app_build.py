@@ -24,6 +24,7 @@ def py2app_options(config: BundleConfig) -> dict[str, Any]:
         "iconfile": str(config.icon),
         "plist": info_plist(config),
         "packages": list(config.py2app_packages),
+        "includes": list(config.py2app_includes),
         "excludes": list(config.py2app_excludes),
         "resources": [str(r) for r in config.resources],
         "arch": config.arch,

@@ -27,6 +27,7 @@ class BundleConfig:
     copyright: str
     resources: tuple[Path, ...]
     py2app_packages: tuple[str, ...]
+    py2app_includes: tuple[str, ...]
     py2app_excludes: tuple[str, ...]
     # Copied whole from site-packages after py2app (see bundle.toml [copy]).
     copy_packages: tuple[str, ...]
@@ -71,6 +72,7 @@ def load_config(root: Path = ROOT) -> BundleConfig:
         copyright=app["copyright"],
         resources=tuple(root / r for r in app["resources"]),
         py2app_packages=tuple(data["py2app"]["packages"]),
+        py2app_includes=tuple(data["py2app"]["includes"]),
         py2app_excludes=tuple(data["py2app"]["excludes"]),
         copy_packages=tuple(data["copy"]["packages"]),
         build_tools=build,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import metadata
+from importlib.machinery import PathFinder
 from pathlib import Path
 
 from modulegraph.util import imp_find_module
@@ -106,6 +107,28 @@ def package_problems(config: BundleConfig, root: Path, staging: Path) -> list[st
                 "such as mlx belongs in [copy] packages, anything else in the lock"
             )
     return problems
+
+
+def module_findable(name: str, paths: list[str]) -> bool:
+    """Whether Python's own import system finds dotted ``name`` on ``paths`` (namespace
+    packages such as PyObjCTools included: modulegraph follows imports the same way)."""
+    search: list[str] | None = paths
+    for part in name.split("."):
+        spec = PathFinder.find_spec(part, search)
+        if spec is None:
+            return False
+        search = list(spec.submodule_search_locations or [])
+    return True
+
+
+def include_problems(config: BundleConfig, staging: Path) -> list[str]:
+    """Every [py2app] includes entry exists in the macOS set."""
+    return [
+        f"bundle.toml [py2app] includes {name!r}, which the macOS set does not have: "
+        "add its distribution to pyproject's app extra and run `python build.py lock`"
+        for name in config.py2app_includes
+        if not module_findable(name, [str(staging)])
+    ]
 
 
 def copy_problems(config: BundleConfig, staging: Path) -> list[str]:
@@ -227,6 +250,7 @@ def staging_problems(config: BundleConfig, root: Path, staging: Path) -> list[st
     """The checks that look only at the unpacked macOS set (b-g)."""
     return [
         *package_problems(config, root, staging),
+        *include_problems(config, staging),
         *copy_problems(config, staging),
         *forbidden_problems(config, staging),
         *grammar_problems(root, staging),

@@ -25,6 +25,7 @@ from omlx_build.verify import (  # noqa: E402
     copy_problems,
     forbidden_problems,
     grammar_problems,
+    include_problems,
     minos_problems,
     package_problems,
     requirement_problems,
@@ -78,6 +79,15 @@ def test_mlx_back_in_py2app_packages_is_reported(config, wheels):
     assert len(problems) == 1, problems
     assert "py2app cannot find bundle.toml [py2app] package 'mlx'" in problems[0]
     assert "[copy] packages" in problems[0]
+
+
+def test_an_include_missing_from_the_macos_set_is_reported(config, wheels):
+    assert include_problems(config, wheels.staging) == []  # PyObjCTools is a namespace pkg
+    missing = replace(config, py2app_includes=(*config.py2app_includes, "PyObjCTools.Nope"))
+    assert include_problems(missing, wheels.staging) == [
+        "bundle.toml [py2app] includes 'PyObjCTools.Nope', which the macOS set does not "
+        "have: add its distribution to pyproject's app extra and run `python build.py lock`"
+    ]
 
 
 def test_metallib_separated_from_libmlx_is_reported(config, wheels, tmp_path):
