@@ -81,4 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         from app.webview_main import run
 
         return run(argv[1:])
-    return run_shell(argv)
+    try:
+        return run_shell(argv)
+    except Exception:
+        # Into app.log too: py2app's alert says "see the Console", which has no traceback.
+        log.exception("omlx could not start")
+        raise
