@@ -88,6 +88,7 @@ def build_menu(status: Status, stats: Stats | None, login_enabled: bool) -> tupl
         _line("headline", status.headline()),
         _line("restarts", restarts),
         _line("message", status.message),
+        _line("models", status.models_line()),
         _separator("sep.server"),
         *_server_items(status),
         _separator("sep.open"),

@@ -22,7 +22,7 @@ import httpx
 from app import paths
 from app.console_log import ConsoleLog, tail_line
 from app.ports import url_host
-from app.status import ServerState, Status
+from app.status import ServerState, Status, readiness_from_health
 
 log = logging.getLogger("omlx.app")
 
@@ -207,8 +207,10 @@ class Supervisor:
             return False
         try:
             resp = httpx.get(url + "/health", timeout=self.policy.health_timeout_s)
+            if resp.status_code == 200:  # which models are still loading at start
+                self._status = replace(self._status, models=readiness_from_health(resp.json()))
             return resp.status_code == 200
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             return False
 
     def _poll_adopted(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from omlx import __version__
 from omlx.errors import OmlxError, SettingsError
+from omlx.models.pull_console import add_pull_parser
 from omlx.net import port_is_free
 from omlx.private_fs import make_private_dir, restrict_umask, tighten_base_dir
 from omlx.quant.console import add_quantize_parser
@@ -101,12 +102,14 @@ def _parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list, import and install models")
     msub = models.add_subparsers(dest="models_command", required=True)
     msub.add_parser("list", help="models found in the model dirs")
-    imp = msub.add_parser("import-gguf", help="convert a llama GGUF into an MLX model folder")
+    imp = msub.add_parser("import-gguf", help="convert a GGUF into an MLX model folder")
     imp.add_argument("file", type=Path)
     imp.add_argument("--name", help="folder name (default: the file's name)")
     imp.add_argument("--dtype", choices=["float32", "float16", "keep"], default="float32")
     inst = msub.add_parser("install-default", help="import the built-in SmolLM2 model")
     inst.add_argument("--force", action="store_true")
+    rm = msub.add_parser("rm", help="delete a model folder from the model dirs")
+    rm.add_argument("name", help="the model's name, as `omlx models list` shows it")
 
     config = sub.add_parser("config", help="show or change settings.json")
     csub = config.add_subparsers(dest="config_command", required=True)
@@ -115,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     setp.add_argument("key")
     setp.add_argument("value", help="JSON value or plain string")
     add_quantize_parser(sub)
+    add_pull_parser(sub)
     return parser
 
 
@@ -170,9 +174,11 @@ def setup_logging(settings: Settings, to_stderr: bool = True) -> None:
     from omlx.api.auth import RedactKeyFilter
 
     redact = RedactKeyFilter(lambda: settings.server.api_key)
+    redact_hf = RedactKeyFilter(lambda: settings.models.hf_token)
     stderr = logging.StreamHandler(sys.stderr)
     stderr.setFormatter(logging.Formatter(LOG_FORMAT))
     stderr.addFilter(redact)
+    stderr.addFilter(redact_hf)
     root.addHandler(stderr)
     try:
         make_private_dir(settings.log_dir)
@@ -184,6 +190,7 @@ def setup_logging(settings: Settings, to_stderr: bool = True) -> None:
         return
     file.setFormatter(logging.Formatter(LOG_FORMAT))
     file.addFilter(redact)
+    file.addFilter(redact_hf)
     root.addHandler(file)
     if not to_stderr:  # only once server.log works: a record must land somewhere
         root.removeHandler(stderr)
@@ -255,12 +262,18 @@ def _models(args: argparse.Namespace, settings: Settings) -> int:
             )
         return 0
     if args.models_command == "import-gguf":
-        from omlx.models.gguf import import_gguf
+        from omlx.models.gguf import convert_gguf
 
         name = args.name or args.file.name.removesuffix(".gguf")
-        out = import_gguf(args.file, settings.model_dirs[0] / name, dtype=args.dtype)
-        print(f"imported {args.file} -> {out}")
+        result = convert_gguf(args.file, settings.model_dirs[0] / name, dtype=args.dtype)
+        print(f"imported {args.file} -> {result.path} ({result.model_type})")
+        for kind, what in result.tensor_types.items():
+            print(f"  {kind}: {what['tensors']} tensors {what['became']}")
         return 0
+    if args.models_command == "rm":
+        from omlx.models.pull_console import remove_model
+
+        return remove_model(settings, args.name)
     from omlx.models.builtin import install_default_model
 
     out = install_default_model(settings.model_dirs[0], force=args.force)
@@ -273,6 +286,8 @@ def _config(args: argparse.Namespace, settings: Settings) -> int:
         shown = settings.model_dump(mode="json")
         if shown["server"].get("api_key"):
             shown["server"]["api_key"] = "***"  # keys never printed
+        if shown["models"].get("hf_token"):
+            shown["models"]["hf_token"] = "***"
         print(json.dumps(shown, indent=2))
         return 0
     try:
@@ -281,7 +296,8 @@ def _config(args: argparse.Namespace, settings: Settings) -> int:
         value = args.value
     base = resolve_base_path(args.base_path)
     set_file_value(base, args.key, value)
-    shown = '"***"' if args.key == "server.api_key" else json.dumps(value)
+    secret = args.key in ("server.api_key", "models.hf_token")
+    shown = '"***"' if secret else json.dumps(value)
     print(f"{args.key} = {shown} written to {base / 'settings.json'}")
     return 0
 
@@ -300,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
             from omlx.quant.console import quantize_command
 
             return quantize_command(args, settings)
+        if args.command == "pull":
+            from omlx.models.pull_console import pull_command
+
+            return pull_command(args, settings)
         return _config(args, settings)
     except SettingsError as exc:
         print(f"omlx: {exc.message}", file=sys.stderr)

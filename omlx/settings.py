@@ -118,8 +118,26 @@ class ModelSettings(_Group):
     default_model: str | None = None
     # Import the built-in SmolLM2 when no model is found at start.
     install_default_model: bool = True
+    # Load the pinned and default models in the background at start (engine/startup.py).
+    load_at_start: bool = True
     # Unload a model idle this long (seconds; per-model ttl_s wins). None: never.
     idle_timeout_s: float | None = Field(None, gt=0.0)
+    # Hugging Face Hub downloads: a mirror's URL (unset: HF_ENDPOINT, else huggingface.co)
+    # and a token for gated or private repos (unset: HF_TOKEN or `hf auth login`'s).
+    hf_endpoint: str | None = None
+    hf_token: str | None = Field(None, repr=False)
+
+    @field_validator("hf_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        if not re.match(r"^https?://[^/?#\s]+(/[^?#\s]*)?$", value.strip()):
+            raise ValueError(
+                f"{value!r} is not a Hub URL: give http(s)://host[/path], e.g. "
+                "'https://hf-mirror.com'"
+            )
+        return value.strip().rstrip("/")
 
 
 class SchedulerSettings(_Group):

@@ -45,6 +45,8 @@ LIVE_SETTINGS = frozenset(
         "server.template_timeout_s",
         "models.default_model",
         "models.idle_timeout_s",
+        "models.hf_endpoint",
+        "models.hf_token",
         "sampling.temperature",
         "sampling.top_p",
         "sampling.top_k",
@@ -162,6 +164,8 @@ def _public_settings(settings: Settings) -> dict[str, Any]:
     data = settings.model_dump(mode="json")
     if data["server"].get("api_key"):
         data["server"]["api_key"] = "***"
+    if data["models"].get("hf_token"):
+        data["models"]["hf_token"] = "***"
     return data
 
 

@@ -16,7 +16,9 @@ from omlx.api.admin_routes import router as admin_router
 from omlx.api.anthropic_routes import router as anthropic_router
 from omlx.api.auth import ApiKeyAuth, login_router, require_admin, require_api_key
 from omlx.api.body_guard import BodyGuardMiddleware
+from omlx.api.download_routes import router as download_router
 from omlx.api.errors import install_error_handlers
+from omlx.api.fit_routes import router as fit_router
 from omlx.api.openai_routes import router as openai_router
 from omlx.api.origin_guard import OriginGuardMiddleware, PathScopedCORS
 from omlx.api.quant_routes import router as quant_router
@@ -44,8 +46,12 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
         maintenance = asyncio.create_task(
             pool.maintain(min(5.0, settings.memory.poll_interval_s)), name="pool-maintenance"
         )
+        pool.startup.begin()  # the default and pinned models, in the background
+        await asyncio.to_thread(app.state.omlx.downloads.start)  # resumes unfinished ones
         yield
+        await pool.startup.cancel()
         await asyncio.to_thread(app.state.omlx.quant_tasks.shutdown)  # ends a running child
+        await asyncio.to_thread(app.state.omlx.downloads.shutdown)  # kept to resume
         maintenance.cancel()
         await pool.close()
 
@@ -80,6 +86,8 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
     app.include_router(admin_router)
     app.include_router(memory_router)
     app.include_router(quant_router)
+    app.include_router(fit_router)
+    app.include_router(download_router)
     install_web(app, settings)
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(require_admin)])
@@ -92,7 +100,10 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
         reading = state.pool.probe.reading()
         limits = state.pool.limits
         return {
+            # "ok" whenever the server answers; models_state says whether the models
+            # loading at start are ready (models: loading / ready / failed, with reasons).
             "status": "ok",
+            **state.pool.startup.report(),
             "version": __version__,
             "memory": {
                 "limit_bytes": limits.hard_bytes,

@@ -25,6 +25,8 @@ PROTECTED_SETTINGS = (
     "server.cors_origins",
     "server.allowed_hosts",
     "models.model_dirs",
+    # The Hub downloads come from, and the hf_token is sent to: a page must not redirect it.
+    "models.hf_endpoint",
     "cache.ssd_cache_dir",
 )
 # Opening the server to the network without a key is a decision for the machine's owner.

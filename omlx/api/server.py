@@ -49,7 +49,10 @@ class Server:
             self.worker.stop()
 
     def start_in_thread(self, timeout_s: float = 30.0) -> None:
-        self.worker.start()
+        """Start uvicorn in a thread; the MLX worker too, unless the caller already
+        started it (a test that queues work on it before the models load)."""
+        if not self.worker.is_alive:
+            self.worker.start()
         # uvicorn only installs signal handlers on the main thread.
         self._thread = threading.Thread(target=self._uvicorn.run, name="uvicorn", daemon=True)
         self._thread.start()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from omlx.engine.pool import EnginePool
+from omlx.models.download_tasks import DownloadManager
 from omlx.quant.tasks import TaskManager
 from omlx.settings import Settings
 
@@ -19,9 +20,12 @@ class ServerState:
     started_s: float = field(default_factory=time.time)
     # oQ tasks write into the first model dir, where discovery finds the result.
     quant_tasks: TaskManager = field(init=False)
+    # Hub downloads, likewise into the first model dir (started by the app's lifespan).
+    downloads: DownloadManager = field(init=False)
 
     def __post_init__(self) -> None:
         self.quant_tasks = TaskManager(self.settings.model_dirs[0], tracker=self.pool.probe)
+        self.downloads = DownloadManager(self.settings)
 
 
 def state_of(request: Request) -> ServerState:

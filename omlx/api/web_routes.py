@@ -210,11 +210,13 @@ def _run_in_process(pool: EnginePool, fn: Callable[..., Any], *args: Any) -> Any
     return run_in_child(fn, *args, memory_limit_bytes=limit, tracker=pool.probe)
 
 
-def _import_job(source: str, target: str, dtype: str | None) -> str:
+def _import_job(source: str, target: str, dtype: Any) -> dict[str, Any]:
     from omlx.models.builtin import default_dtype
-    from omlx.models.gguf import import_gguf
+    from omlx.models.gguf import convert_gguf
 
-    return str(import_gguf(Path(source), Path(target), dtype=dtype or default_dtype()))
+    # dtype was checked by the route; convert_gguf checks it again.
+    result = convert_gguf(Path(source), Path(target), dtype=dtype or default_dtype())
+    return result.as_dict()
 
 
 def _install_job(models_dir: str, force: bool) -> str:
@@ -281,8 +283,12 @@ async def import_gguf_route(request: Request) -> dict[str, Any]:
             )
         log.info("importing %s as %s", source, target)
         pool = state_of(request).pool
-        await asyncio.to_thread(_run_in_process, pool, _import_job, str(source), str(target), dtype)
-    return {"name": name, "path": str(target), "model": _model_entry(request, name)}
+        conversion = await asyncio.to_thread(
+            _run_in_process, pool, _import_job, str(source), str(target), dtype
+        )
+    # "conversion" says what became of each GGUF tensor type (kept, requantized, dequantized).
+    entry = _model_entry(request, name)
+    return {"name": name, "path": str(target), "model": entry, "conversion": conversion}
 
 
 @router.post("/models/install-default")

@@ -15,10 +15,11 @@ from typing import Any
 from omlx.cache.setup import make_hot_tier, make_prefix_cache
 from omlx.engine.enforcer import Enforcer
 from omlx.engine.model_engine import ModelEngine, unloaded_error
-from omlx.engine.profile import auto_profile
+from omlx.engine.profile_cache import ProfileCache, ProfileInputs, profile_model
 from omlx.engine.release import Releases
 from omlx.engine.residency import ResidentModel, choose_evictions, expired
 from omlx.engine.runner import BatchRunner
+from omlx.engine.startup import StartupLoads
 from omlx.engine.worker import MLXWorker
 from omlx.errors import (
     InsufficientMemoryError,
@@ -27,7 +28,7 @@ from omlx.errors import (
 )
 from omlx.memory import mlx_stats
 from omlx.memory.baseline import IdleBaseline
-from omlx.memory.budget import Limits, MemoryReading, guard_dims
+from omlx.memory.budget import KVProfile, Limits, MemoryReading, ModelDims, guard_dims
 from omlx.memory.guard import MemoryGuard, memory_limits
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
 from omlx.models.discovery import ModelInfo, discover_models
@@ -115,6 +116,11 @@ class EnginePool:
         self.enforcer = Enforcer(self)
         # What /release_memory_occupation released; those models wait for resume.
         self.releases = Releases(self)
+        # Auto-profiles kept between starts; the models loaded in the background at start.
+        self.profile_cache = ProfileCache(settings.base_path / "profiles")
+        self.startup = StartupLoads(self)
+        # Per loaded model: whether its profile was measured or reused (for /health).
+        self._load_facts: dict[str, dict[str, Any]] = {}
 
     # -- discovery and names ------------------------------------------------
 
@@ -147,6 +153,13 @@ class EnginePool:
 
     def default_model(self) -> str | None:
         return self.model_settings.default_model() or self.settings.models.default_model
+
+    def loading_names(self) -> list[str]:
+        return sorted(self._loading)
+
+    def load_facts(self, name: str) -> dict[str, Any]:
+        """How the loaded model ``name`` became ready (its profile measured or reused)."""
+        return dict(self._load_facts.get(name, {}))
 
     def model_state(self, name: str) -> str:
         if name in self._loading:
@@ -471,23 +484,10 @@ class EnginePool:
             baseline=self._live_baseline,
             chunk_tokens=sched.prefill_step_size,
         )
-        explicit = self.model_settings.get(loaded.info.name).max_kv_tokens
-        guard.set_profile(
-            auto_profile(
-                loaded.model,
-                dims,
-                self.probe,
-                self.limits,
-                chunk_tokens=sched.prefill_step_size,
-                batch_size=sched.max_concurrent_requests,
-                vocab_size=loaded.vocab_size,
-                explicit_tokens=explicit or self.settings.memory.max_kv_tokens,
-                # Validation holds the KV that can really be in flight at once.
-                max_tokens_in_flight=window * sched.max_concurrent_requests,
-            )
-        )
+        guard.set_profile(self._profile(loaded, dims, window))
         # After the profile, so its readings are what they were without the checks.
         runner.prove_compiled()
+        self._load_facts[loaded.info.name]["compiled_steps"] = _proofs(runner)
         return ModelEngine(
             loaded,
             runner,
@@ -498,6 +498,25 @@ class EnginePool:
             probe=self.probe,
             prefix_cache=prefix,
         )
+
+    def _profile(self, loaded: LoadedModel, dims: ModelDims, window: int) -> KVProfile:
+        """The auto-profile: reused from an earlier start when nothing it depends on
+        changed (profile_cache.py), else measured now and kept."""
+        sched, name = self.settings.scheduler, loaded.info.name
+        inputs = ProfileInputs(
+            chunk_tokens=sched.prefill_step_size,
+            batch_size=sched.max_concurrent_requests,
+            vocab_size=loaded.vocab_size,
+            explicit_tokens=self.model_settings.get(name).max_kv_tokens
+            or self.settings.memory.max_kv_tokens,
+            # Validation holds the KV that can really be in flight at once.
+            max_tokens_in_flight=window * sched.max_concurrent_requests,
+        )
+        profile, reused = profile_model(
+            self.profile_cache, loaded.info, loaded.model, dims, self.probe, self.limits, inputs
+        )
+        self._load_facts[name] = {"kv_profile": "reused" if reused else "measured"}
+        return profile
 
     async def close(self) -> None:
         """Abort all work and unload every model."""
@@ -530,6 +549,16 @@ def _close_each(engines: list[ModelEngine], why: str) -> None:
     keeps an engine (and its weights) alive past the unload."""
     for engine in engines:
         engine.close(unloaded_error(engine.name, why))
+
+
+def _proofs(runner: BatchRunner) -> dict[str, str]:
+    """Each compiled step's one-time proof, as the load left it (a proven step never
+    runs its proof again; "eager": the model does not qualify)."""
+    steps = {"decode": runner.compiled_decoder, "batch": runner.compiled_batch_step}
+    return {
+        what: "eager" if step is None else "proven" if step.proven else "failed"
+        for what, step in steps.items()
+    }
 
 
 def _kv_profile(engine: ModelEngine) -> dict[str, Any] | None:

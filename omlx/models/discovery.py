@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class ModelInfo:
     size_bytes: int
 
 
-def detect_kind(config: dict) -> str:
+def detect_kind(config: dict[str, Any]) -> str:
     archs = config.get("architectures") or []
     if any(a in _EMBEDDING_ARCHS or a.endswith("ForMaskedLM") for a in archs):
         return "embedding"
@@ -37,7 +38,7 @@ def detect_kind(config: dict) -> str:
     return "llm"
 
 
-def _read_config(folder: Path) -> dict | None:
+def _read_config(folder: Path) -> dict[str, Any] | None:
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:

@@ -1,61 +1,79 @@
-"""Convert a llama-architecture GGUF file into an mlx-lm model folder.
+"""Convert a GGUF file (llama, Mistral, Qwen 2/3, Gemma 1/2/3, Phi-3) into an mlx-lm folder.
 
-``mx.load`` reads the tensors: Q4_0 / Q4_1 / Q8_0 come back as MLX affine
-triples (weight, scales, biases) with group size 32, everything else as float.
-llama.cpp stores q/k rows permuted for interleaved RoPE, so the folder keeps
-them as they are and sets ``rope_traditional``.
+The header is validated by gguf_reader, each tensor is memory-mapped and
+decoded by llama.cpp's gguf-py or repacked (gguf_tensors), the names and the
+config come from gguf_arch, and the tokenizer from gguf_tokenizer. llama.cpp
+stores llama q/k rows permuted for interleaved RoPE, so the folder keeps them
+as they are and sets ``rope_traditional``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 import time
 import uuid
 from collections import Counter
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import mlx.core as mx
+import numpy as np
 
 from omlx.errors import ImportFailedError
-from omlx.models.gguf_reader import GGUFHeader, as_float, as_int, as_str, read_header
+from omlx.models.gguf_arch import (
+    CONFIG_TENSORS,
+    Arch,
+    architecture,
+    build_config,
+    config_from_tensors,
+    expected_parameters,
+)
+from omlx.models.gguf_reader import GGUFHeader, read_header
+from omlx.models.gguf_tensors import GROUP_SIZE, DType, convert_tensor, iter_tensors
 from omlx.models.gguf_tokenizer import ImportedTokenizer, build_tokenizer
+
+__all__ = ["DType", "ImportResult", "build_config", "convert_gguf", "import_gguf"]
 
 log = logging.getLogger(__name__)
 
-DType = Literal["float32", "float16", "keep"]
-GROUP_SIZE = 32  # every GGUF block format mx.load unpacks uses blocks of 32
 _SHARD_BYTES = 5 << 30  # mlx-lm's own shard size
 
-_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_PER_LAYER = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)")
-_PARAMS = ("weight", "scales", "biases")
-_QUANT = (".scales", ".biases")
+
+@dataclass(frozen=True, slots=True)
+class ImportResult:
+    path: Path
+    architecture: str  # general.architecture
+    model_type: str  # mlx-lm's
+    dtype: str
+    # GGUF tensor type -> {"tensors": how many, "became": what the import made of them}
+    tensor_types: dict[str, dict[str, Any]]
+    gguf_bytes: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "path": str(self.path)}
 
 
 def import_gguf(
     gguf_path: Path, out_dir: Path, *, dtype: DType = "float32", overwrite: bool = False
 ) -> Path:
-    """Convert ``gguf_path`` into an mlx-lm folder at ``out_dir`` and return ``out_dir``.
+    """Convert ``gguf_path`` into an mlx-lm folder at ``out_dir`` and return ``out_dir``."""
+    return convert_gguf(gguf_path, out_dir, dtype=dtype, overwrite=overwrite).path
 
-    ``dtype`` "float32" / "float16" dequantizes every tensor; "keep" keeps the
-    GGUF's quantized tensors as MLX quantized weights. The folder appears whole
-    or not at all: it is written into a hidden temp folder beside ``out_dir``
-    and renamed into place. Every failure raises ImportFailedError saying why.
+
+def convert_gguf(
+    gguf_path: Path, out_dir: Path, *, dtype: DType = "float32", overwrite: bool = False
+) -> ImportResult:
+    """Convert ``gguf_path`` into an mlx-lm folder at ``out_dir``; say what became of each type.
+
+    ``dtype`` "float32" / "float16" dequantizes every tensor; "keep" keeps
+    quantized tensors quantized (see gguf_tensors for which are exact and which
+    are requantized). The folder appears whole or not at all: it is written
+    into a hidden temp folder beside ``out_dir`` and renamed into place. Every
+    failure raises ImportFailedError saying why.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if dtype not in get_args(DType):
@@ -64,169 +82,81 @@ def import_gguf(
         raise ImportFailedError(f"{out_dir} already exists (pass overwrite=True to replace it)")
     start = time.perf_counter()
     header = read_header(gguf_path)
+    arch_name, arch = architecture(header)
     config = build_config(header)
-    tokenizer = build_tokenizer(header.metadata, model_max_length=config["max_position_embeddings"])
-    weights, quantization = convert_weights(_load_tensors(gguf_path, header), dtype)
+    tokenizer = build_tokenizer(
+        header.metadata, model_max_length=config["max_position_embeddings"], arch=arch_name
+    )
+    config.update(config_from_tensors(_config_tensors(gguf_path, header), config))
+    weights, shapes, bits, routes = load_weights(gguf_path, header, arch, dtype)
     config["tie_word_embeddings"] = "lm_head.weight" not in weights
-    _check_complete(weights, config)
-    if quantization:
+    check_parameters(shapes, config)
+    if quantization := _quantization(bits):
         # mlx-lm reads "quantization"; HF-style tools read "quantization_config".
         config["quantization"] = config["quantization_config"] = quantization
     config.update(_token_ids(tokenizer))
     _write_folder(out_dir, weights, config, tokenizer, overwrite=overwrite)
-    elapsed_s = time.perf_counter() - start
-    log.info("imported %s -> %s (%s) in %.2f s", gguf_path.name, out_dir, dtype, elapsed_s)
-    return out_dir
+    seconds = time.perf_counter() - start
+    log.info("imported %s -> %s (%s) in %.2f s", gguf_path.name, out_dir, dtype, seconds)
+    types = {kind: {"tensors": n, "became": route} for (kind, route), n in sorted(routes.items())}
+    size = gguf_path.stat().st_size
+    return ImportResult(out_dir, arch_name, arch.model_type, dtype, types, size, seconds)
 
 
-def build_config(header: GGUFHeader) -> dict[str, Any]:
-    """mlx-lm llama config.json from the GGUF's ``llama.*`` metadata."""
-    meta = header.metadata
-    arch = meta.get("general.architecture")
-    if not isinstance(arch, str) or arch != "llama":
-        shown = repr(arch) if isinstance(arch, str | None) else "(not a string)"
-        raise ImportFailedError(
-            f"architecture {shown} is not supported: only 'llama' GGUF files can be imported"
-        )
-    if _int(meta, "expert_count", 0, low=0) > 0:
-        raise ImportFailedError("mixture-of-experts llama models (Mixtral) are not supported")
-    hidden = _int(meta, "embedding_length")
-    heads = _int(meta, "attention.head_count")
-    head_dim = _int(meta, "attention.key_length", hidden // heads)
-    if _int(meta, "rope.dimension_count", head_dim) != head_dim:
-        raise ImportFailedError("partial RoPE (rope.dimension_count < head_dim) is not supported")
-    config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "num_hidden_layers": _block_count(header),
-        "intermediate_size": _int(meta, "feed_forward_length"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": _int(meta, "attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "rms_norm_eps": _float(meta, "attention.layer_norm_rms_epsilon"),
-        "rope_theta": _float(meta, "rope.freq_base", 10000.0),
-        "rope_traditional": True,  # llama.cpp interleaves q/k rows for GPT-J style RoPE
-        "max_position_embeddings": _int(meta, "context_length", 2048),
-        "vocab_size": _vocab_size(header),
+_Routes = Counter[tuple[str, str]]  # (GGUF type, what became of it) -> tensors
+_Loaded = tuple[dict[str, mx.array], dict[str, tuple[int, ...]], dict[str, int], _Routes]
+
+
+def load_weights(path: Path, header: GGUFHeader, arch: Arch, dtype: DType) -> _Loaded:
+    """mlx-lm-named arrays, each parameter's logical shape, the bits of each
+    quantized module, and a count of (GGUF type, route) pairs."""
+    weights: dict[str, mx.array] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    bits: dict[str, int] = {}
+    routes: _Routes = Counter()
+    tensors = [info for info in header.tensors if info.name not in CONFIG_TENSORS]
+    names = {info.name: arch.mlx_name(info.name) for info in tensors}  # fail fast
+    for info, raw in iter_tensors(path, tensors):
+        name = names[info.name]
+        shift = arch.norm_shift if info.name.endswith("norm.weight") else 0.0
+        converted = convert_tensor(info, raw, dtype, offset=-shift)
+        module = name.rpartition(".")[0]
+        for param, array in converted.arrays.items():
+            weights[name if param == "weight" else f"{module}.{param}"] = array
+        if converted.bits is not None:
+            bits[module] = converted.bits
+        shapes[name] = converted.shape
+        routes[(info.type_name, converted.route)] += 1
+        mx.eval(list(converted.arrays.values()))  # one tensor's decode buffers at a time
+    return weights, shapes, bits, routes
+
+
+def _config_tensors(path: Path, header: GGUFHeader) -> dict[str, np.ndarray]:
+    infos = [info for info in header.tensors if info.name in CONFIG_TENSORS]
+    return {
+        info.name: np.array(convert_tensor(info, raw, "float32").arrays["weight"])
+        for info, raw in iter_tensors(path, infos)
     }
-    if scaling := _rope_scaling(meta):
-        config["rope_scaling"] = scaling
-    return config
 
 
-_LLAMA = "llama."
-
-
-def _llama(meta: dict[str, Any], key: str) -> Any:
-    if f"llama.{key}" not in meta:
-        raise ImportFailedError(f"the GGUF has no llama.{key}: it is not a complete llama model")
-    return meta[f"llama.{key}"]
-
-
-def _int(meta: dict[str, Any], key: str, default: int | None = None, *, low: int = 1) -> int:
-    """``llama.<key>`` as an int of at least ``low``; required when ``default`` is None."""
-    value = _llama(meta, key) if default is None else meta.get(_LLAMA + key, default)
-    return as_int(_LLAMA + key, value, low=low)
-
-
-def _float(meta: dict[str, Any], key: str, default: float | None = None) -> float:
-    value = _llama(meta, key) if default is None else meta.get(_LLAMA + key, default)
-    return as_float(_LLAMA + key, value)
-
-
-def _block_count(header: GGUFHeader) -> int:
-    # Every layer has nine tensors, so the table bounds the count.
-    count = _int(header.metadata, "block_count")
-    if count > len(header.tensors):
+def check_parameters(shapes: dict[str, tuple[int, ...]], config: dict[str, Any]) -> None:
+    """The file's tensors are exactly mlx-lm's parameters for ``config``, shapes included."""
+    expected = expected_parameters(config)
+    if config["tie_word_embeddings"]:  # models that always build lm_head drop it when tied
+        expected.pop("lm_head.weight", None)
+    if missing := sorted(expected.keys() - shapes.keys()):
+        raise ImportFailedError(f"the GGUF lacks {len(missing)} tensors, e.g. {missing[0]}")
+    if extra := sorted(shapes.keys() - expected.keys()):
         raise ImportFailedError(
-            f"llama.block_count is {count}, but the file has only {len(header.tensors)} tensors"
+            f"the GGUF has {len(extra)} tensors mlx-lm's {config['model_type']} model "
+            f"for this config does not have, e.g. {extra[0]} (beyond block_count?)"
         )
-    return count
-
-
-def _vocab_size(header: GGUFHeader) -> int:
-    # The embedding's rows are authoritative: llama.vocab_size is optional.
-    for tensor in header.tensors:
-        if tensor.name == "token_embd.weight":
-            if len(tensor.shape) != 2:
-                raise ImportFailedError(
-                    f"token_embd.weight must be 2-D, not of shape {list(tensor.shape)}"
-                )
-            return tensor.shape[0]
-    raise ImportFailedError("the GGUF has no token_embd.weight tensor")
-
-
-def _rope_scaling(meta: dict[str, Any]) -> dict[str, Any] | None:
-    kind = as_str(_LLAMA + "rope.scaling.type", meta.get(_LLAMA + "rope.scaling.type", "none"))
-    if kind == "none":
-        return None
-    if kind == "linear":
-        return {"type": "linear", "factor": _float(meta, "rope.scaling.factor")}
-    raise ImportFailedError(f"RoPE scaling {kind!r} is not supported (only none and linear)")
-
-
-def _load_tensors(path: Path, header: GGUFHeader) -> dict[str, mx.array]:
-    try:
-        arrays = mx.load(str(path), format="gguf")
-    except (RuntimeError, ValueError) as exc:
-        raise ImportFailedError(f"mlx cannot read the tensors of {path.name}: {exc}") from exc
-    assert isinstance(arrays, dict)
-    # mx.load drops every tensor after one it cannot decode, without an error.
-    missing = [t.name for t in header.tensors if t.name not in arrays]
-    if missing:
-        raise ImportFailedError(f"mlx could not read {len(missing)} tensors, e.g. {missing[0]}")
-    return arrays
-
-
-def mlx_name(gguf_name: str) -> str:
-    """llama.cpp tensor name -> mlx-lm parameter name, e.g. blk.3.attn_q.weight."""
-    base, _, param = gguf_name.rpartition(".")
-    if param in _PARAMS:
-        if base in _TOP_LEVEL:
-            return f"{_TOP_LEVEL[base]}.{param}"
-        match = _LAYER_NAME.fullmatch(base)
-        if match and match.group(2) in _PER_LAYER:
-            return f"model.layers.{match.group(1)}.{_PER_LAYER[match.group(2)]}.{param}"
-    raise ImportFailedError(f"tensor {gguf_name} has no counterpart in mlx-lm's llama model")
-
-
-def convert_weights(
-    arrays: dict[str, mx.array], dtype: DType
-) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
-    """Rename to mlx-lm names and dequantize (or keep) quantized triples.
-
-    Returns the weights and, for "keep" with quantized tensors, the config's
-    "quantization" entry (per-module entries where bits differ from the default).
-    """
-    weights = {mlx_name(name): array for name, array in arrays.items()}
-    bits = {
-        name.removesuffix(".scales"): _bits(weights, name.removesuffix(".scales"))
-        for name in weights
-        if name.endswith(".scales")
-    }
-    if dtype == "keep":
-        return weights, _quantization(bits)
-    target = mx.float32 if dtype == "float32" else mx.float16
-    for module, num_bits in bits.items():
-        weights[f"{module}.weight"] = _dequantize(weights, module, num_bits)
-    return {k: v.astype(target) for k, v in weights.items() if not k.endswith(_QUANT)}, None
-
-
-def _bits(weights: dict[str, mx.array], module: str) -> int:
-    packed, scales = weights[f"{module}.weight"], weights[f"{module}.scales"]
-    return packed.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
-
-
-def _dequantize(weights: dict[str, mx.array], module: str, bits: int) -> mx.array:
-    # Scales and biases are float16; dequantizing in float32 avoids a second rounding.
-    return mx.dequantize(
-        weights[f"{module}.weight"],
-        weights[f"{module}.scales"].astype(mx.float32),
-        weights[f"{module}.biases"].astype(mx.float32),
-        group_size=GROUP_SIZE,
-        bits=bits,
-    )
+    for name, shape in sorted(shapes.items()):
+        if shape != expected[name]:
+            raise ImportFailedError(
+                f"tensor {name} has shape {list(shape)}, but the config's model "
+                f"expects {list(expected[name])}"
+            )
 
 
 def _quantization(bits: dict[str, int]) -> dict[str, Any] | None:
@@ -238,21 +168,6 @@ def _quantization(bits: dict[str, int]) -> dict[str, Any] | None:
         if num_bits != default:
             config[module] = {"group_size": GROUP_SIZE, "bits": num_bits}
     return config
-
-
-def _check_complete(weights: dict[str, mx.array], config: dict[str, Any]) -> None:
-    expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not config["tie_word_embeddings"]:
-        expected.add("lm_head.weight")
-    for i in range(config["num_hidden_layers"]):
-        expected |= {f"model.layers.{i}.{part}.weight" for part in _PER_LAYER.values()}
-    found = {name for name in weights if name.endswith(".weight")}
-    if missing := sorted(expected - found):
-        raise ImportFailedError(f"the GGUF lacks {len(missing)} tensors, e.g. {missing[0]}")
-    if extra := sorted(found - expected):
-        raise ImportFailedError(
-            f"the GGUF has {len(extra)} tensors beyond llama.block_count, e.g. {extra[0]}"
-        )
 
 
 def _token_ids(tokenizer: ImportedTokenizer) -> dict[str, Any]:

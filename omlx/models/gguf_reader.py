@@ -1,11 +1,10 @@
 """Read a GGUF file's header (metadata and tensor table) in pure Python.
 
-``mx.load`` reads the tensors with a native reader (gguflib) that trusts the
-header: its sizes are unsigned 64-bit and wrap, it asserts (aborts) on more
-than 8 dimensions, and it stops silently at the first tensor type it does not
-know. Every field is therefore checked here first, with Python ints, against
-what the file can hold; a header that passes is one mx.load reads in bounds.
-Any problem raises ImportFailedError naming the field.
+The tensors are then read by llama.cpp's gguf-py, which trusts the header: its
+sizes come from numpy ints that wrap, and a crafted count or length makes it
+allocate or loop without bound. Every field is therefore checked here first,
+with Python ints, against what the file can hold; a header that passes is one
+gguf-py reads in bounds. Any problem raises ImportFailedError naming the field.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from omlx.errors import ImportFailedError
 
@@ -36,7 +36,7 @@ MAX_ARRAY_LENGTH = 1 << 24
 MAX_STRINGS = 1 << 23  # over the whole header: each one becomes a Python object
 MAX_STRING_BYTES = 16 << 20
 MAX_ALIGNMENT = 1 << 16
-# mlx's GGUF reader keeps shapes and some element counts in 32-bit ints.
+# MLX keeps shapes in 32-bit ints.
 MAX_TENSOR_ELEMENTS = 2**31 - 1
 # Smallest encoding of one entry: bounds a count by the bytes left in the file.
 _MIN_KEY_VALUE_BYTES = 8 + 4 + 1  # empty key, value type, one-byte value
@@ -52,24 +52,21 @@ _SCALAR_FORMATS = {
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 
 # ggml tensor types: id -> (name, elements per block, bytes per block).
-# Only these load correctly through mx.load: the Q4/Q8 types come back as MLX
-# affine triples, Q6_K and BF16 are decoded to float16 by mlx's gguf reader.
+# These are the ones gguf-py's gguf.quants decodes (llama.cpp's reference code).
+_DECODABLE = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+    "TQ1_0", "TQ2_0", "MXFP4",
+)  # fmt: skip
 SUPPORTED_TYPES = {
-    0: ("F32", 1, 4),
-    1: ("F16", 1, 2),
-    2: ("Q4_0", 32, 18),
-    3: ("Q4_1", 32, 20),
-    8: ("Q8_0", 32, 34),
-    14: ("Q6_K", 256, 210),
-    30: ("BF16", 1, 2),
+    int(GGMLQuantizationType[name]): (name, *GGML_QUANT_SIZES[GGMLQuantizationType[name]])
+    for name in _DECODABLE
 }
-# Names for the usual unsupported types, so the error can say what was found.
+# Names for the other types, so the error can say what was found.
 _OTHER_TYPE_NAMES = {
-    6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K",
-    15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL",
-    21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64",
-    28: "F64", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
-}  # fmt: skip
+    int(kind): kind.name for kind in GGMLQuantizationType if int(kind) not in SUPPORTED_TYPES
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +74,8 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]  # MLX order (rows first), the reverse of ggml's
     type_name: str
+    start: int = 0  # where its data begins in the file (checked in bounds)
+    num_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +176,7 @@ class _Cursor:
     def array(self, key: str) -> Any:
         kind = self.unpack("<I", f"the element type of '{key}'")
         what = f"the length of array '{key}'"
-        if kind == _ARRAY:  # neither llama.cpp nor mlx's reader loads nested arrays
+        if kind == _ARRAY:  # llama.cpp does not load nested arrays
             raise self.fail(f"metadata '{key}' is an array of arrays, which is not supported")
         if kind == _STRING:
             count = self.count(what, _STRING_PREFIX_BYTES, MAX_ARRAY_LENGTH)
@@ -227,7 +226,7 @@ def _read_metadata(cur: _Cursor, num_keys: int) -> tuple[dict[str, Any], int]:
 
 
 def _check_alignment(cur: _Cursor, kind: int, value: Any) -> int:
-    # mlx's reader honours general.alignment only as a uint32: any other type
+    # gguf-py honours general.alignment only as a uint32: any other type
     # would make it read the tensors from other offsets than the ones checked here.
     if kind != _UINT32:
         raise cur.fail("general.alignment must be a uint32")
@@ -262,14 +261,18 @@ def _check_tensors(
         )
     seen: set[str] = set()
     spans: list[tuple[int, int, str]] = []
+    infos: list[TensorInfo] = []
     for tensor in raw:
         if tensor.name in seen:
             raise cur.fail(f"tensor '{tensor.name}' appears twice")
         seen.add(tensor.name)
         num_bytes = _tensor_bytes(cur, tensor, cur.size - data_start)
         spans.append(_tensor_span(cur, tensor, num_bytes, data_start, alignment))
+        kind = SUPPORTED_TYPES[tensor.type_id][0]
+        shape = tuple(reversed(tensor.dims))
+        infos.append(TensorInfo(tensor.name, shape, kind, spans[-1][0], num_bytes))
     _check_no_overlap(cur, spans)
-    return [TensorInfo(t.name, tuple(reversed(t.dims)), SUPPORTED_TYPES[t.type_id][0]) for t in raw]
+    return infos
 
 
 def _tensor_bytes(cur: _Cursor, tensor: _RawTensor, data_bytes: int) -> int:

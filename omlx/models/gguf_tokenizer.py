@@ -1,8 +1,12 @@
 """Rebuild a Hugging Face tokenizer from a GGUF file's ``tokenizer.ggml.*`` metadata.
 
-Only byte-level BPE (``tokenizer.ggml.model == "gpt2"``) is supported: its
-tokens and merges are stored verbatim, so the rebuilt tokenizer is exact once
-the pre-tokenizer (``tokenizer.ggml.pre``) is mapped to what llama.cpp runs.
+Byte-level BPE (``tokenizer.ggml.model == "gpt2"``): tokens and merges are
+stored verbatim, so the rebuilt tokenizer is exact once the pre-tokenizer
+(``tokenizer.ggml.pre``) is mapped to what llama.cpp runs.
+
+SentencePiece (``"llama"``: Llama 1/2, Mistral, Gemma, Phi-3): transformers'
+GGUF tokenizer conversion rebuilds it (BPE with byte fallback, merges
+recovered from the scores, Gemma's and Phi-3's quirks).
 """
 
 from __future__ import annotations
@@ -13,7 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from omlx.errors import ImportFailedError
 from omlx.models.gguf_reader import as_bool, as_int, as_int_array, as_str, as_str_list
@@ -49,26 +62,28 @@ class ImportedTokenizer:
         _write_json(folder / "special_tokens_map.json", self.special_tokens_map)
 
 
-def build_tokenizer(metadata: dict[str, Any], *, model_max_length: int) -> ImportedTokenizer:
+def build_tokenizer(
+    metadata: dict[str, Any], *, model_max_length: int, arch: str = "llama"
+) -> ImportedTokenizer:
     """Tokenizer plus its config files; unsupported or missing pieces raise ImportFailedError."""
-    kind = metadata.get("tokenizer.ggml.model")
-    if not isinstance(kind, str) or kind != "gpt2":
-        shown = repr(kind) if isinstance(kind, str | None) else "(not a string)"
-        raise ImportFailedError(
-            f"tokenizer model {shown} is not supported: only byte-level BPE ('gpt2') "
-            "tokenizers can be imported"
-        )
+    kind = _tokenizer_model(metadata)
     tokens = as_str_list(_TOKENS, _required(metadata, _TOKENS))
-    merges = as_str_list(_MERGES, _required(metadata, _MERGES))
-    pre = as_str(_PRE, metadata.get(_PRE, "default"))
-    tokenizer = _bpe_tokenizer(tokens, merges, pre)
+    if kind == "gpt2":
+        merges = as_str_list(_MERGES, _required(metadata, _MERGES))
+        tokenizer = _bpe_tokenizer(tokens, merges, as_str(_PRE, metadata.get(_PRE, "default")))
+    else:
+        tokenizer = _sentencepiece_tokenizer(metadata, tokens, arch)
     _add_special_tokens(tokenizer, tokens, metadata.get(_TOKEN_TYPE))
 
     ids = _special_ids(metadata, len(tokens))
     names = {role: tokens[i] for role, i in ids.items() if i is not None}
-    add_bos = as_bool(_ADD_BOS, metadata.get(_ADD_BOS, False))
+    # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise.
+    add_bos = as_bool(_ADD_BOS, metadata.get(_ADD_BOS, kind == "llama"))
     add_eos = as_bool(_ADD_EOS, metadata.get(_ADD_EOS, False))
-    tokenizer.post_processor = _post_processor(names, ids, add_bos=add_bos, add_eos=add_eos)
+    processor = _post_processor(names, ids, add_bos=add_bos, add_eos=add_eos)
+    if processor is None and kind == "gpt2":
+        processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.post_processor = processor  # replaces transformers' default "<s>" template
 
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -87,8 +102,20 @@ def build_tokenizer(metadata: dict[str, Any], *, model_max_length: int) -> Impor
     )
 
 
+def _tokenizer_model(metadata: dict[str, Any]) -> str:
+    kind = metadata.get("tokenizer.ggml.model")
+    if not isinstance(kind, str) or kind not in ("gpt2", "llama"):
+        shown = repr(kind) if isinstance(kind, str | None) else "(not a string)"
+        raise ImportFailedError(
+            f"tokenizer model {shown} is not supported: byte-level BPE ('gpt2') and "
+            "SentencePiece ('llama') tokenizers can be imported"
+        )
+    return kind
+
+
 _TOKENS, _MERGES, _PRE = "tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre"
 _TOKEN_TYPE, _TEMPLATE = "tokenizer.ggml.token_type", "tokenizer.chat_template"
+_SCORES, _SPACE_PREFIX = "tokenizer.ggml.scores", "tokenizer.ggml.add_space_prefix"
 _ADD_BOS, _ADD_EOS = "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token"
 _ROLES = ("bos", "eos", "unk", "pad")
 _ID_KEYS = {
@@ -144,6 +171,43 @@ def _bpe_tokenizer(tokens: list[str], merges: list[str], pre: str) -> Tokenizer:
     return tokenizer
 
 
+def _sentencepiece_tokenizer(metadata: dict[str, Any], tokens: list[str], arch: str) -> Tokenizer:
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    scores = metadata.get(_SCORES)
+    if scores is None or not hasattr(scores, "__len__") or len(scores) != len(tokens):
+        raise ImportFailedError(
+            f"{_SCORES} must give one score per token: a SentencePiece vocabulary "
+            "cannot be rebuilt without them"
+        )
+    fields = {"tokenizer_type": "llama", "tokens": tokens, "scores": list(map(float, scores))}
+    if _TOKEN_TYPE in metadata:
+        fields["token_type"] = as_int_array(_TOKEN_TYPE, metadata[_TOKEN_TYPE]).tolist()
+    if _MERGES in metadata:
+        fields["merges"] = as_str_list(_MERGES, metadata[_MERGES])
+    try:
+        tokenizer, _ = convert_gguf_tokenizer(arch, fields)
+    except Exception as exc:  # transformers/tokenizers raise plain Exception on a bad vocabulary
+        raise ImportFailedError(f"the GGUF's SentencePiece tokenizer is invalid: {exc}") from exc
+    if not arch.startswith("gemma"):  # transformers' Gemma builder has Gemma's own rules
+        space_prefix = as_bool(_SPACE_PREFIX, metadata.get(_SPACE_PREFIX, True))
+        _llama_cpp_spaces(tokenizer, space_prefix=space_prefix)
+    return tokenizer
+
+
+def _llama_cpp_spaces(tokenizer: Tokenizer, *, space_prefix: bool) -> None:
+    """Spaces as llama.cpp (and SentencePiece) treat them: every space is "▁", and
+    each text run at the start or after a special token gets one more in front,
+    even when it already starts with a space (Metaspace would skip that one)."""
+    replace = normalizers.Replace(" ", "\u2581")
+    steps = [normalizers.Prepend("\u2581"), replace] if space_prefix else [replace]
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.pre_tokenizer = None
+    tail = [decoders.ByteFallback(), decoders.Fuse()]
+    strip = [decoders.Strip(" ", 1, 0)] if space_prefix else []
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), *tail, *strip])
+
+
 def _merge_pair(merge: str) -> tuple[str, str]:
     left, sep, right = merge.partition(" ")
     if not sep:
@@ -187,7 +251,7 @@ def _post_processor(
     prefix = [names["bos"]] if add_bos and "bos" in names else []
     suffix = [names["eos"]] if add_eos and "eos" in names else []
     if not prefix and not suffix:
-        return processors.ByteLevel(trim_offsets=False)
+        return None
     single = " ".join([*prefix, "$A", *suffix])
     pair = " ".join([*prefix, "$A", *suffix, *prefix, "$B", *suffix])
     specials = [(names[r], ids[r]) for r in ("bos", "eos") if names.get(r) in prefix + suffix]

@@ -31,6 +31,7 @@ ATTACKS: dict[str, Any] = {
     "server.cors_origins": ["http://evil.example"],
     "server.allowed_hosts": ["evil.example"],
     "models.model_dirs": ["/tmp"],
+    "models.hf_endpoint": "http://evil.example",  # would receive models.hf_token
     "cache.ssd_cache_dir": "/tmp/evil-cache",
 }
 

@@ -19,7 +19,7 @@ from app.login_item import (
 )
 from app.menu import STATS_SLOTS, LiveMenu, MenuEntry, build_menu, find, visible, walk
 from app.stats import from_stats
-from app.status import PortOffer, ServerState, Status
+from app.status import ModelReadiness, PortOffer, ServerState, Status, readiness_from_health
 
 STATS_BODY = {
     "requests": {"total": 12, "in_flight": 2, "queued": 1},
@@ -194,6 +194,73 @@ def test_a_menu_of_another_shape_is_refused_not_half_applied():
     with pytest.raises(ValueError, match="menu layout changed"):
         live.apply(other)
     assert live.items["quit"].num_updates == 0
+
+
+# -- models loading at start (issue 24) -------------------------------------------------
+
+
+def _running(*models: ModelReadiness) -> Status:
+    return Status(ServerState.RUNNING, port=8000, pid=3, models=models)
+
+
+def test_the_menu_shows_the_model_loading_then_ready_in_the_same_item():
+    live = LiveMenu(
+        build_menu(Status(ServerState.STARTING, port=8000), None, False), Item, Item.update
+    )
+    line = live.items["models"]
+    assert line.hidden  # nothing to say before the server runs
+
+    changed = live.apply(build_menu(_running(ModelReadiness("SmolLM2", "loading")), None, False))
+    assert "models" in changed and live.items["models"] is line
+    assert line.title == "Loading SmolLM2…" and not line.hidden and not line.enabled
+    assert live.items["headline"].title == "Running on :8000"
+
+    changed = live.apply(build_menu(_running(ModelReadiness("SmolLM2", "ready")), None, False))
+    assert changed == ["models"] and line.title == "SmolLM2 ready"
+
+    live.apply(build_menu(Status(), None, False))  # stopped: the line goes away
+    assert line.hidden
+
+
+def test_the_layout_is_the_same_whatever_the_models_do():
+    states = [
+        _running(),
+        _running(ModelReadiness("a", "loading"), ModelReadiness("b", "loading")),
+        _running(ModelReadiness("a", "failed", "x" * 300)),
+    ]
+    layouts = {tuple(e.key for e in walk(build_menu(s, None, False))) for s in states}
+    layouts.add(tuple(e.key for e in walk(build_menu(Status(), None, False))))
+    assert len(layouts) == 1
+
+
+def test_model_lines_name_every_loading_model_and_a_failure_with_its_reason_cut():
+    both = _running(ModelReadiness("a", "ready"), ModelReadiness("b", "loading"))
+    assert both.models_line() == "Loading b…"
+    assert _running(ModelReadiness("a", "ready"), ModelReadiness("b", "ready")).models_line() == (
+        "a, b ready"
+    )
+    failed = _running(ModelReadiness("a", "ready"), ModelReadiness("b", "failed", "x" * 300))
+    line = failed.models_line()
+    assert line.startswith("b failed to load: xxx") and line.endswith("…") and len(line) < 120
+    assert _running().models_line() == ""  # nothing loads at start: no line
+
+
+def test_readiness_is_read_from_a_health_body_and_older_servers_report_none():
+    body = {
+        "status": "ok",
+        "models_state": "failed",
+        "models": [
+            {"name": "a", "state": "ready", "kv_profile": "reused"},
+            {"name": "b", "state": "failed", "reason": "weights unreadable"},
+            {"state": "ready"},  # no name: skipped
+        ],
+    }
+    assert readiness_from_health(body) == (
+        ModelReadiness("a", "ready"),
+        ModelReadiness("b", "failed", "weights unreadable"),
+    )
+    assert readiness_from_health({"status": "ok", "loaded_models": []}) == ()
+    assert readiness_from_health(["not", "a", "dict"]) == ()
 
 
 # -- Launch at Login on macOS: the decision, testable anywhere -----------------------------

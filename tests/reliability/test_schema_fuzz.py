@@ -5,7 +5,8 @@ schema, content type or headers it documents.
 Left out: memory release/resume (a release makes every later inference a 503
 until resumed: tests/api/test_release_resume.py covers them), and the three
 operations that start minutes-long jobs in child processes (GGUF import,
-built-in model install, quantization tasks).
+built-in model install, quantization tasks), and the Hub operations that reach the
+network (tests/integration/test_hub_downloads.py covers them against a fake Hub).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ CHECKS = (
     "not_a_server_error,response_schema_conformance,content_type_conformance,"
     "response_headers_conformance"
 )
-EXCLUDED = r"release|resume|install-default|import-gguf|^/admin/api/quant/tasks$"
+# Hub search / inspect / download start talk to the real Hub (and a download would run).
+HUB = r"|^/admin/api/hub/search$|^/admin/api/models/downloads(/inspect)?$"
+EXCLUDED = r"release|resume|install-default|import-gguf|^/admin/api/quant/tasks$" + HUB
 
 
 def schemathesis_command(url: str, profile: Profile, report: Path) -> list[str]:

@@ -6,6 +6,7 @@ import { clear, h, icon, toast } from "./ui.js";
 const PAGES = [
   { id: "dashboard", title: "Dashboard", icon: "dashboard", load: () => import("./pages/dashboard.js") },
   { id: "models", title: "Models", icon: "models", load: () => import("./pages/models.js") },
+  { id: "download", title: "Download", icon: "download", load: () => import("./pages/download.js") },
   { id: "settings", title: "Settings", icon: "settings", load: () => import("./pages/settings.js") },
   { id: "quant", title: "Quantization", icon: "quant", load: () => import("./pages/quant.js") },
   { id: "chat", title: "Chat", icon: "chat", load: () => import("./pages/chat.js") },

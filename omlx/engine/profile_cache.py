@@ -1,0 +1,224 @@
+"""The auto-profile's result, kept between starts so an unchanged model skips the stress.
+
+One JSON file per model folder under ``<base>/profiles/``. An entry is reused only
+when everything the measurement depends on is the same: the model's files (name,
+size, modification time of each), its kind, the profile's inputs (model dims, the
+limits, chunk, batch, vocabulary, explicit capacity, tokens in flight), the MLX and
+omlx versions and the machine (architecture, MLX device, RAM). Anything else (a
+changed limit, a re-downloaded model, another Mac) re-measures and overwrites the
+entry. A file that does not parse, names other inputs or has a malformed profile is
+ignored with a warning, never trusted: it is only ever a hint that saves seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from omlx import __version__
+from omlx.engine.profile import auto_profile
+from omlx.memory.budget import KVProfile, Limits, ModelDims
+from omlx.memory.probe import MemoryProbe, total_ram_bytes
+from omlx.models.discovery import ModelInfo
+from omlx.settings import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+# Bumped when the profile's meaning or this file's layout changes: older entries re-measure.
+FORMAT = 1
+_SOURCES = {"measured", "explicit"}
+
+
+def machine_signature() -> dict[str, Any]:
+    """What makes one computer measure differently from another."""
+    try:
+        device = {str(k): str(v) for k, v in mx.device_info().items()}
+    except Exception:  # older MLX, or no device information on this backend
+        device = {}
+    return {
+        "system": platform.system(),
+        "arch": platform.machine(),
+        "device": str(mx.default_device()),
+        "device_info": device,
+        "ram_bytes": total_ram_bytes(),
+    }
+
+
+def model_files(path: Path) -> list[list[Any]]:
+    """Name, size and modification time of each file in the model folder (a replaced
+    or re-downloaded weight file changes one of them; nothing is read or hashed)."""
+    out = []
+    for file in sorted(path.iterdir()):
+        if file.is_file() and not file.name.startswith("."):
+            stat = file.stat()
+            out.append([file.name, stat.st_size, stat.st_mtime_ns])
+    return out
+
+
+@dataclass(frozen=True)
+class ProfileInputs:
+    """The auto-profile's parameters besides the model, its dims and the limits."""
+
+    chunk_tokens: int
+    batch_size: int
+    vocab_size: int
+    explicit_tokens: int | None
+    max_tokens_in_flight: int
+
+
+def profile_model(
+    cache: ProfileCache,
+    info: ModelInfo,
+    model: Any,
+    dims: ModelDims,
+    probe: MemoryProbe,
+    limits: Limits,
+    inputs: ProfileInputs,
+) -> tuple[KVProfile, bool]:
+    """``auto_profile`` of a freshly loaded model, or the stored result when nothing it
+    depends on changed. Returns (profile, whether it was reused)."""
+
+    def measure() -> KVProfile:
+        return auto_profile(
+            model,
+            dims,
+            probe,
+            limits,
+            chunk_tokens=inputs.chunk_tokens,
+            batch_size=inputs.batch_size,
+            vocab_size=inputs.vocab_size,
+            explicit_tokens=inputs.explicit_tokens,
+            max_tokens_in_flight=inputs.max_tokens_in_flight,
+        )
+
+    return cache.measure_or_reuse(profile_key(info, dims, limits, inputs), info.path, measure)
+
+
+def profile_key(
+    info: ModelInfo, dims: ModelDims, limits: Limits, inputs: ProfileInputs
+) -> dict[str, Any]:
+    """Everything the profile of ``info`` depends on, as plain JSON values."""
+    return {
+        "format": FORMAT,
+        "omlx": __version__,
+        "mlx": getattr(mx, "__version__", "unknown"),
+        "machine": machine_signature(),
+        "model": {"path": str(info.path.resolve()), "kind": info.kind},
+        "files": model_files(info.path),
+        "dims": dataclasses.asdict(dims),
+        "limits": dataclasses.asdict(limits),
+        "inputs": dataclasses.asdict(inputs),
+    }
+
+
+class ProfileCache:
+    """Profiles by model folder, in ``folder`` (created private on first write)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.num_reused = 0
+        self.num_measured = 0
+        self.num_ignored = 0
+
+    def path_for(self, model_path: Path) -> Path:
+        digest = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:24]
+        return self.folder / f"{digest}.json"
+
+    def measure_or_reuse(
+        self, key: dict[str, Any], model_path: Path, measure: Callable[[], KVProfile]
+    ) -> tuple[KVProfile, bool]:
+        """The stored profile when its key is ``key``, else ``measure()`` (stored
+        afterwards). Returns (profile, whether it was reused)."""
+        path = self.path_for(model_path)
+        stored = self._read(path, key, model_path.name)
+        if stored is not None:
+            self.num_reused += 1
+            log.info(
+                "memprofile: reused the auto-profile of %s from %s (max_kv_tokens %d, "
+                "measured in %.1f s at an earlier start)",
+                model_path.name,
+                path,
+                stored.max_kv_tokens,
+                stored.seconds,
+            )
+            return stored, True
+        profile = measure()
+        self.num_measured += 1
+        self._write(path, key, profile)
+        return profile, False
+
+    def _read(self, path: Path, key: dict[str, Any], model: str) -> KVProfile | None:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self._ignore(path, model, f"unreadable ({exc})")
+            return None
+        try:
+            entry = json.loads(text)
+        except ValueError:
+            self._ignore(path, model, "not valid JSON")
+            return None
+        if not isinstance(entry, dict) or entry.get("key") != key:
+            changed = _what_changed(entry.get("key") if isinstance(entry, dict) else None, key)
+            log.info("memprofile: measuring %s again: %s", model, changed)
+            return None
+        profile = _profile_from(entry.get("profile"))
+        if profile is None:
+            self._ignore(path, model, "its profile is malformed")
+            return None
+        return profile
+
+    def _ignore(self, path: Path, model: str, why: str) -> None:
+        self.num_ignored += 1
+        log.warning(
+            "memprofile: ignoring the stored profile of %s (%s): %s; measuring again",
+            model,
+            path,
+            why,
+        )
+
+    def _write(self, path: Path, key: dict[str, Any], profile: KVProfile) -> None:
+        entry = {"key": key, "profile": dataclasses.asdict(profile)}
+        try:
+            write_json_atomic(path, entry)
+        except OSError as exc:  # a read-only data folder costs the next start a profile
+            log.warning("memprofile: cannot store the auto-profile in %s: %s", path, exc)
+
+
+def _what_changed(old: Any, new: dict[str, Any]) -> str:
+    """Which part of the key differs, for the log (the user sees why a start is slower)."""
+    if not isinstance(old, dict):
+        return "no earlier profile of this format"
+    parts = [name for name in new if old.get(name) != new[name]]
+    return "changed " + ", ".join(parts) if parts else "the stored entry differs"
+
+
+def _profile_from(data: Any) -> KVProfile | None:
+    """A KVProfile from stored JSON, or None unless every field is present and sane."""
+    fields = {f.name for f in dataclasses.fields(KVProfile)}
+    if not isinstance(data, dict) or set(data) != fields:
+        return None
+    values: dict[str, Any] = {}
+    for name, value in data.items():
+        if name == "source":
+            if value not in _SOURCES:
+                return None
+        elif name == "seconds":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                return None
+            value = float(value)
+        elif type(value) is not int or value < 0:
+            return None
+        values[name] = value
+    return KVProfile(**values) if values["max_kv_tokens"] >= 1 else None
