@@ -3,13 +3,14 @@
 Every route requires the API key or a login session when a key is set. Inspecting
 and planning talk to the Hub, so they run off the event loop; the downloads
 themselves run in child processes (``omlx.models.download_tasks``) and the finished
-model appears in the first model dir, and so in /v1/models.
+model appears in the first model dir, and so in /v1/models. ``gguf_file`` downloads one
+GGUF of a repo and imports it (phase "importing") instead.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +31,9 @@ class InspectBody(BaseModel):
 
 class DownloadBody(InspectBody):
     name: str | None = None
+    # A GGUF import: download this .gguf of the repo, then convert it into the folder.
+    gguf_file: str | None = Field(None, min_length=1)
+    dtype: Literal["float32", "float16", "keep"] | None = None
 
 
 @router.get("/hub/search")
@@ -55,7 +59,13 @@ async def start_download(body: DownloadBody, request: Request) -> dict[str, Any]
     state = state_of(request)
     baseline = live_baseline_bytes(state.pool)
     task = await asyncio.to_thread(
-        state.downloads.submit, body.repo_id, body.revision, body.name, baseline
+        state.downloads.submit,
+        body.repo_id,
+        body.revision,
+        body.name,
+        baseline,
+        gguf_file=body.gguf_file,
+        dtype=body.dtype,
     )
     return {"task": task}
 

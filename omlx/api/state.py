@@ -25,7 +25,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.quant_tasks = TaskManager(self.settings.model_dirs[0], tracker=self.pool.probe)
-        self.downloads = DownloadManager(self.settings)
+        self.downloads = DownloadManager(self.settings, pool=self.pool)
 
 
 def state_of(request: Request) -> ServerState:

@@ -1,7 +1,8 @@
 """``python -m omlx.models.download_worker``: one Hub download in a child process.
 
-huggingface_hub's ``snapshot_download`` into a hidden partial folder (its local-dir
-mode: files that finished are kept with their metadata and skipped by the next run).
+huggingface_hub's ``snapshot_download`` (or, for a GGUF import, ``hf_hub_download`` of
+the one file) into a hidden partial folder (its local-dir mode: files that finished are
+kept with their metadata and skipped by the next run).
 A child, so cancel is immediate (SIGTERM or SIGINT end it at once: a download thread
 cannot be interrupted in-process) and the server's event loop never waits on the
 network. The token arrives on stdin, never in argv or the environment of others;
@@ -34,14 +35,27 @@ def remove_stale_temp_files(partial: Path) -> None:
         stale.unlink(missing_ok=True)
 
 
-def download(repo_id: str, commit: str, partial: Path, access: HubAccess) -> None:
-    from huggingface_hub import snapshot_download
+def download(
+    repo_id: str, commit: str, partial: Path, access: HubAccess, filename: str | None = None
+) -> None:
+    from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.utils import disable_progress_bars  # type: ignore[attr-defined]
 
     disable_progress_bars()
     partial.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(partial)
     with hub_errors(access, repo_id):
+        if filename is not None:
+            hf_hub_download(
+                repo_id,
+                filename,
+                revision=commit,
+                local_dir=partial,
+                cache_dir=access.cache_dir,
+                endpoint=access.endpoint,
+                token=access.token,
+            )
+            return
         snapshot_download(
             repo_id,
             revision=commit,
@@ -69,12 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("partial", type=Path)
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--cache-dir", type=Path)
+    parser.add_argument("--file", help="download this one file only (a GGUF to import)")
     args = parser.parse_args(argv)
     token = sys.stdin.readline().strip() or None
     threading.Thread(target=_exit_when_parent_is_gone, daemon=True).start()
     try:
         access = HubAccess(args.endpoint, token, args.cache_dir)
-        download(args.repo_id, args.commit, args.partial, access)
+        download(args.repo_id, args.commit, args.partial, access, args.file)
     except OmlxError as exc:
         print(json.dumps({"event": "error", "message": exc.message}), flush=True)
         return 1

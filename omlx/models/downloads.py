@@ -34,7 +34,13 @@ from omlx.errors import (
     OutputExistsError,
 )
 from omlx.models.discovery import discover_models
-from omlx.models.hub import HubAccess, inspect_repo, search_models
+from omlx.models.hub import (
+    HubAccess,
+    RepoInspection,
+    inspect_gguf_file,
+    inspect_repo,
+    search_models,
+)
 from omlx.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -42,7 +48,8 @@ log = logging.getLogger(__name__)
 SPEED_WINDOW_S = 5.0
 MAX_NAME_LENGTH = 200
 PARTIAL_SUFFIX = ".download-partial"
-MARKER = ".cache/omlx-download.json"  # which repo a partial folder holds
+MARKER = ".cache/omlx-download.json"  # which repo (and GGUF file) a partial folder holds
+IMPORT_DTYPES = ("float32", "float16", "keep")
 
 
 class InsufficientDiskError(OmlxError):
@@ -92,8 +99,11 @@ def check_name(name: object) -> str:
     return str(name)
 
 
-def default_name(repo_id: str) -> str:
-    """``Qwen3-0.6B-4bit`` for ``mlx-community/Qwen3-0.6B-4bit``."""
+def default_name(repo_id: str, gguf_file: str | None = None) -> str:
+    """``Qwen3-0.6B-4bit`` for ``mlx-community/Qwen3-0.6B-4bit``; a GGUF import is
+    named after its file, as ``omlx models import-gguf`` names it: ``qwen3.Q4_K_M``."""
+    if gguf_file is not None:
+        return gguf_file.rsplit("/", 1)[-1].removesuffix(".gguf").removesuffix(".GGUF")
     return repo_id.rsplit("/", 1)[-1]
 
 
@@ -129,18 +139,15 @@ def partial_bytes(partial: Path) -> int:
     return total
 
 
-def claim_partial(partial: Path, repo_id: str) -> None:
-    """Keep a partial folder only if it holds ``repo_id`` (another repo's files under
-    the same name would mix in); mark it as this repo's."""
-    marker = partial / MARKER
-    try:
-        held = json.loads(marker.read_text(encoding="utf-8")).get("repo_id")
-    except (OSError, ValueError, AttributeError):
-        held = None
-    if partial.exists() and held != repo_id:
+def claim_partial(partial: Path, repo_id: str, gguf_file: str | None = None) -> None:
+    """Keep a partial folder only if it holds ``repo_id`` (and the same GGUF file):
+    another download's files under the same name would mix in; mark it as this one's."""
+    if partial.exists() and not _partial_holds(partial, repo_id, gguf_file):
         shutil.rmtree(partial, ignore_errors=True)
+    marker = partial / MARKER
     marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps({"repo_id": repo_id}), encoding="utf-8")
+    held = {"repo_id": repo_id, "gguf_file": gguf_file}
+    marker.write_text(json.dumps(held), encoding="utf-8")
 
 
 def finish(partial: Path, dest: Path) -> None:
@@ -169,6 +176,9 @@ class DownloadPlan:
     dest: Path
     bytes_total: int
     fit: dict[str, Any] | None
+    # A GGUF import: the one file downloaded, and the dtype the import makes of it.
+    gguf_file: str | None = None
+    dtype: str | None = None
 
 
 def fit_dict(
@@ -224,24 +234,28 @@ def plan_download(
     free_bytes: int,
     reserved_bytes: int = 0,
     baseline_bytes: int = 0,
+    gguf_file: str | None = None,
+    dtype: str | None = None,
 ) -> DownloadPlan:
-    """Everything checked before a byte moves: 400 / 404 / 401 / 403 / 409 / 502 / 507."""
+    """Everything checked before a byte moves: 400 / 404 / 401 / 403 / 409 / 502 / 507.
+
+    With ``gguf_file``, only that file of the repo is planned, for a GGUF import."""
+    _check_import_args(gguf_file, dtype)
     if name is not None:  # a bad or taken name is refused before the Hub is asked
         check_name_free(settings, check_name(name))
-    inspection = inspect_repo(HubAccess.from_settings(settings), repo_id, revision)
-    if inspection.kind == "gguf":
-        files = ", ".join(f.name for f in inspection.gguf_files[:5])
-        raise InvalidRequestError(
-            f"'{inspection.repo_id}' holds GGUF files, not an MLX model: download one of "
-            f"{files} and import it (omlx models import-gguf FILE)",
-            param="repo_id",
-            code="gguf_repo",
-        )
-    final = check_name(name if name is not None else default_name(inspection.repo_id))
+    access = HubAccess.from_settings(settings)
+    if gguf_file is not None:
+        inspection = inspect_gguf_file(access, repo_id, revision, gguf_file)
+    else:
+        inspection = inspect_repo(access, repo_id, revision)
+        if inspection.kind == "gguf":
+            raise _gguf_repo(inspection)
+    final = check_name(name if name is not None else default_name(inspection.repo_id, gguf_file))
     dest = check_name_free(settings, final)
     partial = partial_dir_for(dest)
-    have = partial_bytes(partial) if _partial_holds(partial, inspection.repo_id) else 0
+    have = partial_bytes(partial) if _partial_holds(partial, repo_id, gguf_file) else 0
     _check_disk(dest.parent, max(0, inspection.total_bytes - have) + reserved_bytes, free_bytes)
+    # A GGUF's fit is known once its header is here: the task computes it after the import.
     fit = fit_dict(inspection.config, inspection.weights_bytes, settings, baseline_bytes)
     return DownloadPlan(
         inspection.repo_id,
@@ -251,6 +265,34 @@ def plan_download(
         dest,
         inspection.total_bytes,
         fit,
+        gguf_file,
+        dtype,
+    )
+
+
+def _check_import_args(gguf_file: str | None, dtype: str | None) -> None:
+    if gguf_file is not None and (not gguf_file or not gguf_file.lower().endswith(".gguf")):
+        raise InvalidRequestError(
+            f"'gguf_file' must name a .gguf file of the repo, not {gguf_file!r}",
+            param="gguf_file",
+        )
+    if dtype is not None and gguf_file is None:
+        raise InvalidRequestError(
+            "'dtype' applies to a GGUF import only: pass it with 'gguf_file'", param="dtype"
+        )
+    if dtype is not None and dtype not in IMPORT_DTYPES:
+        raise InvalidRequestError(
+            f"'dtype' must be one of {', '.join(IMPORT_DTYPES)}, not {dtype!r}", param="dtype"
+        )
+
+
+def _gguf_repo(inspection: RepoInspection) -> InvalidRequestError:
+    files = ", ".join(f.name for f in inspection.gguf_files[:5])
+    return InvalidRequestError(
+        f"'{inspection.repo_id}' holds GGUF files, not an MLX model: pass one of {files} as "
+        "'gguf_file' to download and import it (omlx pull REPO_ID --gguf FILE)",
+        param="repo_id",
+        code="gguf_repo",
     )
 
 
@@ -265,12 +307,14 @@ def _check_disk(folder: Path, needed: int, free: int) -> None:
         )
 
 
-def _partial_holds(partial: Path, repo_id: str) -> bool:
+def _partial_holds(partial: Path, repo_id: str, gguf_file: str | None = None) -> bool:
     try:
-        held = json.loads((partial / MARKER).read_text(encoding="utf-8")).get("repo_id")
-    except (OSError, ValueError, AttributeError):
+        held = json.loads((partial / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return False
-    return bool(held == repo_id)
+    if not isinstance(held, dict):
+        return False
+    return held.get("repo_id") == repo_id and held.get("gguf_file") == gguf_file
 
 
 def _gb(num_bytes: int) -> str:
@@ -308,9 +352,11 @@ class DownloadRun:
         self._outcome: str | None = None
 
     def start(self) -> None:
-        claim_partial(self.partial, self.plan.repo_id)
+        claim_partial(self.partial, self.plan.repo_id, self.plan.gguf_file)
         cmd = [self._python, "-m", "omlx.models.download_worker", self.plan.repo_id]
         cmd += [self.plan.commit, str(self.partial), "--endpoint", self._access.endpoint]
+        if self.plan.gguf_file is not None:
+            cmd += ["--file", self.plan.gguf_file]
         if self._access.cache_dir is not None:
             cmd += ["--cache-dir", str(self._access.cache_dir)]
         # Its own session: a terminal's Ctrl-C reaches `omlx pull`, which stops it.

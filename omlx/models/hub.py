@@ -64,6 +64,8 @@ _DTYPE_BYTES = {
     "U8": 1,
     "BOOL": 1,
 }
+# llama.cpp's gguf-split parts: "model-00001-of-00003.gguf".
+_SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
 _BITS = re.compile(r"(?<![0-9])([2-8])-?bits?(?![a-z])", re.IGNORECASE)
 
 
@@ -279,6 +281,35 @@ def inspect_repo(access: HubAccess, repo_id: str, revision: str | None) -> RepoI
     wanted = set(filter_repo_objects(sorted(names), ignore_patterns=IGNORE_PATTERNS))
     files = [f for f in siblings if f.name in wanted]
     return RepoInspection(repo_id, revision, str(info.sha), "mlx", files, gguf, config)
+
+
+def inspect_gguf_file(
+    access: HubAccess, repo_id: str, revision: str | None, gguf_file: str
+) -> RepoInspection:
+    """One GGUF file of a repo (any repo that has it), as the only file to download;
+    400 naming the repo's GGUF files when it lacks ``gguf_file``."""
+    repo_id = check_repo_id(repo_id)
+    revision = revision or "main"
+    with hub_errors(access, repo_id):
+        info = access.api().model_info(repo_id, revision=revision, files_metadata=True)
+    siblings = [RepoFileEntry(s.rfilename, int(s.size or 0)) for s in info.siblings or []]
+    gguf = [f for f in siblings if f.name.lower().endswith(".gguf")]
+    wanted = next((f for f in gguf if f.name == gguf_file), None)
+    if wanted is None:
+        listed = ", ".join(f.name for f in gguf[:20]) or "none"
+        raise InvalidRequestError(
+            f"'{repo_id}' has no GGUF file '{gguf_file}'; its GGUF files: {listed}",
+            param="gguf_file",
+            code="gguf_file_not_found",
+        )
+    if _SPLIT_GGUF.search(wanted.name):
+        raise InvalidRequestError(
+            f"'{gguf_file}' is one part of a split GGUF, which omlx cannot import: pick a "
+            "single-file quantization",
+            param="gguf_file",
+            code="split_gguf",
+        )
+    return RepoInspection(repo_id, revision, str(info.sha), "gguf", [wanted], gguf, None)
 
 
 def _not_a_model(repo_id: str, names: set[str]) -> InvalidRequestError:

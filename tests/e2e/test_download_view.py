@@ -24,6 +24,8 @@ LONG = "mlx-community/long-context-8bit"
 HUGE = "mlx-community/huge-model-bf16"
 GATED = "meta-llama/gated-llama-mlx"
 GGUF_ONLY = "someone/tiny-llama-GGUF"
+REAL_GGUF = "someone/tiny-qwen3-GGUF"
+REAL_GGUF_FILE = "tiny-qwen3.Q4_K_M.gguf"
 NOT_MLX = "someone/pytorch-only"
 # An 80-layer, 8-KV-head bf16 model: 327,680 B of KV per token.
 LONG_CONFIG = {
@@ -48,11 +50,24 @@ def folder_files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
 
+def write_real_gguf(root: Path) -> bytes:
+    """A real Q4_K_M GGUF of a tiny Qwen 3 (llama.cpp's mix), which the import accepts."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.fixtures.gguf_files import write_model_gguf
+
+    mix = {".v_proj": Q.Q6_K, "down_proj": Q.Q6_K, "lm_head": Q.Q6_K, "default": Q.Q4_K}
+    source = build_tiny_model(root / "qwen3", "gguf-qwen3")
+    write_model_gguf(source, root / REAL_GGUF_FILE, mix)
+    return (root / REAL_GGUF_FILE).read_bytes()
+
+
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
     root = tmp_path_factory.mktemp("hub-src")
     tiny = folder_files(build_tiny_model(root / "tiny", "llama", seed=3))
     wide = folder_files(build_tiny_model(root / "wide", "llama", seed=4, hidden_size=1024))
+    real_gguf = write_real_gguf(root)
     with FakeHub() as fake:
         fake.add_repo(TINY, tiny, downloads=900, likes=12)
         fake.add_repo(SLOW, wide, downloads=800)
@@ -71,6 +86,7 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
             {"tiny-llama.Q4_0.gguf": b"GGUF" + bytes(4096), "README.md": b"hi"},
             tags=["gguf"],
         )
+        fake.add_repo(REAL_GGUF, {REAL_GGUF_FILE: real_gguf, "README.md": b"hi"}, tags=["gguf"])
         fake.add_repo(
             NOT_MLX,
             {"config.json": tiny["config.json"], "pytorch_model.bin": b"0" * 64},
@@ -215,6 +231,30 @@ def test_a_gguf_only_repo_offers_its_files_for_import(download_page) -> None:
     card.locator('input[name="path"]').fill("/no/such/file.gguf")
     card.locator('[data-action="import-gguf"]').click()
     expect(card.locator('[data-field="path"] .error')).to_contain_text("file.gguf")
+
+
+def test_download_and_import_of_a_gguf_runs_to_a_listed_model(
+    download_page, download_server: tuple[str, Path]
+) -> None:
+    page = download_page
+    url, models = download_server
+    inspect(page, REAL_GGUF)
+    card = page.locator(f'#hub-inspection [data-repo="{REAL_GGUF}"]')
+    expect(card).to_have_attribute("data-kind", "gguf")
+    card.locator('select[name="dtype"]').select_option("keep")
+    row = card.locator(f'[data-gguf="{REAL_GGUF_FILE}"]')
+    row.locator('[data-action="download-gguf"]').click()
+    task = page.locator("#downloads [data-download]").filter(has_text=REAL_GGUF_FILE)
+    expect(task).to_have_attribute("data-phase", "done", timeout=180_000)
+    expect(task.locator("details.conversion")).to_contain_text("Imported as qwen3 (keep)")
+    expect(task.locator("details.conversion")).to_contain_text("the GGUF was removed")
+    screenshot(page, "download-gguf-imported")
+    name = "tiny-qwen3.Q4_K_M"
+    assert (models / name / "config.json").is_file()
+    assert not list(models.rglob("*.gguf"))
+    assert name in [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+    task.locator('[data-action="open-model"]').click()
+    expect(page.locator(f'tr[data-model="{name}"]')).to_be_visible()
 
 
 def test_an_unreachable_hub_says_offline_and_where_to_set_a_mirror(

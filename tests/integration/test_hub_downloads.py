@@ -44,6 +44,9 @@ TASK_FIELDS = {
     "fit",
     "created_at",
     "finished_at",
+    "gguf_file",
+    "dtype",
+    "result",
 }
 FINISHED = {"done", "failed", "cancelled"}
 # Slow enough that a shard takes seconds: a test can stop the download between shards.
@@ -196,6 +199,7 @@ def test_admin_download_then_cli_pull_both_served(
     task = reply.json()["task"]
     assert set(task) == TASK_FIELDS
     assert (task["name"], task["bytes_total"]) == ("tiny-llama-4bit", repo_bytes(hub))
+    assert (task["gguf_file"], task["dtype"], task["result"]) == (None, None, None)
     done = wait_phase(http, task["id"], FINISHED)
     assert done["phase"] == "done", done
     assert done["bytes_done"] == done["bytes_total"] and done["finished_at"] is not None
@@ -357,7 +361,8 @@ def test_gguf_only_repo_offers_its_gguf_files(http: httpx.Client) -> None:
     refused = http.post(DOWNLOADS, json={"repo_id": "someone/tiny-GGUF"})
     assert refused.status_code == 400
     assert "tiny.Q4_K_M.gguf" in error_of(refused)["message"]
-    assert "import-gguf" in error_of(refused)["message"]
+    assert "'gguf_file'" in error_of(refused)["message"]  # how to ask for one
+    assert "--gguf" in error_of(refused)["message"]
 
 
 def test_disk_short_is_507(server: Server, http: httpx.Client, hub: FakeHub) -> None:

@@ -41,7 +41,16 @@ def test_a_partial_of_another_repo_is_cleared(tmp_path: Path) -> None:
     assert (partial / "model.safetensors").exists()
     claim_partial(partial, "b/two")
     assert not (partial / "model.safetensors").exists()
-    assert json.loads((partial / ".cache/omlx-download.json").read_text()) == {"repo_id": "b/two"}
+    marker = partial / ".cache/omlx-download.json"
+    assert json.loads(marker.read_text()) == {"repo_id": "b/two", "gguf_file": None}
+    # Another GGUF of the same repo is another download: its file must not mix in.
+    claim_partial(partial, "b/two", "x.Q4_K_M.gguf")
+    (partial / "x.Q4_K_M.gguf").write_bytes(b"GGUF")
+    claim_partial(partial, "b/two", "x.Q4_K_M.gguf")
+    assert (partial / "x.Q4_K_M.gguf").exists()
+    claim_partial(partial, "b/two", "x.Q8_0.gguf")
+    assert not (partial / "x.Q4_K_M.gguf").exists()
+    assert json.loads(marker.read_text()) == {"repo_id": "b/two", "gguf_file": "x.Q8_0.gguf"}
 
 
 def test_rate_meter_measures_the_recent_window() -> None:

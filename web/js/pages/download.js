@@ -1,11 +1,19 @@
 // Download: find an MLX model on the Hugging Face Hub (search or a pasted repo id),
 // see whether it fits before a byte is fetched, download it, watch and cancel.
+// A GGUF-only repo lists its files: one click downloads a file and imports it.
 
 import { ApiError, del, get, post } from "../api.js";
 import { clear, field, formatBytes, formatDuration, formatNumber, h, toast, uid } from "../ui.js";
 
 const POLL_MS = 1000;
-const ACTIVE = new Set(["queued", "downloading", "finishing"]);
+const ACTIVE = new Set(["queued", "downloading", "finishing", "importing"]);
+const PHASE_LABEL = { importing: "importing…" };
+const DTYPES = [
+  ["", "automatic (quantized on a Mac's GPU, float32 on CPU)"],
+  ["keep", "keep quantized"],
+  ["float16", "float16"],
+  ["float32", "float32"],
+];
 const PHASE_KIND = { done: "ok", failed: "err", cancelled: "", queued: "" };
 const VERDICT_KIND = { fits: "ok", fits_shorter_context: "warn", does_not_fit: "err" };
 const REPO_ID = /^[A-Za-z0-9][\w.-]*\/[\w.-]+$/;
@@ -127,9 +135,9 @@ function mlxInspection(info, actions) {
   ];
 }
 
-function ggufInspection(info, refreshModels) {
+function localImportForm(refreshModels) {
   const path = h("input", { id: uid(), name: "path", placeholder: "/path/to/model.gguf" });
-  const pathField = field({ label: "GGUF file on this machine", input: path, name: "path" });
+  const pathField = field({ label: "Or import a GGUF file already on this machine", input: path, name: "path" });
   const button = h("button.btn", { dataset: { action: "import-gguf" } }, "Import");
   button.onclick = async () => {
     pathField.setError("");
@@ -144,18 +152,28 @@ function ggufInspection(info, refreshModels) {
       button.disabled = false;
     }
   };
-  const files = info.gguf_files.map((f) =>
-    h("li", { dataset: { gguf: f.name } }, h("code", f.name), h("span.muted", formatBytes(f.size)), h("code.small.muted", `hf download ${info.repo_id} ${f.name}`)),
-  );
+  return h("div.row.download-start", pathField.el, button);
+}
+
+function ggufInspection(info, actions) {
+  const dtype = h("select", { id: uid(), name: "dtype" }, DTYPES.map(([value, label]) => h("option", { value }, label)));
+  const dtypeField = field({ label: "Weights after the import", input: dtype, name: "dtype" });
+  const files = info.gguf_files.map((f) => {
+    const start = h("button.btn.small.primary", { dataset: { action: "download-gguf" } }, "Download and import");
+    start.onclick = () => actions.start(start, { repo_id: info.repo_id, revision: info.revision, gguf_file: f.name, dtype: dtype.value || undefined });
+    return h("li", { dataset: { gguf: f.name } }, h("code", f.name), h("span.muted", formatBytes(f.size)), start);
+  });
   return [
-    h("div.notice.warn", "This repo holds GGUF files only, not an MLX model: download one of them, then import it here (omlx converts it to an MLX folder)."),
-    h("ul.file-list", files),
-    h("div.row.download-start", pathField.el, button),
+    h("div.notice.warn", "This repo holds GGUF files, not an MLX model: pick one to download; omlx then converts it into an MLX model folder and removes the GGUF. Whether it fits your memory is shown once it is imported."),
+    dtypeField.el,
+    h("ul.file-list.gguf-files", files),
+    h("div.small.muted", `Disk free: ${formatBytes(info.disk_free_bytes)}`),
+    localImportForm(actions.refresh),
   ];
 }
 
 function inspectionCard(info, actions) {
-  const body = info.kind === "gguf" ? ggufInspection(info, actions.refresh) : mlxInspection(info, actions);
+  const body = info.kind === "gguf" ? ggufInspection(info, actions) : mlxInspection(info, actions);
   return h(
     "div.card",
     { dataset: { repo: info.repo_id, kind: info.kind } },
@@ -167,6 +185,7 @@ function inspectionCard(info, actions) {
 // -- downloads --------------------------------------------------------------------------
 
 function progressText(task) {
+  if (task.phase === "importing") return `converting ${task.gguf_file} into an MLX folder…`;
   const total = task.bytes_total ? ` of ${formatBytes(task.bytes_total)}` : "";
   const parts = [`${formatBytes(task.bytes_done)}${total}`];
   if (ACTIVE.has(task.phase) && task.speed_bps) parts.push(`${formatBytes(task.speed_bps)}/s`);
@@ -193,12 +212,25 @@ function downloadCard(task, refresh, navigate) {
     { dataset: { download: task.id, phase: task.phase } },
     h(
       "div.card-head",
-      h("div", h("h2", task.name ?? task.repo_id), h("div.muted.small", `${task.repo_id}${task.revision ? " @ " + task.revision : ""}`)),
-      h("div.row", task.fit ? fitBadge(task.fit) : null, h(`span.badge${kind ? "." + kind : ""}.phase`, task.phase), actions),
+      h("div", h("h2", task.name ?? task.repo_id), h("div.muted.small", `${task.repo_id}${task.gguf_file ? " / " + task.gguf_file : ""}${task.revision ? " @ " + task.revision : ""}`)),
+      h("div.row", task.fit ? fitBadge(task.fit) : null, h(`span.badge${kind ? "." + kind : ""}.phase`, PHASE_LABEL[task.phase] ?? task.phase), actions),
     ),
     h("div.progress", { role: "progressbar", "aria-valuenow": String(Math.round(percent)), "aria-valuemin": "0", "aria-valuemax": "100" }, h("div", { style: `width:${percent}%` })),
     h("div.row.small.muted", { style: "margin-top:8px;gap:18px" }, h("span", `${formatNumber(percent, 0)}%`), h("span.bytes", progressText(task))),
     task.error ? h("div.notice.err", { style: "margin-top:10px" }, task.error) : null,
+    task.result?.conversion ? conversionSummary(task.result) : null,
+  );
+}
+
+/** What a GGUF import made of each tensor type, and that the GGUF is gone. */
+function conversionSummary(result) {
+  const conversion = result.conversion;
+  const types = Object.entries(conversion.tensor_types ?? {}).map(([kind, what]) => h("li", h("code", kind), ` ${what.tensors} tensors ${what.became}`));
+  return h(
+    "details.conversion",
+    { style: "margin-top:8px" },
+    h("summary.small", `Imported as ${conversion.model_type} (${conversion.dtype})${result.gguf_removed ? "; the GGUF was removed" : ""}`),
+    h("ul.file-list", types),
   );
 }
 

@@ -27,6 +27,9 @@ const GROUPS = [
     ["models", "default_model", "text", "Used when a request names \"default\"."],
     ["models", "install_default_model", "bool", "Install the built-in model when none is found at start."],
     ["models", "idle_timeout_s", "number", "Unload a model idle this many seconds; empty: never."],
+    ["models", "load_at_start", "bool", "Load the pinned and default models in the background at start."],
+    ["models", "hf_endpoint", "text", "Hugging Face Hub address for downloads (a mirror); empty: HF_ENDPOINT or huggingface.co."],
+    ["models", "hf_token", "secret", "Token for gated or private repos. Leave empty to keep the current one."],
   ]],
   ["Scheduler", [
     ["scheduler", "max_concurrent_requests", "number"],
