@@ -25,6 +25,7 @@ from omlx.api.auth import require_admin
 from omlx.api.state import state_of
 from omlx.engine.pool import EnginePool
 from omlx.errors import ImportFailedError, InvalidRequestError, NotFoundError, SettingsError
+from omlx.models.gguf_pull import import_job
 from omlx.settings import MemorySettings, Settings
 
 log = logging.getLogger(__name__)
@@ -205,18 +206,10 @@ def _run_in_process(pool: EnginePool, fn: Callable[..., Any], *args: Any) -> Any
     memory readings, and are capped by what the memory ceiling leaves."""
     from omlx.models.import_child import import_memory_limit, run_in_child
 
-    used = pool.probe.reading(fresh=True).resident_bytes
-    limit = import_memory_limit(pool.limits.hard_bytes, used)
-    return run_in_child(fn, *args, memory_limit_bytes=limit, tracker=pool.probe)
-
-
-def _import_job(source: str, target: str, dtype: Any) -> dict[str, Any]:
-    from omlx.models.builtin import default_dtype
-    from omlx.models.gguf import convert_gguf
-
-    # dtype was checked by the route; convert_gguf checks it again.
-    result = convert_gguf(Path(source), Path(target), dtype=dtype or default_dtype())
-    return result.as_dict()
+    with pool.import_lock:  # a download's import may be running: share the headroom
+        used = pool.probe.reading(fresh=True).resident_bytes
+        limit = import_memory_limit(pool.limits.hard_bytes, used)
+        return run_in_child(fn, *args, memory_limit_bytes=limit, tracker=pool.probe)
 
 
 def _install_job(models_dir: str, force: bool) -> str:
@@ -284,7 +277,7 @@ async def import_gguf_route(request: Request) -> dict[str, Any]:
         log.info("importing %s as %s", source, target)
         pool = state_of(request).pool
         conversion = await asyncio.to_thread(
-            _run_in_process, pool, _import_job, str(source), str(target), dtype
+            _run_in_process, pool, import_job, str(source), str(target), dtype
         )
     # "conversion" says what became of each GGUF tensor type (kept, requantized, dequantized).
     entry = _model_entry(request, name)

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -116,6 +117,9 @@ class EnginePool:
         self.enforcer = Enforcer(self)
         # What /release_memory_occupation released; those models wait for resume.
         self.releases = Releases(self)
+        # One GGUF import child at a time, whoever starts it (the admin panel's import
+        # route or a download): each may use what the memory ceiling leaves.
+        self.import_lock = threading.Lock()
         # Auto-profiles kept between starts; the models loaded in the background at start.
         self.profile_cache = ProfileCache(settings.base_path / "profiles")
         self.startup = StartupLoads(self)

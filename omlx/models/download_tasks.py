@@ -168,8 +168,9 @@ class DownloadManager:
         # The server's pool: an import child counts in its memory and is capped by it.
         self._pool = pool
         self._import_pids: dict[str, int] = {}
-        # One import at a time: each child may use what the memory ceiling leaves.
-        self._import_lock = threading.Lock()
+        # One import at a time, shared with the import route when there is a server:
+        # each child may use what the memory ceiling leaves.
+        self._import_lock = pool.import_lock if pool is not None else threading.Lock()
         # Free space in a model dir; a seam so a test can cap it below a repo's size.
         self.disk_free = disk_free
         self._python, self._max_parallel = python, max_parallel

@@ -68,10 +68,11 @@ def check_import_disk(source: Path, dtype: str, folder: Path, free_bytes: int) -
 
 
 def import_job(source: str, target: str, dtype: str | None) -> dict[str, Any]:
-    """Convert ``source`` into the folder ``target``; run in the import child."""
+    """Convert ``source`` into the folder ``target``; run in the import child (by the
+    admin panel's import route and by a GGUF download alike)."""
     from omlx.models.gguf import convert_gguf
 
-    # dtype was checked when the download was planned; convert_gguf checks it again.
+    # The caller checked dtype; convert_gguf checks it again.
     result = convert_gguf(Path(source), Path(target), dtype=resolved_dtype(dtype))  # type: ignore[arg-type]
     return result.as_dict()
 
