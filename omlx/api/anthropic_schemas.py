@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+# StrictBool: "stream": "yes" is a 400 (as OpenAI answers), not true.
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from omlx.api.schemas import MAX_STOP_STRINGS, check_stop_strings
 
@@ -61,7 +62,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
-    stream: bool = False
+    stream: StrictBool = False
     metadata: dict[str, Any] | None = None
     # Structured output: {"format": {"type": "json_schema", "schema": {...}}}, and
     # the earlier beta spelling output_format={"type": "json_schema", ...}.

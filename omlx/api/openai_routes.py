@@ -26,30 +26,38 @@ from omlx.api.state import state_of
 from omlx.api.structured import bind_grammar, grammar_spec
 from omlx.api.tool_grammar import combined, openai_tool_constraint
 from omlx.engine.model_engine import ModelEngine
+from omlx.engine.pool import EnginePool
 from omlx.engine.stream import StreamEvent
 from omlx.errors import InvalidRequestError
+from omlx.models.discovery import ModelInfo
 
 router = APIRouter()
 
 
+def _model_entry(pool: EnginePool, info: ModelInfo) -> dict[str, Any]:
+    return {
+        "id": pool.public_name(info.name),
+        "object": "model",
+        "created": int(info.path.stat().st_mtime),
+        "owned_by": "omlx",
+        "state": pool.model_state(info.name),
+    }
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    state = state_of(request)
-    pool = state.pool
+    pool = state_of(request).pool
     models = pool.available()
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": pool.public_name(name),
-                "object": "model",
-                "created": int(info.path.stat().st_mtime),
-                "owned_by": "omlx",
-                "state": pool.model_state(name),
-            }
-            for name, info in sorted(models.items())
-        ],
-    }
+    return {"object": "list", "data": [_model_entry(pool, models[n]) for n in sorted(models)]}
+
+
+# `:path`: ids of models two levels down are "org/name".
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
+    """client.models.retrieve: one entry of /v1/models, by the id (or alias) it shows;
+    404 model_not_found listing what exists."""
+    pool = state_of(request).pool
+    return _model_entry(pool, pool.resolve(model_id))
 
 
 async def _respond(

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+# StrictBool: "stream": "yes" is a 400 (as OpenAI answers), not true.
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from omlx.errors import InvalidRequestError
 from omlx.template_vars import TemplateVarError, check_template_vars
@@ -24,7 +25,7 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class ChatMessage(_Body):
@@ -63,8 +64,8 @@ class _Sampling(_Body):
         default=None, max_length=MAX_STOP_TOKEN_IDS
     )
     # Extension (as in vLLM): keep generating past end-of-sequence, for benchmarks.
-    ignore_eos: bool = False
-    stream: bool = False
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     logprobs: bool | int | None = None
@@ -113,7 +114,7 @@ PromptField = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(_Sampling):
     prompt: PromptField
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
 
     def requested_max_tokens(self) -> int | None:

@@ -56,6 +56,17 @@ def test_models_list(client: openai.OpenAI) -> None:
     assert {"tiny-llama", "tiny-qwen3"} <= ids
 
 
+def test_models_retrieve_returns_the_listed_entry(client: openai.OpenAI) -> None:
+    listed = {m.id: m for m in client.models.list()}
+    model = client.models.retrieve("tiny-qwen3")
+    assert model == listed["tiny-qwen3"]  # id, object, created, owned_by, state
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.body["code"] == "model_not_found"
+    assert "Available models:" in missing.value.body["message"]
+    assert "tiny-llama" in missing.value.body["message"]
+
+
 def test_chat_non_streaming_has_text_usage_and_finish_reason(client: openai.OpenAI) -> None:
     out = chat(client, max_tokens=12)
     assert out.object == "chat.completion" and out.model == MODEL
@@ -308,3 +319,21 @@ def test_a_prompt_over_the_memory_limit_is_400_with_the_numbers(
         assert chat(client, max_tokens=2).choices[0].finish_reason == "length"
     finally:
         guard.publish(before)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"model": MODEL, "messages": CHAT}),
+        ("/v1/completions", {"model": MODEL, "prompt": "Hi"}),
+        ("/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": CHAT}),
+    ],
+)
+def test_a_stream_flag_of_the_wrong_type_is_a_400(server: Server, path: str, body: dict) -> None:
+    # OpenAI answers 400 for "stream": "yes"; taking it as true would start an SSE
+    # stream the client never asked for in a form it can parse.
+    answer = httpx.post(server.base_url + path, json={**body, "stream": "yes"}, timeout=30)
+    assert answer.status_code == 400, answer.text
+    assert "stream" in answer.text
+    ok = httpx.post(server.base_url + path, json={**body, "stream": False, "max_tokens": 4})
+    assert ok.status_code == 200, ok.text
