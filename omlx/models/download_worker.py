@@ -13,6 +13,7 @@ Output: one JSON line, ``{"event": "done"}`` or ``{"event": "error", "message": 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import signal
@@ -38,24 +39,13 @@ def remove_stale_temp_files(partial: Path) -> None:
 def download(
     repo_id: str, commit: str, partial: Path, access: HubAccess, filename: str | None = None
 ) -> None:
-    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub import snapshot_download
     from huggingface_hub.utils import disable_progress_bars  # type: ignore[attr-defined]
 
     disable_progress_bars()
     partial.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(partial)
     with hub_errors(access, repo_id):
-        if filename is not None:
-            hf_hub_download(
-                repo_id,
-                filename,
-                revision=commit,
-                local_dir=partial,
-                cache_dir=access.cache_dir,
-                endpoint=access.endpoint,
-                token=access.token,
-            )
-            return
         snapshot_download(
             repo_id,
             revision=commit,
@@ -63,7 +53,9 @@ def download(
             cache_dir=access.cache_dir,
             endpoint=access.endpoint,
             token=access.token,
-            ignore_patterns=IGNORE_PATTERNS,
+            # A GGUF pull wants its one file; a model pull everything but the ignored.
+            allow_patterns=[glob.escape(filename)] if filename is not None else None,
+            ignore_patterns=None if filename is not None else IGNORE_PATTERNS,
             max_workers=FILE_WORKERS,
         )
 

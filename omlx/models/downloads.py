@@ -34,6 +34,7 @@ from omlx.errors import (
     OutputExistsError,
 )
 from omlx.models.discovery import discover_models
+from omlx.models.folder_name import check_folder_name
 from omlx.models.hub import (
     HubAccess,
     RepoInspection,
@@ -46,7 +47,6 @@ from omlx.settings import Settings
 log = logging.getLogger(__name__)
 
 SPEED_WINDOW_S = 5.0
-MAX_NAME_LENGTH = 200
 PARTIAL_SUFFIX = ".download-partial"
 MARKER = ".cache/omlx-download.json"  # which repo (and GGUF file) a partial folder holds
 IMPORT_DTYPES = ("float32", "float16", "keep")
@@ -81,22 +81,7 @@ def disk_free_bytes(path: Path) -> int:
 
 def check_name(name: object) -> str:
     """One safe, visible folder name; 400 naming the problem otherwise."""
-    problem = None
-    if not isinstance(name, str) or not name.strip():
-        problem = "must be a non-empty string"
-    elif len(name) > MAX_NAME_LENGTH:
-        problem = f"must be at most {MAX_NAME_LENGTH} characters"
-    elif "/" in name or "\\" in name:
-        problem = "must be a single folder name (no '/' or '\\')"
-    elif name.startswith("."):
-        problem = "must not start with '.' (hidden folders are not models; '..' escapes)"
-    elif any(ord(c) < 32 or ord(c) == 127 for c in name):
-        problem = "must not contain control characters"
-    elif name != name.strip():
-        problem = "must not start or end with spaces"
-    if problem:
-        raise InvalidRequestError(f"'name' {name!r} {problem}", param="name")
-    return str(name)
+    return check_folder_name(name, "name")
 
 
 def default_name(repo_id: str, gguf_file: str | None = None) -> str:
