@@ -107,8 +107,12 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("file", type=Path)
     imp.add_argument("--name", help="folder name (default: the file's name)")
     imp.add_argument("--dtype", choices=["float32", "float16", "keep"], default="float32")
-    inst = msub.add_parser("install-default", help="import the built-in SmolLM2 model")
+    inst = msub.add_parser(
+        "install-default",
+        help="install a built-in model: SmolLM2 (chat) or all-MiniLM-L6-v2 (--kind embedding)",
+    )
     inst.add_argument("--force", action="store_true")
+    inst.add_argument("--kind", choices=["llm", "embedding"], default="llm")
     rm = msub.add_parser("rm", help="delete a model folder from the model dirs")
     rm.add_argument("name", help="the model's name, as `omlx models list` shows it")
 
@@ -276,6 +280,12 @@ def _models(args: argparse.Namespace, settings: Settings) -> int:
         from omlx.models.pull_console import remove_model
 
         return remove_model(settings, args.name)
+    if args.kind == "embedding":
+        from omlx.embeddings.builtin import install_default_embedding_model
+
+        out = install_default_embedding_model(settings.model_dirs[0], force=args.force)
+        print(f"built-in embedding model ready at {out}")
+        return 0
     from omlx.models.builtin import install_default_model
 
     out = install_default_model(settings.model_dirs[0], force=args.force)

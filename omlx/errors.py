@@ -58,6 +58,21 @@ class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
 
 
+class WrongModelKindError(InvalidRequestError):
+    """An embedding model asked to chat, or an LLM asked for embeddings."""
+
+    code = "wrong_model_kind"
+
+    def __init__(self, model: str, kind: str, wanted: str):
+        uses = {"llm": "chat and completions", "embedding": "/v1/embeddings and /v1/rerank"}
+        hint = f"; use it with {uses[kind]}" if kind in uses else ""
+        needs = "a chat model (llm or vlm)" if wanted == "chat" else f"an {wanted} model"
+        super().__init__(
+            f"model '{model}' is an {kind} model and this endpoint needs {needs}{hint}",
+            param="model",
+        )
+
+
 class PrefillMemoryExceededError(InvalidRequestError):
     """A prompt whose prefill can never fit under the memory ceiling."""
 

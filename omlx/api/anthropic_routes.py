@@ -62,7 +62,7 @@ async def _render(
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     messages = chat_messages(body)  # a bad conversation is refused before any model loads
-    engine = await state_of(request).pool.get_engine(body.model)
+    engine = await state_of(request).pool.get_engine(body.model, kind="chat")
     prompt, _ = await _render(request, engine, body, messages)
     return {"input_tokens": len(prompt.ids)}
 

@@ -18,6 +18,7 @@ from omlx.api.auth import ApiKeyAuth, login_router, require_admin, require_api_k
 from omlx.api.body_guard import BodyGuardMiddleware
 from omlx.api.connect_routes import router as connect_router
 from omlx.api.download_routes import router as download_router
+from omlx.api.embedding_routes import router as embedding_router
 from omlx.api.errors import install_error_handlers
 from omlx.api.fit_routes import router as fit_router
 from omlx.api.openai_routes import router as openai_router
@@ -83,6 +84,7 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
     api_key = [Depends(require_api_key)]
     app.include_router(openai_router, dependencies=api_key)
     app.include_router(anthropic_router, dependencies=api_key)
+    app.include_router(embedding_router, dependencies=api_key)
     app.include_router(login_router())
     app.include_router(admin_router)
     app.include_router(memory_router)

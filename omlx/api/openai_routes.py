@@ -41,6 +41,7 @@ def _model_entry(pool: EnginePool, info: ModelInfo) -> dict[str, Any]:
         "created": int(info.path.stat().st_mtime),
         "owned_by": "omlx",
         "state": pool.model_state(info.name),
+        "kind": pool.model_settings.get(info.name).model_type or info.kind,
     }
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omlx.cache.setup import make_hot_tier, make_prefix_cache
+from omlx.embeddings.engine import EmbeddingEngine, make_embedding_engine
 from omlx.engine.enforcer import Enforcer
 from omlx.engine.model_engine import ModelEngine, unloaded_error
 from omlx.engine.profile_cache import ProfileCache, ProfileInputs, profile_model
@@ -26,6 +27,7 @@ from omlx.errors import (
     InsufficientMemoryError,
     ModelNotFoundError,
     OmlxError,
+    WrongModelKindError,
 )
 from omlx.memory import mlx_stats
 from omlx.memory.baseline import IdleBaseline
@@ -201,35 +203,39 @@ class EnginePool:
                     "num_deferrals": resident.engine.num_deferrals if resident else 0,
                     "num_gated": resident.engine.num_gated if resident else 0,
                     "memory_guard": resident.engine.guard_counters() if resident else None,
+                    "batching": _batching(resident.engine) if resident else None,
                 }
             )
         return out
 
     # -- loading ------------------------------------------------------------
 
-    async def get_engine(self, requested: str) -> ModelEngine:
-        """The engine for ``requested`` (name or alias), loading it first if needed."""
-        return (await self._get_resident(requested)).engine
+    async def get_engine(self, requested: str, kind: str | None = None) -> Any:
+        """The engine for ``requested`` (name or alias), loading it first if needed;
+        with ``kind``, a model of another kind is a 400 before anything loads."""
+        return (await self._get_resident(requested, kind)).engine
 
     @asynccontextmanager
-    async def lease(self, requested: str) -> AsyncIterator[ModelEngine]:
+    async def lease(self, requested: str, kind: str = "chat") -> AsyncIterator[Any]:
         """The engine for ``requested``, counted busy until the block ends: a request
         awaiting its template or grammar before ``submit`` is drained by unload and
         release like one in flight, and never evicted."""
-        resident = await self._get_resident(requested)
+        resident = await self._get_resident(requested, kind)
         resident.leases += 1
         try:
             yield resident.engine
         finally:
             resident.leases -= 1
 
-    async def _get_resident(self, requested: str) -> _Resident:
+    async def _get_resident(self, requested: str, kind: str | None = None) -> _Resident:
         resident = self._resident.get(requested)
         if resident is None:
             info = self.resolve(requested)
+            _require_kind(self.public_name(info.name), info.kind, kind)
             self.releases.refuse_if_released(info.name)
             resident = self._resident.get(info.name) or await self._load(info)
         else:
+            _require_kind(self.public_name(requested), resident.engine.loaded.info.kind, kind)
             self.releases.refuse_if_released(requested)
         resident.last_used_s = self._clock()
         return resident
@@ -453,10 +459,15 @@ class EnginePool:
     def _live_baseline(self) -> int:
         return self.baseline.bytes_now(self.probe.reading())
 
-    def _load_on_worker(self, info: ModelInfo) -> ModelEngine:
+    def _load_on_worker(self, info: ModelInfo) -> ModelEngine | EmbeddingEngine:
         before = self.probe.reading(fresh=True)
-        loaded = load_model(info)
-        engine = self._make_engine(loaded)
+        engine: ModelEngine | EmbeddingEngine
+        if info.kind in ("embedding", "rerank"):
+            sched = self.settings.scheduler
+            capacity = sched.max_concurrent_requests + sched.max_queued_requests
+            engine = make_embedding_engine(info, self._worker, self.limits, self.probe, capacity)
+        else:
+            engine = self._make_engine(load_model(info))
         self._worker.attach(engine)
         self._track_baseline(before)
         log.info(engine.guard.describe())
@@ -577,6 +588,18 @@ def _model_budget(value: str | int, hard_bytes: int) -> int:
     if value == "auto":
         return hard_bytes
     return min(hard_bytes, parse_byte_size(value, total_bytes=hard_bytes, field="max_model_memory"))
+
+
+def _require_kind(model: str, kind: str, wanted: str | None) -> None:
+    """``wanted``: "chat" (an LLM or VLM), "embedding", or None (any kind)."""
+    fits = kind in ("llm", "vlm") if wanted == "chat" else wanted in (None, kind)
+    if not fits:
+        raise WrongModelKindError(model, kind, wanted or "")
+
+
+def _batching(engine: Any) -> dict[str, int] | None:
+    """An embedding engine's batching counters (steps, sequences, requests per step)."""
+    return engine.batch_stats() if isinstance(engine, EmbeddingEngine) else None
 
 
 def _with_kind(info: ModelInfo, kind: str | None) -> ModelInfo:

@@ -17,7 +17,18 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_EMBEDDING_ARCHS = ("BertModel", "XLMRobertaModel", "NomicBertModel", "ModernBertModel")
+_EMBEDDING_ARCHS = (
+    "BertModel",
+    "RobertaModel",
+    "XLMRobertaModel",
+    "NomicBertModel",
+    "ModernBertModel",
+)
+# Encoders with a sequence-classification head: cross-encoder rerankers.
+_RERANK_ARCHS = ("BertForSequenceClassification", "XLMRobertaForSequenceClassification")
+# Files that mark a sentence-transformers folder (a decoder such as Qwen3-Embedding
+# has an LLM's architectures; these files say it embeds).
+_ST_MARKERS = ("modules.json", "config_sentence_transformers.json", "1_Pooling/config.json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,13 +36,17 @@ class ModelInfo:
     name: str
     path: Path
     model_type: str  # config.json's model_type, e.g. "llama"
-    kind: str  # "llm", "vlm" or "embedding"
+    kind: str  # "llm", "vlm", "embedding" or "rerank"
     size_bytes: int
 
 
-def detect_kind(config: dict[str, Any]) -> str:
+def detect_kind(config: dict[str, Any], folder: Path | None = None) -> str:
     archs = config.get("architectures") or []
+    if any(a in _RERANK_ARCHS for a in archs):
+        return "rerank"
     if any(a in _EMBEDDING_ARCHS or a.endswith("ForMaskedLM") for a in archs):
+        return "embedding"
+    if folder is not None and any((folder / m).is_file() for m in _ST_MARKERS):
         return "embedding"
     if "vision_config" in config:
         return "vlm"
@@ -63,7 +78,7 @@ def _model_at(folder: Path, name: str) -> ModelInfo | None:
     if config is None or not size:
         return None
     return ModelInfo(
-        name, folder, str(config.get("model_type", "unknown")), detect_kind(config), size
+        name, folder, str(config.get("model_type", "unknown")), detect_kind(config, folder), size
     )
 
 

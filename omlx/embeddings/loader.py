@@ -1,0 +1,134 @@
+"""Load an embedding or cross-encoder folder. Runs on the MLX thread.
+
+BERT-family encoders run on our own MLX code (omlx/embeddings/bert.py);
+decoder embedders (Qwen3-Embedding) run on mlx-lm's model, whose inner
+``model`` returns the final hidden states, pooled here (last token).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omlx.embeddings.spec import EmbeddingSpec, embedding_spec
+from omlx.errors import ModelLoadError
+from omlx.models.discovery import ModelInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingModel:
+    info: ModelInfo
+    config: dict
+    spec: EmbeddingSpec
+    tokenizer: Any  # tokenizers.Tokenizer, padding and truncation off
+    encoder: Any  # mlx.nn.Module: (ids, type_ids, attention) -> hidden states
+    head: Any  # the cross-encoder's classifier, else None
+    native_context: int
+    pad_id: int
+    load_s: float
+
+    def weights_bytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        modules = [m for m in (self.encoder, self.head) if m is not None]
+        total = sum(p.nbytes for m in modules for _, p in tree_flatten(m.parameters()))
+        return int(total) or self.info.size_bytes
+
+
+class _DecoderEncoder:
+    """mlx-lm's causal model as an encoder: final hidden states (after its norm).
+    Right padding is harmless here: causal attention never looks ahead."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def parameters(self) -> Any:
+        return self.model.parameters()
+
+    def __call__(self, ids: Any, type_ids: Any, attention: Any) -> Any:
+        return self.model.model(ids)
+
+
+def _read_tokenizer(folder: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as exc:  # tokenizers raises its own Exception type
+        raise ModelLoadError(f"cannot read {folder / 'tokenizer.json'}: {exc}") from exc
+    # Padding and length are ours to decide (a shipped tokenizer.json may pad to 128).
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
+
+
+def _load_bert(folder: Path, config: dict, spec: EmbeddingSpec) -> tuple[Any, Any]:
+    import mlx.core as mx
+
+    from omlx.embeddings.bert import BertEncoder, classifier_head, split_weights
+
+    weights: dict[str, Any] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        weights.update(mx.load(str(file)))
+    encoder_weights, head_weights = split_weights(weights)
+    encoder = BertEncoder(config)
+    encoder.load_weights(list(encoder_weights.items()))  # strict: names and shapes must match
+    head = None
+    if spec.cross_encoder:
+        if "classifier.weight" not in head_weights:
+            raise ValueError("no BERT-style classifier.weight for the cross-encoder head")
+        head = classifier_head(config, head_weights)
+    mx.eval(encoder.parameters())
+    return encoder, head
+
+
+def _load_decoder(folder: Path) -> Any:
+    from mlx_lm import load
+
+    model, _tokenizer = load(str(folder))
+    return _DecoderEncoder(model)
+
+
+def load_embedding_model(info: ModelInfo) -> EmbeddingModel:
+    """Weights, tokenizer and pooling of an embedding folder; ModelLoadError with the reason."""
+    start = time.perf_counter()
+    try:
+        config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
+        spec = embedding_spec(info.path, config)
+        if config.get("model_type") == "modernbert":
+            raise ValueError("ModernBERT encoders are not supported yet")
+        if spec.family == "decoder":
+            encoder, head = _load_decoder(info.path), None
+        else:
+            encoder, head = _load_bert(info.path, config, spec)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"cannot load embedding model '{info.name}': {exc}") from exc
+    tokenizer = _read_tokenizer(info.path)
+    model = EmbeddingModel(
+        info,
+        config,
+        spec,
+        tokenizer,
+        encoder,
+        head,
+        spec.max_tokens,
+        int(config.get("pad_token_id") or 0),
+        time.perf_counter() - start,
+    )
+    log.info(
+        "loaded embedding model %s (%s, %s pooling, %d dims) in %.2f s",
+        info.name,
+        info.model_type,
+        spec.pooling,
+        spec.dimension,
+        model.load_s,
+    )
+    return model
