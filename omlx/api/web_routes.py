@@ -23,6 +23,7 @@ from starlette.staticfiles import StaticFiles
 
 from omlx.api.auth import require_admin
 from omlx.api.state import state_of
+from omlx.embeddings.builtin import BUILTIN_EMBEDDING_NAME, install_default_embedding_model
 from omlx.engine.pool import EnginePool
 from omlx.errors import ImportFailedError, InvalidRequestError, NotFoundError, SettingsError
 from omlx.models.gguf_pull import import_job
@@ -286,26 +287,33 @@ async def import_gguf_route(request: Request) -> dict[str, Any]:
 
 @router.post("/models/install-default")
 async def install_default_route(request: Request) -> dict[str, Any]:
-    """Body ``{"force"?: bool}``: import the built-in model (a no-op when present)."""
+    """Body ``{"force"?: bool, "kind"?: "llm" | "embedding"}``: install the built-in chat
+    model (SmolLM2) or embedding model (all-MiniLM-L6-v2); a no-op when present."""
     from omlx.models.builtin import BUILTIN_MODEL_NAME, is_complete_model_folder
 
     body = await _json_body(request)
-    force = body.get("force", False)
+    force, kind = body.get("force", False), body.get("kind", "llm")
     if not isinstance(force, bool):
         raise InvalidRequestError("'force' must be true or false", param="force")
+    if kind not in ("llm", "embedding"):
+        raise InvalidRequestError('\'kind\' must be "llm" or "embedding"', param="kind")
     models_dir = state_of(request).settings.model_dirs[0]
-    target = models_dir / BUILTIN_MODEL_NAME
+    name = BUILTIN_EMBEDDING_NAME if kind == "embedding" else BUILTIN_MODEL_NAME
+    target = models_dir / name
     async with request.app.state.web_import_lock:
         present = not force and is_complete_model_folder(target)
-        if not present:
+        if not present and kind == "embedding":  # an unzip: no conversion, no child process
+            log.info("installing the built-in embedding model into %s", models_dir)
+            await asyncio.to_thread(install_default_embedding_model, models_dir, force=force)
+        elif not present:
             log.info("installing the built-in model into %s", models_dir)
             pool = state_of(request).pool
             await asyncio.to_thread(_run_in_process, pool, _install_job, str(models_dir), force)
     return {
-        "name": BUILTIN_MODEL_NAME,
+        "name": name,
         "path": str(target),
         "already_installed": present,
-        "model": _model_entry(request, BUILTIN_MODEL_NAME),
+        "model": _model_entry(request, name),
     }
 
 

@@ -14,6 +14,7 @@ import pytest
 from omlx.api.server import Server
 from omlx.api.web_routes import read_log
 from omlx.cli import LOG_FORMAT
+from omlx.embeddings.builtin import BUILTIN_EMBEDDING_NAME
 from omlx.models.builtin import BUILTIN_MODEL_NAME, builtin_gguf_path, is_complete_model_folder
 from tests.fixtures.servers import live_server
 from tests.fixtures.tiny_models import build_tiny_model
@@ -258,6 +259,24 @@ def test_install_default_installs_once(
     assert again.json()["already_installed"] is True
     bad = http.post("/admin/api/models/install-default", json={"force": "yes"}, headers=AUTH)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "force"
+
+
+def test_install_default_embedding_model(
+    http: httpx.Client, models_dir: Path, cleanup: list[str]
+) -> None:
+    cleanup.append(BUILTIN_EMBEDDING_NAME)
+    path = "/admin/api/models/install-default"
+    first = http.post(path, json={"kind": "embedding"}, headers=AUTH)
+    assert first.status_code == 200, first.text
+    assert first.json()["already_installed"] is False
+    assert first.json()["model"]["name"] == BUILTIN_EMBEDDING_NAME
+    assert is_complete_model_folder(models_dir / BUILTIN_EMBEDDING_NAME)
+    listed = {m["name"]: m for m in http.get("/admin/api/models", headers=AUTH).json()["models"]}
+    assert listed[BUILTIN_EMBEDDING_NAME]["kind"] == "embedding"
+    again = http.post(path, json={"kind": "embedding"}, headers=AUTH)
+    assert again.json()["already_installed"] is True
+    bad = http.post(path, json={"kind": "vision"}, headers=AUTH)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kind"
 
 
 # -- memory preview -----------------------------------------------------------------

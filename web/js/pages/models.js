@@ -156,11 +156,14 @@ function row(model, refresh, navigate) {
   pin.onchange = () => act(pin, () => put(`${path}/settings`, { pinned: pin.checked }), refresh);
   const settings = h("button.btn.small", { dataset: { action: "settings" } }, "Settings");
   settings.onclick = () => settingsDialog(model, refresh).catch((e) => toast(e.message, "err"));
-  const chat = h("button.btn.small.ghost", { onclick: () => navigate("chat", { model: model.id }) }, "Chat");
+  // Embedding and rerank models serve /v1/embeddings and /v1/rerank, not chat.
+  const chats = model.kind === "llm" || model.kind === "vlm";
+  const chat = chats ? h("button.btn.small.ghost", { onclick: () => navigate("chat", { model: model.id }) }, "Chat") : null;
   return h(
     "tr",
     { dataset: { model: model.name, state: model.state } },
-    h("td", h("div", h("strong", model.id), model.is_default ? h("span.badge.accent", { style: "margin-left:8px" }, "default") : null), h("div.muted.small", model.alias ? `folder ${model.name}` : model.kind)),
+    h("td", h("div", h("strong", model.id), model.is_default ? h("span.badge.accent", { style: "margin-left:8px" }, "default") : null), h("div.muted.small", model.alias ? `folder ${model.name}` : model.model_type)),
+    h("td", { dataset: { col: "kind" } }, h("span.badge", model.kind)),
     h("td", stateBadge(model.state)),
     h("td.nowrap", formatBytes(model.size_bytes)),
     h("td.nowrap", loaded ? formatBytes(model.memory_bytes) : "–"),
@@ -174,6 +177,7 @@ function row(model, refresh, navigate) {
 export async function render(view, { navigate, params }) {
   const body = h("div.table-wrap");
   const installBtn = h("button.btn", "Install built-in model");
+  const installEmbeddingBtn = h("button.btn", { dataset: { action: "install-embedding" } }, "Install embedding model");
   const refresh = async () => {
     const { models } = await get("/models");
     if (!models.length) {
@@ -183,7 +187,7 @@ export async function render(view, { navigate, params }) {
       body,
       h(
         "table.table",
-        h("thead", h("tr", ["Model", "State", "Size", "Memory", "In flight", "TTL", "Pinned", ""].map((t) => h("th", t)))),
+        h("thead", h("tr", ["Model", "Kind", "State", "Size", "Memory", "In flight", "TTL", "Pinned", ""].map((t) => h("th", t)))),
         h("tbody", models.map((m) => row(m, refresh, navigate))),
       ),
     );
@@ -197,13 +201,19 @@ export async function render(view, { navigate, params }) {
       const result = await post("/models/install-default");
       toast(result.already_installed ? `${result.name} is already installed` : `Installed ${result.name}`, "ok");
     }, refresh).finally(() => (installBtn.textContent = "Install built-in model"));
+  installEmbeddingBtn.onclick = () =>
+    act(installEmbeddingBtn, async () => {
+      installEmbeddingBtn.textContent = "Installing…";
+      const result = await post("/models/install-default", { kind: "embedding" });
+      toast(result.already_installed ? `${result.name} is already installed` : `Installed ${result.name}`, "ok");
+    }, refresh).finally(() => (installEmbeddingBtn.textContent = "Install embedding model"));
   view.append(
     h(
       "div.card",
       h(
         "div.card-head",
         h("h2", "Models"),
-        h("div.row", h("button.btn", { onclick: () => importDialog(refresh) }, "Import GGUF…"), installBtn, h("button.btn.ghost", { onclick: refresh }, "Refresh")),
+        h("div.row", h("button.btn", { onclick: () => importDialog(refresh) }, "Import GGUF…"), installBtn, installEmbeddingBtn, h("button.btn.ghost", { onclick: refresh }, "Refresh")),
       ),
       body,
     ),
