@@ -156,8 +156,35 @@ def split_weights(weights: dict[str, mx.array]) -> tuple[dict[str, mx.array], di
     return encoder, head
 
 
-def classifier_head(cfg: dict[str, Any], weights: dict[str, mx.array]) -> _Classifier:
-    num_labels = int(weights["classifier.weight"].shape[0])
-    head = _Classifier(cfg["hidden_size"], num_labels)
+class _RobertaHead(nn.Module):
+    def __init__(self, hidden: int, num_labels: int):
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden)
+        self.out_proj = nn.Linear(hidden, num_labels)
+
+
+class _RobertaClassifier(nn.Module):
+    """(XLM-)RoBERTa's head (bge-reranker): dense, tanh, out_proj on the first token."""
+
+    def __init__(self, hidden: int, num_labels: int):
+        super().__init__()
+        self.classifier = _RobertaHead(hidden, num_labels)
+
+    def __call__(self, hidden_states: mx.array) -> mx.array:
+        head = self.classifier
+        return head.out_proj(mx.tanh(head.dense(hidden_states[:, 0])))
+
+
+def classifier_head(cfg: dict[str, Any], weights: dict[str, mx.array]) -> nn.Module:
+    """The sequence-classification head in ``weights`` (BERT's or RoBERTa's layout)."""
+    head: nn.Module
+    if "classifier.out_proj.weight" in weights:
+        num_labels = int(weights["classifier.out_proj.weight"].shape[0])
+        head = _RobertaClassifier(cfg["hidden_size"], num_labels)
+    elif "classifier.weight" in weights:
+        num_labels = int(weights["classifier.weight"].shape[0])
+        head = _Classifier(cfg["hidden_size"], num_labels)
+    else:
+        raise ValueError("no classifier weights (classifier.weight or classifier.out_proj)")
     head.load_weights(list(weights.items()))
     return head

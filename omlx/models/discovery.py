@@ -25,7 +25,11 @@ _EMBEDDING_ARCHS = (
     "ModernBertModel",
 )
 # Encoders with a sequence-classification head: cross-encoder rerankers.
-_RERANK_ARCHS = ("BertForSequenceClassification", "XLMRobertaForSequenceClassification")
+_RERANK_ARCHS = (
+    "BertForSequenceClassification",
+    "RobertaForSequenceClassification",
+    "XLMRobertaForSequenceClassification",
+)
 # Files that mark a sentence-transformers folder (a decoder such as Qwen3-Embedding
 # has an LLM's architectures; these files say it embeds).
 _ST_MARKERS = ("modules.json", "config_sentence_transformers.json", "1_Pooling/config.json")

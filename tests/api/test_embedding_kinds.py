@@ -29,6 +29,7 @@ def models_dir(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     build_tiny_bert(root / "tiny-mrl", minilm_path, seed=3, matryoshka_dims=[8, 16])
     build_tiny_bert(root / "tiny-cls", minilm_path, seed=4, pooling="cls_token")
     build_tiny_cross_encoder(root / "tiny-cross", minilm_path, seed=5)
+    build_tiny_cross_encoder(root / "tiny-xlmr-cross", minilm_path, seed=7, roberta=True)
     build_tiny_decoder_embedder(root / "tiny-qwen3-embed", seed=6)
     return root
 
@@ -56,6 +57,7 @@ def test_kinds_are_discovered(server_url: str) -> None:
         "tiny-mrl": "embedding",
         "tiny-cls": "embedding",
         "tiny-cross": "rerank",
+        "tiny-xlmr-cross": "rerank",
         "tiny-qwen3-embed": "embedding",
     }
 
@@ -78,18 +80,21 @@ def test_dimensions_truncates_a_matryoshka_model_and_renormalises(client: openai
         client.embeddings.create(model="tiny-mrl", input="hi", dimensions=64)
 
 
-def test_cross_encoder_reranks_by_its_pair_scores(server_url: str, models_dir: Path) -> None:
-    ref = ReferenceBert(models_dir / "tiny-cross")
+@pytest.mark.parametrize("model", ["tiny-cross", "tiny-xlmr-cross"])
+def test_cross_encoder_reranks_by_its_pair_scores(
+    server_url: str, models_dir: Path, model: str
+) -> None:
+    ref = ReferenceBert(models_dir / model)
     query, docs = "where do cats sleep", TEXTS
     reply = httpx.post(
-        server_url + "/v1/rerank", json={"model": "tiny-cross", "query": query, "documents": docs}
+        server_url + "/v1/rerank", json={"model": model, "query": query, "documents": docs}
     ).json()
     assert reply["meta"]["method"] == "cross-encoder"
     expected = [ref.score(query, d) for d in docs]
     assert [r["index"] for r in reply["results"]] == list(np.argsort(expected)[::-1])
     for r in reply["results"]:
         assert r["relevance_score"] == pytest.approx(expected[r["index"]], abs=1e-4)
-    bad = httpx.post(server_url + "/v1/embeddings", json={"model": "tiny-cross", "input": "x"})
+    bad = httpx.post(server_url + "/v1/embeddings", json={"model": model, "input": "x"})
     assert bad.status_code == 400 and "rerank model" in bad.json()["error"]["message"]
 
 
