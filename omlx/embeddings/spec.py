@@ -20,7 +20,8 @@ _POOLING_KEYS = {
     "pooling_mode_lasttoken": "lasttoken",
     "pooling_mode_max_tokens": "max",
 }
-_DECODER_TYPES = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text")
+# Encoders run on our BERT code; any other model_type is a decoder run by mlx-lm.
+_ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "modernbert", "nomic_bert")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +83,7 @@ def _truncate_dims(folder: Path) -> tuple[int, ...]:
 
 
 def embedding_spec(folder: Path, config: dict[str, Any]) -> EmbeddingSpec:
-    family = "decoder" if config.get("model_type") in _DECODER_TYPES else "encoder"
+    family = "encoder" if config.get("model_type") in _ENCODER_TYPES else "decoder"
     modules = _modules(folder)
     pooling = _pooling_config(folder, modules)
     has_modules = bool(modules)
