@@ -207,8 +207,13 @@ def test_models_list_and_retrieve_in_anthropic_shape(client: anthropic.Anthropic
     second = client.models.list(limit=1, after_id=ids[0])
     assert [m.id for m in second.data] == [ids[1]] and second.has_more is True
     assert [m.id for m in client.models.list(limit=2)] == ids  # the SDK pages on
-    with pytest.raises(anthropic.NotFoundError):
+    with pytest.raises(anthropic.NotFoundError) as info:
         client.models.retrieve("nope")
+    with pytest.raises(anthropic.BadRequestError, match="limit"):
+        client.models.list(limit=0)
+    error = info.value.response.json()
+    assert error["type"] == "error" and error["error"]["type"] == "not_found_error"
+    assert "tiny-llama" in error["error"]["message"]  # what exists
 
 
 def test_openai_clients_keep_the_openai_models_shape(server: Server) -> None:
