@@ -148,6 +148,18 @@ def test_claude_model_names_are_served_by_the_default_model(
     assert counted.input_tokens == direct.input_tokens
 
 
+def test_without_a_default_model_claude_names_go_to_the_first_model(
+    client: anthropic.Anthropic, server: Server
+) -> None:
+    url = server.base_url + "/admin/api/settings"
+    try:
+        assert httpx.put(url, json={"models": {"default_model": None}}).status_code == 200
+        out = client.messages.create(model="claude-opus-4-1", messages=ASK, max_tokens=1)
+        assert out.model == "slow-llama"  # the first chat model by name
+    finally:
+        httpx.put(url, json={"models": {"default_model": DEFAULT}})
+
+
 def test_an_alias_whose_target_is_gone_is_404_naming_the_setting(
     client: anthropic.Anthropic,
 ) -> None:
