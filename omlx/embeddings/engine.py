@@ -21,7 +21,7 @@ import numpy as np
 
 from omlx.embeddings.inputs import Sequence
 from omlx.embeddings.loader import EmbeddingModel
-from omlx.errors import MemoryPressureError, OmlxError, QueueFullError
+from omlx.errors import EngineError, MemoryPressureError, OmlxError, QueueFullError
 from omlx.memory.budget import Limits
 from omlx.memory.probe import MemoryProbe
 from omlx.sizes import format_bytes
@@ -211,7 +211,17 @@ class EmbeddingEngine:
         if not self.guard.fits(in_use, 1, length):
             self._gate(batch[0], in_use, length)
             return
-        rows = self._forward(batch, length)
+        try:
+            rows = self._forward(batch, length)
+        except Exception as exc:  # the batch's requests end with the reason; others go on
+            log.exception("embedding step of %s failed", self.name)
+            for job in {id(item.job): item.job for item in batch}.values():
+                _settle(job, error=EngineError(f"embedding failed in model '{self.name}': {exc}"))
+            return
+        self._deliver(batch, rows)
+
+    def _deliver(self, batch: list[_Item], rows: np.ndarray) -> None:
+        """Each row to its request; a request whose last row came is answered."""
         self.steps += 1
         self.sequences_done += len(batch)
         self.max_requests_in_step = max(self.max_requests_in_step, len({id(i.job) for i in batch}))
