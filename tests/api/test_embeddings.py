@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import anthropic
 import httpx
 import numpy as np
 import openai
@@ -195,6 +196,13 @@ def test_models_of_the_wrong_kind_are_400_naming_the_kind(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
     assert "embedding model" in str(emb.value) and "/v1/embeddings" in str(emb.value)
+    with pytest.raises(openai.BadRequestError, match="embedding model"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    claude = anthropic.Anthropic(base_url=str(http.base_url), api_key="x", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="embedding model"):
+        claude.messages.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
     rerank = http.post("/v1/rerank", json={"model": "tiny-llama", "query": "q", "documents": ["d"]})
     assert "llm model" in _error(rerank)
 

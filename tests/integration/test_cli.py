@@ -87,6 +87,16 @@ def test_models_list_shows_discovered_models(tiny_models_dir: Path, tmp_path: Pa
     assert names == ["slow-llama", "tiny-llama", "tiny-qwen3"]
 
 
+def test_install_default_embedding_model_is_listed_as_embedding(tmp_path: Path) -> None:
+    out = omlx("models", "install-default", "--kind", "embedding", base=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "all-MiniLM-L6-v2" in out.stdout
+    listed = omlx("models", "list", base=tmp_path).stdout.splitlines()
+    assert [line.split("\t")[:3] for line in listed] == [["all-MiniLM-L6-v2", "embedding", "bert"]]
+    again = omlx("models", "install-default", "--kind", "embedding", base=tmp_path)
+    assert again.returncode == 0  # already there: kept as it is
+
+
 def test_serve_on_a_taken_port_says_so(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
