@@ -56,12 +56,19 @@ class _DecoderEncoder:
 
 
 def _read_tokenizer(folder: Path) -> Any:
+    """The folder's fast tokenizer; without tokenizer.json, transformers converts the
+    older files (vocab.txt, sentencepiece) into one."""
     from tokenizers import Tokenizer
 
     try:
-        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    except Exception as exc:  # tokenizers raises its own Exception type
-        raise ModelLoadError(f"cannot read {folder / 'tokenizer.json'}: {exc}") from exc
+        if (folder / "tokenizer.json").is_file():
+            tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(folder)).backend_tokenizer
+    except Exception as exc:  # tokenizers and transformers raise many types
+        raise ModelLoadError(f"cannot read the tokenizer in {folder}: {exc}") from exc
     # Padding and length are ours to decide (a shipped tokenizer.json may pad to 128).
     tokenizer.no_padding()
     tokenizer.no_truncation()
@@ -76,6 +83,9 @@ def _load_bert(folder: Path, config: dict, spec: EmbeddingSpec) -> tuple[Any, An
     weights: dict[str, Any] = {}
     for file in sorted(folder.glob("*.safetensors")):
         weights.update(mx.load(str(file)))
+    if mx.default_device().type != mx.DeviceType.gpu:
+        # The CPU backend is slow and coarse in half precision: compute in float32.
+        weights = {k: v.astype(mx.float32) if _floating(v) else v for k, v in weights.items()}
     encoder_weights, head_weights = split_weights(weights)
     encoder = BertEncoder(config)
     encoder.load_weights(list(encoder_weights.items()))  # strict: names and shapes must match
@@ -84,6 +94,12 @@ def _load_bert(folder: Path, config: dict, spec: EmbeddingSpec) -> tuple[Any, An
         head = classifier_head(config, head_weights)
     mx.eval(encoder.parameters())
     return encoder, head
+
+
+def _floating(array: Any) -> bool:
+    import mlx.core as mx
+
+    return bool(mx.issubdtype(array.dtype, mx.floating))
 
 
 def _load_decoder(folder: Path) -> Any:

@@ -28,6 +28,7 @@ def models_dir(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     root = tmp_path_factory.mktemp("embedding-kinds")
     build_tiny_bert(root / "tiny-mrl", minilm_path, seed=3, matryoshka_dims=[8, 16])
     build_tiny_bert(root / "tiny-cls", minilm_path, seed=4, pooling="cls_token")
+    build_tiny_bert(root / "tiny-vocab-txt", minilm_path, seed=3, vocab_only=True)
     build_tiny_cross_encoder(root / "tiny-cross", minilm_path, seed=5)
     build_tiny_cross_encoder(root / "tiny-xlmr-cross", minilm_path, seed=7, roberta=True)
     build_tiny_decoder_embedder(root / "tiny-qwen3-embed", seed=6)
@@ -56,6 +57,7 @@ def test_kinds_are_discovered(server_url: str) -> None:
     assert kinds == {
         "tiny-mrl": "embedding",
         "tiny-cls": "embedding",
+        "tiny-vocab-txt": "embedding",
         "tiny-cross": "rerank",
         "tiny-xlmr-cross": "rerank",
         "tiny-qwen3-embed": "embedding",
@@ -69,6 +71,14 @@ def test_mean_and_cls_pooling_match_the_numpy_reference(
         ref = ReferenceBert(models_dir / name)
         expected = np.stack([ref.embed(t) for t in TEXTS])
         np.testing.assert_allclose(vectors(client, name, TEXTS), expected, atol=1e-4)
+
+
+def test_a_folder_with_only_vocab_txt_embeds_like_its_tokenizer_json_twin(
+    client: openai.OpenAI,
+) -> None:
+    # Same weights (seed 3) as tiny-mrl; its tokenizer is rebuilt from vocab.txt.
+    twin = vectors(client, "tiny-mrl", TEXTS)
+    np.testing.assert_allclose(vectors(client, "tiny-vocab-txt", TEXTS), twin, atol=1e-6)
 
 
 def test_dimensions_truncates_a_matryoshka_model_and_renormalises(client: openai.OpenAI) -> None:
