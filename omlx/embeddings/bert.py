@@ -10,6 +10,8 @@ import mlx.nn as nn
 
 _ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
 _PREFIXES = ("bert.", "roberta.", "model.")
+# Encoder weights: BERT's (embeddings, encoder) and ModernBERT's (layers, final_norm).
+_ENCODER_PARTS = ("embeddings.", "encoder.", "layers.", "final_norm.")
 
 
 class _Embeddings(nn.Module):
@@ -151,7 +153,7 @@ def split_weights(weights: dict[str, mx.array]) -> tuple[dict[str, mx.array], di
                 break
         if name.startswith(("pooler.", "classifier.")):
             head[name] = value
-        elif name.startswith(("embeddings.", "encoder.")) and not name.endswith("position_ids"):
+        elif name.startswith(_ENCODER_PARTS) and not name.endswith("position_ids"):
             encoder[name] = value
     return encoder, head
 

@@ -79,6 +79,7 @@ def _load_bert(folder: Path, config: dict, spec: EmbeddingSpec) -> tuple[Any, An
     import mlx.core as mx
 
     from omlx.embeddings.bert import BertEncoder, classifier_head, split_weights
+    from omlx.embeddings.modernbert import ModernBertEncoder
 
     weights: dict[str, Any] = {}
     for file in sorted(folder.glob("*.safetensors")):
@@ -87,7 +88,8 @@ def _load_bert(folder: Path, config: dict, spec: EmbeddingSpec) -> tuple[Any, An
         # The CPU backend is slow and coarse in half precision: compute in float32.
         weights = {k: v.astype(mx.float32) if _floating(v) else v for k, v in weights.items()}
     encoder_weights, head_weights = split_weights(weights)
-    encoder = BertEncoder(config)
+    modern = config.get("model_type") == "modernbert"
+    encoder = ModernBertEncoder(config) if modern else BertEncoder(config)
     encoder.load_weights(list(encoder_weights.items()))  # strict: names and shapes must match
     head = None
     if spec.cross_encoder:
@@ -115,8 +117,6 @@ def load_embedding_model(info: ModelInfo) -> EmbeddingModel:
     try:
         config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
         spec = embedding_spec(info.path, config)
-        if config.get("model_type") == "modernbert":
-            raise ValueError("ModernBERT encoders are not supported yet")
         if spec.family == "decoder":
             encoder, head = _load_decoder(info.path), None
         else:

@@ -13,11 +13,13 @@ import openai
 import pytest
 
 from tests.fixtures.bert_reference import ReferenceBert
+from tests.fixtures.modernbert_reference import ReferenceModernBert
 from tests.fixtures.servers import live_server
 from tests.fixtures.tiny_encoders import (
     build_tiny_bert,
     build_tiny_cross_encoder,
     build_tiny_decoder_embedder,
+    build_tiny_modernbert,
 )
 
 TEXTS = ["a short one", "a somewhat longer sentence about cats and dogs", "x"]
@@ -32,6 +34,7 @@ def models_dir(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     build_tiny_cross_encoder(root / "tiny-cross", minilm_path, seed=5)
     build_tiny_cross_encoder(root / "tiny-xlmr-cross", minilm_path, seed=7, roberta=True)
     build_tiny_decoder_embedder(root / "tiny-qwen3-embed", seed=6)
+    build_tiny_modernbert(root / "tiny-modernbert", minilm_path, seed=8)
     return root
 
 
@@ -61,6 +64,7 @@ def test_kinds_are_discovered(server_url: str) -> None:
         "tiny-cross": "rerank",
         "tiny-xlmr-cross": "rerank",
         "tiny-qwen3-embed": "embedding",
+        "tiny-modernbert": "embedding",
     }
 
 
@@ -71,6 +75,14 @@ def test_mean_and_cls_pooling_match_the_numpy_reference(
         ref = ReferenceBert(models_dir / name)
         expected = np.stack([ref.embed(t) for t in TEXTS])
         np.testing.assert_allclose(vectors(client, name, TEXTS), expected, atol=1e-4)
+
+
+def test_modernbert_matches_the_numpy_reference(client: openai.OpenAI, models_dir: Path) -> None:
+    ref = ReferenceModernBert(models_dir / "tiny-modernbert")
+    # The long text spans more than the 8-token sliding window of layers 1 and 2.
+    texts = [*TEXTS, "one two three four five six seven eight nine ten eleven twelve"]
+    expected = np.stack([ref.embed(t) for t in texts])
+    np.testing.assert_allclose(vectors(client, "tiny-modernbert", texts), expected, atol=1e-4)
 
 
 def test_a_folder_with_only_vocab_txt_embeds_like_its_tokenizer_json_twin(
