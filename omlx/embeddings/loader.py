@@ -117,6 +117,8 @@ def load_embedding_model(info: ModelInfo) -> EmbeddingModel:
     try:
         config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
         spec = embedding_spec(info.path, config)
+        if config.get("model_type") == "nomic_bert":
+            raise ValueError("NomicBERT encoders are not supported yet")
         if spec.family == "decoder":
             encoder, head = _load_decoder(info.path), None
         else:

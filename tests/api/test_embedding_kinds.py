@@ -4,6 +4,7 @@ pooling over mlx-lm's Qwen3), each checked against a reference computed here."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +36,10 @@ def models_dir(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     build_tiny_cross_encoder(root / "tiny-xlmr-cross", minilm_path, seed=7, roberta=True)
     build_tiny_decoder_embedder(root / "tiny-qwen3-embed", seed=6)
     build_tiny_modernbert(root / "tiny-modernbert", minilm_path, seed=8)
+    # Weights whose names do not fit the encoder: a load error naming the mismatch.
+    broken = build_tiny_bert(root / "broken-bert", minilm_path, seed=9)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     return root
 
 
@@ -65,6 +70,7 @@ def test_kinds_are_discovered(server_url: str) -> None:
         "tiny-xlmr-cross": "rerank",
         "tiny-qwen3-embed": "embedding",
         "tiny-modernbert": "embedding",
+        "broken-bert": "embedding",
     }
 
 
@@ -132,3 +138,15 @@ def test_decoder_embedder_pools_the_last_token(client: openai.OpenAI, models_dir
         expected.append(np.array(hidden / mx.linalg.norm(hidden)))
     # Served as one batch (right-padded), the vectors are the same.
     np.testing.assert_allclose(vectors(client, "tiny-qwen3-embed", TEXTS), expected, atol=1e-4)
+
+
+def test_a_folder_that_cannot_load_says_why_and_others_still_serve(server_url: str) -> None:
+    url = server_url + "/v1/embeddings"
+    for _ in range(2):  # nothing half-loaded stays behind
+        reply = httpx.post(url, json={"model": "broken-bert", "input": "x"}, timeout=60)
+        assert reply.status_code == 500
+        error = reply.json()["error"]
+        assert error["code"] == "model_load_failed" and "broken-bert" in error["message"]
+        assert "encoder.layer.2" in error["message"]  # the weights the config does not expect
+    ok = httpx.post(url, json={"model": "tiny-cls", "input": "x"}, timeout=60)
+    assert ok.status_code == 200
