@@ -22,6 +22,8 @@ from omlx.api.fit_routes import router as fit_router
 from omlx.api.openai_routes import router as openai_router
 from omlx.api.origin_guard import OriginGuardMiddleware, PathScopedCORS
 from omlx.api.quant_routes import router as quant_router
+from omlx.api.responses_routes import router as responses_router
+from omlx.api.responses_store import ResponseStore
 from omlx.api.state import ServerState
 from omlx.api.stats_routes import install_metrics
 from omlx.api.web_routes import install_web
@@ -65,6 +67,8 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
         openapi_url=None,
     )
     app.state.omlx = ServerState(settings, pool)
+    # Stored Responses API responses (store: true), kept across restarts.
+    app.state.responses = ResponseStore(settings.base_path / "responses.db")
     # Read through the settings object: the admin API can change the key live.
     app.state.auth = ApiKeyAuth(lambda: settings.server.api_key)
     app.add_middleware(BodyGuardMiddleware, limit_fn=lambda: settings.server.max_body_bytes)
@@ -82,6 +86,7 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
     api_key = [Depends(require_api_key)]
     app.include_router(openai_router, dependencies=api_key)
     app.include_router(anthropic_router, dependencies=api_key)
+    app.include_router(responses_router, dependencies=api_key)
     app.include_router(login_router())
     app.include_router(admin_router)
     app.include_router(memory_router)
