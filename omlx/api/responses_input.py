@@ -222,6 +222,18 @@ def _allowed(
     )  # fmt: skip
 
 
+def one_constraint(
+    output: GrammarSpec | None, tools: ToolConstraint | None
+) -> GrammarSpec | ToolConstraint | None:
+    """One grammar per request: a forced call (required / named) writes no text for
+    ``text.format`` to shape, so the call's grammar wins; under "auto" the text format
+    wins and strict tools' arguments are parsed but not grammar-enforced. (Agents
+    send both: strict tools and an output type.)"""
+    if output is None or tools is None:
+        return output or tools
+    return output if tools.mode == "auto" else tools
+
+
 def output_spec(text: TextConfig | None) -> GrammarSpec | None:
     """The grammar of ``text.format``: None for free text."""
     fmt = (text.format if text else None) or {}

@@ -30,6 +30,7 @@ from omlx.api.responses_input import (
     chat_tools,
     input_items,
     new_item_id,
+    one_constraint,
     output_spec,
     reasoning_template_vars,
     tool_rule,
@@ -39,7 +40,6 @@ from omlx.api.responses_store import ResponseStore, StoredResponse
 from omlx.api.sse import KEEPALIVE, SSE_HEADERS
 from omlx.api.state import state_of
 from omlx.api.structured import bind_grammar
-from omlx.api.tool_grammar import combined
 from omlx.engine.model_engine import ModelEngine
 from omlx.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError
 from omlx.grammar.spec import GrammarSpec
@@ -89,7 +89,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         )
     items = input_items(body.input)
     tools = chat_tools(body.tools)
-    rule = combined(
+    rule = one_constraint(
         output_spec(body.text), tool_rule(tools, body.tool_choice, body.parallel_tool_calls)
     )
     history: list[Item] = []
