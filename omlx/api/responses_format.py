@@ -208,7 +208,11 @@ class ResponseFormat:
     def usage(self) -> dict[str, Any]:
         return {
             "input_tokens": self.num_prompt_tokens,
-            "input_tokens_details": {"cached_tokens": self.num_cached_tokens},
+            # cache_write_tokens: OpenAI's paid cache writes; none here.
+            "input_tokens_details": {
+                "cached_tokens": self.num_cached_tokens,
+                "cache_write_tokens": 0,
+            },
             "output_tokens": self.num_output_tokens,
             "output_tokens_details": {"reasoning_tokens": self._num_reasoning_tokens},
             "total_tokens": self.num_prompt_tokens + self.num_output_tokens,

@@ -279,3 +279,24 @@ def test_disconnect_mid_stream_aborts_the_request(client: openai.OpenAI, server:
         assert got[12] == "event: response.output_text.delta"
     wait_aborted(server, SLOW, before + 1)
     assert create(client, max_output_tokens=2).status == "incomplete"  # still serving
+
+
+def test_stored_responses_survive_a_restart(tiny_models_dir: Path, tmp_path: Path) -> None:
+    base = tmp_path / "base"
+
+    def client_of(srv: Server) -> openai.OpenAI:
+        return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
+
+    with live_server(base, tiny_models_dir) as srv:
+        kept = create(client_of(srv), max_output_tokens=4)
+        gone = create(client_of(srv), store=False, max_output_tokens=4)
+    assert (base / "responses.db").is_file()
+    with live_server(base, tiny_models_dir) as srv:
+        client = client_of(srv)
+        assert client.responses.retrieve(kept.id).model_dump() == kept.model_dump()
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(gone.id)
+        follow = create(client, input="More?", previous_response_id=kept.id, max_output_tokens=4)
+        items = client.responses.input_items.list(follow.id, order="asc").data
+        texts = [i.content[0].text for i in items]
+        assert texts == ["Tell me about Paris.", kept.output_text, "More?"]
