@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
+import agents
 import jsonschema
 import openai
 import pydantic
@@ -41,6 +42,11 @@ TOOLS = [
     },
 ]
 ASK = "What is the weather in Paris?"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_tracing() -> None:
+    agents.set_tracing_disabled(True)  # the SDK would upload traces to OpenAI
 
 
 @pytest.fixture(scope="module")
@@ -120,43 +126,55 @@ class Forecast(pydantic.BaseModel):
     sky: Literal["sunny", "rainy"]
 
 
-def test_agents_sdk_runs_an_agent_with_a_function_tool(server: Server) -> None:
-    """OpenAIResponsesModel against the server: the model calls the tool (forced),
-    the SDK sends its output back and the model answers in the output type (the
-    schema's grammar makes the random model finish)."""
-    import agents
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool
-
-    agents.set_tracing_disabled(True)
-    seen: list[str] = []
-
-    @function_tool
+def weather_agent(server: Server, seen: list[str]) -> agents.Agent:
+    @agents.function_tool
     def get_weather(city: Literal["Paris", "Oslo"]) -> str:
         """Weather in a city."""
         seen.append(city)
         return f"Sunny in {city}"
 
-    async def run() -> agents.RunResult:
-        client = openai.AsyncOpenAI(
-            base_url=server.base_url + "/v1", api_key="unused", max_retries=0
-        )
-        agent = Agent(
-            name="weather",
-            instructions="Answer with the weather.",
-            tools=[get_weather],
-            output_type=Forecast,
-            model=OpenAIResponsesModel(MODEL, client),
-            # "required" forces the call; the SDK resets it to auto after the call.
-            model_settings=ModelSettings(
-                tool_choice="required", temperature=0, max_tokens=120, parallel_tool_calls=False
-            ),
-        )
-        return await Runner.run(agent, ASK, max_turns=3)
+    client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    return agents.Agent(
+        name="weather",
+        instructions="Answer with the weather.",
+        tools=[get_weather],
+        output_type=Forecast,
+        model=agents.OpenAIResponsesModel(MODEL, client),
+        # "required" forces the call; the SDK resets it to auto after the call.
+        model_settings=agents.ModelSettings(
+            tool_choice="required", temperature=0, max_tokens=120, parallel_tool_calls=False
+        ),
+    )
 
-    result = asyncio.run(run())
+
+def check_run(result: agents.RunResultBase, seen: list[str]) -> None:
     assert len(seen) == 1 and seen[0] in ("Paris", "Oslo")
     kinds = [item.type for item in result.new_items]
     assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"]
     assert result.new_items[1].output == f"Sunny in {seen[0]}"
     assert isinstance(result.final_output, Forecast)
     assert len(result.raw_responses) == 2
+
+
+def test_agents_sdk_runs_an_agent_with_a_function_tool(server: Server) -> None:
+    """OpenAIResponsesModel against the server: the model calls the tool (forced),
+    the SDK sends its output back and the model answers in the output type (the
+    schema's grammar makes the random model finish)."""
+    seen: list[str] = []
+    agent = weather_agent(server, seen)
+    result = asyncio.run(agents.Runner.run(agent, ASK, max_turns=3))
+    check_run(result, seen)
+
+
+def test_agents_sdk_streamed_run(server: Server) -> None:
+    seen: list[str] = []
+    agent = weather_agent(server, seen)
+
+    async def run() -> tuple[agents.RunResultStreaming, list[str]]:
+        result = agents.Runner.run_streamed(agent, ASK, max_turns=3)
+        names = [e.name async for e in result.stream_events() if e.type == "run_item_stream_event"]
+        return result, names
+
+    result, names = asyncio.run(run())
+    check_run(result, seen)
+    assert names == ["tool_called", "tool_output", "message_output_created"]
