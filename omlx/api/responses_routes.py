@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -44,8 +47,10 @@ from omlx.engine.model_engine import ModelEngine
 from omlx.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError
 from omlx.grammar.spec import GrammarSpec
 from omlx.grammar.tools import ToolConstraint
+from omlx.models.model_settings import RequestDefaults
 from omlx.scheduler import SamplingParams
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -131,18 +136,37 @@ async def _generate(plan: _Plan, request: Request, engine: ModelEngine) -> Respo
     fmt = ResponseFormat(
         response_id, _echo(body, state.pool.public_name(engine.name), params), parser
     )
+    kept = conversation if body.stores else None
+    finished = partial(_finished, request, gen, fmt, kept)
+    return await _answer(request, body.stream is True, gen, fmt, finished)
 
-    async def finished() -> None:
-        gen.log_done(
-            "responses", fmt.num_prompt_tokens, fmt.num_output_tokens, [fmt.finish_reason or ""]
-        )
-        if body.stores:
-            stored = StoredResponse(fmt.body(), conversation)
-            await asyncio.to_thread(store_of(request).put, stored)
 
+async def _finished(
+    request: Request, gen: Generation, fmt: ResponseFormat, conversation: list[Item] | None
+) -> None:
+    """Log the request; store the response (when ``store``) with the input it was given."""
+    reasons = [fmt.finish_reason or ""]
+    gen.log_done("responses", fmt.num_prompt_tokens, fmt.num_output_tokens, reasons)
+    if conversation is None:
+        return
+    try:
+        await asyncio.to_thread(store_of(request).put, StoredResponse(fmt.body(), conversation))
+    except sqlite3.Error as exc:  # a full disk must not lose the answer being sent
+        log.error("could not store response %s in the responses store: %s", fmt.response_id, exc)
+
+
+async def _answer(
+    request: Request,
+    stream: bool,
+    gen: Generation,
+    fmt: ResponseFormat,
+    finished: Callable[[], Awaitable[None]],
+) -> Response:
+    """Submit the generation and answer as SSE events or as one response object."""
     gen.submit()
-    if body.stream:
-        frames = _stream(gen, fmt, state.settings.server.sse_keepalive_s, finished)
+    if stream:
+        keepalive_s = state_of(request).settings.server.sse_keepalive_s
+        frames = _stream(gen, fmt, keepalive_s, finished)
         return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         await unless_disconnected(request, _collect(gen, fmt), gen.abort_unfinished)
@@ -182,7 +206,7 @@ def _without_oldest(items: list[Item], num_drop: int) -> list[Item]:
 
 
 def _sampling(
-    body: ResponsesRequest, engine: ModelEngine, num_prompt_tokens: int, defaults: Any
+    body: ResponsesRequest, engine: ModelEngine, num_prompt_tokens: int, defaults: RequestDefaults
 ) -> SamplingParams:
     req = SamplingRequest(
         max_tokens=body.max_output_tokens,

@@ -5,6 +5,7 @@ structured output, truncation, validation, disconnects."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 
 from omlx.api.server import Server
 from tests.fixtures.servers import aborted_count, live_server, wait_aborted
+from tests.fixtures.tiny_models import CHATML
 
 MODEL = "tiny-llama"
 SLOW = "slow-llama"
@@ -22,11 +24,27 @@ WINDOW = 512
 BLOCK = 16
 
 
+# Shows the template variables reasoning.effort sets: the preamble's length tells them.
+EFFORT_TEMPLATE = (
+    "{% if reasoning_effort is defined %}<|im_start|>system\nReasoning: {{ reasoning_effort }}"
+    "{% if not enable_thinking %}{{ ' no thinking' * 20 }}{% endif %}<|im_end|>\n{% endif %}"
+    + CHATML
+)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("responses-models")
+    for name in (MODEL, SLOW):
+        (root / name).symlink_to(tiny_models_dir / name, target_is_directory=True)
+    effort = root / "effort-llama"
+    shutil.copytree(tiny_models_dir / MODEL, effort)
+    config = json.loads((effort / "tokenizer_config.json").read_text())
+    config["chat_template"] = EFFORT_TEMPLATE
+    (effort / "tokenizer_config.json").write_text(json.dumps(config))
     with live_server(
         tmp_path_factory.mktemp("responses"),
-        tiny_models_dir,
+        root,
         cache={"block_size": BLOCK},
         generation={"max_context_window": WINDOW},
     ) as srv:
@@ -120,6 +138,27 @@ def test_previous_response_id_continues_and_hits_the_prefix_cache(client: openai
     assert items[0].content[0].text == long_input
     assert items[1].content[0].text == first.output_text
     assert items[2].content[0].text == "And then?"
+
+
+def test_reasoning_effort_reaches_the_chat_template(client: openai.OpenAI) -> None:
+    def num_input_tokens(**kw: object) -> int:
+        return create(client, model="effort-llama", max_output_tokens=1, **kw).usage.input_tokens
+
+    plain = num_input_tokens()
+    high = num_input_tokens(reasoning={"effort": "high"})
+    off = num_input_tokens(reasoning={"effort": "none"})
+    assert plain < high < off - 20  # reasoning_effort is set; enable_thinking false for none
+    resp = create(client, model="effort-llama", reasoning={"effort": "low", "summary": "auto"})
+    assert resp.reasoning.effort == "low"
+
+
+def test_non_streaming_disconnect_aborts_the_request(client: openai.OpenAI, server: Server) -> None:
+    create(client, model=SLOW, max_output_tokens=1)
+    before = aborted_count(server, SLOW)
+    body = {"model": SLOW, "input": "Go on.", "max_output_tokens": 400}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up while the server generates
+        httpx.post(server.base_url + "/v1/responses", json=body, timeout=0.2)
+    wait_aborted(server, SLOW, before + 1)
 
 
 def test_unknown_previous_response_id_is_404_naming_it(client: openai.OpenAI) -> None:
