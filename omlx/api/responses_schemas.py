@@ -66,7 +66,9 @@ class ResponsesRequest(_Body):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_shape(cls, value: Any) -> str | dict[str, Any] | None:
-        if value is None or isinstance(value, dict) or value in TOOL_CHOICE_OPTIONS:
+        if value is None or isinstance(value, dict):
+            return value
+        if isinstance(value, str) and value in TOOL_CHOICE_OPTIONS:
             return value
         raise ValueError(
             "must be 'auto', 'none', 'required' or an object such as "
