@@ -68,7 +68,11 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
     )
     app.state.omlx = ServerState(settings, pool)
     # Stored Responses API responses (store: true), kept across restarts.
-    app.state.responses = ResponseStore(settings.base_path / "responses.db")
+    app.state.responses = ResponseStore(
+        settings.base_path / "responses.db",
+        max_responses=settings.server.responses_store_max_count,
+        max_bytes=settings.server.responses_store_max_bytes,
+    )
     # Read through the settings object: the admin API can change the key live.
     app.state.auth = ApiKeyAuth(lambda: settings.server.api_key)
     app.add_middleware(BodyGuardMiddleware, limit_fn=lambda: settings.server.max_body_bytes)

@@ -19,6 +19,7 @@ from typing import Any
 
 from omlx.private_fs import make_private_dir
 
+# The defaults of server.responses_store_max_count / _max_bytes.
 DEFAULT_MAX_RESPONSES = 10_000
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
 

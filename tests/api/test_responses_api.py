@@ -339,3 +339,12 @@ def test_stored_responses_survive_a_restart(tiny_models_dir: Path, tmp_path: Pat
         items = client.responses.input_items.list(follow.id, order="asc").data
         texts = [i.content[0].text for i in items]
         assert texts == ["Tell me about Paris.", kept.output_text, "More?"]
+
+
+def test_the_store_keeps_the_newest_responses(tiny_models_dir: Path, tmp_path: Path) -> None:
+    with live_server(tmp_path, tiny_models_dir, server={"responses_store_max_count": 2}) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
+        ids = [create(client, max_output_tokens=1).id for _ in range(3)]
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(ids[0])
+        assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
