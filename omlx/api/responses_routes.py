@@ -197,10 +197,11 @@ async def _fitted_prompt(
 
 
 def _without_oldest(items: list[Item], num_drop: int) -> list[Item]:
-    """``items`` less the first ``num_drop``, and less tool outputs and reasoning
-    left at the front without the call or message they belonged to."""
+    """``items`` less the first ``num_drop``, then up to the next user message: the
+    conversation starts with a user turn (templates that check roles want one), never
+    with a tool output cut from its call."""
     rest = items[num_drop:]
-    while len(rest) > 1 and rest[0]["type"] in ("function_call_output", "reasoning"):
+    while len(rest) > 1 and not (rest[0]["type"] == "message" and rest[0]["role"] == "user"):
         rest = rest[1:]
     return rest
 

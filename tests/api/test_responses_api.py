@@ -231,7 +231,8 @@ def test_json_schema_format_output_validates(client: openai.OpenAI) -> None:
 
 def test_truncation_disabled_refuses_and_auto_drops_the_oldest(client: openai.OpenAI) -> None:
     turns = [
-        {"role": "user", "content": f"Turn {i}: " + "words and more words " * 8} for i in range(12)
+        {"role": ("user", "assistant")[i % 2], "content": f"Turn {i}: " + "more words " * 16}
+        for i in range(12)
     ]
     turns.append({"role": "user", "content": "Last question?"})
     with pytest.raises(openai.BadRequestError) as info:
@@ -244,7 +245,9 @@ def test_truncation_disabled_refuses_and_auto_drops_the_oldest(client: openai.Op
     assert resp.usage.input_tokens + 12 <= WINDOW
     kept = client.responses.input_items.list(resp.id, order="asc", limit=100).data
     assert 1 <= len(kept) < len(turns)
-    assert kept[-1].content[0].text == "Last question?"
+    # The newest items, starting at a user turn.
+    assert [i.content[0].text for i in kept] == [t["content"] for t in turns[-len(kept) :]]
+    assert kept[0].role == "user"
 
 
 @pytest.mark.parametrize(
