@@ -84,6 +84,18 @@ def test_create_returns_a_completed_response_with_usage(client: openai.OpenAI) -
     assert usage.input_tokens_details.cached_tokens <= usage.input_tokens
 
 
+def test_responses_count_in_the_dashboard_stats(client: openai.OpenAI, server: Server) -> None:
+    def stats() -> dict:
+        return httpx.get(server.base_url + "/admin/api/stats", timeout=30).json()
+
+    before = stats()
+    resp = create(client, max_output_tokens=3)
+    after = stats()
+    assert after["requests"]["total"] == before["requests"]["total"] + 1
+    added = after["tokens"]["completion_total"] - before["tokens"]["completion_total"]
+    assert added == resp.usage.output_tokens
+
+
 def test_max_output_tokens_cut_is_incomplete(client: openai.OpenAI) -> None:
     resp = create(client, max_output_tokens=3)
     assert resp.status == "incomplete"
