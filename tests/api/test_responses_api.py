@@ -16,7 +16,7 @@ import pytest
 
 from omlx.api.server import Server
 from tests.fixtures.servers import aborted_count, live_server, wait_aborted
-from tests.fixtures.tiny_models import CHATML
+from tests.fixtures.tiny_models import CHATML, build_tiny_model
 
 MODEL = "tiny-llama"
 SLOW = "slow-llama"
@@ -31,17 +31,29 @@ EFFORT_TEMPLATE = (
     + CHATML
 )
 
+# A reasoning model's template: the assistant turn opens a think block unless told not to.
+THINK_TEMPLATE = CHATML.replace(
+    "'<|im_start|>assistant\\n'",
+    "'<|im_start|>assistant\\n' + ('' if enable_thinking is defined and not enable_thinking "
+    "else '<think>\\n')",
+)
+
+
+def with_template(model: Path, template: str) -> None:
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+
 
 @pytest.fixture(scope="module")
 def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("responses-models")
     for name in (MODEL, SLOW):
         (root / name).symlink_to(tiny_models_dir / name, target_is_directory=True)
-    effort = root / "effort-llama"
-    shutil.copytree(tiny_models_dir / MODEL, effort)
-    config = json.loads((effort / "tokenizer_config.json").read_text())
-    config["chat_template"] = EFFORT_TEMPLATE
-    (effort / "tokenizer_config.json").write_text(json.dumps(config))
+    shutil.copytree(tiny_models_dir / MODEL, root / "effort-llama")
+    with_template(root / "effort-llama", EFFORT_TEMPLATE)
+    build_tiny_model(root / "think-llama", "llama", seed=3, extra_special=("<think>", "</think>"))
+    with_template(root / "think-llama", THINK_TEMPLATE)
     with live_server(
         tmp_path_factory.mktemp("responses"),
         root,
@@ -162,6 +174,27 @@ def test_reasoning_effort_reaches_the_chat_template(client: openai.OpenAI) -> No
     assert plain < high < off - 20  # reasoning_effort is set; enable_thinking false for none
     resp = create(client, model="effort-llama", reasoning={"effort": "low", "summary": "auto"})
     assert resp.reasoning.effort == "low"
+
+
+def test_reasoning_comes_back_as_a_reasoning_item(client: openai.OpenAI) -> None:
+    resp = create(client, model="think-llama", max_output_tokens=8, reasoning={"effort": "high"})
+    reasoning = resp.output[0]
+    assert reasoning.type == "reasoning" and reasoning.content[0].type == "reasoning_text"
+    assert reasoning.content[0].text
+    details = resp.usage.output_tokens_details
+    assert 1 <= details.reasoning_tokens <= resp.usage.output_tokens == 8
+    events = list(create(client, model="think-llama", max_output_tokens=8, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert (
+        "".join(deltas)
+        == reasoning.content[0].text
+        == events[-1].response.output[0].content[0].text
+    )
+    assert events[3].part.type == "reasoning_text"
+    # effort "none": the template gets enable_thinking false and opens no think block.
+    off = create(client, model="think-llama", max_output_tokens=8, reasoning={"effort": "none"})
+    assert [item.type for item in off.output] == ["message"]
+    assert off.usage.output_tokens_details.reasoning_tokens == 0
 
 
 def test_non_streaming_disconnect_aborts_the_request(client: openai.OpenAI, server: Server) -> None:
