@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 
 # OpenAI's limits on metadata.
 MAX_METADATA_KEYS = 16
@@ -44,9 +53,10 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # Strict numbers too: "0.5" or true is a 400, not coerced.
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     metadata: dict[str, StrictStr] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     store: StrictBool | None = None

@@ -309,6 +309,10 @@ def test_truncation_disabled_refuses_and_auto_drops_the_oldest(client: openai.Op
         ("metadata", {"n": 1}, "metadata.n"),
         ("reasoning", {"effort": "extreme"}, "reasoning.effort"),
         ("max_output_tokens", 0, "max_output_tokens"),
+        ("max_output_tokens", "5", "max_output_tokens"),
+        ("temperature", "0.5", "temperature"),
+        ("parallel_tool_calls", 1, "parallel_tool_calls"),
+        ("previous_response_id", 5, "previous_response_id"),
         ("input", [{"type": "input_image", "image_url": "x"}], "input[0].type"),
         (
             "input",
