@@ -166,6 +166,22 @@ def test_agents_sdk_runs_an_agent_with_a_function_tool(server: Server) -> None:
     check_run(result, seen)
 
 
+def test_agents_sdk_chains_turns_through_previous_response_id(server: Server) -> None:
+    """The SDK's server-side chaining: the second turn sends only the tool output and
+    previous_response_id; the stored first turn supplies the rest."""
+    seen: list[str] = []
+    agent = weather_agent(server, seen)
+    run = agents.Runner.run(agent, ASK, max_turns=3, auto_previous_response_id=True)
+    result = asyncio.run(run)
+    check_run(result, seen)
+    first, second = result.raw_responses
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    stored = client.responses.retrieve(second.response_id)
+    assert stored.previous_response_id == first.response_id
+    items = client.responses.input_items.list(second.response_id, order="asc").data
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+
+
 def test_agents_sdk_streamed_run(server: Server) -> None:
     seen: list[str] = []
     agent = weather_agent(server, seen)
