@@ -139,12 +139,22 @@ class ResponseFormat:
         item: Item
         part: dict[str, Any]
         if kind == "message":
-            item = {"id": new_item_id("msg"), "type": "message", "role": "assistant",
-                    "status": "in_progress", "content": []}  # fmt: skip
+            item = {
+                "id": new_item_id("msg"),
+                "type": "message",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
+            }
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         else:
-            item = {"id": new_item_id("rs"), "type": "reasoning", "summary": [],
-                    "status": "in_progress", "content": []}  # fmt: skip
+            item = {
+                "id": new_item_id("rs"),
+                "type": "reasoning",
+                "summary": [],
+                "status": "in_progress",
+                "content": [],
+            }
             part = {"type": "reasoning_text", "text": ""}
         self.output.append(item)
         self._open = kind
@@ -166,11 +176,17 @@ class ResponseFormat:
         item["status"] = status
         part = item["content"][0]
         if kind == "message":
-            done = self._event("response.output_text.done", text=part["text"], logprobs=[],
-                               content_index=0, **self._where())  # fmt: skip
+            done = self._event(
+                "response.output_text.done",
+                text=part["text"],
+                logprobs=[],
+                content_index=0,
+                **self._where(),
+            )
         else:
-            done = self._event("response.reasoning_text.done", text=part["text"],
-                               content_index=0, **self._where())  # fmt: skip
+            done = self._event(
+                "response.reasoning_text.done", text=part["text"], content_index=0, **self._where()
+            )
         return [
             done,
             self._event(
@@ -182,17 +198,32 @@ class ResponseFormat:
         ]
 
     def _function_call(self, call: ToolCall) -> list[Event]:
-        item = {"id": new_item_id("fc"), "type": "function_call", "call_id": call.id,
-                "name": call.name, "arguments": "", "status": "in_progress"}  # fmt: skip
+        item = {
+            "id": new_item_id("fc"),
+            "type": "function_call",
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": "",
+            "status": "in_progress",
+        }
         self.output.append(item)
         index = len(self.output) - 1
         events = [self._event("response.output_item.added", item=dict(item), output_index=index)]
-        events.append(self._event("response.function_call_arguments.delta", delta=call.arguments,
-                                  **self._where()))  # fmt: skip
+        events.append(
+            self._event(
+                "response.function_call_arguments.delta", delta=call.arguments, **self._where()
+            )
+        )
         item["arguments"] = call.arguments
         item["status"] = "completed"
-        events.append(self._event("response.function_call_arguments.done", name=call.name,
-                                  arguments=call.arguments, **self._where()))  # fmt: skip
+        events.append(
+            self._event(
+                "response.function_call_arguments.done",
+                name=call.name,
+                arguments=call.arguments,
+                **self._where(),
+            )
+        )
         events.append(self._event("response.output_item.done", item=dict(item), output_index=index))
         return events
 

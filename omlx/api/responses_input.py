@@ -55,12 +55,21 @@ def _item(raw: dict[str, Any], where: str) -> Item:
     if kind == "function_call_output":
         call_id = _string(raw, "call_id", where)
         output = _text_of(raw.get("output"), f"{where}.output")
-        return {"id": _id(raw, "fco"), "type": kind, "call_id": call_id, "output": output,
-                "status": "completed"}  # fmt: skip
+        return {
+            "id": _id(raw, "fco"),
+            "type": kind,
+            "call_id": call_id,
+            "output": output,
+            "status": "completed",
+        }
     if kind == "reasoning":
         # Kept in the conversation's record; chat templates drop past reasoning anyway.
-        return {"id": _id(raw, "rs"), "type": kind, "summary": raw.get("summary") or [],
-                "content": raw.get("content") or []}  # fmt: skip
+        return {
+            "id": _id(raw, "rs"),
+            "type": kind,
+            "summary": raw.get("summary") or [],
+            "content": raw.get("content") or [],
+        }
     raise InvalidRequestError(
         f"{where}: item type '{kind}' is not supported; send message, function_call, "
         "function_call_output or reasoning items",
@@ -122,8 +131,11 @@ def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str,
             role = "system" if item["role"] == "developer" else item["role"]
             messages.append({"role": role, "content": _text_of(item["content"], "content")})
         elif kind == "function_call":
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -217,9 +229,13 @@ def _allowed(
             param="tool_choice.tools",
         )
     return tool_constraint(
-        tools, mode, names=names, parallel=parallel, param="tool_choice.tools",
+        tools,
+        mode,
+        names=names,
+        parallel=parallel,
+        param="tool_choice.tools",
         schema_param=_SCHEMA_PARAM,
-    )  # fmt: skip
+    )
 
 
 def one_constraint(
