@@ -218,9 +218,10 @@ def _allowed(
         raise InvalidRequestError(
             "tool_choice.mode must be 'auto' or 'required'", param="tool_choice.mode"
         )
+    refs = refs if isinstance(refs, list) else []
     names = [
         r["name"]
-        for r in refs or []
+        for r in refs
         if isinstance(r, dict) and r.get("type") == "function" and isinstance(r.get("name"), str)
     ]
     if not refs or len(names) != len(refs):
