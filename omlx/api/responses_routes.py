@@ -85,8 +85,8 @@ class _Plan:
     rule: GrammarSpec | ToolConstraint | None
 
 
-@router.post("/v1/responses")
-async def create_response(body: ResponsesRequest, request: Request) -> Response:
+async def _plan(body: ResponsesRequest, request: Request) -> _Plan:
+    """Check the request and gather the conversation (a stored one first)."""
     if body.background:
         raise InvalidRequestError(
             "background responses are not supported; send background: false (the default)",
@@ -104,20 +104,31 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if not history and not items:
         raise InvalidRequestError("'input' must not be empty", param="input")
     visible = tools if body.tool_choice != "none" else None
-    plan = _Plan(body, [*history, *items], visible, rule)
+    return _Plan(body, [*history, *items], visible, rule)
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    plan = await _plan(body, request)
     # The lease keeps unload/release from taking the engine before the submit.
     async with state_of(request).pool.lease(body.model) as engine:
         return await _generate(plan, request, engine)
+
+
+@router.post("/v1/responses/input_tokens")
+async def count_input_tokens(body: ResponsesRequest, request: Request) -> dict[str, Any]:
+    """client.responses.input_tokens.count: the prompt a create would send, in tokens."""
+    plan = await _plan(body, request)
+    engine = await state_of(request).pool.get_engine(body.model)
+    prompt, _ = await _fitted_prompt(plan, request, engine)
+    return {"object": "response.input_tokens", "input_tokens": len(prompt.ids)}
 
 
 async def _generate(plan: _Plan, request: Request, engine: ModelEngine) -> Response:
     state = state_of(request)
     body = plan.body
     defaults = state.pool.request_defaults(engine.name)
-    kwargs = defaults.template_kwargs(reasoning_template_vars(body.reasoning))
-    prompt, conversation = await _fitted_prompt(
-        plan, engine, kwargs, state.settings.server.template_timeout_s
-    )
+    prompt, conversation = await _fitted_prompt(plan, request, engine)
     params = _sampling(body, engine, len(prompt.ids), defaults)
     grammar = await bind_grammar(engine, plan.rule)
     response_id = new_item_id("resp")
@@ -177,10 +188,14 @@ async def _answer(
 
 
 async def _fitted_prompt(
-    plan: _Plan, engine: ModelEngine, template_kwargs: dict[str, Any], timeout_s: float
+    plan: _Plan, request: Request, engine: ModelEngine
 ) -> tuple[RenderedPrompt, list[Item]]:
     """The rendered prompt; with truncation "auto", the oldest items are dropped until
     the prompt and max_output_tokens fit the context window."""
+    state = state_of(request)
+    vars_ = reasoning_template_vars(plan.body.reasoning)
+    template_kwargs = state.pool.request_defaults(engine.name).template_kwargs(vars_)
+    timeout_s = state.settings.server.template_timeout_s
     conversation = plan.conversation
     room = plan.body.max_output_tokens or 1
     while True:

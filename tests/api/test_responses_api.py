@@ -206,6 +206,18 @@ def test_non_streaming_disconnect_aborts_the_request(client: openai.OpenAI, serv
     wait_aborted(server, SLOW, before + 1)
 
 
+def test_input_tokens_count_matches_what_create_uses(client: openai.OpenAI) -> None:
+    first = create(client, instructions="Be brief.")
+    counted = client.responses.input_tokens.count(
+        model=MODEL, input="Tell me about Paris.", instructions="Be brief."
+    )
+    assert counted.object == "response.input_tokens"
+    assert counted.input_tokens == first.usage.input_tokens
+    chained = {"model": MODEL, "input": "More?", "previous_response_id": first.id}
+    follow = create(client, **chained, max_output_tokens=2)
+    assert client.responses.input_tokens.count(**chained).input_tokens == follow.usage.input_tokens
+
+
 def test_unknown_previous_response_id_is_404_naming_it(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         create(client, previous_response_id="resp_nope")
