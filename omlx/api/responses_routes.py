@@ -1,5 +1,5 @@
 """OpenAI Responses API routes: /v1/responses (create, retrieve, delete,
-input_items, cancel), on the same pipeline as /v1/chat/completions."""
+input_items, cancel, input_tokens), on the same pipeline as /v1/chat/completions."""
 
 from __future__ import annotations
 

@@ -240,6 +240,8 @@ def test_retrieve_delete_and_input_items(client: openai.OpenAI) -> None:
     assert page.first_id == page.data[0].id and page.has_more is False
     first = client.responses.input_items.list(resp.id, order="asc", limit=1)
     assert first.data[0].role == "developer" and first.has_more is True
+    rest = client.responses.input_items.list(resp.id, order="asc", after=first.data[0].id)
+    assert [i.role for i in rest.data] == ["user"] and rest.has_more is False
     client.responses.delete(resp.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(resp.id)
