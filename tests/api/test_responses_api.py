@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -247,6 +248,21 @@ def test_retrieve_delete_and_input_items(client: openai.OpenAI) -> None:
         client.responses.retrieve(resp.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.delete(resp.id)
+
+
+def test_concurrent_creates_are_all_stored(client: openai.OpenAI) -> None:
+    def one(i: int) -> openai.types.responses.Response:
+        if i % 2:
+            return create(client, input=f"Question {i}?", max_output_tokens=3)
+        events = list(create(client, input=f"Question {i}?", max_output_tokens=3, stream=True))
+        return events[-1].response
+
+    with ThreadPoolExecutor(6) as pool:
+        made = list(pool.map(one, range(6)))
+    for i, resp in enumerate(made):
+        assert client.responses.retrieve(resp.id).output_text == resp.output_text
+        items = client.responses.input_items.list(resp.id).data
+        assert items[0].content[0].text == f"Question {i}?"
 
 
 def test_store_false_is_not_retrievable(client: openai.OpenAI) -> None:
