@@ -13,6 +13,7 @@ from typing import Any
 
 from omlx import __version__
 from omlx.errors import OmlxError, SettingsError
+from omlx.launch_console import add_launch_parser, split_tool_args
 from omlx.models.pull_console import add_pull_parser
 from omlx.net import port_is_free
 from omlx.private_fs import make_private_dir, restrict_umask, tighten_base_dir
@@ -119,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     setp.add_argument("value", help="JSON value or plain string")
     add_quantize_parser(sub)
     add_pull_parser(sub)
+    add_launch_parser(sub)
     return parser
 
 
@@ -305,7 +307,10 @@ def _config(args: argparse.Namespace, settings: Settings) -> int:
 def main(argv: list[str] | None = None) -> int:
     # Before any file is written: settings, logs, KV blocks and models stay the user's.
     restrict_umask()
+    argv, tool_args = split_tool_args(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if args.command == "launch":
+        args.tool_args = tool_args
     try:
         settings = load_settings(cli_overrides(args))
         if args.command == "serve":
@@ -320,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
             from omlx.models.pull_console import pull_command
 
             return pull_command(args, settings)
+        if args.command == "launch":
+            from omlx.launch_console import launch_command
+
+            return launch_command(args, settings)
         return _config(args, settings)
     except SettingsError as exc:
         print(f"omlx: {exc.message}", file=sys.stderr)

@@ -130,6 +130,18 @@ class ModelSettings(_Group):
     # and a token for gated or private repos (unset: HF_TOKEN or `hf auth login`'s).
     hf_endpoint: str | None = None
     hf_token: str | None = Field(None, repr=False)
+    # Anthropic model names no model here is called (Claude Code asks for
+    # "claude-sonnet-4-5"): glob pattern -> local model; empty/None: the default model.
+    anthropic_aliases: dict[str, str | None] = Field(
+        default_factory=lambda: dict[str, str | None]({"claude-*": None})
+    )
+
+    @field_validator("anthropic_aliases")
+    @classmethod
+    def _aliases(cls, value: dict[str, str | None]) -> dict[str, str | None]:
+        if any(not pattern.strip() for pattern in value):
+            raise ValueError('every pattern must be non-empty, e.g. {"claude-*": ""}')
+        return {p.strip(): (t.strip() or None) if t else None for p, t in value.items()}
 
     @field_validator("hf_endpoint")
     @classmethod

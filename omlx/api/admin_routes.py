@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from omlx import __version__
 from omlx.api import protected_settings
+from omlx.api.anthropic_models import check_aliases
 from omlx.api.auth import ApiKeyAuth, require_admin
 from omlx.api.state import ServerState, state_of
 from omlx.errors import (
@@ -47,6 +48,7 @@ LIVE_SETTINGS = frozenset(
         "models.idle_timeout_s",
         "models.hf_endpoint",
         "models.hf_token",
+        "models.anthropic_aliases",
         "sampling.temperature",
         "sampling.top_p",
         "sampling.top_k",
@@ -215,6 +217,8 @@ async def put_settings(request: Request) -> dict[str, Any]:
         Settings.model_validate(merged)
     except ValidationError as exc:
         raise SettingsError(describe_validation_error(exc)) from None
+    if "models.anthropic_aliases" in flat:
+        check_aliases(state.pool, flat["models.anthropic_aliases"])
     for key, value in flat.items():
         set_file_value(settings.base_path, key, value)
     applied, restart = [], []

@@ -35,28 +35,45 @@ def new_message_id() -> str:
 
 
 def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
-    """OpenAI-style messages: system first, tool_use -> tool_calls, tool_result -> tool."""
+    """OpenAI-style messages: system first, tool_use -> tool_calls, tool_result -> tool.
+
+    ``system`` messages among ``messages`` join the top-level system prompt, in order
+    (chat templates take one system prompt, at the start)."""
+    systems = [_system_text(body.system)]
     messages: list[dict[str, Any]] = []
-    system = _system_text(body.system)
-    if system:
-        messages.append({"role": "system", "content": system})
     for i, msg in enumerate(body.messages):
         blocks = _blocks(msg.content)
-        if msg.role == "user":
+        if msg.role == "system":
+            systems.append(_system_text(blocks, f"messages[{i}].content"))
+        elif msg.role == "user":
             messages.extend(_user_messages(blocks, i))
         else:
             messages.append(_assistant_message(blocks, i))
-    return messages
+    system = "\n".join(text for text in systems if text)
+    return [{"role": "system", "content": system}, *messages] if system else messages
 
 
 def _blocks(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"type": "text", "text": content}] if isinstance(content, str) else content
 
 
-def _system_text(system: str | list[dict[str, Any]] | None) -> str:
+def _system_text(system: str | list[dict[str, Any]] | None, param: str = "system") -> str:
     if system is None or isinstance(system, str):
         return system or ""
-    return "\n".join(_text_of(block, f"system[{j}]") for j, block in enumerate(system))
+    return "\n".join(_text_of(block, f"{param}[{j}]") for j, block in enumerate(system))
+
+
+def uses_cache_control(body: CountTokensRequest) -> bool:
+    """Whether any block asks for prompt caching (``cache_control`` on a system,
+    message or tool block, or on the request): then usage reports cache writes."""
+    blocks: list[Any] = [body.model_extra or {}]
+    blocks += body.system if isinstance(body.system, list) else []
+    blocks += [tool.model_extra or {} for tool in body.tools or []]
+    for msg in body.messages:
+        for block in msg.content if isinstance(msg.content, list) else []:
+            nested = block.get("content")  # a tool_result's own blocks
+            blocks += [block, *(nested if isinstance(nested, list) else [])]
+    return any(isinstance(b, dict) and b.get("cache_control") is not None for b in blocks)
 
 
 def _text_of(block: dict[str, Any], param: str) -> str:
@@ -249,6 +266,7 @@ class MessageFormat:
         *,
         num_prompt_tokens: int,
         stop_sequences: tuple[str, ...] = (),
+        reports_cache_writes: bool = False,
     ):
         self.message_id = message_id
         self.model = model
@@ -260,12 +278,17 @@ class MessageFormat:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
+        # Prompt tokens this request wrote to the prefix cache; reported as
+        # cache_creation_input_tokens when the request asked for caching.
+        self.num_cache_written_tokens = 0
+        self.reports_cache_writes = reports_cache_writes
         self._open: str | None = None  # type of the last block while it takes deltas
         self._pending_ws = ""  # whitespace that would open a text block on its own
 
     def start(self) -> list[Frame]:
-        usage = {**self.usage(), "input_tokens": self.num_prompt_tokens}
-        message = {**self.body(), "content": [], "stop_reason": None, "usage": usage}
+        """message_start: sent once the engine admitted the request, so its usage
+        has the real split between cached and new prompt tokens."""
+        message = {**self.body(), "content": [], "stop_reason": None}
         return [("message_start", {"type": "message_start", "message": message}), PING]
 
     def add(self, event: StreamEvent) -> list[Frame]:
@@ -273,6 +296,9 @@ class MessageFormat:
         self.num_prompt_tokens = event.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens = event.num_output_tokens or self.num_output_tokens
         self.num_cached_tokens = event.num_cached_tokens or self.num_cached_tokens
+        self.num_cache_written_tokens = (
+            event.num_cache_written_tokens or self.num_cache_written_tokens
+        )
         frames = self._delta(self.parser.feed(event.text))
         if event.finish_reason is None:
             return frames
@@ -293,12 +319,13 @@ class MessageFormat:
         return stop_reason(self.finish_reason, has_tools, self.stop_sequence)
 
     def usage(self) -> dict[str, int]:
-        # Anthropic counts cache reads apart from input_tokens.
+        # Anthropic's split: input + cache reads + cache writes = the prompt.
+        written = self.num_cache_written_tokens if self.reports_cache_writes else 0
         return {
-            "input_tokens": self.num_prompt_tokens - self.num_cached_tokens,
+            "input_tokens": self.num_prompt_tokens - self.num_cached_tokens - written,
             "output_tokens": self.num_output_tokens,
             "cache_read_input_tokens": self.num_cached_tokens,
-            "cache_creation_input_tokens": 0,
+            "cache_creation_input_tokens": written,
         }
 
     def body(self) -> dict[str, Any]:

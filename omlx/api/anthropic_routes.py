@@ -20,7 +20,9 @@ from omlx.api.anthropic_format import (
     output_grammar,
     sampling_request,
     template_kwargs,
+    uses_cache_control,
 )
+from omlx.api.anthropic_models import served_model
 from omlx.api.anthropic_schemas import CountTokensRequest, MessagesRequest
 from omlx.api.errors import anthropic_error_body
 from omlx.api.generation import ClientGone, Generation, unless_disconnected
@@ -62,7 +64,8 @@ async def _render(
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     messages = chat_messages(body)  # a bad conversation is refused before any model loads
-    engine = await state_of(request).pool.get_engine(body.model)
+    pool = state_of(request).pool
+    engine = await pool.get_engine(served_model(pool, body.model))
     prompt, _ = await _render(request, engine, body, messages)
     return {"input_tokens": len(prompt.ids)}
 
@@ -71,8 +74,9 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     messages = chat_messages(body)
     spec = output_grammar(body)
+    pool = state_of(request).pool
     # The lease keeps unload/release from taking the engine before the submit.
-    async with state_of(request).pool.lease(body.model) as engine:
+    async with pool.lease(served_model(pool, body.model)) as engine:
         return await _message(body, request, engine, messages, spec)
 
 
@@ -95,7 +99,7 @@ async def _message(
     grammar = await bind_grammar(engine, spec)
     message_id = new_message_id()
     requests = [make_request(message_id, prompt.ids, params, grammar)]
-    gen = Generation(engine, requests, observer=observer_for(request))
+    gen = Generation(engine, requests, observer=observer_for(request), wants_admission=True)
     parser = parser_for(
         engine.tokenizer,
         tools_requested=tools is not None,
@@ -108,6 +112,7 @@ async def _message(
         parser,
         num_prompt_tokens=len(prompt.ids),
         stop_sequences=params.stop,
+        reports_cache_writes=uses_cache_control(body),
     )
     gen.submit()
     if body.stream:
@@ -142,10 +147,12 @@ async def _collect(gen: Generation, fmt: MessageFormat) -> None:
 
 
 async def _stream(gen: Generation, fmt: MessageFormat, keepalive_s: float) -> AsyncIterator[str]:
-    """Named SSE events for one message; the client going away aborts it."""
+    """Named SSE events for one message; the client going away aborts it.
+
+    message_start waits for the engine's admission notice (pings cover the
+    wait), so its usage splits the prompt into cached and new tokens."""
+    started = False
     try:
-        for frame in fmt.start():
-            yield sse_event(frame)
         # aclosing: a disconnect cancels us mid-iteration; close the pump tasks now.
         async with aclosing(gen.events(keepalive_s)) as events:
             async for item in events:
@@ -158,7 +165,10 @@ async def _stream(gen: Generation, fmt: MessageFormat, keepalive_s: float) -> As
                     body = anthropic_error_body(exc.message, exc.error_type, exc.http_status)
                     yield sse_event(("error", body))
                     break
-                for frame in _add(gen, fmt, event):
+                frames = _add(gen, fmt, event)
+                if not started:
+                    started, frames = True, fmt.start() + frames
+                for frame in frames:
                     yield sse_event(frame)
     finally:
         gen.abort_unfinished()

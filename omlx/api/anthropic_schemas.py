@@ -19,7 +19,8 @@ class _Body(BaseModel):
 
 
 class AnthropicMessage(_Body):
-    role: Literal["user", "assistant"]
+    # "system" (not in Anthropic's API, but clients send it): joins the system prompt.
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 

@@ -16,6 +16,7 @@ from omlx.api.admin_routes import router as admin_router
 from omlx.api.anthropic_routes import router as anthropic_router
 from omlx.api.auth import ApiKeyAuth, login_router, require_admin, require_api_key
 from omlx.api.body_guard import BodyGuardMiddleware
+from omlx.api.connect_routes import router as connect_router
 from omlx.api.download_routes import router as download_router
 from omlx.api.errors import install_error_handlers
 from omlx.api.fit_routes import router as fit_router
@@ -97,6 +98,7 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
     app.include_router(quant_router)
     app.include_router(fit_router)
     app.include_router(download_router)
+    app.include_router(connect_router)
     install_web(app, settings)
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(require_admin)])

@@ -61,7 +61,10 @@ def _error_response(
     status: int,
     headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
-    if request.url.path.startswith(ANTHROPIC_PATH_PREFIX):
+    path = request.url.path
+    # /v1/models answers the anthropic SDK (it sends anthropic-version) in its shape.
+    anthropic_models = path.startswith("/v1/models") and "anthropic-version" in request.headers
+    if path.startswith(ANTHROPIC_PATH_PREFIX) or anthropic_models:
         body = anthropic_error_body(body["error"]["message"], body["error"]["type"], status)
     return JSONResponse(body, status_code=status, headers=headers)
 

@@ -33,12 +33,16 @@ class Generation:
     start_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     observer: GenerationObserver | None = None
+    # Streams get the engine's admission notice (see RequestStream).
+    wants_admission: bool = False
 
     def submit(self) -> None:
         loop = asyncio.get_running_loop()
         try:
             for request in self.requests:
-                stream = RequestStream(request.request_id, loop)
+                stream = RequestStream(
+                    request.request_id, loop, wants_admission=self.wants_admission
+                )
                 self.engine.submit(request, stream)
                 self.streams.append(stream)
         except BaseException:

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from omlx.api import anthropic_models
 from omlx.api.formats import ChatFormat, CompletionFormat, usage_of
 from omlx.api.generation import ClientGone, Generation, sse_stream, unless_disconnected
 from omlx.api.metrics import observer_for
@@ -44,9 +45,16 @@ def _model_entry(pool: EnginePool, info: ModelInfo) -> dict[str, Any]:
     }
 
 
+def _anthropic_client(request: Request) -> bool:
+    """Anthropic's SDK sends this header; it gets /v1/models in Anthropic's shape."""
+    return "anthropic-version" in request.headers
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     pool = state_of(request).pool
+    if _anthropic_client(request):
+        return anthropic_models.model_page(pool, dict(request.query_params))
     models = pool.available()
     return {"object": "list", "data": [_model_entry(pool, models[n]) for n in sorted(models)]}
 
@@ -57,6 +65,8 @@ async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
     """client.models.retrieve: one entry of /v1/models, by the id (or alias) it shows;
     404 model_not_found listing what exists."""
     pool = state_of(request).pool
+    if _anthropic_client(request):
+        return anthropic_models.model_entry(pool, pool.resolve(model_id))
     return _model_entry(pool, pool.resolve(model_id))
 
 

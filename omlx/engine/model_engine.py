@@ -226,9 +226,9 @@ class ModelEngine:
         outbox: list[tuple[RequestStream, StreamEvent]] = []
         try:
             self._reclaim_near_limit()
-            cached = self._runner.add(self._admit(), self._gate_shared_opening)
-            for rid, num in cached.items():
-                self._live[rid].num_cached_tokens = num
+            admitted = self._admit()
+            cached = self._runner.add(admitted, self._gate_shared_opening)
+            self._announce_admitted(admitted, cached)
             self._gate_prefill(outbox)
             outputs = self._runner.step()
         except Exception as exc:  # an MLX failure: fail what is running, keep serving
@@ -247,6 +247,28 @@ class ModelEngine:
                 # time stamp and ages out of the recent window on schedule.
                 self.probe.reading(fresh=True)
         self._flush(outbox)
+
+    def _announce_admitted(self, admitted: list[Request], cached: dict[str, int]) -> None:
+        """Record each admitted request's cached tokens, and tell the streams that
+        asked its prompt split now, before its prefill (Anthropic's message_start)."""
+        notices = []
+        for request in admitted:
+            live = self._live.get(request.request_id)
+            if live is None:
+                continue
+            live.num_cached_tokens = cached.get(request.request_id, 0)
+            if not live.stream.wants_admission:
+                continue
+            # The runner stores all of a prompt but its last token once it is in the cache.
+            stored = request.num_prompt_tokens - 1 if self.prefix_cache is not None else 0
+            event = StreamEvent(
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=live.num_cached_tokens,
+                admitted=True,
+                num_cache_written_tokens=max(0, stored - live.num_cached_tokens),
+            )
+            notices.append((live.stream, event))
+        self._flush(notices)
 
     def _on_update(self, update: RequestUpdate, outbox: list) -> str | None:
         """Returns the finish reason when the request finished with this token."""

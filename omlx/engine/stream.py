@@ -22,6 +22,11 @@ class StreamEvent:
     # The stop string that ended the request (None: end of sequence, length, ...).
     stop_string: str | None = None
     error: OmlxError | None = None
+    # The admission notice (no text): the request started and its prefix lookup is
+    # done, so num_prompt_tokens and num_cached_tokens are final from here on.
+    admitted: bool = False
+    # Prompt tokens this request writes to the prefix cache beyond the cached ones.
+    num_cache_written_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -32,11 +37,16 @@ class RequestStream:
     """Events for one request, bound to the event loop that awaits them.
 
     When the producer is ahead, ``get`` merges everything queued into one event.
+    ``wants_admission``: the engine also sends the admission notice (an event with
+    ``admitted`` and no text) before the prefill; other streams never see one.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self, request_id: str, loop: asyncio.AbstractEventLoop, *, wants_admission: bool = False
+    ):
         self.request_id = request_id
         self.loop = loop
+        self.wants_admission = wants_admission
         self._events: list[StreamEvent] = []
         self._ready = asyncio.Event()
         self.finished = False
@@ -72,6 +82,8 @@ def _merge(events: Sequence[StreamEvent]) -> StreamEvent:
         finish_reason=last.finish_reason,
         stop_string=last.stop_string,
         error=next((e.error for e in events if e.error is not None), None),
+        admitted=any(e.admitted for e in events),
+        num_cache_written_tokens=max(e.num_cache_written_tokens for e in events),
     )
 
 

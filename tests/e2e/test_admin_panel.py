@@ -22,6 +22,7 @@ PAGES = {
     "chat": "#chat-input",
     "logs": "#log-view .log-line",
     "bench": "#bench-run",
+    "connect": "#launch-claude",
 }
 
 
@@ -389,3 +390,15 @@ def test_login_page_when_a_key_is_set(browser, e2e_models_dir, tmp_path) -> None
         assert httpx.get(url + "/admin/api/status").status_code == 401
         context.close()
         problems.check()
+
+
+def test_connect_page_shows_what_omlx_launch_sets(page, admin_url: str) -> None:
+    goto(page, admin_url, "connect")
+    expect(page.locator("#launch-codex")).to_have_text("omlx launch codex")
+    expect(page.locator("#openai-base-url")).to_have_text(admin_url + "/v1")
+    claude = page.locator("#shell-claude")
+    expect(claude).to_contain_text(f"export ANTHROPIC_BASE_URL={admin_url}")
+    # Another model: every block follows it.
+    page.select_option("#connect-model", "tiny-qwen3")
+    expect(claude).to_contain_text("ANTHROPIC_MODEL=tiny-qwen3")
+    expect(page.locator("#shell-opencode")).to_contain_text("omlx/tiny-qwen3")

@@ -14,6 +14,7 @@ from omlx.api.anthropic_format import (
     sampling_request,
     stop_reason,
     template_kwargs,
+    uses_cache_control,
 )
 from omlx.api.anthropic_schemas import MessagesRequest
 from omlx.api.errors import anthropic_error_body
@@ -80,6 +81,78 @@ def test_system_string_and_blocks_come_first() -> None:
     ]
     blocks = [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]
     assert chat_messages(request(system=blocks))[0] == {"role": "system", "content": "A\nB"}
+
+
+def test_system_messages_join_the_system_prompt_in_order() -> None:
+    messages = [
+        {"role": "system", "content": "B"},
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": [{"type": "text", "text": "C"}]},
+    ]
+    assert chat_messages(request(system="A", messages=messages)) == [
+        {"role": "system", "content": "A\nB\nC"},
+        {"role": "user", "content": "hi"},
+    ]
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\].content\[0\]"):
+        chat_messages(request(messages=[{"role": "system", "content": [{"type": "image"}]}]))
+
+
+CACHED = {"cache_control": {"type": "ephemeral"}}
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        {"system": [{"type": "text", "text": "A", **CACHED}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", **CACHED}]}]},
+        {"tools": [{**TOOL, **CACHED}]},
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t1",
+                            "content": [{"type": "text", "text": "sunny", **CACHED}],
+                        }
+                    ],
+                }
+            ]
+        },
+        CACHED,  # on the request itself
+    ],
+)
+def test_cache_control_is_seen_anywhere(where: dict) -> None:
+    assert uses_cache_control(request(**where))
+
+
+def test_no_cache_control_is_no_cache_writes() -> None:
+    assert not uses_cache_control(request(system=[{"type": "text", "text": "A"}], tools=[TOOL]))
+
+
+@pytest.mark.parametrize("reports", [True, False])
+def test_usage_splits_the_prompt_from_the_admission_notice(reports: bool) -> None:
+    fmt = MessageFormat(
+        "msg_1", "m", tool_parser(), num_prompt_tokens=10, reports_cache_writes=reports
+    )
+    admitted = StreamEvent(
+        num_prompt_tokens=10, num_cached_tokens=3, admitted=True, num_cache_written_tokens=6
+    )
+    assert fmt.add(admitted) == []
+    [(name, start), _] = fmt.start()
+    written = 6 if reports else 0
+    expected = {
+        "input_tokens": 10 - 3 - written,
+        "output_tokens": 0,
+        "cache_read_input_tokens": 3,
+        "cache_creation_input_tokens": written,
+    }
+    assert name == "message_start" and start["message"]["usage"] == expected
+    frames = []
+    for event in tokens("Hi", cached=3):
+        frames += fmt.add(event)
+    assert frames[-2][1]["usage"] == {**expected, "output_tokens": 2}
 
 
 def test_multi_turn_text_blocks_and_dropped_thinking() -> None:

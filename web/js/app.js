@@ -9,6 +9,7 @@ const PAGES = [
   { id: "download", title: "Download", icon: "download", load: () => import("./pages/download.js") },
   { id: "settings", title: "Settings", icon: "settings", load: () => import("./pages/settings.js") },
   { id: "quant", title: "Quantization", icon: "quant", load: () => import("./pages/quant.js") },
+  { id: "connect", title: "Connect", icon: "connect", load: () => import("./pages/connect.js") },
   { id: "chat", title: "Chat", icon: "chat", load: () => import("./pages/chat.js") },
   { id: "logs", title: "Logs", icon: "logs", load: () => import("./pages/logs.js") },
   { id: "bench", title: "Benchmark", icon: "bench", load: () => import("./pages/bench.js") },

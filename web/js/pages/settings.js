@@ -6,7 +6,8 @@ import { get, post, put } from "../api.js";
 import { clear, field, formatBytes, h, icon, toast, uid } from "../ui.js";
 
 const SIZE_HELP = "A size (24GB, 512MB), NN% of RAM";
-// [title, [[group, field, type, help, options]]]; types: text, number, bool, select, list, size, secret.
+// [title, [[group, field, type, help, options]]]; types: text, number, bool, select, list,
+// map (comma-separated key=value pairs), size, secret.
 const GROUPS = [
   ["Server", [
     ["server", "host", "text", "Address to listen on; beyond loopback needs an API key."],
@@ -27,6 +28,7 @@ const GROUPS = [
     ["models", "default_model", "text", "Used when a request names \"default\"."],
     ["models", "install_default_model", "bool", "Install the built-in model when none is found at start."],
     ["models", "idle_timeout_s", "number", "Unload a model idle this many seconds; empty: never."],
+    ["models", "anthropic_aliases", "map", "Anthropic model names (Claude Code's claude-sonnet-4-5...) to serve with a local model: comma-separated pattern=model pairs; an empty model means the default one, e.g. claude-*="],
     ["models", "load_at_start", "bool", "Load the pinned and default models in the background at start."],
     ["models", "hf_endpoint", "text", "Hugging Face Hub address for downloads (a mirror); empty: HF_ENDPOINT or huggingface.co."],
     ["models", "hf_token", "secret", "Token for gated or private repos. Leave empty to keep the current one."],
@@ -68,6 +70,7 @@ const GROUPS = [
 
 function toInput(type, value) {
   if (type === "list") return (value ?? []).join(", ");
+  if (type === "map") return Object.entries(value ?? {}).map(([k, v]) => `${k}=${v ?? ""}`).join(", ");
   if (type === "secret") return "";
   return value === null || value === undefined ? "" : String(value);
 }
@@ -76,9 +79,22 @@ function fromInput(type, input) {
   const raw = input.type === "checkbox" ? input.checked : input.value.trim();
   if (type === "bool") return raw;
   if (type === "list") return raw ? raw.split(",").map((s) => s.trim()).filter(Boolean) : [];
+  if (type === "map") return mapFromInput(raw);
   if (type === "number") return raw === "" ? null : Number(raw);
   if (type === "size") return /^\d+$/.test(raw) ? Number(raw) : raw;
   return raw === "" ? null : raw;
+}
+
+/** "claude-*=, gpt-*=qwen3" -> {"claude-*": null, "gpt-*": "qwen3"}; the server checks it. */
+function mapFromInput(raw) {
+  const out = {};
+  for (const pair of raw.split(",").map((s) => s.trim()).filter(Boolean)) {
+    const at = pair.indexOf("=");
+    const key = (at < 0 ? pair : pair.slice(0, at)).trim();
+    const value = at < 0 ? "" : pair.slice(at + 1).trim();
+    out[key] = value || null;
+  }
+  return out;
 }
 
 function makeInput(group, name, type, value, options) {
