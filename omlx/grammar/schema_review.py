@@ -26,54 +26,28 @@ from omlx.grammar.schema_formats import ENFORCED_FORMATS, FORMAT_LENGTHS, FORMAT
 
 # Keywords that constrain a value (the rest are annotations or unknown, which
 # validators ignore too).
-VALIDATION = frozenset(
-    [
-        "type",
-        "enum",
-        "const",
-        "multipleOf",
-        "maximum",
-        "exclusiveMaximum",
-        "minimum",
-        "exclusiveMinimum",
-        "maxLength",
-        "minLength",
-        "pattern",
-        "format",
-        "maxItems",
-        "minItems",
-        "uniqueItems",
-        "maxContains",
-        "minContains",
-        "contains",
-        "items",
-        "prefixItems",
-        "additionalItems",
-        "unevaluatedItems",
-        "maxProperties",
-        "minProperties",
-        "required",
-        "dependentRequired",
-        "properties",
-        "patternProperties",
-        "additionalProperties",
-        "unevaluatedProperties",
-        "propertyNames",
-        "dependentSchemas",
-        "dependencies",
-        "allOf",
-        "anyOf",
-        "oneOf",
-        "not",
-        "if",
-        "then",
-        "else",
-        "$ref",
-        "$dynamicRef",
-    ]
+_VALIDATION_WORDS = (
+    "type enum const multipleOf maximum exclusiveMaximum minimum exclusiveMinimum "
+    "maxLength minLength pattern format maxItems minItems uniqueItems maxContains "
+    "minContains contains items prefixItems additionalItems unevaluatedItems "
+    "maxProperties minProperties required dependentRequired properties "
+    "patternProperties additionalProperties unevaluatedProperties propertyNames "
+    "dependentSchemas dependencies allOf anyOf oneOf not if then else $ref $dynamicRef"
 )
-_NEVER = ("not", "if", "contains", "minContains", "maxContains", "dependentRequired")
-_NEVER += ("dependentSchemas", "dependencies", "$dynamicRef", "additionalItems")
+VALIDATION = frozenset(_VALIDATION_WORDS.split())
+# Keywords xgrammar ignores wherever they appear.
+_NEVER: tuple[str, ...] = (
+    "not",
+    "if",
+    "contains",
+    "minContains",
+    "maxContains",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "$dynamicRef",
+    "additionalItems",
+)
 _STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
 _NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 # xgrammar's bounds on an enforced integer multipleOf (json_schema_converter.cc).
@@ -194,8 +168,13 @@ def _merge(branch: Any, extra: dict[str, Any]) -> dict[str, Any] | None:
         return None
     merged = dict(branch)
     for key, value in extra.items():
-        if key == "required" and isinstance(merged.get(key), list) and isinstance(value, list):
-            merged[key] = merged[key] + [n for n in value if n not in merged[key]]
+        mine = merged.get(key)
+        if key == "required" and isinstance(mine, list) and isinstance(value, list):
+            merged[key] = value + [n for n in mine if n not in value]
+        elif key == "properties" and isinstance(mine, dict) and isinstance(value, dict):
+            if any(mine[n] != value[n] for n in mine.keys() & value.keys()):
+                return None
+            merged[key] = {**value, **mine}  # the earlier keys first: models follow the order
         elif key in merged and merged[key] != value:
             return None
         else:
