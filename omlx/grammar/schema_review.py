@@ -48,6 +48,9 @@ _NEVER: tuple[str, ...] = (
     "$dynamicRef",
     "additionalItems",
 )
+# Subschemas xgrammar never looks at: nothing inside them is reported twice.
+_IGNORED_SUBTREES = frozenset({"not", "if", "then", "else", "contains", "dependentSchemas"})
+_NAME_RELATIVE = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 _STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
 _NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 # xgrammar's bounds on an enforced integer multipleOf (json_schema_converter.cc).
@@ -83,7 +86,8 @@ def review_schema(schema: dict[str, Any]) -> SchemaReview:
         node, path = stack.pop()
         if isinstance(node, dict):
             found += (f"{keyword} at {path}" for keyword in _review_node(node, rewritten))
-            stack.extend(reversed(list(subschemas(node, path))))
+            walked = {k: v for k, v in node.items() if k not in _IGNORED_SUBTREES}
+            stack.extend(reversed(list(subschemas(walked, path))))
     return SchemaReview(rewritten, tuple(found))
 
 
@@ -172,7 +176,9 @@ def _merge(branch: Any, extra: dict[str, Any]) -> dict[str, Any] | None:
         if key == "required" and isinstance(mine, list) and isinstance(value, list):
             merged[key] = value + [n for n in mine if n not in value]
         elif key == "properties" and isinstance(mine, dict) and isinstance(value, dict):
-            if any(mine[n] != value[n] for n in mine.keys() & value.keys()):
+            # additionalProperties counts the properties beside it: a union would change it.
+            closed = any(k in side for side in (branch, extra) for k in _NAME_RELATIVE)
+            if closed or any(mine[n] != value[n] for n in mine.keys() & value.keys()):
                 return None
             merged[key] = {**value, **mine}  # the earlier keys first: models follow the order
         elif key in merged and merged[key] != value:
@@ -227,6 +233,8 @@ def _review_string_keywords(node: dict[str, Any]) -> Iterator[str]:
                 del node["format"]
                 node["pattern"] = FORMAT_PATTERNS[fmt]
             yield from _lengths_beside(node, FORMAT_LENGTHS.get(fmt))
+            node.pop("minLength", None)  # xgrammar ignores them beside a format
+            node.pop("maxLength", None)
             if pattern is not None:
                 yield "pattern"  # xgrammar enforces the format and ignores the pattern
             return
