@@ -52,7 +52,9 @@ def generate(client: openai.OpenAI, case: Case, model: str, strict: bool) -> Out
         response_format=response_format(case, strict),  # type: ignore[arg-type]
     )
     choice = raw.parse().choices[0]
-    return Outcome(case, choice.finish_reason, choice.message.content or "", raw.headers.get(HEADER))
+    return Outcome(
+        case, choice.finish_reason, choice.message.content or "", raw.headers.get(HEADER)
+    )
 
 
 def violations(case: Case, text: str) -> list[str]:
