@@ -48,7 +48,8 @@ FORMAT_PATTERNS: dict[str, str] = {
     "ipv6": rf"^({_IPV6})$",
     "hostname": rf"^{_LABEL}(\.{_LABEL}){{0,3}}$",
     "email": rf"^{_EMAIL_LOCAL}@({_EMAIL_LABEL}\.){{1,3}}[A-Za-z]{{2,12}}$",
-    "json-pointer": r"^(/([^/~]|~[01])*)*$",
+    # Reference tokens of printable ASCII (xgrammar's "[^/~]" lets invalid UTF-8 through).
+    "json-pointer": r"^(/([A-Za-z0-9 _.$@!*+,;=:-]|~[01])*)*$",
 }
 # Formats xgrammar's own regex enforces exactly enough (checked with validators).
 XGRAMMAR_FORMATS = frozenset({"uuid", "uri", "uri-reference", "uri-template", "duration"})

@@ -14,11 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import anthropic
 import jsonschema
 import jsonschema_rs
 import openai
 import pytest
 
+from omlx.api.server import Server
 from tests.fixtures.schema_corpus import ENFORCED, UNENFORCED, Case
 
 HEADER = "x-omlx-unenforced-schema-keywords"
@@ -120,3 +122,78 @@ def test_without_strict_the_header_names_what_is_not_enforced(client: openai.Ope
     for outcome in outcomes:
         assert keywords_named(outcome.header) == outcome.case.unenforced, outcome.header
         assert " at $" in (outcome.header or "")
+
+
+# ---- the other places a schema comes from ---------------------------------------------
+
+TAGS = {
+    "type": "object",
+    "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+    "required": ["tags"],
+}
+
+
+def tool(strict: bool) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {"name": "tag", "parameters": TAGS, "strict": strict},
+    }
+
+
+def test_a_strict_tool_with_an_unenforceable_keyword_is_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tiny-llama",
+            messages=MSG,
+            max_tokens=8,
+            tools=[tool(True)],  # type: ignore[list-item]
+        )
+    error = info.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == "tools[0].function.parameters"
+    assert "uniqueItems at $.properties.tags" in error["message"]
+
+
+def test_a_forced_lenient_tool_reports_it_in_the_header(client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-llama",
+        messages=MSG,
+        max_tokens=8,
+        tools=[tool(False)],  # type: ignore[list-item]
+        tool_choice="required",
+    )
+    assert raw.headers[HEADER] == (
+        "uniqueItems at $.properties.tags (tools[0].function.parameters)"
+    )
+
+
+def test_a_streamed_lenient_response_carries_the_header(client: openai.OpenAI) -> None:
+    case = UNENFORCED[0]
+    with client.chat.completions.with_streaming_response.create(
+        model="tiny-llama",
+        messages=MSG,
+        max_tokens=8,
+        stream=True,
+        response_format=response_format(case, False),  # type: ignore[arg-type]
+    ) as raw:
+        assert keywords_named(raw.headers.get(HEADER)) == case.unenforced
+        assert "data: " in "".join(raw.iter_lines())
+
+
+def test_anthropic_output_format_and_strict_tools_are_strict(server: Server) -> None:
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    args: dict[str, Any] = {"model": "tiny-llama", "max_tokens": 8, "messages": MSG}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(
+            **args,
+            extra_body={"output_config": {"format": {"type": "json_schema", "schema": TAGS}}},
+        )
+    assert "uniqueItems at $.properties.tags" in info.value.message
+    strict_tool = {"name": "tag", "input_schema": TAGS, "strict": True}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(**args, tools=[strict_tool])  # type: ignore[list-item]
+    assert "uniqueItems at $.properties.tags" in info.value.message
+    lenient = client.messages.with_raw_response.create(
+        **args, tools=[{"name": "tag", "input_schema": TAGS}], tool_choice={"type": "any"}
+    )
+    assert keywords_named(lenient.headers.get(HEADER)) == {"uniqueItems"}
