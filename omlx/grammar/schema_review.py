@@ -50,7 +50,11 @@ _NEVER: tuple[str, ...] = (
 )
 # Subschemas xgrammar never looks at: nothing inside them is reported twice.
 _IGNORED_SUBTREES = frozenset({"not", "if", "then", "else", "contains", "dependentSchemas"})
-_NAME_RELATIVE = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+# Keywords whose meaning depends on others beside them in the same schema.
+_RELATIVE_TO = (
+    (("additionalProperties", "unevaluatedProperties"), ("properties", "patternProperties")),
+    (("items", "unevaluatedItems"), ("prefixItems",)),
+)
 _STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
 _NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 # xgrammar's bounds on an enforced integer multipleOf (json_schema_converter.cc).
@@ -100,8 +104,9 @@ def refuse_unenforced(unenforced: tuple[str, ...], param: str) -> None:
     )
     raise InvalidRequestError(
         f"{param}: the grammar cannot enforce {listed}, so a strict schema is refused; "
-        "remove or rewrite those keywords, or send strict: false to accept the schema "
-        f"with them unenforced (listed in the {UNENFORCED_HEADER} response header)",
+        "remove or rewrite those keywords, or ask without strict (strict: false, a tool "
+        "without strict) to have the schema accepted with them unenforced and listed in "
+        f"the {UNENFORCED_HEADER} response header",
         param=param,
         code="unsupported_schema_keyword",
     )
@@ -170,15 +175,15 @@ def _merge(branch: Any, extra: dict[str, Any]) -> dict[str, Any] | None:
         return dict(extra)
     if not isinstance(branch, dict):
         return None
+    if _relative_clash(branch, extra) or _relative_clash(extra, branch):
+        return None
     merged = dict(branch)
     for key, value in extra.items():
         mine = merged.get(key)
         if key == "required" and isinstance(mine, list) and isinstance(value, list):
             merged[key] = value + [n for n in mine if n not in value]
         elif key == "properties" and isinstance(mine, dict) and isinstance(value, dict):
-            # additionalProperties counts the properties beside it: a union would change it.
-            closed = any(k in side for side in (branch, extra) for k in _NAME_RELATIVE)
-            if closed or any(mine[n] != value[n] for n in mine.keys() & value.keys()):
+            if any(mine[n] != value[n] for n in mine.keys() & value.keys()):
                 return None
             merged[key] = {**value, **mine}  # the earlier keys first: models follow the order
         elif key in merged and merged[key] != value:
@@ -186,6 +191,16 @@ def _merge(branch: Any, extra: dict[str, Any]) -> dict[str, Any] | None:
         else:
             merged[key] = value
     return merged
+
+
+def _relative_clash(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether ``b`` adds names or positions that a keyword of ``a`` counts relative
+    to (additionalProperties to properties, items to prefixItems): merging would
+    change what that keyword allows."""
+    return any(
+        any(k in a for k in relative) and any(k in b for k in base)
+        for relative, base in _RELATIVE_TO
+    )
 
 
 def _review_typed(node: dict[str, Any]) -> Iterator[str]:

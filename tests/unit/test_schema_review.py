@@ -97,6 +97,19 @@ def test_siblings_of_anyof_go_into_each_branch() -> None:
     assert unenforced(clash) == ("type at $",)
 
 
+def test_no_merge_changes_what_additional_properties_or_items_allow() -> None:
+    # Beside no properties, additionalProperties: false allows only {}; moved next to a
+    # branch's properties it would allow them.
+    closed = {
+        "type": "object",
+        "additionalProperties": False,
+        "anyOf": [{"properties": {"a": {"type": "integer"}}}, {"required": ["b"]}],
+    }
+    assert set(unenforced(closed)) == {"type at $", "additionalProperties at $"}
+    tuple_items = {"allOf": [{"prefixItems": [{"type": "integer"}]}, {"items": False}]}
+    assert unenforced(tuple_items) == ("allOf at $",)
+
+
 def test_allof_merges_unless_parts_disagree() -> None:
     merged = rewritten({"allOf": [{"type": "integer"}, {"minimum": 5}]})
     assert merged == {"type": "integer", "minimum": 5}
