@@ -31,7 +31,8 @@ _LOG_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ", re.MULTILINE)
 
 # xgrammar 0.2.8 writes a string with minLength/maxLength as characters "not a
 # quote, backslash, CR or LF": a raw tab or other control character (invalid in
-# JSON) gets through. The class below also leaves out U+0000-U+001F.
+# JSON) gets through. The class below also leaves out U+0000-U+001F, and the
+# surrogates, whose 3-byte encodings xgrammar accepts but no decoder does.
 _LENGTH_CHARACTER = r"[^\"\\\r\n]"
 _JSON_LENGTH_CHARACTER = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 

@@ -42,6 +42,8 @@ class GrammarSpec:
         keywords it cannot enforce when ``refuse`` (by default: when ``strict``)."""
         limits.check_json_schema(schema, param)
         review = review_schema(schema)
+        # Again on the rewrite: folded lengths and formats add pattern repetitions.
+        limits.check_json_schema(review.schema, param)
         if strict if refuse is None else refuse:
             refuse_unenforced(review.unenforced, param)
         source = json.dumps(review.schema, sort_keys=True)

@@ -159,7 +159,9 @@ def check_schemas(constraint: ToolConstraint) -> tuple[str, ...]:
         if tool.parameters is not None and _enforced(tool, constraint.mode):
             schema = json.loads(tool.parameters)
             limits.check_json_schema(schema, tool.param)
-            missed = review_schema(schema).unenforced
+            review = review_schema(schema)
+            limits.check_json_schema(review.schema, tool.param)  # folded lengths add repeats
+            missed = review.unenforced
             if tool.strict:
                 refuse_unenforced(missed, tool.param)
             unenforced += (f"{keyword} ({tool.param})" for keyword in missed)

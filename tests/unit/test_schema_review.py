@@ -269,3 +269,13 @@ def test_every_walk_through_the_grammar_validates(byte_compiler: Any, schema: di
     for text in done:
         value = json.loads(text)  # strict: a raw control character would fail here
         assert validator.is_valid(value) and strict_formats.is_valid(value), text
+
+
+def test_the_caps_hold_for_the_rewritten_schema_too() -> None:
+    # Each folded length is a bounded repetition xgrammar pays for at compile time.
+    field = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 1000}
+    schema = {"type": "object", "properties": {f"f{i}": field for i in range(12)}}
+    with pytest.raises(InvalidRequestError) as info:
+        GrammarSpec.json_schema(schema, strict=False, param="p")
+    assert "repeat" in info.value.message
+    GrammarSpec.json_schema({**schema, "properties": {"f": field}}, strict=False, param="p")
