@@ -54,6 +54,16 @@ FORMAT_PATTERNS: dict[str, str] = {
 # Formats xgrammar's own regex enforces exactly enough (checked with validators).
 XGRAMMAR_FORMATS = frozenset({"uuid", "uri", "uri-reference", "uri-template", "duration"})
 ENFORCED_FORMATS = frozenset(FORMAT_PATTERNS) | XGRAMMAR_FORMATS
+# The formats JSON Schema defines. Others ("password", "int64", "phone") assert
+# nothing: validators ignore them, so there is nothing to enforce or refuse.
+STANDARD_FORMATS = ENFORCED_FORMATS | {
+    "idn-email",
+    "idn-hostname",
+    "iri",
+    "iri-reference",
+    "relative-json-pointer",
+    "regex",
+}
 # Lengths every value of a format has, to tell whether minLength/maxLength beside
 # the format add anything (they cannot be enforced together with it).
 FORMAT_LENGTHS: dict[str, tuple[int, int]] = {

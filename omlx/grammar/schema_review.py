@@ -22,7 +22,12 @@ from typing import Any
 
 from omlx.errors import InvalidRequestError
 from omlx.grammar.limits import regex_tokens, subschemas
-from omlx.grammar.schema_formats import ENFORCED_FORMATS, FORMAT_LENGTHS, FORMAT_PATTERNS
+from omlx.grammar.schema_formats import (
+    ENFORCED_FORMATS,
+    FORMAT_LENGTHS,
+    FORMAT_PATTERNS,
+    STANDARD_FORMATS,
+)
 
 # Keywords that constrain a value (the rest are annotations or unknown, which
 # validators ignore too).
@@ -241,7 +246,8 @@ def _review_string_keywords(node: dict[str, Any]) -> Iterator[str]:
     fmt, pattern = node.get("format"), node.get("pattern")
     if isinstance(fmt, str):
         if fmt not in ENFORCED_FORMATS:
-            yield "format"
+            if fmt in STANDARD_FORMATS:
+                yield "format"
             del node["format"]  # xgrammar would ignore it anyway; keep the rest enforced
         else:
             if fmt in FORMAT_PATTERNS:

@@ -59,6 +59,10 @@ def test_formats_become_the_stricter_patterns_and_unknown_ones_are_reported() ->
     assert "format" not in date and date["pattern"].startswith("^(")
     assert rewritten({"type": "string", "format": "uuid"})["format"] == "uuid"
     assert unenforced({"type": "string", "format": "iri"}) == ("format at $",)
+    # A format JSON Schema does not define asserts nothing: there is nothing to refuse.
+    password = {"type": "string", "format": "password", "maxLength": 64}
+    assert unenforced(password) == ()
+    assert rewritten(password) == {"type": "string", "maxLength": 64}
     # A length every value of the format already has is fine; a tighter one is not.
     assert unenforced({"type": "string", "format": "uuid", "maxLength": 36}) == ()
     assert unenforced({"type": "string", "format": "email", "maxLength": 20}) == ("maxLength at $",)
