@@ -337,6 +337,7 @@ def _review_array(node: dict[str, Any]) -> Iterator[str]:
 
 
 def _review_object(node: dict[str, Any]) -> Iterator[str]:
+    yield from _declare_required(node)
     names = node.get("propertyNames")
     if isinstance(names, dict) and "type" not in names:
         names["type"] = "string"  # what xgrammar assumes; lets the string review run
@@ -351,6 +352,22 @@ def _review_object(node: dict[str, Any]) -> Iterator[str]:
             node["additionalProperties"] = node.pop("unevaluatedProperties")
         else:
             yield "unevaluatedProperties"
+
+
+def _declare_required(node: dict[str, Any]) -> Iterator[str]:
+    """Required names missing from ``properties`` (xgrammar would not generate them)
+    declared there with the schema their value has anyway."""
+    required, props = node.get("required"), node.get("properties", {})
+    if not isinstance(required, list) or not isinstance(props, dict):
+        return
+    missing = [n for n in required if isinstance(n, str) and n not in props]
+    extra = node.get("additionalProperties", True)
+    if not missing:
+        return
+    if "patternProperties" in node or extra is False:
+        yield "required"  # a pattern would decide the value's schema; false allows none
+        return
+    node["properties"] = {**props, **{n: extra if isinstance(extra, dict) else {} for n in missing}}
 
 
 def _has_applicators(node: dict[str, Any]) -> bool:

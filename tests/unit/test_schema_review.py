@@ -169,6 +169,19 @@ def test_unevaluated_properties_alone_is_additional_properties() -> None:
     assert unenforced(schema) == ()
 
 
+def test_required_names_missing_from_properties_are_declared() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"b": {"type": "integer"}},
+        "required": ["a", "b"],
+        "additionalProperties": {"type": "string"},
+    }
+    assert rewritten(schema)["properties"] == {"b": {"type": "integer"}, "a": {"type": "string"}}
+    assert rewritten({"type": "object", "required": ["a"]})["properties"] == {"a": {}}
+    closed = {"type": "object", "required": ["a"], "additionalProperties": False}
+    assert unenforced(closed) == ("required at $",)
+
+
 def test_nothing_inside_an_ignored_subschema_is_reported_twice() -> None:
     schema = {"type": "object", "if": {"properties": {"a": {"minimum": 1}}}, "then": {"x": 1}}
     assert unenforced(schema) == ("if at $",)
@@ -253,6 +266,7 @@ WALKED = [
     },
     {"type": "string", "pattern": r"^\+?[0-9]{1,3}(-[0-9]+)?$"},
     {"type": "string", "pattern": "^[a-z0-9_]+$", "minLength": 3, "maxLength": 8},
+    {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["a"]},
 ]
 
 
