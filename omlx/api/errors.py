@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from omlx.api.route_errors import is_routing_error, routing_error
 from omlx.errors import OmlxError
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,13 @@ def omlx_error_body(exc: OmlxError) -> dict[str, Any]:
     return body
 
 
+# Union members pydantic adds to an error's location ("content.str"): not fields.
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def _loc_to_param(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    parts = [p for p in parts if p not in _TYPE_TAGS and "[" not in p]
     out = ""
     for part in parts:
         out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
@@ -121,6 +127,8 @@ def describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
             problems.append(
                 f"'{param}' is required" if param else "a JSON request body is required"
             )
+        elif param and problems and problems[-1].startswith(f"'{param}': "):
+            problems[-1] += f", or {err.get('msg')}"  # one union field: the members' errors
         elif param:
             problems.append(f"'{param}': {err.get('msg')}")
         else:
@@ -152,6 +160,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error_type = _STATUS_TYPES.get(exc.status_code, "server_error")
         body = error_body(str(exc.detail), error_type, None)
+        if is_routing_error(request, exc.status_code, exc.detail):
+            allow = (exc.headers or {}).get("Allow")
+            message, code = routing_error(request, exc.status_code, allow)
+            body = error_body(message, error_type, code)
         return _error_response(request, body, exc.status_code, exc.headers)
 
     @app.exception_handler(Exception)

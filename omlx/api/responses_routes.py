@@ -42,7 +42,7 @@ from omlx.api.responses_schemas import ResponsesRequest
 from omlx.api.responses_store import ResponseStore, StoredResponse
 from omlx.api.sse import KEEPALIVE, SSE_HEADERS
 from omlx.api.state import state_of
-from omlx.api.structured import bind_grammar
+from omlx.api.structured import bind_grammar, with_unenforced_header
 from omlx.engine.model_engine import ModelEngine
 from omlx.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError
 from omlx.grammar.spec import GrammarSpec
@@ -149,7 +149,8 @@ async def _generate(plan: _Plan, request: Request, engine: ModelEngine) -> Respo
     )
     kept = conversation if body.stores else None
     finished = partial(_finished, request, gen, fmt, kept)
-    return await _answer(request, body.stream is True, gen, fmt, finished)
+    response = await _answer(request, body.stream is True, gen, fmt, finished)
+    return with_unenforced_header(response, plan.rule, response_id)
 
 
 async def _finished(

@@ -304,6 +304,27 @@ def test_json_schema_format_output_validates(client: openai.OpenAI) -> None:
     assert resp.output_text.startswith("{")
 
 
+def test_unenforceable_schema_keyword_refused_when_strict_else_flagged(
+    client: openai.OpenAI,
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+        "required": ["tags"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "name": "tags", "schema": schema, "strict": True}
+    with pytest.raises(openai.BadRequestError) as info:
+        create(client, text={"format": fmt}, max_output_tokens=20)
+    assert error_of(info.value)["code"] == "unsupported_schema_keyword"
+    assert "uniqueItems at $.properties.tags" in error_of(info.value)["message"]
+    fmt["strict"] = False
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, input="Tags?", text={"format": fmt}, max_output_tokens=20
+    )
+    assert raw.headers["x-omlx-unenforced-schema-keywords"] == "uniqueItems at $.properties.tags"
+
+
 def test_truncation_disabled_refuses_and_auto_drops_the_oldest(client: openai.OpenAI) -> None:
     turns = [
         {"role": ("user", "assistant")[i % 2], "content": f"Turn {i}: " + "more words " * 16}
