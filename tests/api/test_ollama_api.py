@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -273,6 +274,23 @@ def test_bad_fields_are_400_naming_the_field(
     with pytest.raises(ollama.ResponseError) as info:
         client.generate(model=MODEL, prompt="Hi", **kwargs)
     assert info.value.status_code == 400 and field in info.value.error
+
+
+def test_a_prompt_over_the_memory_limit_is_400(client: ollama.Client, server: Server) -> None:
+    client.generate(model=MODEL, prompt="Hi", options={"num_predict": 1})  # loaded
+    engine = next(e for e in server.pool.loaded() if e.name == MODEL)
+    guard, before = engine.guard, engine.guard.limits
+    # Room for a tiny prompt beside the model and the margin, not for the long one
+    # (as in test_openai_api's preflight test).
+    room = guard.baseline_bytes + before.transient_margin_bytes + 4 * 2**20
+    guard.publish(dataclasses.replace(before, hard_bytes=int(room / 0.98) + 1))
+    try:
+        with pytest.raises(ollama.ResponseError) as info:
+            client.chat(model=MODEL, messages=[{"role": "user", "content": "the cache " * 1200}])
+        assert info.value.status_code == 400 and "memory limit" in info.value.error
+        assert client.generate(model=MODEL, prompt="Hi", options={"num_predict": 2}).eval_count == 2
+    finally:
+        guard.publish(before)
 
 
 def test_wrong_types_and_unsupported_routes(server: Server) -> None:
