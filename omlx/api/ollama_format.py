@@ -87,7 +87,7 @@ def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
                 f"messages[{i}].images: images are not supported; omlx serves text models",
                 param=f"messages[{i}].images",
             )
-        entry: dict[str, Any] = {"role": msg.role, "content": msg.content}
+        entry: dict[str, Any] = {"role": msg.role, "content": msg.content or ""}
         if msg.tool_calls:
             entry["tool_calls"] = [
                 _openai_call(f"call_{i}_{j}", c.function.name, c.function.arguments)
@@ -322,10 +322,9 @@ def _joined(a: ParsedDelta, b: ParsedDelta) -> ParsedDelta:
     )
 
 
-def loaded_reply(model: str, timings: Timings, *, chat: bool, unloaded: bool) -> dict[str, Any]:
-    """The answer to Ollama's load idiom (no prompt / no messages): done at once."""
+def loaded_reply(model: str, timings: Timings, *, chat: bool, reason: str) -> dict[str, Any]:
+    """The answer to Ollama's load idiom (no prompt / no messages): done at once,
+    with done_reason "load" or "unload"."""
     reply = OllamaReply(model, OutputParser(think=None), timings, chat=chat)
     timings.done_s = time.perf_counter()
-    body = reply.body()
-    body["done_reason"] = "unload" if unloaded else "load"
-    return body
+    return {**reply.body(), "done_reason": reason}

@@ -152,14 +152,9 @@ class _Ask:
     tools: list[dict[str, Any]] | None
     spec: GrammarSpec | ToolConstraint | None
     chat: bool
+    # Ollama's load idiom: no messages, or no prompt (keep_alive 0: unload).
+    empty: bool
     raw: bool = False
-
-    @property
-    def empty(self) -> bool:
-        """Ollama's load idiom: no messages, or no prompt."""
-        if self.chat:
-            return not self.messages
-        return not isinstance(self.body, GenerateRequest) or not self.body.prompt
 
 
 @router.post("/api/chat")
@@ -168,7 +163,7 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     messages = chat_messages(body.messages)
     tools = body.tools if body.tools and body.tool_choice != "none" else None
     spec = output_grammar(body.format, body.tools, body.tool_choice)
-    ask = _Ask(body, messages, tools, spec, chat=True)
+    ask = _Ask(body, messages, tools, spec, chat=True, empty=not body.messages)
     return await _answer(request, ask)
 
 
@@ -181,7 +176,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
             param="system",
         )
     spec = output_grammar(body.format, None)
-    ask = _Ask(body, generate_messages(body), None, spec, chat=False, raw=body.raw)
+    messages = generate_messages(body)
+    ask = _Ask(body, messages, None, spec, chat=False, empty=not body.prompt, raw=body.raw)
     return await _answer(request, ask)
 
 
@@ -191,15 +187,16 @@ async def _answer(request: Request, ask: _Ask) -> Response:
     ttl_s = keep_alive_s(ask.body.keep_alive)
     name = _resolve(pool, ask.body.model)
     model = ollama_name(pool.public_name(name))
-    if ask.empty and ttl_s == 0:
-        unloaded = await pool.unload(name)
-        return JSONResponse(loaded_reply(model, timings, chat=ask.chat, unloaded=unloaded))
+    # Pinned models stay loaded whatever keep_alive says.
+    if ask.empty and ttl_s == 0 and pool.model_state(name) != "pinned":
+        await pool.unload(name)
+        return JSONResponse(loaded_reply(model, timings, chat=ask.chat, reason="unload"))
     # The lease keeps unload/release from taking the engine before the submit.
     async with pool.lease(name) as engine:
         timings.loaded_s = time.perf_counter()
         pool.keep_alive(name, ttl_s)
         if ask.empty:
-            return JSONResponse(loaded_reply(model, timings, chat=ask.chat, unloaded=False))
+            return JSONResponse(loaded_reply(model, timings, chat=ask.chat, reason="load"))
         gen, reply = await _start(request, ask, engine, model, timings)
 
     # keep_alive counts from the end of the request, as Ollama's does.

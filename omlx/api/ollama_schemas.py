@@ -68,7 +68,7 @@ class ToolCallIn(_Body):
 
 class Message(_Body):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
+    content: str | None = ""  # null is "", as Go decodes it
     thinking: str | None = None
     images: list[str] | None = None
     tool_calls: list[ToolCallIn] | None = None
