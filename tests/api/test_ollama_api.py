@@ -309,13 +309,24 @@ def test_wrong_types_and_unsupported_routes(server: Server) -> None:
     assert delete.status_code == 501 and "omlx models rm" in delete.json()["error"]
 
 
-def test_api_key_required_when_set(tiny_models_dir: Path, tmp_path: Path) -> None:
-    with live_server(tmp_path, tiny_models_dir, server={"api_key": "sekret-key"}) as srv:
+def test_api_key_and_cors_as_on_v1(tiny_models_dir: Path, tmp_path: Path) -> None:
+    site = "http://app.example:3000"
+    settings = {"api_key": "sekret-key", "cors_origins": [site]}
+    with live_server(tmp_path, tiny_models_dir, server=settings) as srv:
         with pytest.raises(ollama.ResponseError) as info:
             ollama.Client(host=srv.base_url).list()
         assert info.value.status_code == 401
-        keyed = ollama.Client(host=srv.base_url, headers={"Authorization": "Bearer sekret-key"})
+        auth = {"Authorization": "Bearer sekret-key"}
+        keyed = ollama.Client(host=srv.base_url, headers=auth)
         assert "tiny-llama:latest" in {m.model for m in keyed.list().models}
+        # A site in server.cors_origins may call the Ollama routes from a browser.
+        show = {"model": MODEL}
+        listed = httpx.post(srv.base_url + "/api/show", json=show, headers={**auth, "Origin": site})
+        assert listed.status_code == 200
+        assert listed.headers["access-control-allow-origin"] == site
+        other = {**auth, "Origin": "http://evil.example"}
+        refused = httpx.post(srv.base_url + "/api/show", json=show, headers=other)
+        assert refused.status_code == 403 and "cors_origins" in refused.json()["error"]
 
 
 # ---- client disconnect --------------------------------------------------------------------
