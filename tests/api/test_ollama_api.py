@@ -66,7 +66,8 @@ def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> ollama.Client:
-    return ollama.Client(host=server.base_url)
+    # A timeout: a server that stops answering fails the test instead of hanging it.
+    return ollama.Client(host=server.base_url, timeout=60)
 
 
 # ---- models -----------------------------------------------------------------------------
@@ -140,6 +141,13 @@ def test_options_are_honoured(client: ollama.Client) -> None:
     seeded = gen(num_predict=8, temperature=1.0, seed=7).response
     assert gen(num_predict=8, temperature=1.0, seed=7).response == seeded
     assert gen(num_predict=8, temperature=1.0, seed=8).response != seeded
+    # A stop string ends the answer before it (and is not shown). With the prompt
+    # cached, its step carries two tokens of the request: the engine once crashed here.
+    full = gen(num_predict=8, **GREEDY).response
+    stop = full[3:6]
+    cut = gen(num_predict=8, stop=[stop], **GREEDY)
+    assert cut.done_reason == "stop" and stop not in cut.response
+    assert full.startswith(cut.response)
     # Unknown and unsupported Ollama options are ignored, as Ollama does.
     assert gen(num_predict=2, num_gpu=99, mirostat=0, whatever=1).eval_count == 2
 
