@@ -181,28 +181,11 @@ def template_kwargs(think: Think | None) -> dict[str, Any] | None:
 def sampling_request(
     options: Options | None, num_prompt_tokens: int, window: int
 ) -> SamplingRequest:
-    """``options`` over the defaults. ``num_ctx`` may shrink the context window, not
-    grow it; ``num_predict`` is capped by the room the window leaves, as Ollama
-    stops there (done_reason "length")."""
+    """``options`` over the defaults (``build_sampling`` checks the prompt against
+    the window)."""
     opts = options or Options()
-    if opts.num_ctx is not None and opts.num_ctx > window:
-        raise InvalidRequestError(
-            f"options.num_ctx ({opts.num_ctx}) is larger than the context window of this "
-            f"model ({window}); send at most {window}",
-            param="options.num_ctx",
-        )
-    limit = min(window, opts.num_ctx or window)
-    if num_prompt_tokens >= limit:
-        raise ContextLengthExceededError(
-            f"the prompt is {num_prompt_tokens} tokens but options.num_ctx is {limit}; "
-            "shorten the prompt or raise options.num_ctx",
-            param="options.num_ctx",
-        )
-    room = limit - num_prompt_tokens
-    wanted = opts.num_predict if opts.num_predict is not None and opts.num_predict >= 0 else None
-    max_tokens = min(wanted, room) if wanted is not None else (room if limit < window else None)
     return SamplingRequest(
-        max_tokens=max(1, max_tokens) if max_tokens is not None else None,
+        max_tokens=_max_tokens(opts, num_prompt_tokens, window),
         temperature=opts.temperature,
         top_p=opts.top_p,
         top_k=opts.top_k,
@@ -212,6 +195,29 @@ def sampling_request(
         stop=tuple(opts.stop or ()),
         max_tokens_param="options.num_predict",
     )
+
+
+def _max_tokens(opts: Options, num_prompt_tokens: int, window: int) -> int | None:
+    """``num_ctx`` may shrink the window, not grow it. ``num_predict`` is capped by the
+    room the window leaves (Ollama stops there: done_reason "length"); -1 and -2 fill
+    it. None: the server's default."""
+    if opts.num_ctx and opts.num_ctx > window:
+        raise InvalidRequestError(
+            f"options.num_ctx ({opts.num_ctx}) is larger than the context window of this "
+            f"model ({window}); send at most {window}",
+            param="options.num_ctx",
+        )
+    limit = opts.num_ctx or window
+    if limit < window and num_prompt_tokens >= limit:
+        raise ContextLengthExceededError(
+            f"the prompt is {num_prompt_tokens} tokens but options.num_ctx is {limit}; "
+            "shorten the prompt or raise options.num_ctx",
+            param="options.num_ctx",
+        )
+    room = max(1, limit - num_prompt_tokens)
+    if opts.num_predict is None:
+        return room if limit < window else None
+    return room if opts.num_predict < 0 else max(1, min(opts.num_predict, room))
 
 
 # ---- engine events -> Ollama objects ----------------------------------------------------

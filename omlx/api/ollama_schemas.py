@@ -34,7 +34,8 @@ class Options(_Body):
     seed: StrictInt | None = None
     # -1: no limit (the context window), -2: fill the context (the same here).
     num_predict: StrictInt | None = Field(default=None, ge=-2)
-    num_ctx: StrictInt | None = Field(default=None, ge=1)
+    # 0: the model's window, as not sending it.
+    num_ctx: StrictInt | None = Field(default=None, ge=0)
     stop: list[str] | None = None
 
     @field_validator("stop")

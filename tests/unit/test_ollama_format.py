@@ -79,8 +79,10 @@ def test_num_predict_and_num_ctx() -> None:
     assert sampling_request(Options(num_predict=5), 10, 100).max_tokens == 5
     # More than the window leaves: capped, as Ollama stops at the context's end.
     assert sampling_request(Options(num_predict=500), 10, 100).max_tokens == 90
-    assert sampling_request(Options(num_predict=-1), 10, 100).max_tokens is None
+    assert sampling_request(Options(num_predict=-1), 10, 100).max_tokens == 90
+    assert sampling_request(Options(), 10, 100).max_tokens is None  # the server's default
     assert sampling_request(Options(num_ctx=50), 10, 100).max_tokens == 40
+    assert sampling_request(Options(num_ctx=0), 10, 100).max_tokens is None  # the window
     with pytest.raises(InvalidRequestError) as info:
         sampling_request(Options(num_ctx=101), 10, 100)
     assert info.value.param == "options.num_ctx"
