@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from omlx.api.ollama_format import ollama_name
+from omlx.cache.safetensors_io import SafetensorsFormatError, read_header
 from omlx.models.discovery import ModelInfo
 from omlx.models.loader import native_context_length
 from omlx.settings import SamplingSettings
 
-# Bits per weight of unquantized checkpoints, by config.json's torch_dtype.
-_DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16}
+# Ollama's names of unquantized weight types, by config.json's torch_dtype.
+_DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_FLOAT_DTYPES = frozenset(_DTYPE_NAMES.values())
 # Ollama's parameter names for our sampling defaults.
 _PARAMETERS = {
     "temperature": "temperature",
@@ -39,32 +42,18 @@ class ModelFacts:
     public_name: str
     config: dict[str, Any]
     chat_template: str
-
-    @property
-    def bits_per_weight(self) -> int:
-        quant = self.config.get("quantization") or self.config.get("quantization_config") or {}
-        bits = quant.get("bits") if isinstance(quant, dict) else None
-        if isinstance(bits, int) and bits > 0:
-            return bits
-        return _DTYPE_BITS.get(str(self.config.get("torch_dtype")), 16)
-
-    @property
-    def parameter_count(self) -> int:
-        # Estimated from the weights' size: the checkpoint's tensors are not read here.
-        return self.info.size_bytes * 8 // self.bits_per_weight
-
-    @property
-    def quantized(self) -> bool:
-        return bool(self.config.get("quantization") or self.config.get("quantization_config"))
+    # From the safetensors headers: parameters, and the floating dtype ("BF16"...).
+    parameter_count: int
+    weights_dtype: str | None
 
     def details(self) -> dict[str, Any]:
         family = self.info.model_type
-        if self.quantized:
-            level = f"Q{self.bits_per_weight}"
+        bits = quant_bits(self.config)
+        if bits is not None:
+            level = f"Q{bits}"  # MLX affine quantization
         else:
-            level = {"float32": "F32", "bfloat16": "BF16"}.get(
-                str(self.config.get("torch_dtype")), "F16"
-            )
+            torch_dtype = str(self.config.get("torch_dtype"))
+            level = self.weights_dtype or _DTYPE_NAMES.get(torch_dtype, "F16")
         return {
             "parent_model": "",
             "format": "safetensors",
@@ -111,9 +100,37 @@ class ModelFacts:
 
 def read_facts(info: ModelInfo, public_name: str) -> ModelFacts:
     """The facts of one model folder (blocking file reads)."""
-    return ModelFacts(
-        info, public_name, _json(info.path / "config.json"), _chat_template(info.path)
-    )
+    config = _json(info.path / "config.json")
+    count, dtype = _tensor_facts(info.path, quant_bits(config))
+    return ModelFacts(info, public_name, config, _chat_template(info.path), count, dtype)
+
+
+def quant_bits(config: dict[str, Any]) -> int | None:
+    quant = config.get("quantization") or config.get("quantization_config")
+    bits = quant.get("bits") if isinstance(quant, dict) else None
+    return bits if isinstance(bits, int) and bits > 0 else None
+
+
+def _tensor_facts(folder: Path, bits: int | None) -> tuple[int, str | None]:
+    """(parameters, the weights' floating dtype) from the safetensors headers only;
+    a packed uint32 of a quantized weight holds ``32 / bits`` parameters."""
+    count, dtype = 0, None
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with file.open("rb") as f:
+                entries, _, _ = read_header(f, file.stat().st_size)
+        except (OSError, SafetensorsFormatError):
+            return 0, None
+        for name, entry in entries.items():
+            if name.endswith((".scales", ".biases")):
+                continue  # quantization constants, not parameters
+            num = math.prod(entry["shape"])
+            if entry["dtype"] == "U32" and bits:
+                num = num * 32 // bits
+            elif dtype is None and entry["dtype"] in _FLOAT_DTYPES:
+                dtype = entry["dtype"]
+            count += num
+    return count, dtype
 
 
 def _json(path: Path) -> dict[str, Any]:

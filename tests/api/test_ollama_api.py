@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import jsonschema
+import mlx.core as mx
 import ollama
 import pytest
 
@@ -73,7 +74,9 @@ def client(server: Server) -> ollama.Client:
 # ---- models -----------------------------------------------------------------------------
 
 
-def test_version_list_and_show(client: ollama.Client, server: Server) -> None:
+def test_version_list_and_show(
+    client: ollama.Client, server: Server, tiny_models_dir: Path
+) -> None:
     assert httpx.get(server.base_url + "/api/version").json()["version"]
     listed = {m.model: m for m in client.list().models}
     assert set(listed) == {
@@ -85,11 +88,13 @@ def test_version_list_and_show(client: ollama.Client, server: Server) -> None:
     entry = listed["tiny-llama:latest"]
     assert entry.size > 0 and len(entry.digest) == 64 and entry.modified_at is not None
     assert entry.details.family == "llama" and entry.details.format == "safetensors"
-    assert entry.details.parameter_size and entry.details.quantization_level
+    assert entry.details.quantization_level == "F32"  # as the tiny models are saved
     # NAME and NAME:latest are the same model.
     shown = client.show("tiny-llama")
     assert client.show("tiny-llama:latest").modelinfo == shown.modelinfo
     assert shown.modelinfo["general.architecture"] == "llama"
+    weights = mx.load(str(tiny_models_dir / "tiny-llama" / "model.safetensors"))
+    assert shown.modelinfo["general.parameter_count"] == sum(w.size for w in weights.values())
     assert shown.modelinfo["llama.context_length"] == 4096
     assert shown.capabilities == ["completion", "tools"]
     assert "im_start" in shown.template and "temperature" in shown.parameters
