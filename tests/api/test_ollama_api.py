@@ -104,8 +104,14 @@ def test_version_list_and_show(
 # ---- chat and generate ------------------------------------------------------------------
 
 
-def test_chat_non_streamed_and_streamed_agree(client: ollama.Client) -> None:
+def requests_counted(server: Server) -> int:
+    """Inference requests on the admin dashboard."""
+    return httpx.get(server.base_url + "/admin/api/stats").json()["requests"]["total"]
+
+
+def test_chat_non_streamed_and_streamed_agree(client: ollama.Client, server: Server) -> None:
     options = {**GREEDY, "num_predict": 12}
+    counted = requests_counted(server)
     whole = client.chat(model=MODEL, messages=ASK, options=options, stream=False)
     assert whole.done and whole.done_reason == "length"
     assert whole.message.role == "assistant" and whole.message.content
@@ -117,6 +123,7 @@ def test_chat_non_streamed_and_streamed_agree(client: ollama.Client) -> None:
     assert all(not p.done for p in parts[:-1]) and parts[-1].done
     assert "".join(p.message.content for p in parts) == whole.message.content
     assert parts[-1].eval_count == 12 and parts[-1].done_reason == "length"
+    assert requests_counted(server) == counted + 2  # the dashboard counts Ollama's too
 
 
 def test_generate_system_and_raw(client: ollama.Client) -> None:
