@@ -27,6 +27,8 @@ from omlx.grammar.tools import ToolConstraint
 
 LATEST = ":latest"
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+# Longer than this is forever (and keeps /api/ps's expires_at a real date).
+_FOREVER_S = 100 * 365 * 86400.0
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -50,11 +52,14 @@ def omlx_name(requested: str) -> str:
 
 def keep_alive_s(value: float | str | None) -> float | None:
     """Ollama's keep_alive in idle seconds: None (not sent) -> the configured TTL;
-    a number of seconds or a Go duration ("5m", "1h30m"); negative -> math.inf."""
+    a number of seconds or a Go duration ("5m", "1h30m"); negative (or past any
+    date we can show) -> math.inf."""
     if value is None:
         return None
     seconds = value if isinstance(value, float | int) else _duration_s(value.strip())
-    return math.inf if seconds < 0 else float(seconds)
+    if math.isnan(seconds):
+        raise InvalidRequestError("keep_alive must be a number of seconds", param="keep_alive")
+    return math.inf if seconds < 0 or seconds > _FOREVER_S else float(seconds)
 
 
 def _duration_s(text: str) -> float:

@@ -35,14 +35,16 @@ from omlx.errors import ContextLengthExceededError, InvalidRequestError
         ("-1", math.inf),
         ("-1m", math.inf),
         ("90", 90.0),
+        (1e300, math.inf),
+        ("inf", math.inf),
     ],
 )
 def test_keep_alive_durations(value: float | str | None, seconds: float | None) -> None:
     assert keep_alive_s(value) == seconds
 
 
-@pytest.mark.parametrize("value", ["forever", "5 minutes", "m", "", "5d"])
-def test_keep_alive_that_is_no_duration_is_a_400_naming_it(value: str) -> None:
+@pytest.mark.parametrize("value", ["forever", "5 minutes", "m", "", "5d", "nan", math.nan])
+def test_keep_alive_that_is_no_duration_is_a_400_naming_it(value: str | float) -> None:
     with pytest.raises(InvalidRequestError) as info:
         keep_alive_s(value)
     assert info.value.param == "keep_alive"
