@@ -20,6 +20,7 @@ from omlx.api.connect_routes import router as connect_router
 from omlx.api.download_routes import router as download_router
 from omlx.api.errors import install_error_handlers
 from omlx.api.fit_routes import router as fit_router
+from omlx.api.ollama_routes import router as ollama_router
 from omlx.api.openai_routes import router as openai_router
 from omlx.api.origin_guard import OriginGuardMiddleware, PathScopedCORS
 from omlx.api.quant_routes import router as quant_router
@@ -92,6 +93,7 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
     app.include_router(openai_router, dependencies=api_key)
     app.include_router(anthropic_router, dependencies=api_key)
     app.include_router(responses_router, dependencies=api_key)
+    app.include_router(ollama_router, dependencies=api_key)
     app.include_router(login_router())
     app.include_router(admin_router)
     app.include_router(memory_router)

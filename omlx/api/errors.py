@@ -1,5 +1,5 @@
 """The one place where errors become HTTP responses (OpenAI envelope; Anthropic's
-on the Anthropic routes)."""
+on the Anthropic routes, Ollama's on the Ollama routes)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ _ANTHROPIC_TYPES = {
 }
 
 
+# Paths answered in Ollama's error shape: {"error": "<message>"}.
+OLLAMA_PATH_PREFIX = "/api/"
+
+
 def anthropic_error_body(message: str, error_type: str, http_status: int) -> dict[str, Any]:
     """``{"type": "error", "error": {...}}`` with our error type mapped to Anthropic's."""
     if http_status == 413:
@@ -67,6 +71,8 @@ def _error_response(
     anthropic_models = path.startswith("/v1/models") and "anthropic-version" in request.headers
     if path.startswith(ANTHROPIC_PATH_PREFIX) or anthropic_models:
         body = anthropic_error_body(body["error"]["message"], body["error"]["type"], status)
+    elif request.url.path.startswith(OLLAMA_PATH_PREFIX):
+        body = {"error": body["error"]["message"]}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -140,7 +146,7 @@ def describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OmlxError)
     async def _omlx(request: Request, exc: OmlxError) -> JSONResponse:
-        if exc.http_status >= 500:
+        if exc.http_status >= 500 and exc.http_status != 501:  # 501: the client asked
             level = logging.WARNING if exc.http_status == 503 else logging.ERROR
             log.log(level, "%s %s failed: %s", request.method, request.url.path, exc.message)
         return _error_response(request, omlx_error_body(exc), exc.http_status, exc.headers())
