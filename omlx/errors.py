@@ -116,6 +116,15 @@ class NotFoundError(OmlxError):
     code = "not_found"
 
 
+class UnsupportedEndpointError(OmlxError):
+    """An endpoint of a foreign API that omlx does not provide; the message says
+    what to use instead."""
+
+    http_status = 501
+    error_type = "invalid_request_error"
+    code = "not_implemented"
+
+
 class QueueFullError(OmlxError):
     http_status = 503
     error_type = "overloaded_error"

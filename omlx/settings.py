@@ -54,6 +54,10 @@ class ServerSettings(_Group):
     # A chat template still rendering after this many seconds is stopped and its
     # request gets 400 (a model's template is code; real ones take milliseconds).
     template_timeout_s: float = Field(10.0, gt=0.0, le=300.0)
+    # Stored Responses API responses (<base>/responses.db): the newest this many, in at
+    # most this many bytes; the oldest go first. Applied at start.
+    responses_store_max_count: int = Field(10_000, ge=1)
+    responses_store_max_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024)
     # The admin panel's static files; None is the repo's web/ (a frozen app sets its own).
     web_dir: Path | None = None
     # Host names (or addresses) the server also answers to besides its own; any other

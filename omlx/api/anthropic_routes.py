@@ -31,7 +31,7 @@ from omlx.api.output_parser import parser_for
 from omlx.api.prompts import RenderedPrompt, build_sampling, make_request, render_chat
 from omlx.api.sse import SSE_HEADERS
 from omlx.api.state import state_of
-from omlx.api.structured import bind_grammar
+from omlx.api.structured import bind_grammar, with_unenforced_header
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.stream import StreamEvent
 from omlx.grammar.spec import GrammarSpec
@@ -117,12 +117,13 @@ async def _message(
     gen.submit()
     if body.stream:
         frames = _stream(gen, fmt, state.settings.server.sse_keepalive_s)
-        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+        stream = StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+        return with_unenforced_header(stream, spec, message_id)
     try:
         await unless_disconnected(request, _collect(gen, fmt), gen.abort_unfinished)
     except ClientGone:
         return Response(status_code=499)  # nobody is listening; nginx's "client closed"
-    return JSONResponse(fmt.body())
+    return with_unenforced_header(JSONResponse(fmt.body()), spec, message_id)
 
 
 def _add(gen: Generation, fmt: MessageFormat, event: StreamEvent) -> list[Frame]:

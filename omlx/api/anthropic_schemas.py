@@ -15,7 +15,9 @@ from omlx.api.schemas import MAX_STOP_STRINGS, check_stop_strings
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # strict: "10" or 10.5 is not an integer, "0.7" not a number, "yes" not a boolean
+    # (OpenAI answers 400 too); unknown fields stay accepted.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class AnthropicMessage(_Body):

@@ -21,9 +21,12 @@ from omlx.api.download_routes import router as download_router
 from omlx.api.embedding_routes import router as embedding_router
 from omlx.api.errors import install_error_handlers
 from omlx.api.fit_routes import router as fit_router
+from omlx.api.ollama_routes import router as ollama_router
 from omlx.api.openai_routes import router as openai_router
 from omlx.api.origin_guard import OriginGuardMiddleware, PathScopedCORS
 from omlx.api.quant_routes import router as quant_router
+from omlx.api.responses_routes import router as responses_router
+from omlx.api.responses_store import ResponseStore
 from omlx.api.state import ServerState
 from omlx.api.stats_routes import install_metrics
 from omlx.api.web_routes import install_web
@@ -67,6 +70,12 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
         openapi_url=None,
     )
     app.state.omlx = ServerState(settings, pool)
+    # Stored Responses API responses (store: true), kept across restarts.
+    app.state.responses = ResponseStore(
+        settings.base_path / "responses.db",
+        max_responses=settings.server.responses_store_max_count,
+        max_bytes=settings.server.responses_store_max_bytes,
+    )
     # Read through the settings object: the admin API can change the key live.
     app.state.auth = ApiKeyAuth(lambda: settings.server.api_key)
     app.add_middleware(BodyGuardMiddleware, limit_fn=lambda: settings.server.max_body_bytes)
@@ -84,6 +93,8 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
     api_key = [Depends(require_api_key)]
     app.include_router(openai_router, dependencies=api_key)
     app.include_router(anthropic_router, dependencies=api_key)
+    app.include_router(responses_router, dependencies=api_key)
+    app.include_router(ollama_router, dependencies=api_key)
     app.include_router(embedding_router, dependencies=api_key)
     app.include_router(login_router())
     app.include_router(admin_router)

@@ -1,5 +1,5 @@
 """The one place where errors become HTTP responses (OpenAI envelope; Anthropic's
-on the Anthropic routes)."""
+on the Anthropic routes, Ollama's on the Ollama routes)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from omlx.api.route_errors import is_routing_error, routing_error
 from omlx.errors import OmlxError
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,10 @@ _ANTHROPIC_TYPES = {
 }
 
 
+# Paths answered in Ollama's error shape: {"error": "<message>"}.
+OLLAMA_PATH_PREFIX = "/api/"
+
+
 def anthropic_error_body(message: str, error_type: str, http_status: int) -> dict[str, Any]:
     """``{"type": "error", "error": {...}}`` with our error type mapped to Anthropic's."""
     if http_status == 413:
@@ -66,6 +71,8 @@ def _error_response(
     anthropic_models = path.startswith("/v1/models") and "anthropic-version" in request.headers
     if path.startswith(ANTHROPIC_PATH_PREFIX) or anthropic_models:
         body = anthropic_error_body(body["error"]["message"], body["error"]["type"], status)
+    elif request.url.path.startswith(OLLAMA_PATH_PREFIX):
+        body = {"error": body["error"]["message"]}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -101,8 +108,13 @@ def omlx_error_body(exc: OmlxError) -> dict[str, Any]:
     return body
 
 
+# Union members pydantic adds to an error's location ("content.str"): not fields.
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def _loc_to_param(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    parts = [p for p in parts if p not in _TYPE_TAGS and "[" not in p]
     out = ""
     for part in parts:
         out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
@@ -121,6 +133,8 @@ def describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
             problems.append(
                 f"'{param}' is required" if param else "a JSON request body is required"
             )
+        elif param and problems and problems[-1].startswith(f"'{param}': "):
+            problems[-1] += f", or {err.get('msg')}"  # one union field: the members' errors
         elif param:
             problems.append(f"'{param}': {err.get('msg')}")
         else:
@@ -132,7 +146,7 @@ def describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OmlxError)
     async def _omlx(request: Request, exc: OmlxError) -> JSONResponse:
-        if exc.http_status >= 500:
+        if exc.http_status >= 500 and exc.http_status != 501:  # 501: the client asked
             level = logging.WARNING if exc.http_status == 503 else logging.ERROR
             log.log(level, "%s %s failed: %s", request.method, request.url.path, exc.message)
         return _error_response(request, omlx_error_body(exc), exc.http_status, exc.headers())
@@ -152,6 +166,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error_type = _STATUS_TYPES.get(exc.status_code, "server_error")
         body = error_body(str(exc.detail), error_type, None)
+        if is_routing_error(request, exc.status_code, exc.detail):
+            allow = (exc.headers or {}).get("Allow")
+            message, code = routing_error(request, exc.status_code, allow)
+            body = error_body(message, error_type, code)
         return _error_response(request, body, exc.status_code, exc.headers)
 
     @app.exception_handler(Exception)

@@ -19,7 +19,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omlx.engine.stream import StreamEvent
 
 # The routes that run a model: what the dashboard counts as requests.
-INFERENCE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
+INFERENCE_ROUTES = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/messages",
+        "/v1/responses",
+        "/api/chat",
+        "/api/generate",
+    }
+)
 THROUGHPUT_WINDOW_S = 5.0
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

@@ -24,7 +24,7 @@ from omlx.api.prompts import (
 from omlx.api.schemas import ChatCompletionRequest, CompletionRequest
 from omlx.api.sse import SSE_HEADERS
 from omlx.api.state import state_of
-from omlx.api.structured import bind_grammar, grammar_spec
+from omlx.api.structured import bind_grammar, grammar_spec, with_unenforced_header
 from omlx.api.tool_grammar import combined, openai_tool_constraint
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.pool import EnginePool
@@ -163,7 +163,8 @@ async def _chat_completion(
         tool_schemas=body.tools if tools else None,
     )
     fmt = ChatFormat(rid, state.pool.public_name(engine.name), [parser])
-    return await _respond(request, body, gen, fmt, "chat")
+    response = await _respond(request, body, gen, fmt, "chat")
+    return with_unenforced_header(response, spec, rid)
 
 
 @router.post("/v1/completions")
@@ -195,4 +196,5 @@ async def _completion(body: CompletionRequest, request: Request, engine: ModelEn
     echoes = await decoded_prompts(engine, prompts) if body.echo else [""] * len(prompts)
     fmt = CompletionFormat(rid, state.pool.public_name(engine.name), echoes)
     gen = Generation(engine, requests, observer=observer_for(request))
-    return await _respond(request, body, gen, fmt, "completion")
+    response = await _respond(request, body, gen, fmt, "completion")
+    return with_unenforced_header(response, spec, rid)

@@ -7,7 +7,7 @@ would send, before any route (or the body guard) sees the request:
 - a ``Host`` that is not this server's (DNS rebinding: a page whose name was
   re-pointed at 127.0.0.1 is same-origin with us, but still says its own name);
 - a state-changing request (POST/PUT/PATCH/DELETE) from a foreign ``Origin`` or
-  with ``Sec-Fetch-Site: cross-site`` (only ``server.cors_origins`` may, on /v1);
+  with ``Sec-Fetch-Site: cross-site`` (only ``server.cors_origins`` may, on /v1 and /api);
 - a state-changing request that is not JSON: a ``<form>`` or a ``no-cors`` fetch
   can only send text/plain, form or multipart bodies and no custom header, so a
   JSON content type (or, without a body, ``X-Omlx-Client`` or an API-key header)
@@ -38,7 +38,8 @@ from omlx.api.errors import is_json_type, omlx_error_response
 from omlx.errors import ForbiddenError, OmlxError, UnsupportedMediaTypeError
 
 CLIENT_HEADER = "X-Omlx-Client"
-CORS_PREFIX = "/v1"
+# The inference APIs a listed site may call cross-site: OpenAI/Anthropic's and Ollama's.
+CORS_PREFIXES = ("/v1", "/api")
 _STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _HOST = re.compile(r"^(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[^:\[\]/@\s]+))(?::\d{1,5})?$")
@@ -117,12 +118,12 @@ class OriginGuardMiddleware:
         origin = _header(scope, b"origin")
         fetch_site = _header(scope, b"sec-fetch-site").lower()
         if origin and self._cors_allowed(scope, origin):
-            return  # a listed site, on /v1: cross-site by design
+            return  # a listed site, on /v1 or /api: cross-site by design
         own = _origin_key(f"{scope['scheme']}://{host}")
         if origin and (own is None or _origin_key(origin) != own):
             raise ForbiddenError(
                 f"cross-site request from {origin!r} refused: only this server's own pages "
-                "may change its state. To let a site call /v1, add its origin to "
+                "may change its state. To let a site call /v1 or /api, add its origin to "
                 "server.cors_origins",
                 code="cross_site_request",
             )
@@ -134,7 +135,7 @@ class OriginGuardMiddleware:
 
     def _cors_allowed(self, scope: Scope, origin: str) -> bool:
         path: str = scope["path"]
-        if path != CORS_PREFIX and not path.startswith(CORS_PREFIX + "/"):
+        if not is_cors_path(path):
             return False
         allowed = self._cors_origins_fn()
         key = _origin_key(origin)
@@ -242,8 +243,12 @@ def _with_security_headers(send: Send) -> Send:
     return send_with_headers
 
 
+def is_cors_path(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in CORS_PREFIXES)
+
+
 class PathScopedCORS:
-    """CORS for ``/v1`` only: the admin panel and the rest stay same-origin."""
+    """CORS for ``/v1`` and ``/api`` only: the admin panel and the rest stay same-origin."""
 
     def __init__(self, app: ASGIApp, origins: list[str]):
         self.app = app
@@ -253,7 +258,7 @@ class PathScopedCORS:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and (path == CORS_PREFIX or path.startswith(CORS_PREFIX + "/")):
+        if scope["type"] == "http" and is_cors_path(path):
             await self.cors(scope, receive, send)
         else:
             await self.app(scope, receive, send)

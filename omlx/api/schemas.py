@@ -21,7 +21,9 @@ MAX_STOP_TOKEN_IDS = 64
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # strict: "10" or 10.5 is not an integer, "0.7" not a number, "yes" not a boolean
+    # (OpenAI answers 400 too); unknown fields stay accepted.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Body):

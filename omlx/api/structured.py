@@ -4,17 +4,25 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
+
+from fastapi import Response
 
 from omlx.api.schemas import ChatCompletionRequest, CompletionRequest
 from omlx.api.tool_grammar import tool_grammar_spec
 from omlx.engine.model_engine import ModelEngine
 from omlx.errors import InvalidRequestError
 from omlx.grammar.compile_pool import COMPILE_POOL
+from omlx.grammar.schema_review import UNENFORCED_HEADER
 from omlx.grammar.spec import GrammarSpec
 from omlx.grammar.tools import ToolConstraint
 
+log = logging.getLogger(__name__)
+
 _EXTENSION_KINDS = ("json", "regex", "grammar", "choice")
+# Header values are latin-1 and proxies cap their size: keep the list short.
+_HEADER_MAX_CHARS = 2000
 
 
 def grammar_spec(body: ChatCompletionRequest | CompletionRequest) -> GrammarSpec | None:
@@ -73,7 +81,8 @@ def extension_spec(ext: dict[str, Any] | None) -> GrammarSpec | None:
                 raise InvalidRequestError(f"invalid JSON schema: {exc}", param=param) from exc
         if not isinstance(schema, dict):
             raise InvalidRequestError("a JSON schema object is required", param=param)
-        return GrammarSpec.json_schema(schema, strict=True, param=param)
+        # strict: xgrammar's no-extra-keys mode; the extension has no strict flag to refuse on.
+        return GrammarSpec.json_schema(schema, strict=True, param=param, refuse=False)
     if kind == "choice":
         if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
             raise InvalidRequestError("choice must be a non-empty list of strings", param=param)
@@ -104,3 +113,19 @@ async def bind_grammar(engine: ModelEngine, spec: GrammarSpec | ToolConstraint |
         what = "tool-call grammar" if isinstance(spec, ToolConstraint) else spec.what
         compiled = await COMPILE_POOL.run((compiler, spec), work, what=what, param=spec.param)
     return BoundGrammar(compiled, compiler)
+
+
+def with_unenforced_header(
+    response: Response, spec: GrammarSpec | ToolConstraint | None, request_id: str
+) -> Response:
+    """``response`` with the X-Omlx-Unenforced-Schema-Keywords header (and a log
+    line) when the request's schema has keywords the grammar did not enforce."""
+    unenforced = spec.unenforced if spec is not None else ()
+    if unenforced:
+        listed = "; ".join(unenforced)
+        log.warning("%s: schema keywords not enforced by the grammar: %s", request_id, listed)
+        value = listed.encode("ascii", "backslashreplace").decode("ascii")
+        if len(value) > _HEADER_MAX_CHARS:
+            value = value[: _HEADER_MAX_CHARS - 5].rsplit("; ", 1)[0] + "; ..."
+        response.headers[UNENFORCED_HEADER] = value
+    return response

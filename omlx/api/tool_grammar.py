@@ -4,6 +4,7 @@ model is known, into a grammar in that model's tool-call syntax."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from omlx.api.output_parser import HERMES_FORMATS, think_markers, tool_format
@@ -15,7 +16,7 @@ from omlx.grammar.tools import (
     Mode,
     ToolConstraint,
     ToolSchema,
-    check_limits,
+    check_schemas,
     tool_grammar,
 )
 
@@ -112,8 +113,7 @@ def tool_constraint(
             f"tool_choice '{mode}' needs at least one tool in 'tools'", param=param
         )
     constraint = ToolConstraint(mode, tuple(schemas), parallel, param)
-    check_limits(constraint)
-    return constraint
+    return dataclasses.replace(constraint, unenforced=check_schemas(constraint))
 
 
 def _tool_schema(tool: Any, i: int, schema_param: str) -> ToolSchema:

@@ -237,6 +237,10 @@ class ModelEngine:
         else:
             finished = []
             for update in self._scheduler.update_from_output(outputs):
+                if update.request_id not in self._live:
+                    # A step can carry two tokens of one request (the held first token
+                    # and a decode); a stop string in the first ended it already.
+                    continue
                 reason = self._on_update(update, outbox)
                 if reason is not None:
                     finished.append(update.request_id)

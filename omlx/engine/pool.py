@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -61,6 +62,9 @@ class _Resident:
     # Requests holding the engine between fetch and submit (template render,
     # grammar compile): busy like the ones in flight, so nothing unloads it unseen.
     leases: int = 0
+    # Idle seconds a client asked for (Ollama's keep_alive), over the configured TTL;
+    # it goes with the engine, so a reload starts from the settings again.
+    keep_alive_s: float | None = None
 
     @property
     def busy(self) -> int:
@@ -318,10 +322,41 @@ class EnginePool:
                 pinned=self._pinned(name),
                 in_flight=r.busy,
                 last_used_s=r.last_used_s,
-                ttl_s=self.model_settings.get(name).ttl_s,
+                ttl_s=self._ttl_s(name, r),
             )
             for name, r in self._resident.items()
         ]
+
+    def _ttl_s(self, name: str, resident: _Resident) -> float | None:
+        if resident.keep_alive_s is not None:
+            return resident.keep_alive_s
+        return self.model_settings.get(name).ttl_s
+
+    # -- keep alive (Ollama's keep_alive) -------------------------------------
+
+    def keep_alive(self, requested: str, ttl_s: float | None) -> None:
+        """Keep the loaded model ``requested`` for ``ttl_s`` idle seconds from now
+        (0: unload once idle; math.inf: until unloaded; None: its configured TTL).
+        Pinned models stay loaded whatever is asked."""
+        name = self._resident_name(requested)
+        if name is None:
+            return
+        resident = self._resident[name]
+        resident.keep_alive_s = ttl_s
+        resident.last_used_s = self._clock()
+
+    def idle_expiry_s(self, name: str) -> float | None:
+        """Seconds from now until the loaded model ``name`` is unloaded for being idle
+        (0 if due); None when it never expires or is not loaded."""
+        resident = self._resident.get(name)
+        if resident is None or self._pinned(name):
+            return None
+        limit = self._ttl_s(name, resident)
+        if limit is None:
+            limit = self.settings.models.idle_timeout_s
+        if limit is None or limit == math.inf:
+            return None
+        return max(0.0, resident.last_used_s + limit - self._clock())
 
     # -- unloading ----------------------------------------------------------
 

@@ -29,6 +29,19 @@ _CACHE_ENTRIES = 128
 _LOG_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ", re.MULTILINE)
 
 
+# xgrammar 0.2.8 writes a string with minLength/maxLength as characters "not a
+# quote, backslash, CR or LF": a raw tab or other control character (invalid in
+# JSON) gets through. The class below also leaves out U+0000-U+001F, and the
+# surrogates, whose 3-byte encodings xgrammar accepts but no decoder does.
+_LENGTH_CHARACTER = r"[^\"\\\r\n]"
+_JSON_LENGTH_CHARACTER = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
+
+
+def json_safe_ebnf(ebnf: str) -> str:
+    """xgrammar's EBNF for a JSON schema with no raw control characters in strings."""
+    return ebnf.replace(_LENGTH_CHARACTER, _JSON_LENGTH_CHARACTER)
+
+
 def clean_message(exc: Exception) -> str:
     return _LOG_PREFIX.sub("", str(exc)).strip()
 
@@ -103,7 +116,10 @@ class GrammarCompiler:
         c = self._compiler
         if spec.kind == "json_schema":
             # Compact JSON: small models loop on free whitespace otherwise.
-            return c.compile_json_schema(spec.source, any_whitespace=False, strict_mode=spec.strict)
+            grammar = self._xgr.Grammar.from_json_schema(
+                spec.source, any_whitespace=False, strict_mode=spec.strict
+            )
+            return c.compile_grammar(json_safe_ebnf(str(grammar)))
         if spec.kind == "json_object":
             # OpenAI's json_object mode means an object, not any JSON value.
             return c.compile_json_schema(

@@ -116,7 +116,7 @@ class SchemaCheck:
                     f"levels at {path}"
                 )
             self._check_node(node, path)
-            stack.extend((sub, sub_path, depth + 1) for sub, sub_path in _subschemas(node, path))
+            stack.extend((sub, sub_path, depth + 1) for sub, sub_path in subschemas(node, path))
 
     def _check_node(self, node: dict[str, Any], path: str) -> None:
         for keyword in _BOUNDED_KEYWORDS:
@@ -161,7 +161,8 @@ class SchemaCheck:
         return InvalidRequestError(message, param=self.param)
 
 
-def _subschemas(node: dict[str, Any], path: str) -> Iterator[tuple[Any, str]]:
+def subschemas(node: dict[str, Any], path: str) -> Iterator[tuple[Any, str]]:
+    """Each subschema of ``node`` with its JSON path (also used by schema_review)."""
     for keyword in _ONE_SCHEMA:
         if isinstance(node.get(keyword), dict):
             yield node[keyword], f"{path}.{keyword}"
@@ -172,10 +173,10 @@ def _subschemas(node: dict[str, Any], path: str) -> Iterator[tuple[Any, str]]:
     for keyword in _SCHEMA_MAPS:
         if isinstance(node.get(keyword), dict):
             for name, sub in node[keyword].items():
-                yield sub, f"{path}.{keyword}{_key_path(name)}"
+                yield sub, f"{path}.{keyword}{key_path(name)}"
 
 
-def _key_path(name: Any) -> str:
+def key_path(name: Any) -> str:
     text = str(name)
     return f".{text}" if text.isidentifier() else f"[{json.dumps(text)}]"
 
@@ -209,7 +210,7 @@ def pattern_repeats(pattern: str, where: str, param: str) -> int:
     InvalidRequestError when one bound, or one nesting, goes over ``MAX_REPEAT``."""
     # Per open group: the largest repetition inside it, and the total so far.
     frames: list[list[int]] = [[1, 0]]
-    for kind, end in _regex_tokens(pattern):
+    for kind, end in regex_tokens(pattern):
         if kind == "(":
             frames.append([1, 0])
             continue
@@ -232,7 +233,7 @@ def pattern_repeats(pattern: str, where: str, param: str) -> int:
     return sum(frame[1] for frame in frames)
 
 
-def _regex_tokens(pattern: str) -> Iterator[tuple[str, int]]:
+def regex_tokens(pattern: str) -> Iterator[tuple[str, int]]:
     """("(", ")" or "atom", end index) for each group edge and atom."""
     i, n = 0, len(pattern)
     while i < n:

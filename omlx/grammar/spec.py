@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from omlx.grammar import limits
+from omlx.grammar.schema_review import refuse_unenforced, review_schema
 
 Kind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
 _WHAT: dict[str, str] = {
@@ -30,11 +31,23 @@ class GrammarSpec:
     strict: bool = False
     # The request field it came from, for error messages.
     param: str = "response_format"
+    # Schema keywords the grammar cannot enforce ("uniqueItems at $.tags").
+    unenforced: tuple[str, ...] = ()
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any], *, strict: bool, param: str) -> GrammarSpec:
+    def json_schema(
+        cls, schema: dict[str, Any], *, strict: bool, param: str, refuse: bool | None = None
+    ) -> GrammarSpec:
+        """The schema as the grammar enforces it; InvalidRequestError naming the
+        keywords it cannot enforce when ``refuse`` (by default: when ``strict``)."""
         limits.check_json_schema(schema, param)
-        return cls("json_schema", json.dumps(schema, sort_keys=True), strict, param)
+        review = review_schema(schema)
+        # Again on the rewrite: folded lengths and formats add pattern repetitions.
+        limits.check_json_schema(review.schema, param)
+        if strict if refuse is None else refuse:
+            refuse_unenforced(review.unenforced, param)
+        source = json.dumps(review.schema, sort_keys=True)
+        return cls("json_schema", source, strict, param, review.unenforced)
 
     @classmethod
     def choice(cls, options: list[str], param: str) -> GrammarSpec:

@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 from omlx.errors import InvalidRequestError
 from omlx.grammar import limits
-from omlx.grammar.compiler import clean_message, import_xgrammar
+from omlx.grammar.compiler import clean_message, import_xgrammar, json_safe_ebnf
+from omlx.grammar.schema_review import refuse_unenforced, review_schema
 from omlx.grammar.spec import GrammarSpec
 
 Mode = Literal["auto", "required", "forced"]
@@ -61,6 +62,8 @@ class ToolConstraint:
     parallel: bool = True
     # The request field that asked for it, for error messages.
     param: str = "tool_choice"
+    # Argument-schema keywords the grammar cannot enforce, with the tool's field.
+    unenforced: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,17 +150,29 @@ def _enforced(tool: ToolSchema, mode: Mode) -> bool:
     return tool.parameters is not None and (tool.strict or mode != "auto")
 
 
-def check_limits(constraint: ToolConstraint) -> None:
+def check_schemas(constraint: ToolConstraint) -> tuple[str, ...]:
     """The caps of ``limits`` on every argument schema the grammar will enforce
-    (the others become "any object" and cost nothing)."""
+    (the others become "any object" and cost nothing); the keywords it cannot
+    enforce, refused for a strict tool."""
+    unenforced: list[str] = []
     for tool in constraint.tools:
         if tool.parameters is not None and _enforced(tool, constraint.mode):
-            limits.check_json_schema(json.loads(tool.parameters), tool.param)
+            schema = json.loads(tool.parameters)
+            limits.check_json_schema(schema, tool.param)
+            review = review_schema(schema)
+            limits.check_json_schema(review.schema, tool.param)  # folded lengths add repeats
+            missed = review.unenforced
+            if tool.strict:
+                refuse_unenforced(missed, tool.param)
+            unenforced += (f"{keyword} ({tool.param})" for keyword in missed)
+    return tuple(unenforced)
 
 
 def _arguments_ebnf(xgr: Any, tool: ToolSchema, mode: Mode) -> str:
     enforced = _enforced(tool, mode)
-    schema = tool.parameters if enforced and tool.parameters is not None else _ANY_OBJECT
+    schema = _ANY_OBJECT
+    if enforced and tool.parameters is not None:
+        schema = json.dumps(review_schema(json.loads(tool.parameters)).schema)
     try:
         # Compact JSON: small models loop on free whitespace otherwise.
         grammar = xgr.Grammar.from_json_schema(
@@ -167,7 +182,7 @@ def _arguments_ebnf(xgr: Any, tool: ToolSchema, mode: Mode) -> str:
         raise InvalidRequestError(
             f"invalid JSON schema for tool '{tool.name}': {clean_message(exc)}", param=tool.param
         ) from exc
-    return str(grammar)
+    return json_safe_ebnf(str(grammar))
 
 
 def _think_block(think: tuple[str, str]) -> dict[str, Any]:

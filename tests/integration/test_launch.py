@@ -52,7 +52,7 @@ provider = config["model_providers"][config["model_provider"]]
 assert provider["wire_api"] == "responses", provider
 client = openai.OpenAI(base_url=provider["base_url"], api_key=os.environ[provider["env_key"]],
                        max_retries=0)
-reply = client.models.retrieve(config["model"])
+reply = client.responses.create(model=config["model"], input="hi", max_output_tokens=4)
 """
 
 OPENCODE = """

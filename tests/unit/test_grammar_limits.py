@@ -10,7 +10,7 @@ import pytest
 from omlx.errors import InvalidRequestError
 from omlx.grammar import limits
 from omlx.grammar.spec import GrammarSpec
-from omlx.grammar.tools import ToolConstraint, ToolSchema, check_limits
+from omlx.grammar.tools import ToolConstraint, ToolSchema, check_schemas
 
 PARAM = "response_format.json_schema.schema"
 LIMIT = limits.MAX_REPEAT
@@ -171,11 +171,11 @@ def test_enforced_tool_schemas_go_through_the_same_caps() -> None:
         ToolConstraint("required", (tool(bomb, strict=False),)),
     ):
         with pytest.raises(InvalidRequestError) as info:
-            check_limits(constraint)
+            check_schemas(constraint)
         assert info.value.param == "tools[0].function.parameters"
         assert "'maxLength' 1000000 at $.properties.q" in info.value.message
     # Not enforced (auto, not strict): the arguments are any object, nothing to cap.
-    check_limits(ToolConstraint("auto", (tool(bomb, strict=False),)))
+    check_schemas(ToolConstraint("auto", (tool(bomb, strict=False),)))
 
 
 def test_refusals_happen_before_serialising_the_whole_schema() -> None:
