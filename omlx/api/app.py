@@ -21,6 +21,7 @@ from omlx.api.download_routes import router as download_router
 from omlx.api.embedding_routes import router as embedding_router
 from omlx.api.errors import install_error_handlers
 from omlx.api.fit_routes import router as fit_router
+from omlx.api.ollama_embed_routes import router as ollama_embed_router
 from omlx.api.ollama_routes import router as ollama_router
 from omlx.api.openai_routes import router as openai_router
 from omlx.api.origin_guard import OriginGuardMiddleware, PathScopedCORS
@@ -96,6 +97,7 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
     app.include_router(responses_router, dependencies=api_key)
     app.include_router(ollama_router, dependencies=api_key)
     app.include_router(embedding_router, dependencies=api_key)
+    app.include_router(ollama_embed_router, dependencies=api_key)
     app.include_router(login_router())
     app.include_router(admin_router)
     app.include_router(memory_router)

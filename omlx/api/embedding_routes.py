@@ -48,7 +48,7 @@ def _sequences(engine: EmbeddingEngine, body: EmbeddingsRequest) -> list[Sequenc
     return token_sequences(lists, limit, vocab, truncate=body.truncate, field="input")  # type: ignore[arg-type]
 
 
-def _fit_dimensions(vectors: np.ndarray, engine: EmbeddingEngine, wanted: int | None) -> np.ndarray:
+def fit_dimensions(vectors: np.ndarray, engine: EmbeddingEngine, wanted: int | None) -> np.ndarray:
     """``dimensions``: Matryoshka models keep the first ``wanted`` values, re-normalised."""
     full = vectors.shape[1]
     if wanted is None or wanted == full:
@@ -74,7 +74,7 @@ def _encode(row: np.ndarray, fmt: str) -> list[float] | str:
     return [float(x) for x in row]
 
 
-async def _run(engine: EmbeddingEngine, sequences: list[Sequence]) -> np.ndarray:
+async def run_embedding(engine: EmbeddingEngine, sequences: list[Sequence]) -> np.ndarray:
     """Submit and wait; a client that goes away cancels what has not run yet."""
     future = engine.submit(sequences)
     try:
@@ -91,7 +91,7 @@ async def create_embeddings(body: EmbeddingsRequest, request: Request) -> dict[s
     async with pool.lease(body.model, kind="embedding") as engine:
         sequences = _sequences(engine, body)
         tokens = check_total(sequences, "input")
-        vectors = _fit_dimensions(await _run(engine, sequences), engine, body.dimensions)
+        vectors = fit_dimensions(await run_embedding(engine, sequences), engine, body.dimensions)
     log.info(
         "embeddings %s: %d inputs, %d tokens in %.3f s",
         engine.name,
@@ -116,12 +116,12 @@ async def _scores(engine: EmbeddingEngine, body: RerankRequest) -> tuple[np.ndar
     limit, texts = engine.loaded.spec.max_tokens, body.texts()
     if engine.loaded.spec.cross_encoder:
         pairs = pair_sequences(engine.tokenizer, body.query, texts, limit, truncate=body.truncate)
-        return await _run(engine, pairs), check_total(pairs, "documents"), "cross-encoder"
+        return await run_embedding(engine, pairs), check_total(pairs, "documents"), "cross-encoder"
     tok, cut = engine.tokenizer, body.truncate
     query = text_sequences(tok, [body.query], limit, truncate=cut, field="query")
     docs = text_sequences(tok, texts, limit, truncate=cut, field="documents")
     tokens = check_total(query + docs, "documents")
-    vectors = await _run(engine, query + docs)
+    vectors = await run_embedding(engine, query + docs)
     unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     return unit[1:] @ unit[0], tokens, "embedding-cosine"
 

@@ -114,8 +114,6 @@ async def ps(request: Request) -> dict[str, Any]:
 # ---- endpoints omlx does not provide ---------------------------------------------------
 
 _INSTEAD = {
-    "/api/embed": "embeddings are not available in omlx yet (text generation models only)",
-    "/api/embeddings": "embeddings are not available in omlx yet (text generation models only)",
     "/api/pull": "omlx does not pull from the Ollama registry; download an MLX model from "
     "Hugging Face with 'omlx pull REPO_ID' or on the admin panel's Models page",
     "/api/push": "omlx does not push models to a registry",

@@ -12,6 +12,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import numpy as np
+import ollama
 import openai
 import pytest
 
@@ -213,3 +214,22 @@ def test_the_model_is_listed_with_its_kind(client: openai.OpenAI, http: httpx.Cl
     assert listed["tiny-llama"].kind == "llm"  # type: ignore[attr-defined]
     admin = {m["name"]: m for m in http.get("/admin/api/models").json()["models"]}
     assert admin[MODEL]["kind"] == "embedding" and admin["tiny-llama"]["kind"] == "llm"
+
+
+def test_ollama_embed_and_legacy_embeddings(server: Server, reference: ReferenceBert) -> None:
+    client = ollama.Client(host=server.base_url)
+    reply = client.embed(model=MODEL + ":latest", input=SENTENCES[:2])
+    vectors = np.array(reply.embeddings)
+    np.testing.assert_allclose(vectors, [reference.embed(s) for s in SENTENCES[:2]], atol=1e-4)
+    assert reply.model == MODEL + ":latest" and reply.prompt_eval_count > 0
+    # Ollama cuts long inputs unless told not to.
+    long_text = "word " * 600
+    assert len(client.embed(model=MODEL, input=long_text).embeddings[0]) == 384
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.embed(model=MODEL, input=long_text, truncate=False)
+    assert refused.value.status_code == 400 and "512" in refused.value.error
+    legacy = client.embeddings(model=MODEL, prompt=SENTENCES[0])
+    np.testing.assert_allclose(legacy.embedding, vectors[0], atol=1e-6)
+    with pytest.raises(ollama.ResponseError) as llm:
+        client.embed(model="tiny-llama", input="hi")
+    assert llm.value.status_code == 400 and "llm model" in llm.value.error
