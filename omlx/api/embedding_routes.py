@@ -8,7 +8,7 @@ import base64
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -30,22 +30,15 @@ router = APIRouter()
 
 
 def _sequences(engine: EmbeddingEngine, body: EmbeddingsRequest) -> list[Sequence]:
-    data = body.input
-    limit = engine.loaded.spec.max_tokens
-    if isinstance(data, str):
-        data = [data]
+    data = [body.input] if isinstance(body.input, str) else body.input
+    limit, cut = engine.loaded.spec.max_tokens, body.truncate
     if data and all(isinstance(x, str) for x in data):
-        return text_sequences(
-            engine.tokenizer,
-            list(data),
-            limit,
-            truncate=body.truncate,
-            field="input",  # type: ignore[arg-type]
-        )
+        texts = cast(list[str], data)
+        return text_sequences(engine.tokenizer, texts, limit, truncate=cut, field="input")
     # Token ids: one list of ints is one input; a list of lists is many.
-    lists = [data] if data and isinstance(data[0], int) else data
+    lists = cast(list[list[int]], [data] if data and isinstance(data[0], int) else data)
     vocab = int(engine.loaded.config.get("vocab_size") or 0)
-    return token_sequences(lists, limit, vocab, truncate=body.truncate, field="input")  # type: ignore[arg-type]
+    return token_sequences(lists, limit, vocab, truncate=cut, field="input")
 
 
 def fit_dimensions(vectors: np.ndarray, engine: EmbeddingEngine, wanted: int | None) -> np.ndarray:

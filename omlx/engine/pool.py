@@ -49,6 +49,9 @@ from omlx.sizes import format_bytes, parse_byte_size
 
 log = logging.getLogger(__name__)
 
+# A loaded model: an LLM's engine, or an embedding / rerank model's.
+Engine = ModelEngine | EmbeddingEngine
+
 # A request for this model name gets the default model (per-model is_default,
 # else models.default_model), unless a model is really called that.
 DEFAULT_MODEL_NAME = "default"
@@ -56,7 +59,7 @@ DEFAULT_MODEL_NAME = "default"
 
 @dataclass(slots=True)
 class _Resident:
-    engine: ModelEngine
+    engine: Engine
     size_bytes: int
     last_used_s: float
     # Requests holding the engine between fetch and submit (template render,
@@ -138,10 +141,10 @@ class EnginePool:
         """Re-scan the model dirs (cheap: a few stat calls per folder)."""
         return discover_models(self.model_dirs)
 
-    def loaded(self) -> list[ModelEngine]:
+    def loaded(self) -> list[Engine]:
         return [r.engine for r in self._resident.values()]
 
-    def engine(self, name: str) -> ModelEngine | None:
+    def engine(self, name: str) -> Engine | None:
         resident = self._resident.get(name)
         return resident.engine if resident is not None else None
 
@@ -244,8 +247,10 @@ class EnginePool:
         resident.last_used_s = self._clock()
         return resident
 
-    async def load(self, requested: str) -> ModelEngine:
-        return await self.get_engine(requested)
+    async def load(self, requested: str) -> Engine:
+        """Load a model of any kind (the admin API's load)."""
+        engine: Engine = await self.get_engine(requested)
+        return engine
 
     async def _load(self, info: ModelInfo) -> _Resident:
         lock = self._load_locks.setdefault(info.name, asyncio.Lock())
@@ -494,9 +499,9 @@ class EnginePool:
     def _live_baseline(self) -> int:
         return self.baseline.bytes_now(self.probe.reading())
 
-    def _load_on_worker(self, info: ModelInfo) -> ModelEngine | EmbeddingEngine:
+    def _load_on_worker(self, info: ModelInfo) -> Engine:
         before = self.probe.reading(fresh=True)
-        engine: ModelEngine | EmbeddingEngine
+        engine: Engine
         if info.kind in ("embedding", "rerank"):
             sched = self.settings.scheduler
             capacity = sched.max_concurrent_requests + sched.max_queued_requests
@@ -576,7 +581,7 @@ class EnginePool:
         if self._worker.is_alive:
             await asyncio.wrap_future(self._worker.submit(self._unload_on_worker, engines))
 
-    def _unload_on_worker(self, engines: list[ModelEngine]) -> None:
+    def _unload_on_worker(self, engines: list[Engine]) -> None:
         """Stop stepping and drop the engines (the list is emptied: the caller keeps
         no reference), then hand their memory back and track the baseline."""
         before = self.probe.reading(fresh=True)
@@ -594,7 +599,7 @@ class EnginePool:
         self._track_baseline(before)
 
 
-def _close_each(engines: list[ModelEngine], why: str) -> None:
+def _close_each(engines: list[Engine], why: str) -> None:
     """Refuse new requests on each engine. A function, so no loop variable here
     keeps an engine (and its weights) alive past the unload."""
     for engine in engines:
@@ -611,7 +616,7 @@ def _proofs(runner: BatchRunner) -> dict[str, str]:
     }
 
 
-def _kv_profile(engine: ModelEngine) -> dict[str, Any] | None:
+def _kv_profile(engine: Engine) -> dict[str, Any] | None:
     """The load-time auto-profile and the KV capacity under the limits in force now."""
     guard = engine.guard
     if guard.profile is None:
@@ -632,7 +637,7 @@ def _require_kind(model: str, kind: str, wanted: str | None) -> None:
         raise WrongModelKindError(model, kind, wanted or "")
 
 
-def _batching(engine: Any) -> dict[str, int] | None:
+def _batching(engine: Engine) -> dict[str, int] | None:
     """An embedding engine's batching counters (steps, sequences, requests per step)."""
     return engine.batch_stats() if isinstance(engine, EmbeddingEngine) else None
 
