@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     check_dmg.add_argument("image", type=Path)
     pins = sub.add_parser("pins", help="print a pin for the macOS workflow")
     what = pins.add_mutually_exclusive_group(required=True)
-    what.add_argument("--bundled", action="store_true", help="setup.sh's built-in model package")
+    what.add_argument("--bundled", action="store_true", help="setup.sh's built-in model packages")
     what.add_argument("--version", action="store_true", help="the app's version")
     return parser
 
@@ -104,9 +104,9 @@ def _check_dmg(image: Path) -> int:
 
 
 def _pins(args: argparse.Namespace) -> int:
-    from omlx_build.wheelset import bundled_model_pin
+    from omlx_build.wheelset import bundled_model_pins
 
-    print(load_config().version if args.version else bundled_model_pin(ROOT))
+    print(load_config().version if args.version else " ".join(bundled_model_pins(ROOT)))
     return 0
 
 

@@ -61,19 +61,26 @@ def pip_target_args(config: BundleConfig) -> list[str]:
     ]  # fmt: skip
 
 
-def bundled_model_pin(root: Path) -> str:
-    """setup.sh's SMOLLM_PKG: the built-in model's package, "name==version"."""
+# setup.sh's variables naming the built-in models' packages: chat, embedding.
+MODEL_PKG_VARS = ("SMOLLM_PKG", "MINILM_PKG")
+
+
+def bundled_model_pins(root: Path) -> list[str]:
+    """setup.sh's built-in model packages (SMOLLM_PKG, MINILM_PKG), "name==version"."""
     text = (root / "setup.sh").read_text()
-    match = re.search(r'^SMOLLM_PKG="([A-Za-z0-9_.-]+==[^"]+)"', text, re.MULTILINE)
-    if match is None:
-        raise BuildError('setup.sh has no SMOLLM_PKG="name==version" line')
-    return match.group(1)
+    pins = []
+    for var in MODEL_PKG_VARS:
+        match = re.search(rf'^{var}="([A-Za-z0-9_.-]+==[^"]+)"', text, re.MULTILINE)
+        if match is None:
+            raise BuildError(f'setup.sh has no {var}="name==version" line')
+        pins.append(match.group(1))
+    return pins
 
 
 def no_deps_pins(root: Path) -> dict[str, str]:
-    """setup.sh's --no-deps installs (SMOLLM_PKG and GRAMMAR_PKGS), name -> version."""
-    name, version = bundled_model_pin(root).split("==")
-    return {name: version, **grammar_pins(root)}
+    """setup.sh's --no-deps installs (the model packages, GRAMMAR_PKGS), name -> version."""
+    models = dict(pin.split("==") for pin in bundled_model_pins(root))
+    return {**models, **grammar_pins(root)}
 
 
 def project_requirements(root: Path) -> list[str]:
