@@ -266,10 +266,14 @@ async def cache_clear(request: Request) -> dict[str, Any]:
     identity = None
     if body.get("model"):
         engine = state.pool.engine(_known_model(state, str(body["model"])))
-        if engine is None or engine.prefix_cache is None:
+        if engine is None:
             raise InvalidRequestError(
                 f"model '{body['model']}' is not loaded; its cache is cleared when it is",
                 param="model",
+            )
+        if engine.prefix_cache is None:  # embedding models, or the cache switched off
+            raise InvalidRequestError(
+                f"model '{body['model']}' keeps no prefix cache", param="model"
             )
         identity = engine.prefix_cache.identity
     # Off the event loop: the SSD tier flushes its writer (up to seconds) and unlinks files.

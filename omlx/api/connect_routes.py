@@ -21,7 +21,8 @@ KEY_SHOWN = "<your omlx API key>"
 async def connect(request: Request, model: str | None = None) -> dict[str, Any]:
     state = state_of(request)
     pool = state.pool
-    names = sorted(pool.available())
+    # Coding agents chat: embedding and rerank models are not offered.
+    names = sorted(n for n, info in pool.available().items() if info.kind in ("llm", "vlm"))
     if model is not None:
         model = pool.public_name(pool.resolve(model).name)  # 404 naming what exists
     else:

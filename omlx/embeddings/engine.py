@@ -115,6 +115,8 @@ class EmbeddingEngine:
         self.admission_paused = False  # set by the enforcer; a step is short, nothing waits
         self.num_deferrals = 0
         self.num_gated = 0
+        # Steps whose batch the guard halved to fit under the hard limit.
+        self.num_throttled_steps = 0
         self.finish_counts: Counter[str] = Counter()
         self.steps = 0
         self.sequences_done = 0
@@ -137,7 +139,16 @@ class EmbeddingEngine:
         return max(0, self._num_in_flight - 1)
 
     def guard_counters(self) -> dict[str, Any]:
-        return {"gate_ended": self.num_gated}
+        """The memory guard's counters, with the keys of an LLM engine's (admin API,
+        /metrics); an embedding step has no admission queue, chunks or openings."""
+        return {
+            "deferrals": {},
+            "gate_ended": self.num_gated,
+            "throttled_steps": self.num_throttled_steps,
+            "held_steps": 0,
+            "reclaims": 0,
+            "unshared_openings": 0,
+        }
 
     def batch_stats(self) -> dict[str, int]:
         return {
@@ -205,6 +216,8 @@ class EmbeddingEngine:
             return
         length = max(item.length for item in batch)
         in_use = self.probe.reading(fresh=True).in_use_bytes
+        if len(batch) > 1 and not self.guard.fits(in_use, len(batch), length):
+            self.num_throttled_steps += 1
         while len(batch) > 1 and not self.guard.fits(in_use, len(batch), length):
             self._pending.extendleft(reversed(batch[len(batch) // 2 :]))
             batch = batch[: len(batch) // 2]

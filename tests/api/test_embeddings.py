@@ -216,6 +216,26 @@ def test_the_model_is_listed_with_its_kind(client: openai.OpenAI, http: httpx.Cl
     assert admin[MODEL]["kind"] == "embedding" and admin["tiny-llama"]["kind"] == "llm"
 
 
+def test_status_routes_report_a_loaded_embedding_model(
+    client: openai.OpenAI, http: httpx.Client
+) -> None:
+    client.embeddings.create(model=MODEL, input="hi")
+    metrics = http.get("/metrics")
+    assert metrics.status_code == 200
+    assert f'omlx_memory_gate_ended_total{{model="{MODEL}"}} 0.0' in metrics.text
+    health = {m["name"]: m for m in http.get("/health").json()["loaded_models"]}
+    assert health[MODEL]["finished"]["stop"] > 0
+    for path in ("/admin/api/stats", "/admin/api/memory", "/api/ps", "/api/tags"):
+        assert http.get(path).status_code == 200, path
+    ps = {m["name"]: m for m in http.get("/api/ps").json()["models"]}
+    assert MODEL + ":latest" in ps
+    # Coding agents are offered chat models only.
+    connect = http.get("/admin/api/connect").json()
+    assert connect["models"] == ["tiny-llama"] and connect["model"] == "tiny-llama"
+    clear = http.post("/admin/api/cache/clear", json={"model": MODEL})
+    assert clear.status_code == 400 and "no prefix cache" in clear.json()["error"]["message"]
+
+
 def test_ollama_embed_and_legacy_embeddings(server: Server, reference: ReferenceBert) -> None:
     client = ollama.Client(host=server.base_url)
     reply = client.embed(model=MODEL + ":latest", input=SENTENCES[:2])
