@@ -42,6 +42,11 @@ def test_install_embedding_model_and_see_kinds(browser, url: str) -> None:
             url + "/v1/embeddings", json={"model": BUILTIN_EMBEDDING_NAME, "input": "hi"}
         )
         assert len(reply.json()["data"][0]["embedding"]) == 384
+        # The Chat page offers chat models only.
+        page.goto(f"{url}/admin/#/chat")
+        options = page.locator('select[name="model"] option')
+        expect(options).to_have_count(1)
+        expect(options).to_have_text(["tiny-llama"])
     finally:
         context.close()
     problems.check()

@@ -58,7 +58,9 @@ function single(r) {
 }
 
 export async function render(view) {
-  const { models } = await get("/models");
+  const { models: all } = await get("/models");
+  // Embedding and rerank models do not generate text.
+  const models = all.filter((m) => m.kind === "llm" || m.kind === "vlm");
   const model = h("select", { id: "bench-model" }, models.map((m) => h("option", { value: m.id }, m.id)));
   const lengths = h("input", { id: "bench-lengths", value: "128, 512, 2048" });
   const decodeTokens = h("input", { id: "bench-tokens", type: "number", value: "64", min: "2" });

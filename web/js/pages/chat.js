@@ -18,7 +18,9 @@ function bubble(role, text = "") {
 }
 
 export async function render(view, { params, navigate }) {
-  const { models } = await get("/models");
+  const { models: all } = await get("/models");
+  // Embedding and rerank models do not generate text.
+  const models = all.filter((m) => m.kind === "llm" || m.kind === "vlm");
   const model = h("select", { id: uid(), name: "model" }, models.map((m) => h("option", { value: m.id }, m.id)));
   const wanted = params.get("model");
   if (wanted && models.some((m) => m.id === wanted)) model.value = wanted;

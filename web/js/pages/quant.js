@@ -140,7 +140,9 @@ export async function render(view, { navigate }) {
     }
     throw error;
   }
-  const { models } = await get("/models");
+  const { models: all } = await get("/models");
+  // oQ quantizes text LLMs (through mlx-lm).
+  const models = all.filter((m) => m.kind === "llm");
   const list = h("div.stack", { id: "quant-tasks" });
   const state = { timer: null, stopped: false };
   const refresh = async () => {
