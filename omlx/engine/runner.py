@@ -59,8 +59,8 @@ def make_request_sampler(params: SamplingParams) -> Sampler:
     """Greedy requests share one sampler (one batched argmax); others get their own
     PRNG key so a seed reproduces the same tokens whatever else is in the batch.
 
-    Samplers get raw logits (no step computes a log-softmax: omlx returns
-    no logprobs, and argmax and categorical do not need one); the nucleus, min-p and
+    Samplers get raw logits (argmax and categorical need no log-softmax; the
+    logprobs some requests ask for are computed beside, logprobs.py); the nucleus, min-p and
     top-k filters normalise first (top-p exponentiates, which overflows on raw logits)."""
     if params.is_greedy:
         return greedy_sampler
@@ -100,7 +100,10 @@ def make_request_processors(request: Request) -> list[Any]:
 
 def grammar_draw(params: SamplingParams) -> Draw | None:
     """How the grammar's fast path draws this request's pick; None when only the
-    full mask is exact (top-p/top-k/min-p cut by the masked distribution)."""
+    full mask is exact (top-p/top-k/min-p cut by the masked distribution) or
+    the request wants logprobs (of the masked distribution, not of one token)."""
+    if params.logprobs is not None:
+        return None
     if params.is_greedy:
         return greedy_draw
     if params.top_p >= 1.0 and params.top_k <= 0 and params.min_p <= 0.0:
@@ -237,6 +240,7 @@ class BatchRunner:
                         make_request_sampler(r.sampling),
                         make_request_processors(r),
                         r.prompt_ids[:done],
+                        r.sampling.logprobs,
                     )
                     self._start_batched(row, cache, done, r.prompt_ids[done:])
         return {rid: hit.num_tokens for rid, hit in hits.items() if hit is not None}
@@ -364,6 +368,7 @@ class BatchRunner:
             block_size=prefix.block_size if prefix is not None else 0,
             on_boundary=hook,
             decoder=self._decoder,
+            logprobs=request.sampling.logprobs,
         )
 
     def _solo_decodes_faster_batched(self) -> bool:
@@ -405,10 +410,12 @@ class BatchRunner:
         """A solo or side sequence continues batched, with its cache."""
         state = sequence.handoff()
         rid = sequence.request_id
-        row = Row.make(rid, state.sampler, state.processors, state.cached_tokens)
+        row = Row.make(rid, state.sampler, state.processors, state.cached_tokens, sequence.logprobs)
         with mx.stream(self._stream):
             if state.unreported is not None:
-                self._unreported.append(TokenOutput(rid, state.unreported))
+                self._unreported.append(
+                    TokenOutput(rid, state.unreported, state.unreported_logprobs)
+                )
             self._start_batched(row, state.cache, len(state.cached_tokens), state.feed)
 
     def remove(self, request_ids: Iterable[str]) -> None:
@@ -481,13 +488,14 @@ class BatchRunner:
         if self._solo is not None and not self._solo.held:
             token = self._solo.step()
             if token is not None:
-                outputs.append(TokenOutput(self._solo.request_id, token))
+                solo = self._solo
+                outputs.append(TokenOutput(solo.request_id, token, solo.last_logprobs))
         self._step_side()
         with mx.stream(self._stream):
             if self._prefill:
                 rows, cache = self._prefill.step()
                 self._decode.join([r for r, _ in rows], [t for _, t in rows], cache)
-            outputs.extend(TokenOutput(rid, token) for rid, token in self._decode.step())
+            outputs.extend(self._decode.step())
         if self._prefix is not None:
             self._note_tokens(outputs)
         return outputs

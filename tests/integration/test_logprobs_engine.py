@@ -1,0 +1,95 @@
+"""Logprobs from the runner's every decode path, checked against one full forward
+of the same tokens (a tiny random llama: its distributions are far from one-hot)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+from omlx.engine.logprobs import log_softmax
+from omlx.engine.runner import BatchRunner
+from omlx.engine.scoring import score_prompt
+from omlx.scheduler import Request, SamplingParams, TokenLogprob
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models_dir: Path):
+    model, _ = load(str(tiny_models_dir / "tiny-llama"))
+    return model
+
+
+def _request(rid: str, prompt: list[int], logprobs: int | None, n: int = 6) -> Request:
+    params = SamplingParams(temperature=0.0, max_tokens=n, logprobs=logprobs)
+    return Request(rid, tuple(prompt), params)
+
+
+def _run(
+    model, requests: list[Request], *, pipelined: bool, compiled: bool, steps: int = 12
+) -> dict[str, list[tuple[int, TokenLogprob | None]]]:
+    runner = BatchRunner(
+        model,
+        prefill_step_size=64,
+        stream=mx.new_stream(mx.cpu),
+        pipelined=pipelined,
+        compiled=compiled,
+    )
+    runner.prove_compiled()
+    runner.add(requests)
+    got: dict[str, list[tuple[int, TokenLogprob | None]]] = {}
+    for _ in range(steps):
+        for t in runner.step():
+            got.setdefault(t.request_id, []).append((t.token_id, t.logprobs))
+    return got
+
+
+def _reference(model, prompt: list[int], tokens: list[int]) -> list[mx.array]:
+    """Each generated position's log-softmax, from one forward of prompt + tokens."""
+    seq = mx.array(prompt + tokens)[None]
+    lp = log_softmax(model(seq)[0])
+    return [lp[len(prompt) - 1 + i] for i in range(len(tokens))]
+
+
+@pytest.mark.parametrize(("pipelined", "compiled"), [(False, True), (False, False), (True, False)])
+def test_logprobs_match_a_full_forward_in_solo_and_batch(
+    llama, pipelined: bool, compiled: bool
+) -> None:
+    prompts = {"solo": list(range(3, 20))}
+    got = _run(
+        llama, [_request("solo", prompts["solo"], 3)], pipelined=pipelined, compiled=compiled
+    )
+    batch = {"a": list(range(5, 30)), "b": list(range(40, 52)), "c": list(range(60, 75))}
+    asks = {"a": 3, "b": None, "c": 0}
+    reqs = [_request(rid, p, asks[rid]) for rid, p in batch.items()]
+    got |= _run(llama, reqs, pipelined=pipelined, compiled=compiled)
+    prompts |= batch
+    asks["solo"] = 3
+    for rid, out in got.items():
+        tokens = [t for t, _ in out]
+        assert len(tokens) >= 6
+        if asks[rid] is None:
+            assert all(lp is None for _, lp in out)
+            continue
+        for (token, lp), ref in zip(out, _reference(llama, prompts[rid], tokens), strict=True):
+            assert lp is not None and lp.token_id == token
+            assert lp.logprob == pytest.approx(ref[token].item(), abs=1e-3)
+            assert len(lp.top) == asks[rid]
+            if lp.top:  # greedy: the chosen token is the best one
+                assert lp.top[0] == (token, lp.logprob)
+                values = [v for _, v in lp.top]
+                assert values == sorted(values, reverse=True)
+
+
+def test_scoring_gives_each_prompt_token_its_logprob_in_small_chunks(llama) -> None:
+    prompt = list(range(3, 40))
+    with mx.stream(mx.new_stream(mx.cpu)):
+        scored = score_prompt(llama, prompt, top_k=2, chunk_tokens=5)
+        full = log_softmax(llama(mx.array(prompt)[None])[0])
+    assert len(scored) == len(prompt) - 1
+    for i, lp in enumerate(scored):
+        token = prompt[i + 1]
+        assert lp.token_id == token
+        assert lp.logprob == pytest.approx(full[i, token].item(), abs=1e-3)
+        assert len(lp.top) == 2 and lp.top[0][1] >= lp.top[1][1]
