@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections import Counter, defaultdict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,6 +21,7 @@ from omlx.cache.prefix import PrefixCache
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omlx.engine.runner import OpeningGate, PrefillChunk
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
+from omlx.engine.token_text import LogprobEntry, TokenText
 from omlx.errors import (
     EngineError,
     InvalidRequestError,
@@ -57,6 +59,7 @@ class Runner(Protocol):
 
 class Poster(Protocol):
     def post(self, fn: Any, *args: Any) -> None: ...
+    def submit(self, fn: Any, *args: Any) -> Future: ...
     def busy_besides(self, engine: Any) -> bool: ...
 
 
@@ -120,6 +123,8 @@ class ModelEngine:
         # Decoding runs on the MLX thread with its own tokenizer object so it
         # never shares a Rust tokenizer borrow with encoding on the event loop.
         self._decoder = _private_decoder(loaded.tokenizer)
+        # Tokens as logprobs show them (MLX thread: it reads the private decoder).
+        self.token_text = TokenText(self._decoder)
         self._grammar_lock = threading.Lock()
         self._grammar_compiler: Any = None
 
@@ -166,6 +171,14 @@ class ModelEngine:
 
     def abort(self, request_id: str) -> None:
         self._worker.post(self._abort, request_id)
+
+    def run_on_mlx(self, fn: Any, *args: Any) -> Future:
+        """Run ``fn(*args)`` on the MLX thread between steps (prompt scoring);
+        refused like ``submit`` once the engine stops taking requests."""
+        with self._lock:
+            if self._refusal is not None:
+                raise copy.copy(self._refusal)
+        return self._worker.submit(fn, *args)
 
     def refuse_new(self, error: OmlxError | None) -> None:
         """Refuse requests submitted from now on with ``error`` (None: take them
@@ -259,6 +272,9 @@ class ModelEngine:
         if status.is_finished:
             text += live.detok.flush()
         text, stop_string = live.stops.feed(text)
+        logprobs: tuple[LogprobEntry, ...] = ()
+        if update.logprobs is not None and update.visible:
+            logprobs = (self.token_text.entry(update.logprobs),)
         hit_stop = stop_string is not None
         if hit_stop:
             if not status.is_finished:
@@ -266,7 +282,7 @@ class ModelEngine:
             status = RequestStatus.FINISHED_STOPPED
         elif status.is_finished and not hit_stop:
             text += live.stops.flush()
-        if text or status.is_finished:
+        if text or status.is_finished or logprobs:
             outbox.append(
                 (
                     live.stream,
@@ -277,6 +293,7 @@ class ModelEngine:
                         num_cached_tokens=live.num_cached_tokens,
                         finish_reason=status.finish_reason,
                         stop_string=stop_string,
+                        logprobs=logprobs,
                     ),
                 )
             )

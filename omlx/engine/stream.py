@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from omlx.engine.token_text import LogprobEntry
 from omlx.errors import OmlxError
 
 
@@ -22,6 +23,8 @@ class StreamEvent:
     # The stop string that ended the request (None: end of sequence, length, ...).
     stop_string: str | None = None
     error: OmlxError | None = None
+    # The logprobs of this delta's tokens (requests that asked for them).
+    logprobs: tuple[LogprobEntry, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -72,6 +75,7 @@ def _merge(events: Sequence[StreamEvent]) -> StreamEvent:
         finish_reason=last.finish_reason,
         stop_string=last.stop_string,
         error=next((e.error for e in events if e.error is not None), None),
+        logprobs=tuple(entry for e in events for entry in e.logprobs),
     )
 
 
