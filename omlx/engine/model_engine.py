@@ -156,18 +156,24 @@ class ModelEngine:
     def submit(self, request: Request, stream: RequestStream) -> None:
         """Queue a request. Raises PrefillMemoryExceededError for a prompt that can
         never fit under the memory limit, QueueFullError when at capacity."""
-        self.guard.check_prefill(request.num_prompt_tokens)
+        self.submit_together([(request, stream)])
+
+    def submit_together(self, pairs: list[tuple[Request, RequestStream]]) -> None:
+        """Queue requests as one arrival, all or none: the MLX thread takes them in
+        the same step, so the choices of one prompt (``n``) share its prefill."""
+        for request, _ in pairs:
+            self.guard.check_prefill(request.num_prompt_tokens)
         with self._lock:
             if self._refusal is not None:
                 raise copy.copy(self._refusal)
-            if self._num_in_flight >= self._scheduler.capacity:
+            if self._num_in_flight + len(pairs) > self._scheduler.capacity:
                 raise QueueFullError(
                     f"model '{self.name}' is at capacity ({self._num_in_flight} requests "
                     "running or queued); retry shortly",
                     retry_after_s=1,
                 )
-            self._num_in_flight += 1
-        self._worker.post(self._add, request, stream)
+            self._num_in_flight += len(pairs)
+        self._worker.post(self._add_all, pairs)
 
     def abort(self, request_id: str) -> None:
         self._worker.post(self._abort, request_id)
@@ -208,6 +214,10 @@ class ModelEngine:
         if self._runner.has_work:
             return 0.0
         return self._scheduler.ready_in(time.monotonic())
+
+    def _add_all(self, pairs: list[tuple[Request, RequestStream]]) -> None:
+        for request, stream in pairs:
+            self._add(request, stream)
 
     def _add(self, request: Request, stream: RequestStream) -> None:
         # Closed and shut down already: nothing will step this engine again.

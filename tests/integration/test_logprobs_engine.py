@@ -9,6 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
+from omlx.api.prompts import choice_requests
 from omlx.engine.logprobs import log_softmax
 from omlx.engine.runner import BatchRunner
 from omlx.engine.scoring import score_prompt
@@ -93,3 +94,36 @@ def test_scoring_gives_each_prompt_token_its_logprob_in_small_chunks(llama) -> N
         assert lp.token_id == token
         assert lp.logprob == pytest.approx(full[i, token].item(), abs=1e-3)
         assert len(lp.top) == 2 and lp.top[0][1] >= lp.top[1][1]
+
+
+class _CountingModel:
+    """The model, counting the token-rows its forwards are fed."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+        self.rows = 0
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        self.rows += inputs.shape[0] * inputs.shape[1]
+        return self._model(inputs, cache=cache)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
+def test_n_choices_prefill_their_prompt_once(llama) -> None:
+    prompt = list(range(3, 43))
+    counting = _CountingModel(llama)
+    runner = BatchRunner(
+        counting, prefill_step_size=64, stream=mx.new_stream(mx.cpu), compiled=False
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    runner.add(choice_requests("c", prompt, params, None, 3))
+    first = runner.step()
+    # The opening (all but each choice's last two tokens) once, then two tokens a row.
+    assert counting.rows == (len(prompt) - 2) + 3 * 2
+    got: dict[str, list[int]] = {}
+    for t in first + runner.step() + runner.step():
+        got.setdefault(t.request_id, []).append(t.token_id)
+    alone = _run(llama, [_request("x", prompt, None, 3)], pipelined=False, compiled=False)
+    assert list(got.values()) == [[t for t, _ in alone["x"][:3]]] * 3
