@@ -178,11 +178,12 @@ class ModelEngine:
     def abort(self, request_id: str) -> None:
         self._worker.post(self._abort, request_id)
 
-    def run_on_mlx(self, fn: Any, *args: Any) -> Future:
+    def run_on_mlx(self, fn: Any, *args: Any, even_if_closed: bool = False) -> Future:
         """Run ``fn(*args)`` on the MLX thread between steps (prompt scoring);
-        refused like ``submit`` once the engine stops taking requests."""
+        refused like ``submit`` once the engine stops taking requests, unless
+        ``even_if_closed`` (a clean-up)."""
         with self._lock:
-            if self._refusal is not None:
+            if self._refusal is not None and not even_if_closed:
                 raise copy.copy(self._refusal)
         return self._worker.submit(fn, *args)
 
