@@ -58,32 +58,37 @@ def worker(model_path: str) -> None:
         runner.add(requests)
         while len(runner.step()) < 8:  # prefill, until every row has its first token
             pass
-        stamps = [time.perf_counter()]
+        stamps, cpu = [time.perf_counter()], time.process_time()
         for _ in range(int(steps)):
             runner.step()
             stamps.append(time.perf_counter())
+        cpu_per_step = (time.process_time() - cpu) / int(steps)
         # The block's median step: a shared machine's stalls hit single steps.
         per_step = statistics.median(b - a for a, b in itertools.pairwise(stamps))
         runner.remove([r.request_id for r in requests])
         runner.step()  # the deferred work of the removal
-        print("RESULT " + json.dumps(per_step), flush=True)
+        print("RESULT " + json.dumps([per_step, cpu_per_step]), flush=True)
 
 
-def spawn(tree: Path, model_path: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+def spawn(tree: Path, model_path: str, threads: int) -> subprocess.Popen:
+    # Few BLAS threads: on a shared machine an oversubscribed thread pool's stalls
+    # swamp what is measured.
+    n = str(threads)
+    env = {**os.environ, "PYTHONPATH": str(tree), "OPENBLAS_NUM_THREADS": n, "OMP_NUM_THREADS": n}
     cmd = [sys.executable, __file__, "--worker", model_path]
     return subprocess.Popen(
         cmd, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
 
 
-def ask(proc: subprocess.Popen, asking: int, steps: int) -> float:
+def ask(proc: subprocess.Popen, asking: int, steps: int) -> tuple[float, float]:
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(f"run {asking} {steps}\n")
     proc.stdin.flush()
     for line in proc.stdout:
         if line.startswith("RESULT "):
-            return float(json.loads(line[len("RESULT ") :]))
+            wall, cpu = json.loads(line[len("RESULT ") :])
+            return float(wall), float(cpu)
     raise RuntimeError("the benchmark worker exited")
 
 
@@ -108,6 +113,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--before", default=BEFORE)
+    parser.add_argument("--threads", type=int, default=1, help="BLAS threads per worker")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
@@ -129,7 +135,7 @@ def main() -> None:
     try:
         for mode in MODES:  # warm-up: traces, first-use costs
             runs[mode]()
-        times: dict[str, list[float]] = {m: [] for m in MODES}
+        times: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
         for r in range(args.rounds):
             for mode in MODES[r % 3 :] + MODES[: r % 3]:
                 times[mode].append(runs[mode]())
@@ -141,22 +147,25 @@ def main() -> None:
     report(times, args)
 
 
-def report(times: dict[str, list[float]], args: argparse.Namespace) -> None:
-    med = {m: statistics.median(v) for m, v in times.items()}
+def report(times: dict[str, list[tuple[float, float]]], args: argparse.Namespace) -> None:
     print(
         f"{args.model}, 8 decoding rows, {args.steps} steps per block, median of "
-        f"{args.rounds} interleaved rounds (before = {args.before})"
+        f"{args.rounds} interleaved rounds (before = {args.before}, {args.threads} BLAS threads)"
     )
-    for mode in MODES:
-        ms = " ".join(f"{t * 1000:.1f}" for t in times[mode])
-        print(f"  {mode:8} {med[mode] * 1000:7.2f} ms/step   blocks: {ms}")
-    pairs = [
-        ("after / before (no row asks)", "after", "before"),
-        ("one row asks / none (after)", "after+1", "after"),
-    ]
-    for name, a, b in pairs:
-        per_round = " ".join(f"{x / y:.3f}" for x, y in zip(times[a], times[b], strict=True))
-        print(f"  {name:30} {med[a] / med[b]:.3f}   per round: {per_round}")
+    for k, what in enumerate(("wall ms/step (block median)", "CPU ms/step (process time)")):
+        print(what)
+        series = {m: [t[k] for t in v] for m, v in times.items()}
+        med = {m: statistics.median(v) for m, v in series.items()}
+        for mode in MODES:
+            ms = " ".join(f"{t * 1000:.1f}" for t in series[mode])
+            print(f"  {mode:8} {med[mode] * 1000:7.2f}   blocks: {ms}")
+        for name, a, b in (
+            ("after / before (no row asks)", "after", "before"),
+            ("one row asks / none (after)", "after+1", "after"),
+        ):
+            rounds = zip(series[a], series[b], strict=True)
+            per_round = " ".join(f"{x / y:.3f}" for x, y in rounds)
+            print(f"  {name:30} {med[a] / med[b]:.3f}   per round: {per_round}")
 
 
 if __name__ == "__main__":

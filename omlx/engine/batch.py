@@ -318,8 +318,11 @@ class DecodeBatch:
     def _outputs(
         self, tokens: list[int], asked: AskedLogprobs | None, send: list[bool]
     ) -> list[TokenOutput]:
-        token_of = {row.request_id: t for row, t in zip(self.rows, tokens, strict=True)}
-        logprobs = asked.resolve(token_of) if asked is not None else {}
+        logprobs: dict[str, TokenLogprob] = {}
+        if asked is not None:
+            logprobs = asked.resolve(
+                {r.request_id: t for r, t in zip(self.rows, tokens, strict=True)}
+            )
         return [
             TokenOutput(row.request_id, t, logprobs.get(row.request_id))
             for row, t, fresh in zip(self.rows, tokens, send, strict=True)
