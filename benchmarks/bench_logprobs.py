@@ -124,8 +124,8 @@ def main() -> None:
         install_default_model(args.model_dir)
     model_path = str(args.model_dir / args.model)
     procs = {
-        "before": spawn(before_tree(args.before), model_path),
-        "after": spawn(ROOT, model_path),
+        "before": spawn(before_tree(args.before), model_path, args.threads),
+        "after": spawn(ROOT, model_path, args.threads),
     }
     runs = {
         "before": lambda: ask(procs["before"], 0, args.steps),

@@ -201,6 +201,7 @@ def test_completions_n_is_prompt_major(client: openai.OpenAI) -> None:
         ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
         ("chat/completions", {"logprobs": "yes"}, "logprobs"),
         ("completions", {"logprobs": 21}, "logprobs"),
+        ("completions", {"logprobs": True}, "logprobs"),
         ("completions", {"n": 9}, "n"),
         ("completions", {"max_tokens": 0}, "max_tokens"),
     ],
