@@ -57,16 +57,18 @@ def test_greedy_tokens_are_the_top_of_their_sorted_lists(client: openai.OpenAI) 
     )
 
 
+@pytest.mark.parametrize("model", [MODEL, "tiny-qwen3"])
 def test_logprobs_sum_to_the_teacher_forced_log_likelihood(
-    client: openai.OpenAI, tokenizer
+    client: openai.OpenAI, tiny_models_dir: Path, model: str
 ) -> None:
-    content = chat(client, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_models_dir / model))
+    content = chat(client, model=model, logprobs=True, top_logprobs=2).choices[0].logprobs.content
     # As the server renders and encodes the conversation.
     text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     generated = token_ids(tokenizer, content)
     scored = client.completions.create(
-        model=MODEL, prompt=prompt_ids + generated, echo=True, logprobs=0, max_tokens=0
+        model=model, prompt=prompt_ids + generated, echo=True, logprobs=0, max_tokens=0
     ).choices[0]
     lps = scored.logprobs.token_logprobs
     assert lps[0] is None and len(lps) == len(prompt_ids) + len(generated)

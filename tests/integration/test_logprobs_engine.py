@@ -14,6 +14,7 @@ from omlx.engine.logprobs import log_softmax
 from omlx.engine.runner import BatchRunner
 from omlx.engine.scoring import score_prompt
 from omlx.scheduler import Request, SamplingParams, TokenLogprob
+from tests.fixtures.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +128,18 @@ def test_n_choices_prefill_their_prompt_once(llama) -> None:
         got.setdefault(t.request_id, []).append(t.token_id)
     alone = _run(llama, [_request("x", prompt, None, 3)], pipelined=False, compiled=False)
     assert list(got.values()) == [[t for t, _ in alone["x"][:3]]] * 3
+
+
+@pytest.mark.parametrize(("arch", "seed"), [("qwen3", 1), ("lfm2", 3), ("gemma3_text", 4)])
+def test_logprobs_on_other_architectures(tmp_path: Path, arch: str, seed: int) -> None:
+    model, _ = load(str(build_tiny_model(tmp_path / arch, arch, seed=seed)))
+    prompts = {"a": list(range(5, 30)), "b": list(range(40, 52)), "solo": list(range(7, 21))}
+    got = _run(model, [_request("solo", prompts["solo"], 2)], pipelined=False, compiled=True)
+    reqs = [_request("a", prompts["a"], 2), _request("b", prompts["b"], None)]
+    got |= _run(model, reqs, pipelined=False, compiled=True)
+    assert all(lp is None for _, lp in got["b"])
+    for rid in ("a", "solo"):
+        tokens = [t for t, _ in got[rid]]
+        for (token, lp), ref in zip(got[rid], _reference(model, prompts[rid], tokens), strict=True):
+            assert lp is not None and lp.logprob == pytest.approx(ref[token].item(), abs=1e-3)
+            assert lp.top[0] == (token, lp.logprob)
