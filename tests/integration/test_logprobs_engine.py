@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm import load
 
@@ -143,3 +144,21 @@ def test_logprobs_on_other_architectures(tmp_path: Path, arch: str, seed: int) -
         for (token, lp), ref in zip(got[rid], _reference(model, prompts[rid], tokens), strict=True):
             assert lp is not None and lp.logprob == pytest.approx(ref[token].item(), abs=1e-3)
             assert lp.top[0] == (token, lp.logprob)
+
+
+def test_logprobs_from_the_compiled_solo_decode(tiny_models_dir: Path) -> None:
+    # Quantized projections: no compiled batch step, so a lone request decodes on
+    # its own, through the compiled single-sequence step.
+    model, _ = load(str(tiny_models_dir / "tiny-llama"))
+    nn.quantize(model, group_size=32, bits=8)
+    runner = BatchRunner(model, prefill_step_size=64, stream=mx.new_stream(mx.cpu))
+    runner.prove_compiled()
+    assert runner.compiled_batch_step is None and runner.compiled_decoder is not None
+    prompt = list(range(3, 20))
+    runner.add([_request("solo", prompt, 2)])
+    out = [(t.token_id, t.logprobs) for _ in range(8) for t in runner.step()]
+    assert runner.compiled_decoder.steps > 0
+    tokens = [t for t, _ in out]
+    for (token, lp), ref in zip(out, _reference(model, prompt, tokens), strict=True):
+        assert lp is not None and lp.logprob == pytest.approx(ref[token].item(), abs=1e-3)
+        assert lp.top[0] == (token, lp.logprob)
