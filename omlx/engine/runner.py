@@ -29,6 +29,7 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 from omlx.cache.prefix import CacheHit, PrefixCache, common_prefix
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, Sampler, merge_caches
 from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
+from omlx.engine.forks import ChoiceForks
 from omlx.engine.solo import SoloSequence
 from omlx.grammar.processor import Draw, greedy_draw, temperature_draw
 from omlx.scheduler import Request, SamplingParams, TokenOutput
@@ -147,6 +148,9 @@ class BatchRunner:
         self._decoder = CompiledDecode.for_model(model) if compiled else None
         self._batch_step = CompiledBatchStep.for_model(model) if compiled else None
         self._decode = DecodeBatch(model, pipelined=pipelined, compiled=self._batch_step)
+        # A request's choices (same prompt, started together) wait for one to prefill
+        # it, when it is longer than the shared opening covers.
+        self._forks = ChoiceForks(self._row, prefill_step_size + 3)
         # On a Mac, keep the weights wired as mlx-lm's generators do (None elsewhere).
         self._old_wired_limit = maybe_set_recommended_wired_limit()
         # A lone request runs unbatched (see solo.py); None while batching.
@@ -226,8 +230,9 @@ class BatchRunner:
             if self._solo is not None:
                 self._solo_to_batch()
             with mx.stream(self._stream):
-                shared = self._share_openings(requests, hits, may_share)
-                for r in requests:
+                started = self._forks.split(requests)
+                shared = self._share_openings(started, hits, may_share)
+                for r in started:
                     hit = hits[r.request_id]
                     if r.request_id in shared:
                         done, cache = shared[r.request_id]
@@ -235,15 +240,20 @@ class BatchRunner:
                         done, cache = hit.num_tokens, hit.layers
                     else:
                         done, cache = 0, make_prompt_cache(self._model)
-                    row = Row.make(
-                        r.request_id,
-                        make_request_sampler(r.sampling),
-                        make_request_processors(r),
-                        r.prompt_ids[:done],
-                        r.sampling.logprobs,
-                    )
+                    row = self._row(r, r.prompt_ids[:done])
                     self._start_batched(row, cache, done, r.prompt_ids[done:])
         return {rid: hit.num_tokens for rid, hit in hits.items() if hit is not None}
+
+    @staticmethod
+    def _row(request: Request, fed: Sequence[int]) -> Row:
+        """A batch row for ``request`` whose processors have seen ``fed``."""
+        return Row.make(
+            request.request_id,
+            make_request_sampler(request.sampling),
+            make_request_processors(request),
+            fed,
+            request.sampling.logprobs,
+        )
 
     def _share_openings(
         self,
@@ -332,7 +342,7 @@ class BatchRunner:
         if len(rest) > 1:
             self._prefill.add(row, cache, num_cached, rest)
         else:
-            self._decode.join([row], list(rest), merge_caches([cache]))
+            self._decode.join(*self._forks.fork([row], list(rest), merge_caches([cache])))
 
     def _lookup(self, request: Request, room: bool) -> CacheHit | None:
         if self._prefix is None:
@@ -431,7 +441,12 @@ class BatchRunner:
             leaving[rid] = (side.cache, side.num_cached)
         self._unreported = [t for t in self._unreported if t.request_id not in request_ids]
         keep_caches = self._prefix is not None
+        orphans = self._forks.drop(request_ids)
         with mx.stream(self._stream):
+            for r in orphans:  # their leader left before its prompt was in
+                self._start_batched(
+                    self._row(r, ()), make_prompt_cache(self._model), 0, r.prompt_ids
+                )
             leaving.update(self._prefill.remove(request_ids, extract=keep_caches))
             for rid, layers in self._decode.remove(request_ids, extract=keep_caches).items():
                 leaving[rid] = (layers, _cache_length(layers))
@@ -493,8 +508,9 @@ class BatchRunner:
         self._step_side()
         with mx.stream(self._stream):
             if self._prefill:
-                rows, cache = self._prefill.step()
-                self._decode.join([r for r, _ in rows], [t for _, t in rows], cache)
+                done, cache = self._prefill.step()
+                rows, feed = [r for r, _ in done], [t for _, t in done]
+                self._decode.join(*self._forks.fork(rows, feed, cache))
             outputs.extend(self._decode.step())
         if self._prefix is not None:
             self._note_tokens(outputs)
@@ -560,6 +576,7 @@ class BatchRunner:
         self._solo = self._solo_request = None
         self._side.clear()
         self._unreported.clear()
+        self._forks.clear()
 
     def close(self) -> None:
         self._run_deferred()

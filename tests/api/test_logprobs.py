@@ -229,3 +229,15 @@ def test_values_are_finite_json(client: openai.OpenAI) -> None:
     values = [t.logprob for e in choice.logprobs.content for t in e.top_logprobs]
     assert all(math.isfinite(v) and v >= -9999.0 for v in values)
     assert choice.message.content in ("yes", "no")
+
+
+def test_n_choices_of_a_prompt_longer_than_a_prefill_chunk(client: openai.OpenAI) -> None:
+    # The server's prefill chunk is 64 tokens: one choice prefills, the others fork.
+    long = [{"role": "user", "content": "The sea is wide and deep. " * 30}]
+    one = chat(client, long, logprobs=True)
+    three = chat(client, long, n=3, logprobs=True)
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens > 128
+    for choice in three.choices:
+        assert choice.message.content == one.choices[0].message.content
+        got = [e.logprob for e in choice.logprobs.content]
+        assert got == pytest.approx([e.logprob for e in one.choices[0].logprobs.content], abs=1e-3)

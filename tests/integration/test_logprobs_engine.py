@@ -162,3 +162,44 @@ def test_logprobs_from_the_compiled_solo_decode(tiny_models_dir: Path) -> None:
     for (token, lp), ref in zip(out, _reference(model, prompt, tokens), strict=True):
         assert lp is not None and lp.logprob == pytest.approx(ref[token].item(), abs=1e-3)
         assert lp.top[0] == (token, lp.logprob)
+
+
+def _tokens_by_request(runner: BatchRunner, steps: int) -> dict[str, list[int]]:
+    got: dict[str, list[int]] = {}
+    for _ in range(steps):
+        for t in runner.step():
+            got.setdefault(t.request_id, []).append(t.token_id)
+    return got
+
+
+def test_n_choices_of_a_long_prompt_prefill_it_once(llama) -> None:
+    prompt = [(7 * i) % 300 + 3 for i in range(40)]  # more than two 16-token chunks
+    counting = _CountingModel(llama)
+    runner = BatchRunner(
+        counting, prefill_step_size=16, stream=mx.new_stream(mx.cpu), compiled=False
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    runner.add(choice_requests("c", prompt, params, None, 3))
+    got = _tokens_by_request(runner, 3)
+    while len(got) < 3 or min(map(len, got.values())) < 3:
+        for rid, tokens in _tokens_by_request(runner, 1).items():
+            got.setdefault(rid, []).extend(tokens)
+    # One row prefills all but the last prompt token; the decode steps feed 3 rows.
+    prefill_rows = len(prompt) - 1
+    assert counting.rows <= prefill_rows + 3 * max(map(len, got.values()))
+    alone = _run(llama, [_request("x", prompt, None, 3)], pipelined=False, compiled=False)
+    assert [tokens[:3] for tokens in got.values()] == [[t for t, _ in alone["x"][:3]]] * 3
+
+
+def test_choices_whose_leader_leaves_prefill_on_their_own(llama) -> None:
+    prompt = [(11 * i) % 300 + 3 for i in range(40)]
+    runner = BatchRunner(llama, prefill_step_size=16, stream=mx.new_stream(mx.cpu), compiled=False)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    choices = choice_requests("c", prompt, params, None, 3)
+    runner.add(choices)
+    runner.step()  # the leader's first chunk
+    runner.remove([choices[0].request_id])
+    got = _tokens_by_request(runner, 6)
+    alone = _run(llama, [_request("x", prompt, None, 3)], pipelined=False, compiled=False)
+    assert set(got) == {choices[1].request_id, choices[2].request_id}
+    assert [tokens[:3] for tokens in got.values()] == [[t for t, _ in alone["x"][:3]]] * 2
