@@ -34,9 +34,12 @@ async def prompt_logprobs(
     finally:
         # Its arrays are freed on the MLX thread, even when the request was cancelled.
         engine.run_on_mlx(scorer.close, even_if_closed=True)
-    text = engine.token_text
-    entries = engine.run_on_mlx(lambda: [text.entry(lp) for lp in scorer.scored])
-    return [text.bare(prompt_ids[0], None), *await asyncio.wrap_future(entries)]
+    # On the MLX thread: the token texts come from its private tokenizer.
+    text, first = engine.token_text, prompt_ids[0]
+    entries = engine.run_on_mlx(
+        lambda: [text.bare(first, None), *(text.entry(lp) for lp in scorer.scored)]
+    )
+    return await asyncio.wrap_future(entries)  # type: ignore[no-any-return]
 
 
 def _gate(engine: ModelEngine, extra: int, num_tokens: int, num_cached: int) -> None:
