@@ -138,6 +138,10 @@ def test_completions_echo_scores_the_prompt_first(client: openai.OpenAI, tokeniz
     only = client.completions.create(max_tokens=0, **kw)
     assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
     assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n_prompt]
+    chunks = list(client.completions.create(max_tokens=4, stream=True, **kw))
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+    assert streamed == lp.tokens and offsets == lp.text_offset
 
 
 def test_batched_requests_some_with_logprobs_give_the_solo_tokens(
