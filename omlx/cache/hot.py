@@ -205,15 +205,6 @@ class HotTier:
             for ssd in stores:
                 ssd.clear()
 
-    def set_max_bytes(self, max_bytes: int) -> None:
-        """Change the budget; shrinking evicts LRU blocks (written back in write-back mode)."""
-        max_bytes = _check_budget(max_bytes)
-        with self._lock:
-            self._max_bytes = max_bytes
-            evicted = self._evict_locked()
-        if self._policy.write_on_evict:
-            self._write_back(evicted)
-
     def stats(self) -> HotTierStats:
         with self._lock:
             c = self._counters

@@ -294,30 +294,6 @@ def _without_default(entry: ModelSettings) -> ModelSettings:
 # ---- applying settings to a request --------------------------------------------------
 
 
-def effective_sampling(
-    request: Mapping[str, Any], model: ModelSettings, global_defaults: Mapping[str, Any]
-) -> dict[str, Any]:
-    """The sampling values to use, for ``SAMPLING_KEYS`` only.
-
-    Per key: the request's non-None value, else the model's, else the global
-    default. With ``model.force_sampling`` the model's non-None values win over
-    the request's. Keys with no value anywhere are left out.
-    """
-    result: dict[str, Any] = {}
-    for key in SAMPLING_KEYS:
-        from_request = request.get(key)
-        from_model = getattr(model, key)
-        if from_model is not None and (model.force_sampling or from_request is None):
-            value = from_model
-        elif from_request is not None:
-            value = from_request
-        else:
-            value = global_defaults.get(key)
-        if value is not None:
-            result[key] = value
-    return result
-
-
 def effective_template_kwargs(
     request_kwargs: Mapping[str, Any] | None, model: ModelSettings
 ) -> dict[str, Any]:
@@ -335,13 +311,6 @@ def effective_template_kwargs(
             continue
         result[key] = value
     return result
-
-
-def effective_limit(request_value: int | None, model_value: int | None, global_value: int) -> int:
-    """The first value set of request, model and global (used for ``max_tokens``)."""
-    if request_value is not None:
-        return request_value
-    return model_value if model_value is not None else global_value
 
 
 def effective_context_window(

@@ -133,9 +133,6 @@ def test_attach_checks_the_store(stores: Stores) -> None:
 def test_bad_budgets_and_modes_raise(bad: object) -> None:
     with pytest.raises(ValueError, match="max_bytes"):
         HotTier(bad)  # type: ignore[arg-type]
-    hot = HotTier(0)
-    with pytest.raises(ValueError, match="max_bytes"):
-        hot.set_max_bytes(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="mode"):
         HotTier(100, mode="write-around")  # type: ignore[arg-type]
 
@@ -188,25 +185,6 @@ def test_oversized_block_is_dropped_in_hot_only(stores: Stores) -> None:
     hot.put(make_payload(1))
     assert (hot.stats().oversized, hot.stats().hot_blocks, hot.stats().writebacks) == (1, 0, 0)
     assert ssd.flush() and ssd.stats().saves == 0
-
-
-def test_set_max_bytes_shrinks_in_lru_order_and_writes_back(stores: Stores) -> None:
-    hot, ssd = hot_with_stores(stores, 3, "write-back")
-    payloads = [make_payload(i) for i in range(3)]
-    for p in payloads:
-        hot.put(p)
-    hot.set_max_bytes(BLOCK_BYTES)
-    stats = hot.stats()
-    assert (stats.max_bytes, stats.hot_bytes, stats.evictions, stats.writebacks) == (
-        BLOCK_BYTES,
-        BLOCK_BYTES,
-        2,
-        2,
-    )
-    assert ssd.flush() and ssd.keys() == [payloads[0].key, payloads[1].key]
-    hot.set_max_bytes(0)
-    assert hot.stats().hot_blocks == 0
-    assert ssd.flush() and len(ssd.keys()) == 3
 
 
 def test_detach_in_write_back_persists_only_that_models_blocks(stores: Stores) -> None:

@@ -13,12 +13,10 @@ from omlx.models.model_settings import (
     ModelSettings,
     ModelSettingsStore,
     effective_context_window,
-    effective_limit,
-    effective_sampling,
     effective_template_kwargs,
+    request_defaults,
 )
-
-GLOBAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+from omlx.settings import Settings
 
 
 @pytest.fixture
@@ -269,30 +267,30 @@ def test_a_hand_edited_file_cannot_break_the_invariants(path):
 # ---- priority -------------------------------------------------------------------------
 
 
-def test_sampling_request_beats_model_beats_global():
-    model = ModelSettings(temperature=0.6, top_k=20)
-    request = {"temperature": 0.2, "top_p": None, "seed": 7}
+def test_model_sampling_beats_global_defaults():
+    model = ModelSettings(temperature=0.6, top_k=20, max_tokens=64)
 
-    got = effective_sampling(request, model, GLOBAL)
+    got = request_defaults(Settings(), model)
 
-    assert got == {
-        "temperature": 0.2,
+    assert got.sampling.model_dump() == {
+        "temperature": 0.6,
         "top_p": 1.0,
         "top_k": 20,
         "min_p": 0.0,
         "repetition_penalty": 1.0,
     }
+    assert got.generation.max_tokens == 64
+    assert got.forced == frozenset()  # the request's own values still win
 
 
-def test_forced_model_sampling_beats_the_request():
+def test_forced_model_sampling_names_only_what_the_model_sets():
     model = ModelSettings(temperature=0.6, force_sampling=True)
-    request = {"temperature": 1.5, "top_p": 0.5}
 
-    got = effective_sampling(request, model, GLOBAL)
+    got = request_defaults(Settings(), model)
 
-    assert got["temperature"] == 0.6
-    assert got["top_p"] == 0.5  # the model does not set it: the request still wins
-    assert got["top_k"] == 0
+    assert got.forced == {"temperature"}  # the model does not set top_p: the request wins
+    assert got.sampling.temperature == 0.6
+    assert got.generation.max_tokens == Settings().generation.max_tokens
 
 
 def test_template_kwargs_request_overrides_unlocked_keys_only(caplog):
@@ -311,9 +309,6 @@ def test_template_kwargs_request_overrides_unlocked_keys_only(caplog):
 
 
 def test_limits():
-    assert effective_limit(100, 200, 300) == 100
-    assert effective_limit(None, 200, 300) == 200
-    assert effective_limit(None, None, 300) == 300
     assert effective_context_window(8192, 32768, native=131072) == 8192
     assert effective_context_window(None, 32768, native=4096) == 4096
     assert effective_context_window(None, 32768) == 32768
