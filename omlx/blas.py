@@ -1,7 +1,8 @@
 """Which BLAS MLX's CPU backend uses, and pointing it at a fast one on Linux.
 
-The ``mlx[cpu]`` wheel bundles a reference BLAS that is about 30x slower than
-OpenBLAS for float32 matmul. ``link`` builds ``native/fastgemm.c`` (OpenBLAS
+The ``mlx[cpu]`` wheel bundles a reference BLAS that is far slower than
+OpenBLAS for float32 matmul (figures: benchmarks/README.md, "Figures behind
+design choices"). ``link`` builds ``native/fastgemm.c`` (OpenBLAS
 behind a small-batch matmul kernel with OpenBLAS's exact arithmetic) and points
 the venv's bundled library at it (without a C compiler: at OpenBLAS itself;
 ``OMLX_FASTGEMM=0`` switches the fast path off at run time). The original is kept beside it as

@@ -4,9 +4,8 @@
 our compiled decode steps) into C++ kernels it builds at run time with
 ``g++ -O3`` and caches as shared libraries under ``$TMPDIR/mlx/<version>/cpu``.
 The command has no ``-march`` and GCC inlines too little of MLX's ``simd::exp``:
-every element goes through ``exp`` and six ``fmaf`` calls one at a time. SwiGLU
-over a prefill chunk costs ~18 ns an element, a quarter of SmolLM2's prefill and
-a tenth of a batched decode step.
+every element goes through ``exp`` and six ``fmaf`` calls one at a time, and
+SwiGLU becomes a large share of a prefill and of a batched decode step.
 
 ``enable`` points MLX at a ``g++`` of ours that adds ``JIT_FLAGS``:
 
@@ -18,11 +17,12 @@ a tenth of a batched decode step.
   vectorise the loop (no value changes; FP exceptions are never looked at);
 - ``--param max-inline-insns-auto=2000``: ``simd::exp`` is inlined into the loop.
 
-SwiGLU over 224 x 1536 floats: 6.7 ms -> 0.21 ms, bit for bit the same. Before it
+SwiGLU then runs many times faster, bit for bit the same (figures for this module:
+benchmarks/README.md, "Figures behind design choices"). Before it
 switches anything, a child process proves that the kernels it builds return the
 bits of MLX's own (uncompiled) ops for the activations mlx-lm uses, over special
 values and a dense grid; any difference and nothing is switched. The verdict is
-kept per MLX version, compiler, flags and CPU, so the proof (~10 s) runs once.
+kept per MLX version, compiler, flags and CPU, so the proof (seconds) runs once.
 
 The kernels go to a cache directory of ours (``TMPDIR`` for the server process):
 MLX names a kernel by its graph, not its flags, so a shared ``/tmp/mlx`` would

@@ -175,8 +175,8 @@ def restore(
             num = sum(shape[2] for _, shape, _ in keys)
             # Room for the next tokens, as the layer leaves itself after a prefill:
             # without it the first forward after a hit reallocates and copies the
-            # whole restored context (~66 MB for 1,400 tokens of SmolLM2, ~20 ms on
-            # the CPU backend) straight onto the time to first token.
+            # whole restored context straight onto the time to first token
+            # (figures: benchmarks/README.md, "Figures behind design choices").
             extra = layer.step - num % layer.step if room else 0
             layer.keys = _joined(keys, extra)
             layer.values = _joined(values, extra)
@@ -197,7 +197,8 @@ def restore(
 def _joined(parts: Sequence[tuple[str, tuple[int, ...], bytes]], room: int) -> mx.array:
     """Blocks of one KV layer (batch, heads, tokens, dim) back to back, then ``room``
     zeroed tokens: assembled in one host buffer and copied into MLX once (an array
-    per block and a concatenation cost ~30 ms more for 1,400 tokens of SmolLM2)."""
+    per block and a concatenation cost more: benchmarks/README.md, "Figures behind
+    design choices")."""
     dtype, (batch, heads, _, dim) = parts[0][0], parts[0][1]
     np_dtype, view = _FROM_SAFETENSORS[dtype]
     num = sum(shape[2] for _, shape, _ in parts)

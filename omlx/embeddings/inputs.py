@@ -15,7 +15,8 @@ from omlx.errors import InvalidRequestError
 
 # OpenAI's own cap on inputs per request; documents per rerank request too.
 MAX_INPUTS_PER_REQUEST = 2048
-# Tokens over all inputs of one request: about 1-2 s of CPU work for a MiniLM.
+# Tokens over all inputs of one request: a few seconds of CPU work at most for a
+# MiniLM (benchmarks/README.md, "Figures behind design choices").
 MAX_TOKENS_PER_REQUEST = 131072
 
 

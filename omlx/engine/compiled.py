@@ -13,10 +13,11 @@ the whole buffer goes in, the write position is an array input, and a mask
 hides the columns past it. The buffers stay the caches' own between steps, so
 the batch, the prefix cache and the memory accounting see plain ``KVCache``
 objects at any time; growing a full buffer is the same concatenation
-``KVCache.update_and_fetch`` does. A new buffer size retraces (40-80 ms for
-SmolLM2 on the CPU backend, once per 256 tokens). On the CPU backend MLX builds
-the fused kernels with the system C++ compiler (g++; once, kept under its temp
-directory) and runs the traced graph unfused when there is none.
+``KVCache.update_and_fetch`` does. A new buffer size retraces (once per 256
+tokens; its cost: benchmarks/README.md, "Figures behind design choices"). On
+the CPU backend MLX builds the fused kernels with the system C++ compiler (g++;
+once, kept under its temp directory) and runs the traced graph unfused when
+there is none.
 
 Qualified: mlx-lm's llama, qwen2 and qwen3 (attention takes the cache's offset
 as an array and asks the cache for its mask) with a RoPE that passes an array
@@ -304,10 +305,10 @@ class CompiledBatchStep(_CompiledStep):
       query rotation.
     - The weights go in transposed once (views, no copies).
     The arithmetic per element is mlx-lm's, in the same order, so logits and
-    caches stay bit-equal to mlx-lm's forward (SmolLM2 float32, 8 rows: median
-    step 75-80 -> 69-72 ms). Before its first step it runs once on a two-row
-    scratch batch and must match the eager forward's logits, else the model's
-    batch decodes eagerly.
+    caches stay bit-equal to mlx-lm's forward, in fewer graph nodes and a shorter
+    step (benchmarks/README.md, "Figures behind design choices"). Before its first
+    step it runs once on a two-row scratch batch and must match the eager
+    forward's logits, else the model's batch decodes eagerly.
     """
 
     max_traces = 32  # batch sizes
@@ -342,7 +343,8 @@ class CompiledBatchStep(_CompiledStep):
         """Logits (rows, vocab) after feeding ``tokens`` (shape (rows,)) into the
         batch ``cache``, or None (cache untouched) when the step cannot run.
         Without ``prove``, a step that would have to run the proof first
-        (once per model, ~0.2 s for SmolLM2 on the CPU backend) returns None."""
+        (once per model, a noticeable pause; see benchmarks/README.md, "Figures
+        behind design choices") returns None."""
         if self.failed or not self.accepts(cache):
             return None
         if not (self._proven or (prove and self._prove())):

@@ -129,7 +129,7 @@ class ModelEngine:
         self._grammar_compiler: Any = None
 
     def grammar_compiler(self) -> Any:
-        """This model's GrammarCompiler, made on first use (~0.2 s). Blocking:
+        """This model's GrammarCompiler, made on first use (not instant). Blocking:
         call through ``asyncio.to_thread``."""
         with self._grammar_lock:
             if self._grammar_compiler is None:

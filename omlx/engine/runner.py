@@ -181,8 +181,8 @@ class BatchRunner:
 
     def prove_compiled(self) -> None:
         """Run the compiled steps' one-time checks now (the pool does at model
-        load), so the first requests do not pay them (~0.2 s for SmolLM2's batch
-        step on the CPU backend)."""
+        load), so the first requests do not pay them (their cost: benchmarks/README.md,
+        "Figures behind design choices")."""
         with mx.stream(self._stream):
             for step in (self._decoder, self._batch_step):
                 if step is not None:
@@ -387,8 +387,8 @@ class BatchRunner:
         A lone request prefills here: its prompt's last chunk samples the first
         token in the same forward (the time to first token). From then on the
         batch's compiled step (a batch of one) decodes faster than the lone
-        sequence's own step: SmolLM2 on the CPU backend, one stream over HTTP,
-        21.5 -> 26.5 tok/s (interleaved A/B). It moves once the batch step is
+        sequence's own step on the CPU backend (measured by an interleaved A/B:
+        benchmarks/README.md, "Figures behind design choices"). It moves once the batch step is
         proven (the pool proves it at load) and its cache is plain KV layers.
         The move copies the cache once, as a second request's arrival always
         did; admission already holds a whole-context copy for a prompt's last

@@ -28,8 +28,8 @@ _CLEAR_EVERY = 256
 
 # The last chunk of a prompt goes through one forward that also samples the first
 # token, instead of a prefill chunk and then a forward of the last token alone: that
-# second forward costs a whole decode step (~60-100 ms for SmolLM2 on the CPU
-# backend). For models whose output head can run on the last position alone
+# second forward costs a whole decode step (benchmarks/README.md, "Figures behind
+# design choices"). For models whose output head can run on the last position alone
 # (_HEAD_AFTER_NORM) any last chunk qualifies; for others the one pass computes
 # logits at every position, which outgrows the saved step past ~32 tokens.
 _ONE_PASS_MAX = 32
@@ -147,8 +147,9 @@ class SoloSequence:
         if self._y is None:
             # The rest of the prompt (at least its last token) samples the first
             # token, which goes out before the next forward is queued: queuing it
-            # (async_eval) took ~80 ms on the CPU backend, straight onto the time
-            # to first token. The next step starts it.
+            # (async_eval) first put its cost on the CPU backend straight onto the
+            # time to first token (benchmarks/README.md, "Figures behind design
+            # choices"). The next step starts it.
             y, pending = self._forward(mx.array(self._prompt))
             self._cached.extend(self._prompt)
             self._prompt = []

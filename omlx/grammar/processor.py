@@ -19,9 +19,10 @@ _TABLES: dict[Any, mx.array] = {}
 # Draws a request's next token from (1, V) logits, as its sampler would.
 Draw = Callable[[mx.array], int]
 _DRAW_STREAM = 0x6772616D6D6172  # "grammar"
-# CPU seconds of matcher work one request may take in one step. A normal step
-# takes ~0.01-10 ms; an ambiguous grammar's grows with every token (an Earley
-# parse) and, on the MLX thread, would slow every request in the batch.
+# CPU seconds of matcher work one request may take in one step, well above a
+# normal step's (benchmarks/README.md, "Figures behind design choices"); an
+# ambiguous grammar's grows with every token (an Earley parse) and, on the MLX
+# thread, would slow every request in the batch.
 MAX_STEP_CPU_S = 0.05
 
 
@@ -52,7 +53,8 @@ class GrammarLogitsProcessor:
     With ``draw`` (greedy or plain-temperature requests), a fast path: the
     model's own pick is drawn from the unmasked logits and offered to the
     matcher first; only when the grammar refuses it is the full vocabulary
-    mask computed (~2 ms for 49k tokens, against microseconds for one token).
+    mask computed (far dearer than checking one token: benchmarks/README.md,
+    "Figures behind design choices").
     An accepted pick is then the only token left in the logits, so the
     request's sampler returns exactly it. The output distribution is the
     masked one: the argmax of masked logits is the unmasked argmax whenever

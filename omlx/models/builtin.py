@@ -41,7 +41,8 @@ def builtin_gguf_path() -> Path | None:
 
 
 def default_dtype() -> DType:
-    """Quantized on Metal; float32 on the CPU backend, where quantized matmul is ~20x slower."""
+    """Quantized on Metal; float32 on the CPU backend, where quantized matmul is much
+    slower (benchmarks/README.md, "Figures behind design choices")."""
     import mlx.core as mx
 
     if sys.platform == "darwin" and mx.default_device().type == mx.DeviceType.gpu:

@@ -78,7 +78,7 @@ def load_model(info: ModelInfo) -> LoadedModel:
         raise ModelLoadError(
             f"model '{info.name}' is a {info.kind} model; only text LLMs can be served for now"
         )
-    from mlx_lm import load  # deferred: importing mlx-lm costs ~1 s at server start
+    from mlx_lm import load  # deferred: importing mlx-lm is slow at server start
 
     start = time.perf_counter()
     try:

@@ -206,7 +206,8 @@ def _quantize(model: nn.Module, plan: Plan, steps: _Steps) -> dict[str, mx.array
 
 def _evaluate(model: nn.Module, tokenizer: Any, options: QuantOptions, steps: _Steps) -> float:
     """Perplexity of the quantized weights, run as float matmuls on their exact
-    dequantized values (quantized matmul is ~20x slower on MLX's CPU backend)."""
+    dequantized values (quantized matmul is much slower on MLX's CPU backend:
+    benchmarks/README.md, "Figures behind design choices")."""
     from mlx_lm.utils import dequantize_model
 
     steps.report("evaluating")
