@@ -388,8 +388,8 @@ class BatchRunner:
         token in the same forward (the time to first token). From then on the
         batch's compiled step (a batch of one) decodes faster than the lone
         sequence's own step on the CPU backend (measured by an interleaved A/B:
-        benchmarks/README.md, "Figures behind design choices"). It moves once the batch step is
-        proven (the pool proves it at load) and its cache is plain KV layers.
+        benchmarks/README.md, "Figures behind design choices"). It moves once the
+        batch step is proven (the pool proves it at load) and its cache is plain KV layers.
         The move copies the cache once, as a second request's arrival always
         did; admission already holds a whole-context copy for a prompt's last
         prefill chunk, and the move comes right after it."""
