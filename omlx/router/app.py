@@ -1,0 +1,170 @@
+"""The router's FastAPI app: inference routes proxied to a backend, the merged
+model list, memory-control fan-out, ``/metrics`` and ``/health``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from omlx.api.auth import ApiKeyAuth, require_api_key
+from omlx.api.body_guard import BodyGuardMiddleware
+from omlx.api.errors import install_error_handlers
+from omlx.api.origin_guard import OriginGuardMiddleware
+from omlx.errors import InvalidRequestError
+from omlx.router.affinity import AffinityTable
+from omlx.router.backends import BackendSet
+from omlx.router.config import RouterConfig
+from omlx.router.fanout import FANOUT_PATHS, fan_out, split_targets, summary
+from omlx.router.metrics import router_registry
+from omlx.router.proxy import Proxy
+
+log = logging.getLogger(__name__)
+
+# Inference routes of the OpenAI, Anthropic, Responses and Ollama APIs.
+PROXIED_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/api/chat",
+    "/api/generate",
+    "/api/embed",
+    "/api/embeddings",
+)
+
+
+def _client(config: RouterConfig) -> httpx.AsyncClient:
+    # No read timeout: a long prefill or generation is the client's to give up on.
+    timeout = httpx.Timeout(connect=config.connect_timeout_s, read=None, write=60.0, pool=None)
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+
+def create_router_app(config: RouterConfig) -> FastAPI:
+    client = _client(config)
+    backends = BackendSet(config, client)
+    affinity = AffinityTable(config.affinity_max_entries)
+    proxy = Proxy(config, backends, affinity, client)
+    registry = router_registry(backends, affinity, proxy.stats)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await backends.poll_all()  # models known before the first request
+        for backend in backends.backends:
+            state = "healthy" if backend.healthy else f"down ({backend.error})"
+            log.info("backend %s: %s, models: %s", backend.url, state, sorted(backend.model_ids))
+        polling = asyncio.create_task(backends.poll_forever(), name="router-poll")
+        yield
+        polling.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await polling
+        await client.aclose()
+
+    app = FastAPI(
+        title="omlx router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.auth = ApiKeyAuth(lambda: config.api_key)
+    app.state.router = proxy
+    app.add_middleware(BodyGuardMiddleware, limit_fn=lambda: config.max_body_bytes)
+    install_error_handlers(app)
+    app.add_middleware(
+        OriginGuardMiddleware,
+        bind_host=config.host,
+        allowed_hosts_fn=lambda: [],
+        cors_origins_fn=lambda: [],
+    )
+    api_key = [Depends(require_api_key)]
+
+    async def forward(request: Request) -> Response:
+        return await proxy.forward(request)
+
+    for path in PROXIED_PATHS:
+        app.add_api_route(path, forward, methods=["POST"], dependencies=api_key)
+
+    @app.get("/v1/models", dependencies=api_key)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": merged_models(backends)}
+
+    @app.get("/metrics", dependencies=api_key)
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        rows = [backend_row(b) for b in backends.backends]
+        healthy = sum(1 for b in backends.backends if b.healthy)
+        body = {
+            "status": "ok" if healthy else "no healthy backend",
+            "healthy": healthy,
+            "total": len(rows),
+            "backends": rows,
+        }
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    async def memory_control(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        targets, forwarded = split_targets(body, backends)
+        path = request.url.path
+        outcomes = await fan_out(client, targets, path, forwarded, config.fanout_timeout_s)
+        if path == "/release_memory_occupation":
+            for outcome in outcomes:  # its prefix cache may be gone: affinity is stale
+                if outcome.ok:
+                    affinity.forget_backend(outcome.backend)
+        status, report = summary(outcomes, path)
+        return JSONResponse(report, status_code=status)
+
+    for path in FANOUT_PATHS:
+        app.add_api_route(path, memory_control, methods=["POST"], dependencies=api_key)
+    return app
+
+
+def merged_models(backends: BackendSet) -> list[dict[str, Any]]:
+    """Each model once (the first backend's entry), with every healthy backend serving it."""
+    merged: dict[str, dict[str, Any]] = {}
+    for backend in backends.healthy():
+        for model in backend.models:
+            entry = merged.setdefault(model["id"], {**model, "backends": []})
+            entry["backends"].append(backend.url)
+    return sorted(merged.values(), key=lambda m: m["id"])
+
+
+def backend_row(backend: Any) -> dict[str, Any]:
+    return {
+        "url": backend.url,
+        "healthy": backend.healthy,
+        "error": backend.error,
+        "models": sorted(backend.model_ids),
+        "in_flight": backend.num_in_flight,
+        "requests_in_flight": backend.load.requests_in_flight,
+        "queue_depth": backend.load.queue_depth,
+        "memory_headroom_bytes": backend.load.headroom_bytes,
+        "requests_routed": backend.num_routed,
+        "checked_s_ago": round(time.monotonic() - backend.checked_at, 3)
+        if backend.checked_at
+        else None,
+    }
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise InvalidRequestError("request body is not valid JSON") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    return body

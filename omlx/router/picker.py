@@ -1,0 +1,60 @@
+"""Which backend serves a request: prefix affinity first, else the least loaded,
+only among healthy backends that serve the requested model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omlx.errors import ServiceUnavailableError
+from omlx.router.affinity import AffinityTable
+from omlx.router.backends import Backend, BackendSet
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    backend: Backend
+    reason: str  # "affinity" or "least_loaded"
+    num_matched_blocks: int = 0
+
+
+def candidates(backends: BackendSet, model: str | None, exclude: set[str]) -> list[Backend]:
+    """Healthy backends listing ``model``; every healthy backend when none lists
+    it (no model named, or an alias a backend resolves: it answers 404 if not).
+
+    Raises ServiceUnavailableError when those are all down or excluded."""
+    serving = [b for b in backends.backends if model in b.model_ids] or backends.backends
+    usable = [b for b in serving if b.healthy and b.url not in exclude]
+    if not usable:
+        down = ", ".join(f"{b.url} ({b.error or 'failed'})" for b in serving)
+        what = f"'{model}'" if model else "requests"
+        raise ServiceUnavailableError(f"no backend can serve {what} now: {down}", retry_after_s=2)
+    return usable
+
+
+_GIB = 1024**3
+
+
+def _load_key(backend: Backend) -> tuple[int, int, int, float]:
+    # Memory-pressed last; then fewest in flight, most headroom (whole GiB, so noise
+    # does not decide), least recently chosen (so equally idle backends take turns).
+    pressed = int(backend.load.admission_paused)
+    headroom_gib = backend.load.headroom_bytes // _GIB
+    return (pressed, backend.busy, -headroom_gib, backend.last_routed_at)
+
+
+def choose(
+    backends: BackendSet,
+    affinity: AffinityTable,
+    model: str | None,
+    hashes: list[bytes],
+    max_extra_load: int,
+    exclude: set[str] | None = None,
+) -> Choice:
+    usable = candidates(backends, model, exclude or set())
+    least = min(usable, key=_load_key)
+    match = affinity.lookup(hashes)
+    if match is not None:
+        owner = next((b for b in usable if b.url == match[0]), None)
+        if owner is not None and owner.busy - least.busy <= max_extra_load:
+            return Choice(owner, "affinity", match[1])
+    return Choice(least, "least_loaded")

@@ -1,0 +1,167 @@
+"""Through the router, with the official clients: chat, streams, prefix affinity,
+least-loaded spread, per-model routing, merged models, auth, metrics, disconnects."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from omlx.router.proxy import BACKEND_HEADER
+from tests.fixtures.prom import scrape, value
+from tests.fixtures.servers import aborted_count, wait_aborted
+from tests.router.conftest import ROUTER_KEY, Fleet
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def client(fleet: Fleet) -> openai.OpenAI:
+    return openai.OpenAI(base_url=fleet.router.base_url + "/v1", api_key=ROUTER_KEY, max_retries=0)
+
+
+def chat(client: openai.OpenAI, text: str, model: str = MODEL) -> tuple[str, object]:
+    """(backend URL that served it, the completion)."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=[{"role": "user", "content": text}],
+        max_tokens=4,
+        temperature=0,
+    )
+    return raw.headers[BACKEND_HEADER], raw.parse()
+
+
+def test_chat_completion_through_the_router(fleet: Fleet, client: openai.OpenAI) -> None:
+    backend, reply = chat(client, "Say hello through the router.")
+    assert backend in fleet.backends
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens >= 1
+
+
+def test_anthropic_messages_with_x_api_key(fleet: Fleet) -> None:
+    client = anthropic.Anthropic(base_url=fleet.router.base_url, api_key=ROUTER_KEY, max_retries=0)
+    message = client.messages.create(
+        model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hello, Claude router."}]
+    )
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.output_tokens >= 1
+
+
+def test_stream_chunks_arrive_as_generated(fleet: Fleet, client: openai.OpenAI) -> None:
+    # slow-llama decodes at ~70 tok/s here: 40 tokens take ~0.5 s to generate.
+    arrivals = []
+    stream = client.chat.completions.create(
+        model="slow-llama",
+        messages=[{"role": "user", "content": "Stream this, token by token."}],
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.monotonic())
+    assert len(arrivals) >= 8, arrivals
+    # Buffered relaying would deliver everything at once, at the end.
+    assert arrivals[-1] - arrivals[0] > 0.2, arrivals
+
+
+def test_repeated_long_prompt_lands_on_its_cache(fleet: Fleet, client: openai.OpenAI) -> None:
+    long_prompt = "The router should keep this long shared document on one backend. " * 20
+    first, _ = chat(client, long_prompt)
+    for i in range(3):
+        chat(client, f"An unrelated short question number {i}.")  # moves least-loaded on
+        again, reply = chat(client, long_prompt)
+        assert again == first
+        assert reply.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_distinct_prompts_spread_over_idle_backends(fleet: Fleet, client: openai.OpenAI) -> None:
+    served = Counter(
+        chat(client, f"Distinct question {i}: what is {i} + {i}?")[0] for i in range(6)
+    )
+    assert set(served) == set(fleet.backends)
+
+
+def test_busy_backend_is_avoided(fleet: Fleet, client: openai.OpenAI) -> None:
+    with httpx.stream(
+        "POST",
+        fleet.router.base_url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {ROUTER_KEY}"},
+        json={
+            "model": "slow-llama",
+            "messages": [{"role": "user", "content": "Keep this backend busy."}],
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "stream": True,
+        },
+        timeout=60,
+    ) as busy:
+        busy_backend = busy.headers[BACKEND_HEADER]
+        for served in (chat(client, f"Meanwhile, question {i}?")[0] for i in range(4)):
+            assert served != busy_backend
+
+
+def test_model_served_by_one_backend_routes_there(fleet: Fleet, client: openai.OpenAI) -> None:
+    for i in range(3):
+        backend, _ = chat(client, f"Only C has this model ({i}).", model="tiny-qwen3")
+        assert backend == fleet.c.base_url
+
+
+def test_models_are_merged_with_their_backends(fleet: Fleet, client: openai.OpenAI) -> None:
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"tiny-llama", "slow-llama", "tiny-qwen3"}
+    assert sorted(models["tiny-llama"].backends) == sorted(fleet.backends)
+    assert models["tiny-qwen3"].backends == [fleet.c.base_url]
+
+
+def test_router_key_is_required(fleet: Fleet) -> None:
+    anonymous = openai.OpenAI(
+        base_url=fleet.router.base_url + "/v1", api_key="wrong", max_retries=0
+    )
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.models.list()
+    assert httpx.get(fleet.router.base_url + "/metrics").status_code == 401
+    assert httpx.get(fleet.router.base_url + "/health").status_code == 200
+
+
+def test_metrics_show_each_backend(fleet: Fleet, client: openai.OpenAI) -> None:
+    headers = {"Authorization": f"Bearer {ROUTER_KEY}"}
+    chat(client, "Count me in the router's metrics.")
+    samples = scrape(fleet.router.base_url, headers=headers)
+    for url in fleet.backends:
+        assert value(samples, "omlx_router_backend_up", backend=url) == 1
+    routed = sum(s.value for s in samples if s.name == "omlx_router_requests_routed_total")
+    assert routed >= 1
+
+
+def test_client_disconnect_aborts_upstream(fleet: Fleet) -> None:
+    body = {
+        "model": "slow-llama",
+        "messages": [{"role": "user", "content": "A long answer the client abandons."}],
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {ROUTER_KEY}"}
+    before = {url: _aborted(s) for url, s in fleet.backends.items()}
+    with httpx.stream(
+        "POST", fleet.router.base_url + "/v1/chat/completions", json=body, headers=headers,
+        timeout=60,
+    ) as response:  # fmt: skip
+        backend = response.headers[BACKEND_HEADER]
+        chunks = response.iter_bytes()
+        next(chunks)
+        next(chunks)
+    wait_aborted(fleet.backends[backend], "slow-llama", before[backend] + 1)
+
+
+def _aborted(server: object) -> int:
+    try:
+        return aborted_count(server, "slow-llama")  # type: ignore[arg-type]
+    except StopIteration:  # not loaded there yet
+        return 0
