@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -44,7 +45,7 @@ class Backend:
     spec: BackendSpec
     healthy: bool = False
     error: str | None = "not polled yet"
-    models: list[dict] = field(default_factory=list)  # /v1/models "data" entries
+    models: list[dict[str, Any]] = field(default_factory=list)  # /v1/models "data" entries
     load: Load = field(default_factory=Load)
     num_in_flight: int = 0  # proxied by the router right now
     num_routed: int = 0
@@ -123,7 +124,7 @@ class BackendSet:
             log.info("backend %s is healthy (%d models)", backend.url, len(models))
         backend.healthy = True
 
-    async def _read(self, backend: Backend) -> tuple[list[dict], Load]:
+    async def _read(self, backend: Backend) -> tuple[list[dict[str, Any]], Load]:
         headers = backend.auth_headers()
         get = self._client.get
         health, models, metrics = await asyncio.gather(

@@ -23,7 +23,7 @@ from omlx.router.config import (
 log = logging.getLogger("omlx.router")
 
 
-def add_router_parser(sub: argparse._SubParsersAction) -> None:
+def add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     router = sub.add_parser(
         "router",
         help="one endpoint in front of several omlx servers",

@@ -41,7 +41,9 @@ class Outcome:
         return out
 
 
-def split_targets(body: dict[str, Any], backends: BackendSet) -> tuple[list[Backend], dict]:
+def split_targets(
+    body: dict[str, Any], backends: BackendSet
+) -> tuple[list[Backend], dict[str, Any]]:
     """The backends a fan-out goes to (``backends``: URLs, default all) and the
     body forwarded to each (the same body, without ``backends``)."""
     forwarded = {k: v for k, v in body.items() if k != "backends"}
@@ -52,18 +54,22 @@ def split_targets(body: dict[str, Any], backends: BackendSet) -> tuple[list[Back
         raise InvalidRequestError(
             "'backends' must be a non-empty list of backend URLs", param="backends"
         )
-    targets, unknown = [], []
+    targets: list[Backend] = []
+    unknown: list[str] = []
     for raw in wanted:
         backend = backends.get(raw.strip().rstrip("/").removesuffix("/v1"))
-        (targets if backend is not None else unknown).append(backend or raw)
+        if backend is None:
+            unknown.append(raw)
+        elif backend not in targets:
+            targets.append(backend)
     if unknown:
         known = ", ".join(b.url for b in backends.backends)
         raise InvalidRequestError(
-            f"'backends': {', '.join(map(str, unknown))} is not a backend of this router "
+            f"'backends': {', '.join(unknown)} is not a backend of this router "
             f"(its backends: {known})",
             param="backends",
         )
-    return list(dict.fromkeys(targets)), forwarded
+    return targets, forwarded
 
 
 async def fan_out(

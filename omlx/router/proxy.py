@@ -148,7 +148,7 @@ class Proxy:
         outgoing = self.client.build_request(
             request.method,
             url,
-            params=request.query_params.multi_items(),
+            params=str(request.query_params),
             headers={**_forwarded_headers(request), **backend.auth_headers()},
             content=raw,
         )
