@@ -50,6 +50,8 @@ class Backend:
     num_in_flight: int = 0  # proxied by the router right now
     num_routed: int = 0
     last_routed_at: float = 0.0  # monotonic
+    # After a 503 with Retry-After the backend is skipped until then (if others can serve).
+    cooling_until: float = 0.0  # monotonic
     num_failed_polls: int = 0
     checked_at: float = 0.0
 

@@ -3,6 +3,7 @@ only among healthy backends that serve the requested model."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from omlx.errors import ServiceUnavailableError
@@ -28,7 +29,8 @@ def candidates(backends: BackendSet, model: str | None, exclude: set[str]) -> li
         down = ", ".join(f"{b.url} ({b.error or 'failed'})" for b in serving)
         what = f"'{model}'" if model else "requests"
         raise ServiceUnavailableError(f"no backend can serve {what} now: {down}", retry_after_s=2)
-    return usable
+    now = time.monotonic()
+    return [b for b in usable if b.cooling_until <= now] or usable
 
 
 _GIB = 1024**3

@@ -222,6 +222,8 @@ async def _failed_answer(backend: Backend, upstream: httpx.Response) -> Failure:
         backend.num_in_flight -= 1
         await upstream.aclose()
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
+    if upstream.status_code == 503:
+        backend.cooling_until = time.monotonic() + _retry_after_s(upstream.headers)
     headers.pop("content-length", None)
     headers.pop("content-encoding", None)
     return Failure(backend, f"answered {upstream.status_code}", upstream.status_code, body, headers)
@@ -234,6 +236,14 @@ async def _read_capped(upstream: httpx.Response, limit: int) -> bytes:
         if len(data) >= limit:
             break
     return data[:limit]
+
+
+def _retry_after_s(headers: httpx.Headers) -> float:
+    """The backend's Retry-After in seconds (1..30; 2 when absent or a date)."""
+    try:
+        return min(30.0, max(1.0, float(headers.get("retry-after", "2"))))
+    except ValueError:
+        return 2.0
 
 
 def _failure_response(failure: Failure) -> Response:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,8 +42,9 @@ def model_dir(root: Path, tiny_models_dir: Path, names: tuple[str, ...]) -> Path
     return root
 
 
-def start_router(specs: list[BackendSpec], **overrides: object) -> RouterServer:
-    config = RouterConfig(backends=tuple(specs), port=free_port(), poll_interval_s=0.3, **overrides)
+def start_router(specs: list[BackendSpec], **overrides: Any) -> RouterServer:
+    settings: dict[str, Any] = {"poll_interval_s": 0.3, **overrides}
+    config = RouterConfig(backends=tuple(specs), port=free_port(), **settings)
     router = RouterServer(config)
     router.start_in_thread()
     return router
