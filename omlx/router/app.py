@@ -37,6 +37,7 @@ PROXIED_PATHS = (
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/responses",
+    "/v1/responses/input_tokens",
     "/v1/embeddings",
     "/api/chat",
     "/api/generate",
@@ -92,6 +93,16 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     for path in PROXIED_PATHS:
         app.add_api_route(path, forward, methods=["POST"], dependencies=api_key)
+
+    async def stored_response(request: Request, response_id: str) -> Response:
+        return await proxy.forward_stored(request, response_id)
+
+    for path, methods in (
+        ("/v1/responses/{response_id}", ["GET", "DELETE"]),
+        ("/v1/responses/{response_id}/input_items", ["GET"]),
+        ("/v1/responses/{response_id}/cancel", ["POST"]),
+    ):
+        app.add_api_route(path, stored_response, methods=methods, dependencies=api_key)
 
     @app.get("/v1/models", dependencies=api_key)
     async def models() -> dict[str, Any]:

@@ -14,7 +14,7 @@ from omlx.router.backends import Backend, BackendSet
 @dataclass(frozen=True, slots=True)
 class Choice:
     backend: Backend
-    reason: str  # "affinity" or "least_loaded"
+    reason: str  # "pinned", "affinity" or "least_loaded"
     num_matched_blocks: int = 0
 
 
@@ -51,8 +51,14 @@ def choose(
     hashes: list[bytes],
     max_extra_load: int,
     exclude: set[str] | None = None,
+    pinned: str | None = None,
 ) -> Choice:
+    """``pinned``: a backend that must serve it if it can (it holds state the
+    request refers to, e.g. a stored response)."""
     usable = candidates(backends, model, exclude or set())
+    owner = next((b for b in usable if b.url == pinned), None)
+    if owner is not None:
+        return Choice(owner, "pinned")
     least = min(usable, key=_load_key)
     match = affinity.lookup(hashes)
     if match is not None:

@@ -23,6 +23,7 @@ from omlx.router.affinity import AffinityTable, block_hashes
 from omlx.router.backends import Backend, BackendSet
 from omlx.router.config import RouterConfig
 from omlx.router.picker import Choice, choose
+from omlx.router.sessions import ResponseOwners, noting_response_id
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,13 @@ class Failure:
     status: int | None = None
     body: bytes = b""
     headers: dict[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    model: str | None
+    hashes: list[bytes]
+    pinned: str | None  # the backend holding the previous response, if known
 
 
 @dataclass(slots=True)
@@ -83,23 +91,46 @@ class Proxy:
         self.affinity = affinity
         self.client = client
         self.stats = RouteStats.empty()
+        self.response_owners = ResponseOwners()
 
     async def forward(self, request: Request) -> Response:
         raw = await request.body()
         body = _json_object(raw)
         model = body.get("model") if isinstance(body.get("model"), str) else None
         hashes = block_hashes(body, self.config.affinity_block_chars)
+        pinned = self.response_owners.get(body.get("previous_response_id"))
         opened = await _unless_disconnected(
-            request, self._open_with_retry(request, raw, model, hashes)
+            request, self._open_with_retry(request, raw, _Route(model, hashes, pinned))
         )
         if opened is None:  # the client left before any answer: nobody reads this
             return Response(status_code=499)
         if isinstance(opened, Failure):
             return _failure_response(opened)
-        return self._relay(opened)
+        return self._relay(opened, note_response_id=request.url.path == "/v1/responses")
+
+    async def forward_stored(self, request: Request, response_id: str) -> Response:
+        """A stored response's routes go to the backend that made it; when the
+        router does not know it (e.g. after a restart), to each backend in turn
+        until one has it."""
+        owner = self.response_owners.get(response_id)
+        order = sorted(self.backends.healthy(), key=lambda b: b.url != owner)
+        if not order:
+            raise ServiceUnavailableError("no healthy backend", retry_after_s=2)
+        for index, backend in enumerate(order):
+            result = await self._try(backend, request, b"")
+            if isinstance(result, Failure):
+                if index == len(order) - 1:
+                    return _failure_response(result)
+                continue
+            last = index == len(order) - 1
+            if result.upstream.status_code != 404 or last:
+                return self._relay(result, note_response_id=False)
+            await result.upstream.aclose()
+            backend.num_in_flight -= 1
+        raise AssertionError("unreachable: the last backend's answer is returned")
 
     async def _open_with_retry(
-        self, request: Request, raw: bytes, model: str | None, hashes: list[bytes]
+        self, request: Request, raw: bytes, route: _Route
     ) -> Opened | Failure:
         """The first try that gives output; a failure before output is retried
         once on another backend (the last failure is returned if both fail)."""
@@ -107,7 +138,7 @@ class Proxy:
         failure: Failure | None = None
         for _ in range(2):
             try:
-                choice = self._choose(model, hashes, tried)
+                choice = self._choose(route, tried)
             except ServiceUnavailableError:
                 if failure is None:
                     raise
@@ -116,7 +147,7 @@ class Proxy:
             if isinstance(result, Opened):
                 self._count(choice, retried_from=failure)
                 if result.upstream.status_code < 400:
-                    self.affinity.record(hashes, choice.backend.url)
+                    self.affinity.record(route.hashes, choice.backend.url)
                 return result
             failure = result
             tried.add(choice.backend.url)
@@ -124,14 +155,15 @@ class Proxy:
         assert failure is not None
         return failure
 
-    def _choose(self, model: str | None, hashes: list[bytes], tried: set[str]) -> Choice:
+    def _choose(self, route: _Route, tried: set[str]) -> Choice:
         return choose(
             self.backends,
             self.affinity,
-            model,
-            hashes,
+            route.model,
+            route.hashes,
             self.config.affinity_max_extra_load,
             exclude=tried,
+            pinned=route.pinned,
         )
 
     def _count(self, choice: Choice, retried_from: Failure | None) -> None:
@@ -177,10 +209,10 @@ class Proxy:
             raise
         return Opened(backend, upstream, first, chunks)
 
-    def _relay(self, opened: Opened) -> Response:
+    def _relay(self, opened: Opened, note_response_id: bool) -> Response:
         backend = opened.backend
 
-        async def body() -> AsyncIterator[bytes]:
+        async def chunks() -> AsyncIterator[bytes]:
             try:
                 if opened.first_chunk:
                     yield opened.first_chunk
@@ -189,9 +221,12 @@ class Proxy:
             except httpx.TransportError as exc:  # mid-stream: the client sees it end early
                 log.warning("backend %s broke off a response: %r", backend.url, exc)
 
+        body = chunks()
+        if note_response_id and opened.upstream.status_code < 400:
+            body = noting_response_id(body, self.response_owners, backend.url)
         headers = {k: v for k, v in opened.upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
         headers[BACKEND_HEADER] = backend.url
-        return _RelayedResponse(opened, body(), headers)
+        return _RelayedResponse(opened, body, headers)
 
 
 class _RelayedResponse(StreamingResponse):

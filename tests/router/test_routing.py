@@ -11,10 +11,11 @@ import httpx
 import openai
 import pytest
 
+from omlx.router.config import BackendSpec
 from omlx.router.proxy import BACKEND_HEADER
 from tests.fixtures.prom import scrape, value
 from tests.fixtures.servers import aborted_count, wait_aborted
-from tests.router.conftest import ROUTER_KEY, Fleet
+from tests.router.conftest import C_KEY, ROUTER_KEY, Fleet, start_router
 
 MODEL = "tiny-llama"
 
@@ -165,3 +166,41 @@ def _aborted(server: object) -> int:
         return aborted_count(server, "slow-llama")  # type: ignore[arg-type]
     except StopIteration:  # not loaded there yet
         return 0
+
+
+def test_responses_follow_up_goes_to_the_backend_that_stored_it(
+    fleet: Fleet, client: openai.OpenAI
+) -> None:
+    first = client.responses.with_raw_response.create(
+        model=MODEL, input="Remember the word 'teal'.", max_output_tokens=4, store=True
+    )
+    owner, stored = first.headers[BACKEND_HEADER], first.parse()
+    for i in range(3):  # distinct prompts would move least-loaded on; the id pins it
+        follow = client.responses.with_raw_response.create(
+            model=MODEL,
+            input=f"Follow-up {i}: which word?",
+            previous_response_id=stored.id,
+            max_output_tokens=4,
+        )
+        assert follow.headers[BACKEND_HEADER] == owner
+    streamed = client.responses.create(
+        model=MODEL, input="Streamed and stored.", max_output_tokens=4, stream=True
+    )
+    ends = ("response.completed", "response.incomplete")
+    streamed_id = next(e.response.id for e in streamed if e.type in ends)
+    assert client.responses.retrieve(streamed_id).id == streamed_id
+    # A router that never saw these ids still finds them, by asking each backend.
+    other = start_router(
+        [BackendSpec(u, C_KEY if u == fleet.c.base_url else None) for u in fleet.backends]
+    )
+    try:
+        fresh = openai.OpenAI(base_url=other.base_url + "/v1", api_key="unused", max_retries=0)
+        for response_id in (stored.id, streamed_id):
+            assert fresh.responses.retrieve(response_id).id == response_id
+        with pytest.raises(openai.NotFoundError):
+            fresh.responses.retrieve("resp_nowhere")
+    finally:
+        other.stop()
+    client.responses.delete(stored.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(stored.id)
