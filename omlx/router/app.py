@@ -22,7 +22,7 @@ from omlx.api.errors import install_error_handlers
 from omlx.api.origin_guard import OriginGuardMiddleware
 from omlx.errors import InvalidRequestError
 from omlx.router.affinity import AffinityTable
-from omlx.router.backends import BackendSet
+from omlx.router.backends import POLL_TIMEOUT_S, Backend, BackendSet
 from omlx.router.config import RouterConfig
 from omlx.router.fanout import FANOUT_PATHS, fan_out, split_targets, summary
 from omlx.router.metrics import router_registry
@@ -108,6 +108,10 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": merged_models(backends)}
 
+    @app.get("/api/tags", dependencies=api_key)
+    async def ollama_tags() -> dict[str, Any]:
+        return {"models": await merged_tags(client, backends)}
+
     @app.get("/metrics", dependencies=api_key)
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
@@ -151,7 +155,26 @@ def merged_models(backends: BackendSet) -> list[dict[str, Any]]:
     return sorted(merged.values(), key=lambda m: m["id"])
 
 
-def backend_row(backend: Any) -> dict[str, Any]:
+async def merged_tags(client: httpx.AsyncClient, backends: BackendSet) -> list[dict[str, Any]]:
+    """Ollama's model list, asked of every healthy backend at once (each name once)."""
+
+    async def tags(backend: Backend) -> list[dict[str, Any]]:
+        try:
+            reply = await client.get(
+                f"{backend.url}/api/tags", headers=backend.auth_headers(), timeout=POLL_TIMEOUT_S
+            )
+            return list(reply.json()["models"]) if reply.status_code == 200 else []
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return []
+
+    merged: dict[str, dict[str, Any]] = {}
+    for rows in await asyncio.gather(*(tags(b) for b in backends.healthy())):
+        for row in rows:
+            merged.setdefault(str(row.get("name")), row)
+    return sorted(merged.values(), key=lambda m: str(m.get("name")))
+
+
+def backend_row(backend: Backend) -> dict[str, Any]:
     return {
         "url": backend.url,
         "healthy": backend.healthy,

@@ -23,7 +23,9 @@ def candidates(backends: BackendSet, model: str | None, exclude: set[str]) -> li
     it (no model named, or an alias a backend resolves: it answers 404 if not).
 
     Raises ServiceUnavailableError when those are all down or excluded."""
-    serving = [b for b in backends.backends if model in b.model_ids] or backends.backends
+    # Ollama clients name "model:latest" what /v1/models lists as "model".
+    names = {model, model.removesuffix(":latest")} if model else set()
+    serving = [b for b in backends.backends if names & b.model_ids] or backends.backends
     usable = [b for b in serving if b.healthy and b.url not in exclude]
     if not usable:
         down = ", ".join(f"{b.url} ({b.error or 'failed'})" for b in serving)

@@ -8,6 +8,7 @@ from collections import Counter
 
 import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 
@@ -204,3 +205,24 @@ def test_responses_follow_up_goes_to_the_backend_that_stored_it(
     client.responses.delete(stored.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(stored.id)
+
+
+def test_ollama_chat_and_tags(fleet: Fleet) -> None:
+    client = ollama.Client(
+        host=fleet.router.base_url, headers={"Authorization": f"Bearer {ROUTER_KEY}"}
+    )
+    names = {m.model for m in client.list().models}
+    assert names == {"tiny-llama:latest", "slow-llama:latest", "tiny-qwen3:latest"}
+    for _ in range(3):  # only C has it, under Ollama's name too
+        reply = client.chat(
+            model="tiny-qwen3:latest",
+            messages=[{"role": "user", "content": "Hello from Ollama's client."}],
+            options={"num_predict": 4},
+        )
+        assert reply.message.role == "assistant" and reply.eval_count >= 1
+    reply = client.chat(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hello from Ollama's client."}],
+        options={"num_predict": 4},
+    )
+    assert reply.message.role == "assistant" and reply.eval_count >= 1
