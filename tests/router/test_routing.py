@@ -226,3 +226,25 @@ def test_ollama_chat_and_tags(fleet: Fleet) -> None:
         options={"num_predict": 4},
     )
     assert reply.message.role == "assistant" and reply.eval_count >= 1
+
+
+def test_client_giving_up_on_a_non_streamed_answer_aborts_upstream(fleet: Fleet) -> None:
+    body = {
+        "model": "slow-llama",
+        "messages": [{"role": "user", "content": "A long answer nobody waits for."}],
+        "max_tokens": 2000,
+        "ignore_eos": True,
+    }
+    before = {url: _aborted(s) for url, s in fleet.backends.items()}
+    headers = {"Authorization": f"Bearer {ROUTER_KEY}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            fleet.router.base_url + "/v1/chat/completions", json=body, headers=headers, timeout=1.5
+        )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        after = {url: _aborted(s) for url, s in fleet.backends.items()}
+        if sum(after.values()) > sum(before.values()):
+            break
+        time.sleep(0.05)
+    assert sum(after.values()) == sum(before.values()) + 1
