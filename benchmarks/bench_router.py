@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import subprocess
 import sys
@@ -24,6 +25,13 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def wait_health(proc: subprocess.Popen, url: str, log: Path) -> None:
@@ -83,13 +91,16 @@ def main() -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--requests", type=int, default=50, help="per path")
     parser.add_argument("--tokens", type=int, default=4, help="max_tokens per request")
-    parser.add_argument("--port", type=int, default=8765)
-    parser.add_argument("--router-port", type=int, default=8766)
+    parser.add_argument("--port", type=int, default=0, help="the server's (default: a free one)")
+    parser.add_argument("--router-port", type=int, default=0, help="default: a free one")
     args = parser.parse_args()
     if not (args.model_dir / args.model).exists():
         from omlx.models.builtin import install_default_model
 
         install_default_model(args.model_dir)
+    # Free ports by default: a fixed one may be another benchmark's server.
+    args.port = args.port or free_port()
+    args.router_port = args.router_port or free_port()
     tmp = Path(tempfile.mkdtemp(prefix="omlx-bench-router-"))
     direct = f"http://127.0.0.1:{args.port}"
     routed = f"http://127.0.0.1:{args.router_port}"

@@ -116,18 +116,17 @@ class Proxy:
         order = sorted(self.backends.healthy(), key=lambda b: b.url != owner)
         if not order:
             raise ServiceUnavailableError("no healthy backend", retry_after_s=2)
-        for index, backend in enumerate(order):
+        for backend in order[:-1]:
             result = await self._try(backend, request, b"")
-            if isinstance(result, Failure):
-                if index == len(order) - 1:
-                    return _failure_response(result)
-                continue
-            last = index == len(order) - 1
-            if result.upstream.status_code != 404 or last:
-                return self._relay(result, note_response_id=False)
-            await result.upstream.aclose()
-            backend.num_in_flight -= 1
-        raise AssertionError("unreachable: the last backend's answer is returned")
+            if isinstance(result, Opened):
+                if result.upstream.status_code != 404:
+                    return self._relay(result, note_response_id=False)
+                await result.upstream.aclose()  # not there: ask the next one
+                backend.num_in_flight -= 1
+        last = await self._try(order[-1], request, b"")  # its answer, even a 404, is final
+        if isinstance(last, Failure):
+            return _failure_response(last)
+        return self._relay(last, note_response_id=False)
 
     async def _open_with_retry(
         self, request: Request, raw: bytes, route: _Route
