@@ -105,6 +105,8 @@ def router_command(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # httpx logs every request at INFO: the polls would drown the router's own lines.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     from omlx.router.server import RouterServer
 
     server = RouterServer(config)

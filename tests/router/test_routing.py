@@ -51,6 +51,11 @@ def test_anthropic_messages_with_x_api_key(fleet: Fleet) -> None:
     )
     assert message.stop_reason in ("end_turn", "max_tokens")
     assert message.usage.output_tokens >= 1
+    with client.messages.stream(
+        model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Stream, Claude."}]
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.usage.output_tokens >= 1
 
 
 def test_stream_chunks_arrive_as_generated(fleet: Fleet, client: openai.OpenAI) -> None:
