@@ -80,11 +80,17 @@ def test_stream_chunks_arrive_as_generated(fleet: Fleet, client: openai.OpenAI) 
 def test_repeated_long_prompt_lands_on_its_cache(fleet: Fleet, client: openai.OpenAI) -> None:
     long_prompt = "The router should keep this long shared document on one backend. " * 20
     first, _ = chat(client, long_prompt)
+    headers = {"Authorization": f"Bearer {ROUTER_KEY}"}
+    before = value(scrape(fleet.router.base_url, headers), "omlx_router_requests_routed_total",
+                   backend=first, reason="affinity")  # fmt: skip
     for i in range(3):
         chat(client, f"An unrelated short question number {i}.")  # moves least-loaded on
         again, reply = chat(client, long_prompt)
         assert again == first
         assert reply.usage.prompt_tokens_details.cached_tokens >= 16
+    after = value(scrape(fleet.router.base_url, headers), "omlx_router_requests_routed_total",
+                  backend=first, reason="affinity")  # fmt: skip
+    assert after == before + 3
 
 
 def test_distinct_prompts_spread_over_idle_backends(fleet: Fleet, client: openai.OpenAI) -> None:
