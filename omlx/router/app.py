@@ -20,12 +20,19 @@ from omlx.api.auth import ApiKeyAuth, require_api_key
 from omlx.api.body_guard import BodyGuardMiddleware
 from omlx.api.errors import install_error_handlers
 from omlx.api.origin_guard import OriginGuardMiddleware
-from omlx.errors import InvalidRequestError
+from omlx.errors import InvalidRequestError, ModelNotFoundError
 from omlx.router.affinity import AffinityTable
-from omlx.router.backends import POLL_TIMEOUT_S, Backend, BackendSet
+from omlx.router.backends import Backend, BackendSet
 from omlx.router.config import RouterConfig
 from omlx.router.fanout import FANOUT_PATHS, fan_out, split_targets, summary
 from omlx.router.metrics import router_registry
+from omlx.router.models import (
+    anthropic_entry,
+    anthropic_page,
+    merged_models,
+    merged_tags,
+    openai_list,
+)
 from omlx.router.proxy import Proxy
 
 log = logging.getLogger(__name__)
@@ -105,8 +112,17 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         app.add_api_route(path, stored_response, methods=methods, dependencies=api_key)
 
     @app.get("/v1/models", dependencies=api_key)
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": merged_models(backends)}
+    async def models(request: Request) -> dict[str, Any]:
+        entries = merged_models(backends)
+        return anthropic_page(entries) if _anthropic(request) else openai_list(entries)
+
+    @app.get("/v1/models/{model_id:path}", dependencies=api_key)
+    async def model(request: Request, model_id: str) -> dict[str, Any]:
+        entries = merged_models(backends)
+        entry = next((e for e in entries if e["id"] == model_id), None)
+        if entry is None:
+            raise ModelNotFoundError(model_id, [e["id"] for e in entries])
+        return anthropic_entry(entry) if _anthropic(request) else entry
 
     @app.get("/api/tags", dependencies=api_key)
     async def ollama_tags() -> dict[str, Any]:
@@ -145,35 +161,6 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     return app
 
 
-def merged_models(backends: BackendSet) -> list[dict[str, Any]]:
-    """Each model once (the first backend's entry), with every healthy backend serving it."""
-    merged: dict[str, dict[str, Any]] = {}
-    for backend in backends.healthy():
-        for model in backend.models:
-            entry = merged.setdefault(model["id"], {**model, "backends": []})
-            entry["backends"].append(backend.url)
-    return sorted(merged.values(), key=lambda m: m["id"])
-
-
-async def merged_tags(client: httpx.AsyncClient, backends: BackendSet) -> list[dict[str, Any]]:
-    """Ollama's model list, asked of every healthy backend at once (each name once)."""
-
-    async def tags(backend: Backend) -> list[dict[str, Any]]:
-        try:
-            reply = await client.get(
-                f"{backend.url}/api/tags", headers=backend.auth_headers(), timeout=POLL_TIMEOUT_S
-            )
-            return list(reply.json()["models"]) if reply.status_code == 200 else []
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            return []
-
-    merged: dict[str, dict[str, Any]] = {}
-    for rows in await asyncio.gather(*(tags(b) for b in backends.healthy())):
-        for row in rows:
-            merged.setdefault(str(row.get("name")), row)
-    return sorted(merged.values(), key=lambda m: str(m.get("name")))
-
-
 def backend_row(backend: Backend) -> dict[str, Any]:
     return {
         "url": backend.url,
@@ -189,6 +176,11 @@ def backend_row(backend: Backend) -> dict[str, Any]:
         if backend.checked_at
         else None,
     }
+
+
+def _anthropic(request: Request) -> bool:
+    """Anthropic's SDK sends this header; it gets the models in Anthropic's shape."""
+    return "anthropic-version" in request.headers
 
 
 async def _json_body(request: Request) -> dict[str, Any]:

@@ -259,3 +259,16 @@ def test_client_giving_up_on_a_non_streamed_answer_aborts_upstream(fleet: Fleet)
             break
         time.sleep(0.05)
     assert sum(after.values()) == sum(before.values()) + 1
+
+
+def test_anthropic_sdk_lists_and_retrieves_models(fleet: Fleet) -> None:
+    client = anthropic.Anthropic(base_url=fleet.router.base_url, api_key=ROUTER_KEY, max_retries=0)
+    listed = [m.id for m in client.models.list()]
+    assert listed == ["slow-llama", "tiny-llama", "tiny-qwen3"]
+    assert client.models.retrieve("tiny-qwen3").id == "tiny-qwen3"
+    with pytest.raises(anthropic.NotFoundError):
+        client.models.retrieve("no-such-model")
+    openai_client = openai.OpenAI(
+        base_url=fleet.router.base_url + "/v1", api_key=ROUTER_KEY, max_retries=0
+    )
+    assert openai_client.models.retrieve("tiny-llama").id == "tiny-llama"
