@@ -9,12 +9,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from omlx.api.auth import ApiKeyAuth, require_api_key
 from omlx.api.body_guard import BodyGuardMiddleware
@@ -60,19 +61,36 @@ def _client(config: RouterConfig) -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=timeout, limits=limits)
 
 
+@dataclass(frozen=True, slots=True)
+class RouterState:
+    config: RouterConfig
+    client: httpx.AsyncClient
+    backends: BackendSet
+    affinity: AffinityTable
+    proxy: Proxy
+    registry: CollectorRegistry
+
+
+def state_of(request: Request) -> RouterState:
+    state: RouterState = request.app.state.router
+    return state
+
+
 def create_router_app(config: RouterConfig) -> FastAPI:
     client = _client(config)
     backends = BackendSet(config, client)
     affinity = AffinityTable(config.affinity_max_entries)
     proxy = Proxy(config, backends, affinity, client)
-    registry = router_registry(backends, affinity, proxy.stats)
+    state = RouterState(
+        config, client, backends, affinity, proxy, router_registry(backends, affinity, proxy.stats)
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await backends.poll_all()  # models known before the first request
         for backend in backends.backends:
-            state = "healthy" if backend.healthy else f"down ({backend.error})"
-            log.info("backend %s: %s, models: %s", backend.url, state, sorted(backend.model_ids))
+            health = "healthy" if backend.healthy else f"down ({backend.error})"
+            log.info("backend %s: %s, models: %s", backend.url, health, sorted(backend.model_ids))
         polling = asyncio.create_task(backends.poll_forever(), name="router-poll")
         yield
         polling.cancel()
@@ -84,81 +102,96 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         title="omlx router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.auth = ApiKeyAuth(lambda: config.api_key)
-    app.state.router = proxy
+    app.state.router = state
     app.add_middleware(BodyGuardMiddleware, limit_fn=lambda: config.max_body_bytes)
     install_error_handlers(app)
+    # Outermost: a foreign Host or a cross-site request reaches nothing (see origin_guard).
     app.add_middleware(
         OriginGuardMiddleware,
         bind_host=config.host,
         allowed_hosts_fn=lambda: [],
         cors_origins_fn=lambda: [],
     )
-    api_key = [Depends(require_api_key)]
-
-    async def forward(request: Request) -> Response:
-        return await proxy.forward(request)
-
-    for path in PROXIED_PATHS:
-        app.add_api_route(path, forward, methods=["POST"], dependencies=api_key)
-
-    async def stored_response(request: Request, response_id: str) -> Response:
-        return await proxy.forward_stored(request, response_id)
-
-    for path, methods in (
-        ("/v1/responses/{response_id}", ["GET", "DELETE"]),
-        ("/v1/responses/{response_id}/input_items", ["GET"]),
-        ("/v1/responses/{response_id}/cancel", ["POST"]),
-    ):
-        app.add_api_route(path, stored_response, methods=methods, dependencies=api_key)
-
-    @app.get("/v1/models", dependencies=api_key)
-    async def models(request: Request) -> dict[str, Any]:
-        entries = merged_models(backends)
-        return anthropic_page(entries) if _anthropic(request) else openai_list(entries)
-
-    @app.get("/v1/models/{model_id:path}", dependencies=api_key)
-    async def model(request: Request, model_id: str) -> dict[str, Any]:
-        entries = merged_models(backends)
-        entry = next((e for e in entries if e["id"] == model_id), None)
-        if entry is None:
-            raise ModelNotFoundError(model_id, [e["id"] for e in entries])
-        return anthropic_entry(entry) if _anthropic(request) else entry
-
-    @app.get("/api/tags", dependencies=api_key)
-    async def ollama_tags() -> dict[str, Any]:
-        return {"models": await merged_tags(client, backends)}
-
-    @app.get("/metrics", dependencies=api_key)
-    async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        rows = [backend_row(b) for b in backends.backends]
-        healthy = sum(1 for b in backends.backends if b.healthy)
-        body = {
-            "status": "ok" if healthy else "no healthy backend",
-            "healthy": healthy,
-            "total": len(rows),
-            "backends": rows,
-        }
-        return JSONResponse(body, status_code=200 if healthy else 503)
-
-    async def memory_control(request: Request) -> JSONResponse:
-        body = await _json_body(request)
-        targets, forwarded = split_targets(body, backends)
-        path = request.url.path
-        outcomes = await fan_out(client, targets, path, forwarded, config.fanout_timeout_s)
-        if path == "/release_memory_occupation":
-            for outcome in outcomes:  # its prefix cache may be gone: affinity is stale
-                if outcome.ok:
-                    affinity.forget_backend(outcome.backend)
-        status, report = summary(outcomes, path)
-        return JSONResponse(report, status_code=status)
-
-    for path in FANOUT_PATHS:
-        app.add_api_route(path, memory_control, methods=["POST"], dependencies=api_key)
+    app.include_router(routes)
+    app.get("/health")(health)  # open, as omlx's own
     return app
+
+
+routes = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+async def forward(request: Request) -> Response:
+    return await state_of(request).proxy.forward(request)
+
+
+async def stored_response(request: Request, response_id: str) -> Response:
+    return await state_of(request).proxy.forward_stored(request, response_id)
+
+
+for _path in PROXIED_PATHS:
+    routes.add_api_route(_path, forward, methods=["POST"])
+for _path, _methods in (
+    ("/v1/responses/{response_id}", ["GET", "DELETE"]),
+    ("/v1/responses/{response_id}/input_items", ["GET"]),
+    ("/v1/responses/{response_id}/cancel", ["POST"]),
+):
+    routes.add_api_route(_path, stored_response, methods=_methods)
+
+
+@routes.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    entries = merged_models(state_of(request).backends)
+    return anthropic_page(entries) if _anthropic(request) else openai_list(entries)
+
+
+@routes.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str) -> dict[str, Any]:
+    entries = merged_models(state_of(request).backends)
+    entry = next((e for e in entries if e["id"] == model_id), None)
+    if entry is None:
+        raise ModelNotFoundError(model_id, [e["id"] for e in entries])
+    return anthropic_entry(entry) if _anthropic(request) else entry
+
+
+@routes.get("/api/tags")
+async def ollama_tags(request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    return {"models": await merged_tags(state.client, state.backends)}
+
+
+@routes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(state_of(request).registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def health(request: Request) -> JSONResponse:
+    backends = state_of(request).backends.backends
+    healthy = sum(1 for b in backends if b.healthy)
+    body = {
+        "status": "ok" if healthy else "no healthy backend",
+        "healthy": healthy,
+        "total": len(backends),
+        "backends": [backend_row(b) for b in backends],
+    }
+    return JSONResponse(body, status_code=200 if healthy else 503)
+
+
+async def memory_control(request: Request) -> JSONResponse:
+    """Release or resume on the backends (see fanout); 200 only if all succeeded."""
+    state = state_of(request)
+    targets, forwarded = split_targets(await _json_body(request), state.backends)
+    path = request.url.path
+    outcomes = await fan_out(state.client, targets, path, forwarded, state.config.fanout_timeout_s)
+    if path == "/release_memory_occupation":
+        for outcome in outcomes:  # its prefix cache may be gone: affinity is stale
+            if outcome.ok:
+                state.affinity.forget_backend(outcome.backend)
+    status, report = summary(outcomes, path)
+    return JSONResponse(report, status_code=status)
+
+
+for _path in FANOUT_PATHS:
+    routes.add_api_route(_path, memory_control, methods=["POST"])
 
 
 def backend_row(backend: Backend) -> dict[str, Any]:
