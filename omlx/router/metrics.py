@@ -24,6 +24,10 @@ class RouterCollector(Collector):
         return []  # built at scrape time
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._backend_gauges()
+        yield from self._routing()
+
+    def _backend_gauges(self) -> Iterator[Metric]:
         rows = self._backends.backends
         gauges = (
             ("up", "1 while the backend passes health checks", lambda b: int(b.healthy)),
@@ -46,6 +50,8 @@ class RouterCollector(Collector):
             for backend in rows:
                 family.add_metric([backend.url], value(backend))
             yield family
+
+    def _routing(self) -> Iterator[Metric]:
         routed = CounterMetricFamily(
             "omlx_router_requests_routed",
             "Requests routed, by backend and reason (affinity, least_loaded, retry)",
