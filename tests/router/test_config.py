@@ -56,3 +56,12 @@ def test_bad_backends_are_refused_with_the_reason(urls: list, keys: dict, messag
 def test_a_key_without_url_is_refused() -> None:
     with pytest.raises(SettingsError, match="URL=KEY"):
         parse_backend_keys(["sk-only"], None)
+
+
+def test_fanout_timeout_and_poll_interval_flags() -> None:
+    assert config_from_args(parse("--backend", "http://h:1")).fanout_timeout_s == 120.0
+    args = parse("--backend", "http://h:1", "--fanout-timeout", "30", "--poll-interval", "0.5")
+    config = config_from_args(args)
+    assert (config.fanout_timeout_s, config.poll_interval_s) == (30.0, 0.5)
+    with pytest.raises(SettingsError, match="positive seconds"):
+        config_from_args(parse("--backend", "http://h:1", "--fanout-timeout", "0"))
