@@ -121,3 +121,22 @@ def test_down_backend_is_taken_out_and_put_back(fleet: Fleet, spare: Spare) -> N
         assert spare.url in served
     finally:
         router.stop()
+
+
+def test_no_backend_left_answers_502_then_503(spare: Spare) -> None:
+    router = start_router([BackendSpec(spare.url)], poll_interval_s=60)
+    client = openai.OpenAI(base_url=router.base_url + "/v1", api_key="unused", max_retries=0)
+    message = [{"role": "user", "content": "Anyone there?"}]
+    try:
+        spare.stop()
+        with pytest.raises(openai.InternalServerError) as failed:
+            client.chat.completions.create(model=MODEL, messages=message, max_tokens=2)
+        assert failed.value.status_code == 502
+        assert f"backend {spare.url} failed" in failed.value.message
+        with pytest.raises(openai.InternalServerError) as down:  # now known to be down
+            client.chat.completions.create(model=MODEL, messages=message, max_tokens=2)
+        assert down.value.status_code == 503
+        assert "connection refused" in down.value.message
+        assert httpx.get(router.base_url + "/health").status_code == 503
+    finally:
+        router.stop()

@@ -90,7 +90,7 @@ class _OldServer(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         if self.server.slow:  # type: ignore[attr-defined]
             time.sleep(3)
-        body = b"no such route " + b"x" * 2000 + b"\xff\xfe"
+        body = b"no such route \xff\xfe " + "é".encode() * 1000
         self.send_response(404)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -123,8 +123,9 @@ def test_missing_endpoint_is_a_failure_with_capped_detail(fleet: Fleet) -> None:
     assert reply.status_code == 502
     (failed,) = reply.json()["failed"]
     assert failed["backend"] == old and failed["status"] == 404
-    assert failed["detail"].startswith("no such route xxx")
-    assert len(failed["detail"].encode()) <= DETAIL_MAX_BYTES
+    # Bytes that are not UTF-8 become U+FFFD; a character cut at the cap is dropped.
+    assert failed["detail"].startswith("no such route \ufffd\ufffd éé")
+    assert DETAIL_MAX_BYTES - 2 <= len(failed["detail"].encode()) <= DETAIL_MAX_BYTES
 
 
 def test_a_slow_backend_times_out_without_holding_the_others(fleet: Fleet) -> None:
