@@ -34,8 +34,12 @@ BACKEND_HEADER = "x-omlx-backend"
 _HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "upgrade"}
 )
-# The router's own credentials stay here; the backend's key is added per backend.
-_NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "authorization", "x-api-key", "cookie"}
+# The router's own credentials stay here; the backend's key is added per backend. The
+# router's origin guard has vetted the request: the backend's would see a foreign origin.
+_NOT_FORWARDED = _HOP_BY_HOP | {
+    "host", "content-length", "authorization", "x-api-key", "cookie", "origin", "referer",
+    "sec-fetch-site", "sec-fetch-mode", "sec-fetch-dest", "sec-fetch-user",
+}  # fmt: skip
 _DISCONNECT_POLL_S = 0.25
 _T = TypeVar("_T")
 

@@ -272,3 +272,14 @@ def test_anthropic_sdk_lists_and_retrieves_models(fleet: Fleet) -> None:
         base_url=fleet.router.base_url + "/v1", api_key=ROUTER_KEY, max_retries=0
     )
     assert openai_client.models.retrieve("tiny-llama").id == "tiny-llama"
+
+
+def test_same_origin_page_is_served_and_foreign_one_refused(fleet: Fleet) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    own = {"Authorization": f"Bearer {ROUTER_KEY}", "Origin": fleet.router.base_url}
+    url = fleet.router.base_url + "/v1/chat/completions"
+    assert httpx.post(url, json=body, headers=own, timeout=60).status_code == 200
+    foreign = {**own, "Origin": "https://evil.example"}
+    refused = httpx.post(url, json=body, headers=foreign, timeout=60)
+    assert refused.status_code == 403
+    assert refused.json()["error"]["code"] == "cross_site_request"
