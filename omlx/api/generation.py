@@ -38,16 +38,13 @@ class Generation:
 
     def submit(self) -> None:
         loop = asyncio.get_running_loop()
-        try:
-            for request in self.requests:
-                stream = RequestStream(
-                    request.request_id, loop, wants_admission=self.wants_admission
-                )
-                self.engine.submit(request, stream)
-                self.streams.append(stream)
-        except BaseException:
-            self.abort_unfinished()
-            raise
+        streams = [
+            RequestStream(r.request_id, loop, wants_admission=self.wants_admission)
+            for r in self.requests
+        ]
+        # All or none, in one step: a prompt's choices share its prefill.
+        self.engine.submit_together(list(zip(self.requests, streams, strict=True)))
+        self.streams = streams
         if self.observer is not None:
             self.observer.started(self.engine.name, len(self.streams))
 

@@ -9,25 +9,26 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from omlx.api import anthropic_models
-from omlx.api.formats import ChatFormat, CompletionFormat, usage_of
+from omlx.api.formats import ChatFormat, CompletionFormat
 from omlx.api.generation import ClientGone, Generation, sse_stream, unless_disconnected
 from omlx.api.metrics import observer_for
 from omlx.api.output_parser import parser_for
 from omlx.api.prompts import (
     chat_prompt,
+    choice_requests,
     completion_prompt_ids,
     decoded_prompts,
-    make_request,
     new_request_id,
     sampling_params,
 )
 from omlx.api.schemas import ChatCompletionRequest, CompletionRequest
-from omlx.api.sse import SSE_HEADERS
+from omlx.api.sse import DONE, SSE_HEADERS, sse_data
 from omlx.api.state import state_of
 from omlx.api.structured import bind_grammar, grammar_spec, with_unenforced_header
 from omlx.api.tool_grammar import combined, openai_tool_constraint
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.pool import EnginePool
+from omlx.engine.prompt_scores import prompt_logprobs
 from omlx.engine.stream import StreamEvent
 from omlx.errors import InvalidRequestError
 from omlx.models.discovery import ModelInfo
@@ -85,7 +86,7 @@ async def _respond(
     def on_event(index: int, event: StreamEvent) -> dict[str, Any] | None:
         chunk = fmt.chunk(index, event)
         if event.finished and all(c.finish_reason for c in fmt.choices):
-            usage = usage_of(fmt.choices)
+            usage = fmt.usage()
             gen.log_done(
                 kind,
                 usage["prompt_tokens"],
@@ -151,18 +152,25 @@ async def _chat_completion(
     )
     grammar = await bind_grammar(engine, spec)
     rid = new_request_id("chatcmpl")
-    gen = Generation(
-        engine, [make_request(rid, prompt.ids, params, grammar)], observer=observer_for(request)
-    )
+    requests = choice_requests(rid, prompt.ids, params, grammar, body.n)
+    gen = Generation(engine, requests, observer=observer_for(request))
     tools = bool(body.tools) and body.tool_choice != "none"
-    parser = parser_for(
-        engine.tokenizer,
-        tools_requested=tools,
-        reasoning=bool(getattr(engine.tokenizer, "has_thinking", False)),
-        prompt_text=prompt.text,
-        tool_schemas=body.tools if tools else None,
+    parsers = [
+        parser_for(
+            engine.tokenizer,
+            tools_requested=tools,
+            reasoning=bool(getattr(engine.tokenizer, "has_thinking", False)),
+            prompt_text=prompt.text,
+            tool_schemas=body.tools if tools else None,
+        )
+        for _ in range(body.n)
+    ]
+    fmt = ChatFormat(
+        rid,
+        state.pool.public_name(engine.name),
+        parsers,
+        logprobs=body.logprobs_wanted() is not None,
     )
-    fmt = ChatFormat(rid, state.pool.public_name(engine.name), [parser])
     response = await _respond(request, body, gen, fmt, "chat")
     return with_unenforced_header(response, spec, rid)
 
@@ -182,19 +190,46 @@ async def _completion(body: CompletionRequest, request: Request, engine: ModelEn
     grammar = await bind_grammar(engine, spec)
     rid = new_request_id("cmpl")
     defaults = state.pool.request_defaults(engine.name)
-    requests = [
-        make_request(
-            f"{rid}-{i}",
-            ids,
-            sampling_params(
-                body, len(ids), engine, defaults.sampling, defaults.generation, defaults.forced
-            ),
-            grammar,
+    requests = []
+    for i, ids in enumerate(prompts):
+        params = sampling_params(
+            body, len(ids), engine, defaults.sampling, defaults.generation, defaults.forced
         )
-        for i, ids in enumerate(prompts)
-    ]
+        requests += choice_requests(f"{rid}-{i}", ids, params, grammar, body.n)
     echoes = await decoded_prompts(engine, prompts) if body.echo else [""] * len(prompts)
-    fmt = CompletionFormat(rid, state.pool.public_name(engine.name), echoes)
+    scored = None
+    if body.echo and body.logprobs is not None:
+        scored = [await prompt_logprobs(engine, ids, body.logprobs) for ids in prompts]
+    fmt = CompletionFormat(
+        rid,
+        state.pool.public_name(engine.name),
+        echoes,
+        n=body.n,
+        logprobs=body.logprobs is not None,
+        prompt_logprobs=scored,
+    )
+    if body.max_tokens == 0:
+        return _echo_only(body, fmt, prompts)
     gen = Generation(engine, requests, observer=observer_for(request))
     response = await _respond(request, body, gen, fmt, "completion")
     return with_unenforced_header(response, spec, rid)
+
+
+def _echo_only(
+    body: CompletionRequest, fmt: CompletionFormat, prompts: list[list[int]]
+) -> Response:
+    """``max_tokens`` 0 with ``echo``: the prompts (and their logprobs) only, nothing
+    generated (lm-eval-harness scores a continuation this way)."""
+    chunks = [
+        fmt.chunk(
+            i, StreamEvent(num_prompt_tokens=len(prompts[i // fmt.n]), finish_reason="length")
+        )
+        for i in range(len(fmt.choices))
+    ]
+    if not body.stream:
+        return JSONResponse(fmt.body())
+    opts = body.stream_options
+    if opts is not None and opts.include_usage:
+        chunks.append(fmt.usage_chunk())
+    frames = [sse_data(c) for c in chunks if c is not None] + [DONE]
+    return StreamingResponse(iter(frames), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -7,6 +7,7 @@ never on the event loop.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import uuid
@@ -223,8 +224,6 @@ def sampling_params(
     forced: frozenset[str] = frozenset(),
 ) -> SamplingParams:
     """Request values over defaults; checks the context window."""
-    if body.logprobs:
-        raise InvalidRequestError("logprobs are not supported yet", param="logprobs")
     return build_sampling(
         engine,
         num_prompt_tokens,
@@ -239,6 +238,7 @@ def sampling_params(
             stop=body.stop_strings(),
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            logprobs=body.logprobs_wanted(),
         ),
         defaults,
         generation,
@@ -260,6 +260,8 @@ class SamplingRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Alternatives per token with logprobs (None: no logprobs).
+    logprobs: int | None = None
     # The name of the max-tokens field in this API, for error messages.
     max_tokens_param: str = "max_tokens"
 
@@ -308,6 +310,7 @@ def build_sampling(
         max_tokens=max_tokens,
         stop=req.stop,
         stop_token_ids=frozenset(stop_ids),
+        logprobs=req.logprobs,
     )
 
 
@@ -315,3 +318,23 @@ def make_request(
     request_id: str, prompt_ids: list[int], sampling: SamplingParams, grammar: Any = None
 ) -> Request:
     return Request(request_id, tuple(prompt_ids), sampling, grammar)
+
+
+def choice_requests(
+    request_id: str, prompt_ids: list[int], sampling: SamplingParams, grammar: Any, n: int
+) -> list[Request]:
+    """``n`` sequences of one prompt (choices 0..n-1), started together so they share
+    its prefill; with a seed, choice i samples with seed + i so the choices differ."""
+    if n == 1:
+        return [make_request(request_id, prompt_ids, sampling, grammar)]
+    return [
+        make_request(
+            f"{request_id}-{i}",
+            prompt_ids,
+            sampling
+            if sampling.seed is None
+            else dataclasses.replace(sampling, seed=sampling.seed + i),
+            grammar,
+        )
+        for i in range(n)
+    ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 # StrictBool: "stream": "yes" is a 400 (as OpenAI answers), not true.
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from omlx.errors import InvalidRequestError
 from omlx.template_vars import TemplateVarError, check_template_vars
@@ -18,6 +18,10 @@ from omlx.template_vars import TemplateVarError, check_template_vars
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+# Choices per request (``n``): parallel sequences sharing the prompt's prefill.
+MAX_CHOICES = 8
+# Alternatives per token with logprobs (OpenAI's bound for chat's top_logprobs).
+MAX_TOP_LOGPROBS = 20
 
 
 class _Body(BaseModel):
@@ -69,8 +73,7 @@ class _Sampling(_Body):
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
-    logprobs: bool | int | None = None
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     response_format: dict[str, Any] | None = None
     # Extension (vLLM's name): exactly one of json, regex, grammar (EBNF), choice.
     structured_outputs: dict[str, Any] | None = None
@@ -96,6 +99,21 @@ class ChatCompletionRequest(_Sampling):
     # (omlx/api/tool_grammar.py).
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError(
+                "'top_logprobs' needs 'logprobs': true; set logprobs to true or drop top_logprobs",
+                param="top_logprobs",
+            )
+        return self
+
+    def logprobs_wanted(self) -> int | None:
+        """Alternatives per token with logprobs (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -116,8 +134,25 @@ PromptField = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(_Sampling):
     prompt: PromptField
+    # 0 with echo: score the prompt only (lm-eval-harness's loglikelihood idiom).
+    max_tokens: int | None = Field(default=None, ge=0)
     echo: StrictBool = False
     suffix: str | None = None
+    # OpenAI's legacy bound is 5; omlx allows as many as chat's top_logprobs.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
+
+    @model_validator(mode="after")
+    def _zero_tokens_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError(
+                "'max_tokens' 0 generates nothing: it is allowed only with 'echo': true "
+                "(to score the prompt with logprobs); set max_tokens to at least 1",
+                param="max_tokens",
+            )
+        return self
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

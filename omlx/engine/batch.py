@@ -4,8 +4,8 @@ Built on mlx-lm's public pieces: ``PromptProcessingBatch`` prefills several
 prompts in one right-padded forward per chunk, and the batched caches
 (``BatchKVCache`` and friends, via each cache type's ``merge``/``extend``/
 ``extract``/``filter``) hold the decoding sequences. The decode step itself is
-ours: it samples from the raw logits (omlx returns no logprobs, so no
-log-softmax over the vocabulary per row) and, on the CPU backend, hands each
+ours: it samples from the raw logits (a log-softmax over the vocabulary runs
+only for the rows that asked for logprobs, in one op) and, on the CPU backend, hands each
 step's tokens out at the end of that same step. mlx-lm's BatchGenerator hands
 them out one call later, after queuing the next forward, which on a GPU costs
 nothing but on the CPU backend delays every token, a first token included, by
@@ -23,6 +23,8 @@ import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
 
 from omlx.engine.compiled import CompiledBatchStep
+from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
+from omlx.scheduler import TokenLogprob, TokenOutput
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -39,19 +41,57 @@ class Row:
     processors: list[Any]
     # Every token fed so far (the processors' context); kept only with processors.
     context: mx.array | None = field(default=None)
+    # Top alternatives wanted with each token's logprob (None: no logprobs).
+    logprobs: int | None = None
 
     @classmethod
     def make(
-        cls, request_id: str, sampler: Sampler, processors: list[Any], fed: Sequence[int]
+        cls,
+        request_id: str,
+        sampler: Sampler,
+        processors: list[Any],
+        fed: Sequence[int],
+        logprobs: int | None = None,
     ) -> Row:
         context = mx.array(list(fed)) if processors and fed else None
-        return cls(request_id, sampler, processors, context)
+        return cls(request_id, sampler, processors, context, logprobs)
 
     def remember(self, fed: mx.array) -> mx.array | None:
         if self.processors:
             ctx = self.context
             self.context = fed if ctx is None else mx.concatenate([ctx, fed])
         return self.context
+
+
+@dataclass(frozen=True, slots=True)
+class AskedLogprobs:
+    """The logprobs of one step's rows that asked (lazy until handed out)."""
+
+    request_ids: list[str]
+    ks: list[int]
+    pending: PendingLogprobs
+
+    def resolve(self, token_of: dict[str, int]) -> dict[str, TokenLogprob]:
+        """Python values by request id, for the rows still in ``token_of``."""
+        tokens = [token_of.get(rid, 0) for rid in self.request_ids]
+        values = self.pending.to_python(tokens, self.ks)
+        return {rid: v for rid, v in zip(self.request_ids, values, strict=True) if rid in token_of}
+
+
+def asked_logprobs(
+    rows: Sequence[Row], logits: mx.array, sampled: mx.array
+) -> AskedLogprobs | None:
+    """Logprobs for the rows that asked: one log-softmax and top-k over just those
+    rows (None when no row asked: the others pay nothing)."""
+    asking = [e for e, row in enumerate(rows) if row.logprobs is not None]
+    if not asking:
+        return None
+    if len(asking) < len(rows):
+        picked = mx.array(asking)
+        logits, sampled = logits[picked], sampled[picked]
+    ks = [rows[e].logprobs or 0 for e in asking]
+    pending = pending_logprobs(logits, sampled, max(ks))
+    return AskedLogprobs([rows[e].request_id for e in asking], ks, pending)
 
 
 def merge_caches(caches: Sequence[list[Any]]) -> list[Any]:
@@ -211,6 +251,8 @@ class DecodeBatch:
         # What each row feeds next, and whether it is a sampled token not handed out.
         self._feed: mx.array | None = None
         self._fresh: list[bool] = []
+        # The logprobs of the tokens in ``_feed`` (pipelined: handed out next step).
+        self._feed_logprobs: AskedLogprobs | None = None
         self._num_steps = 0
         # Rows joined since the last step (whose first tokens it samples).
         self._joined = False
@@ -242,8 +284,8 @@ class DecodeBatch:
         self._fresh.extend([False] * len(rows))
         self._joined = True
 
-    def step(self) -> list[tuple[str, int]]:
-        """One forward of every row; the (request id, token) pairs handed out."""
+    def step(self) -> list[TokenOutput]:
+        """One forward of every row; the tokens handed out."""
         if not self.rows:
             return []
         feed = self._feed
@@ -255,34 +297,53 @@ class DecodeBatch:
         self._joined = False
         if logits is None:
             logits = self._model(feed[:, None], cache=self._cache)[:, -1, :]
-        sampled = self._sample(logits, feed)
+        logits = self._process(logits, feed)
+        sampled = self._sample(logits)
+        asked = asked_logprobs(self.rows, logits, sampled)
+        lazy = [sampled, *(asked.pending.arrays() if asked is not None else [])]
         if self._pipelined:
-            mx.async_eval(sampled)
-            out = [
-                (row.request_id, token)
-                for row, token, fresh in zip(self.rows, feed.tolist(), self._fresh, strict=True)
-                if fresh
-            ]
+            mx.async_eval(lazy)
+            # The tokens sampled last step (in ``feed``) leave now, with their logprobs.
+            out = self._outputs(feed.tolist(), self._feed_logprobs, self._fresh)
             self._fresh = [True] * len(self.rows)
         else:
-            out = [(row.request_id, t) for row, t in zip(self.rows, sampled.tolist(), strict=True)]
-        self._feed = sampled
+            mx.eval(lazy)
+            out = self._outputs(sampled.tolist(), asked, [True] * len(self.rows))
+        self._feed, self._feed_logprobs = sampled, asked
         self._num_steps += 1
         if self._num_steps % _CLEAR_EVERY == 0:
             mx.clear_cache()
         return out
 
-    def _sample(self, logits: mx.array, feed: mx.array) -> mx.array:
-        if any(row.processors for row in self.rows):
-            processed = []
-            for e, row in enumerate(self.rows):
-                one = logits[e : e + 1]
-                if row.processors:
-                    context = row.remember(feed[e : e + 1])
-                    for processor in row.processors:
-                        one = processor(context, one)
-                processed.append(one)
-            logits = mx.concatenate(processed, axis=0)
+    def _outputs(
+        self, tokens: list[int], asked: AskedLogprobs | None, send: list[bool]
+    ) -> list[TokenOutput]:
+        logprobs: dict[str, TokenLogprob] = {}
+        if asked is not None:
+            logprobs = asked.resolve(
+                {r.request_id: t for r, t in zip(self.rows, tokens, strict=True)}
+            )
+        return [
+            TokenOutput(row.request_id, t, logprobs.get(row.request_id))
+            for row, t, fresh in zip(self.rows, tokens, send, strict=True)
+            if fresh
+        ]
+
+    def _process(self, logits: mx.array, feed: mx.array) -> mx.array:
+        """Each row's logits processors (repetition penalty, grammar) on its row."""
+        if not any(row.processors for row in self.rows):
+            return logits
+        processed = []
+        for e, row in enumerate(self.rows):
+            one = logits[e : e + 1]
+            if row.processors:
+                context = row.remember(feed[e : e + 1])
+                for processor in row.processors:
+                    one = processor(context, one)
+            processed.append(one)
+        return mx.concatenate(processed, axis=0)
+
+    def _sample(self, logits: mx.array) -> mx.array:
         first = self.rows[0].sampler
         if all(row.sampler is first for row in self.rows):
             return first(logits)  # one call for the batch (greedy rows share a sampler)
@@ -309,6 +370,7 @@ class DecodeBatch:
         keep = _others(len(self.rows), gone)
         if not keep:
             self.rows, self._cache, self._feed, self._fresh = [], [], None, []
+            self._feed_logprobs = None
             return out
         for layer in self._cache:
             layer.filter(keep)

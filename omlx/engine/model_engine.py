@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections import Counter, defaultdict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,6 +21,7 @@ from omlx.cache.prefix import PrefixCache
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omlx.engine.runner import OpeningGate, PrefillChunk
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
+from omlx.engine.token_text import LogprobEntry, TokenText
 from omlx.errors import (
     EngineError,
     InvalidRequestError,
@@ -57,6 +59,7 @@ class Runner(Protocol):
 
 class Poster(Protocol):
     def post(self, fn: Any, *args: Any) -> None: ...
+    def submit(self, fn: Any, *args: Any) -> Future: ...
     def busy_besides(self, engine: Any) -> bool: ...
 
 
@@ -120,6 +123,8 @@ class ModelEngine:
         # Decoding runs on the MLX thread with its own tokenizer object so it
         # never shares a Rust tokenizer borrow with encoding on the event loop.
         self._decoder = _private_decoder(loaded.tokenizer)
+        # Tokens as logprobs show them (MLX thread: it reads the private decoder).
+        self.token_text = TokenText(self._decoder)
         self._grammar_lock = threading.Lock()
         self._grammar_compiler: Any = None
 
@@ -151,21 +156,36 @@ class ModelEngine:
     def submit(self, request: Request, stream: RequestStream) -> None:
         """Queue a request. Raises PrefillMemoryExceededError for a prompt that can
         never fit under the memory limit, QueueFullError when at capacity."""
-        self.guard.check_prefill(request.num_prompt_tokens)
+        self.submit_together([(request, stream)])
+
+    def submit_together(self, pairs: list[tuple[Request, RequestStream]]) -> None:
+        """Queue requests as one arrival, all or none: the MLX thread takes them in
+        the same step, so the choices of one prompt (``n``) share its prefill."""
+        for request, _ in pairs:
+            self.guard.check_prefill(request.num_prompt_tokens)
         with self._lock:
             if self._refusal is not None:
                 raise copy.copy(self._refusal)
-            if self._num_in_flight >= self._scheduler.capacity:
+            if self._num_in_flight + len(pairs) > self._scheduler.capacity:
                 raise QueueFullError(
                     f"model '{self.name}' is at capacity ({self._num_in_flight} requests "
                     "running or queued); retry shortly",
                     retry_after_s=1,
                 )
-            self._num_in_flight += 1
-        self._worker.post(self._add, request, stream)
+            self._num_in_flight += len(pairs)
+        self._worker.post(self._add_all, pairs)
 
     def abort(self, request_id: str) -> None:
         self._worker.post(self._abort, request_id)
+
+    def run_on_mlx(self, fn: Any, *args: Any, even_if_closed: bool = False) -> Future:
+        """Run ``fn(*args)`` on the MLX thread between steps (prompt scoring);
+        refused like ``submit`` once the engine stops taking requests, unless
+        ``even_if_closed`` (a clean-up)."""
+        with self._lock:
+            if self._refusal is not None and not even_if_closed:
+                raise copy.copy(self._refusal)
+        return self._worker.submit(fn, *args)
 
     def refuse_new(self, error: OmlxError | None) -> None:
         """Refuse requests submitted from now on with ``error`` (None: take them
@@ -195,6 +215,10 @@ class ModelEngine:
         if self._runner.has_work:
             return 0.0
         return self._scheduler.ready_in(time.monotonic())
+
+    def _add_all(self, pairs: list[tuple[Request, RequestStream]]) -> None:
+        for request, stream in pairs:
+            self._add(request, stream)
 
     def _add(self, request: Request, stream: RequestStream) -> None:
         # Closed and shut down already: nothing will step this engine again.
@@ -285,6 +309,9 @@ class ModelEngine:
         if status.is_finished:
             text += live.detok.flush()
         text, stop_string = live.stops.feed(text)
+        logprobs: tuple[LogprobEntry, ...] = ()
+        if update.logprobs is not None and update.visible:
+            logprobs = (self.token_text.entry(update.logprobs),)
         hit_stop = stop_string is not None
         if hit_stop:
             if not status.is_finished:
@@ -292,7 +319,7 @@ class ModelEngine:
             status = RequestStatus.FINISHED_STOPPED
         elif status.is_finished and not hit_stop:
             text += live.stops.flush()
-        if text or status.is_finished:
+        if text or status.is_finished or logprobs:
             outbox.append(
                 (
                     live.stream,
@@ -303,6 +330,7 @@ class ModelEngine:
                         num_cached_tokens=live.num_cached_tokens,
                         finish_reason=status.finish_reason,
                         stop_string=stop_string,
+                        logprobs=logprobs,
                     ),
                 )
             )

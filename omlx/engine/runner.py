@@ -29,6 +29,7 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 from omlx.cache.prefix import CacheHit, PrefixCache, common_prefix
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, Sampler, merge_caches
 from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
+from omlx.engine.forks import ChoiceForks
 from omlx.engine.solo import SoloSequence
 from omlx.grammar.processor import Draw, greedy_draw, temperature_draw
 from omlx.scheduler import Request, SamplingParams, TokenOutput
@@ -59,8 +60,8 @@ def make_request_sampler(params: SamplingParams) -> Sampler:
     """Greedy requests share one sampler (one batched argmax); others get their own
     PRNG key so a seed reproduces the same tokens whatever else is in the batch.
 
-    Samplers get raw logits (no step computes a log-softmax: omlx returns
-    no logprobs, and argmax and categorical do not need one); the nucleus, min-p and
+    Samplers get raw logits (argmax and categorical need no log-softmax; the
+    logprobs some requests ask for are computed beside, logprobs.py); the nucleus, min-p and
     top-k filters normalise first (top-p exponentiates, which overflows on raw logits)."""
     if params.is_greedy:
         return greedy_sampler
@@ -100,7 +101,10 @@ def make_request_processors(request: Request) -> list[Any]:
 
 def grammar_draw(params: SamplingParams) -> Draw | None:
     """How the grammar's fast path draws this request's pick; None when only the
-    full mask is exact (top-p/top-k/min-p cut by the masked distribution)."""
+    full mask is exact (top-p/top-k/min-p cut by the masked distribution) or
+    the request wants logprobs (of the masked distribution, not of one token)."""
+    if params.logprobs is not None:
+        return None
     if params.is_greedy:
         return greedy_draw
     if params.top_p >= 1.0 and params.top_k <= 0 and params.min_p <= 0.0:
@@ -144,6 +148,9 @@ class BatchRunner:
         self._decoder = CompiledDecode.for_model(model) if compiled else None
         self._batch_step = CompiledBatchStep.for_model(model) if compiled else None
         self._decode = DecodeBatch(model, pipelined=pipelined, compiled=self._batch_step)
+        # A request's choices (same prompt, started together) wait for one to prefill
+        # it, when it is longer than the shared opening covers.
+        self._forks = ChoiceForks(self._row, prefill_step_size + 3)
         # On a Mac, keep the weights wired as mlx-lm's generators do (None elsewhere).
         self._old_wired_limit = maybe_set_recommended_wired_limit()
         # A lone request runs unbatched (see solo.py); None while batching.
@@ -223,8 +230,9 @@ class BatchRunner:
             if self._solo is not None:
                 self._solo_to_batch()
             with mx.stream(self._stream):
-                shared = self._share_openings(requests, hits, may_share)
-                for r in requests:
+                started = self._forks.split(requests)
+                shared = self._share_openings(started, hits, may_share)
+                for r in started:
                     hit = hits[r.request_id]
                     if r.request_id in shared:
                         done, cache = shared[r.request_id]
@@ -232,14 +240,20 @@ class BatchRunner:
                         done, cache = hit.num_tokens, hit.layers
                     else:
                         done, cache = 0, make_prompt_cache(self._model)
-                    row = Row.make(
-                        r.request_id,
-                        make_request_sampler(r.sampling),
-                        make_request_processors(r),
-                        r.prompt_ids[:done],
-                    )
+                    row = self._row(r, r.prompt_ids[:done])
                     self._start_batched(row, cache, done, r.prompt_ids[done:])
         return {rid: hit.num_tokens for rid, hit in hits.items() if hit is not None}
+
+    @staticmethod
+    def _row(request: Request, fed: Sequence[int]) -> Row:
+        """A batch row for ``request`` whose processors have seen ``fed``."""
+        return Row.make(
+            request.request_id,
+            make_request_sampler(request.sampling),
+            make_request_processors(request),
+            fed,
+            request.sampling.logprobs,
+        )
 
     def _share_openings(
         self,
@@ -328,7 +342,7 @@ class BatchRunner:
         if len(rest) > 1:
             self._prefill.add(row, cache, num_cached, rest)
         else:
-            self._decode.join([row], list(rest), merge_caches([cache]))
+            self._decode.join(*self._forks.fork([row], list(rest), merge_caches([cache])))
 
     def _lookup(self, request: Request, room: bool) -> CacheHit | None:
         if self._prefix is None:
@@ -364,6 +378,7 @@ class BatchRunner:
             block_size=prefix.block_size if prefix is not None else 0,
             on_boundary=hook,
             decoder=self._decoder,
+            logprobs=request.sampling.logprobs,
         )
 
     def _solo_decodes_faster_batched(self) -> bool:
@@ -405,10 +420,12 @@ class BatchRunner:
         """A solo or side sequence continues batched, with its cache."""
         state = sequence.handoff()
         rid = sequence.request_id
-        row = Row.make(rid, state.sampler, state.processors, state.cached_tokens)
+        row = Row.make(rid, state.sampler, state.processors, state.cached_tokens, sequence.logprobs)
         with mx.stream(self._stream):
             if state.unreported is not None:
-                self._unreported.append(TokenOutput(rid, state.unreported))
+                self._unreported.append(
+                    TokenOutput(rid, state.unreported, state.unreported_logprobs)
+                )
             self._start_batched(row, state.cache, len(state.cached_tokens), state.feed)
 
     def remove(self, request_ids: Iterable[str]) -> None:
@@ -424,7 +441,12 @@ class BatchRunner:
             leaving[rid] = (side.cache, side.num_cached)
         self._unreported = [t for t in self._unreported if t.request_id not in request_ids]
         keep_caches = self._prefix is not None
+        orphans = self._forks.drop(request_ids)
         with mx.stream(self._stream):
+            for r in orphans:  # their leader left before its prompt was in
+                self._start_batched(
+                    self._row(r, ()), make_prompt_cache(self._model), 0, r.prompt_ids
+                )
             leaving.update(self._prefill.remove(request_ids, extract=keep_caches))
             for rid, layers in self._decode.remove(request_ids, extract=keep_caches).items():
                 leaving[rid] = (layers, _cache_length(layers))
@@ -481,13 +503,15 @@ class BatchRunner:
         if self._solo is not None and not self._solo.held:
             token = self._solo.step()
             if token is not None:
-                outputs.append(TokenOutput(self._solo.request_id, token))
+                solo = self._solo
+                outputs.append(TokenOutput(solo.request_id, token, solo.last_logprobs))
         self._step_side()
         with mx.stream(self._stream):
             if self._prefill:
-                rows, cache = self._prefill.step()
-                self._decode.join([r for r, _ in rows], [t for _, t in rows], cache)
-            outputs.extend(TokenOutput(rid, token) for rid, token in self._decode.step())
+                done, cache = self._prefill.step()
+                rows, feed = [r for r, _ in done], [t for _, t in done]
+                self._decode.join(*self._forks.fork(rows, feed, cache))
+            outputs.extend(self._decode.step())
         if self._prefix is not None:
             self._note_tokens(outputs)
         return outputs
@@ -552,6 +576,7 @@ class BatchRunner:
         self._solo = self._solo_request = None
         self._side.clear()
         self._unreported.clear()
+        self._forks.clear()
 
     def close(self) -> None:
         self._run_deferred()

@@ -20,6 +20,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from omlx.engine.compiled import CompiledDecode
+from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
+from omlx.scheduler import TokenLogprob
 
 # Free MLX's buffer cache now and then, as generate_step does.
 _CLEAR_EVERY = 256
@@ -65,6 +67,8 @@ class Handoff:
     feed: list[int]
     # A sampled token not yet handed out (None while still prefilling).
     unreported: int | None
+    # Its logprobs, when the request asked.
+    unreported_logprobs: TokenLogprob | None
     # The same sampler (a seeded one carries its PRNG key on) and processors.
     sampler: Callable[[mx.array], mx.array]
     processors: list[Any]
@@ -95,8 +99,13 @@ class SoloSequence:
         block_size: int = 0,
         on_boundary: BoundaryHook | None = None,
         decoder: CompiledDecode | None = None,
+        logprobs: int | None = None,
     ):
         self.request_id = request_id
+        # Top alternatives wanted with each token's logprob (None: no logprobs).
+        self.logprobs = logprobs
+        # The logprobs of the token the last ``step`` returned.
+        self.last_logprobs: TokenLogprob | None = None
         self._model = model
         self._sampler = sampler
         self._processors = processors
@@ -108,6 +117,7 @@ class SoloSequence:
         self._on_boundary = on_boundary
         self._decoder = decoder
         self._y: mx.array | None = None  # sampled, computing, not handed out yet
+        self._y_logprobs: PendingLogprobs | None = None
         # Everything fed so far, as a lazy array (only when processors need it).
         self._context: mx.array | None = (
             mx.array(self._cached) if processors and self._cached else None
@@ -129,7 +139,8 @@ class SoloSequence:
         return len(self._cached)
 
     def step(self) -> int | None:
-        """One prefill chunk (returns None) or one decode step (returns a token)."""
+        """One prefill chunk (returns None) or one decode step (returns a token;
+        its logprobs, when asked, in ``last_logprobs``)."""
         if self._y is None and not self._in_one_pass():
             self._prefill_chunk()
             return None
@@ -138,32 +149,39 @@ class SoloSequence:
             # token, which goes out before the next forward is queued: queuing it
             # (async_eval) took ~80 ms on the CPU backend, straight onto the time
             # to first token. The next step starts it.
-            y = self._forward(mx.array(self._prompt))
+            y, pending = self._forward(mx.array(self._prompt))
             self._cached.extend(self._prompt)
             self._prompt = []
             token = y.item()
             # Lazy, evaluated by the next step. Eager: the compiled step's first call
             # (its proof run, or a trace for a new buffer size) would hold the token.
-            self._y = self._forward(y, compiled=False)
+            self._y, self._y_logprobs = self._forward(y, compiled=False)
         else:
-            y = self._y
-            self._y = self._forward(y)
-            mx.async_eval(self._y)
+            y, pending = self._y, self._y_logprobs
+            self._y, self._y_logprobs = self._forward(y)
+            mx.async_eval(self._y, *(self._y_logprobs.arrays() if self._y_logprobs else []))
             token = y.item()
+        self.last_logprobs = self._resolve(pending, token)
         self._cached.append(token)
         self._num_steps += 1
         if self._num_steps % _CLEAR_EVERY == 0:
             mx.clear_cache()
         return token
 
+    def _resolve(self, pending: PendingLogprobs | None, token: int) -> TokenLogprob | None:
+        if pending is None:
+            return None
+        return pending.to_python([token], [self.logprobs or 0])[0]
+
     def handoff(self) -> Handoff:
         """Stop here and describe the state the batch continues from."""
         rest = (self._sampler, self._processors)
         if self._y is None:
-            return Handoff(self._cache, list(self._cached), list(self._prompt), None, *rest)
+            return Handoff(self._cache, list(self._cached), list(self._prompt), None, None, *rest)
         token = self._y.item()
+        logprobs = self._resolve(self._y_logprobs, token)
         # _cached already ends with the token that produced _y; _y is not cached.
-        return Handoff(self._cache, list(self._cached), [token], token, *rest)
+        return Handoff(self._cache, list(self._cached), [token], token, logprobs, *rest)
 
     @property
     def decoding(self) -> bool:
@@ -224,8 +242,11 @@ class SoloSequence:
             ctx = self._context
             self._context = fed if ctx is None else mx.concatenate([ctx, fed])
 
-    def _forward(self, fed: mx.array, compiled: bool = True) -> mx.array:
-        """Feed 1-D ``fed`` and sample the next token (lazily)."""
+    def _forward(
+        self, fed: mx.array, compiled: bool = True
+    ) -> tuple[mx.array, PendingLogprobs | None]:
+        """Feed 1-D ``fed`` and sample the next token (lazily), with its logprobs
+        when the request asked."""
         logits = None
         decoder = self._decoder
         if compiled and decoder is not None and fed.size == 1 and decoder.accepts(self._cache):
@@ -235,4 +256,7 @@ class SoloSequence:
         self._remember(fed)
         for processor in self._processors:
             logits = processor(self._context, logits)
-        return self._sampler(logits)  # raw logits: see runner.make_request_sampler
+        y = self._sampler(logits)  # raw logits: see runner.make_request_sampler
+        if self.logprobs is None:
+            return y, None
+        return y, pending_logprobs(logits, y, self.logprobs)

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from omlx.engine.token_text import LogprobEntry
 from omlx.errors import OmlxError
 
 
@@ -27,6 +28,8 @@ class StreamEvent:
     admitted: bool = False
     # Prompt tokens this request writes to the prefix cache beyond the cached ones.
     num_cache_written_tokens: int = 0
+    # The logprobs of this delta's tokens (requests that asked for them).
+    logprobs: tuple[LogprobEntry, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -84,6 +87,7 @@ def _merge(events: Sequence[StreamEvent]) -> StreamEvent:
         error=next((e.error for e in events if e.error is not None), None),
         admitted=any(e.admitted for e in events),
         num_cache_written_tokens=max(e.num_cache_written_tokens for e in events),
+        logprobs=tuple(entry for e in events for entry in e.logprobs),
     )
 
 

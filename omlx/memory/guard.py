@@ -181,10 +181,13 @@ class MemoryGuard:
             unmodeled_bytes=self.unmodeled_bytes,
         )
 
-    def check_prefill(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> None:
+    def check_prefill(
+        self, num_prompt_tokens: int, num_cached_tokens: int = 0, extra_bytes: int = 0
+    ) -> None:
         """Raise PrefillMemoryExceededError (HTTP 400) for a prompt that cannot fit
         under the hard limit even with nothing else in flight. The estimate goes
-        first: its message names the knob that helps."""
+        first: its message names the knob that helps. ``extra_bytes``: a chunk's
+        transient beyond a prefill's (a scoring pass's logits)."""
         baseline = self.baseline_bytes
         try:
             preflight(
@@ -194,7 +197,7 @@ class MemoryGuard:
                 num_cached_tokens=num_cached_tokens,
                 chunk_tokens=self.chunk_tokens,
                 limits=self.limits,
-                unmodeled_bytes=self.unmodeled_bytes,
+                unmodeled_bytes=self.unmodeled_bytes + extra_bytes,
             )
         except PrefillMemoryExceeded as exc:
             raise PrefillMemoryExceededError(

@@ -5,6 +5,7 @@ from omlx.scheduler.request import (
     RequestStatus,
     RequestUpdate,
     SamplingParams,
+    TokenLogprob,
     TokenOutput,
 )
 from omlx.scheduler.scheduler import Scheduler
@@ -15,5 +16,6 @@ __all__ = [
     "RequestUpdate",
     "SamplingParams",
     "Scheduler",
+    "TokenLogprob",
     "TokenOutput",
 ]

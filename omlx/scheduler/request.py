@@ -45,6 +45,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     # User stop ids plus the model's end-of-sequence ids; never shown as text.
     stop_token_ids: frozenset[int] = frozenset()
+    # Logprobs of each sampled token plus this many top alternatives (None: none).
+    logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -66,11 +68,23 @@ class Request:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token's log-probability under the distribution it was sampled from, and
+    the most likely tokens there, best first (ids and logprobs: plain Python)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class TokenOutput:
     """One token a runner produced for a running request."""
 
     request_id: str
     token_id: int
+    # Only for requests that asked (SamplingParams.logprobs).
+    logprobs: TokenLogprob | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,3 +97,4 @@ class RequestUpdate:
     visible: bool
     status: RequestStatus
     num_output_tokens: int
+    logprobs: TokenLogprob | None = None

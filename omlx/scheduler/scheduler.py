@@ -145,7 +145,12 @@ class Scheduler:
                 del self._running[out.request_id]
             updates.append(
                 RequestUpdate(
-                    out.request_id, out.token_id, not is_stop, status, state.num_output_tokens
+                    out.request_id,
+                    out.token_id,
+                    not is_stop,
+                    status,
+                    state.num_output_tokens,
+                    out.logprobs,
                 )
             )
         return updates

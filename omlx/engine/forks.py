@@ -1,0 +1,82 @@
+"""A request's ``n`` choices: one prompt prefilled once. MLX thread only.
+
+Requests starting together with the very same prompt (the choices of one
+request) share it: the first one (the leader) prefills it, the others wait, and
+when the leader's prompt is in, each of them joins the decode batch with a copy
+of the leader's cache and the same last prompt token, from which it samples its
+own first token. The runner's shared opening already covers prompts within one
+prefill chunk (all but their last two tokens, in one forward); this covers
+longer ones, whose later chunks each choice would otherwise prefill itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from omlx.engine.batch import Row, merge_caches
+from omlx.scheduler import Request
+
+# Makes a request's batch row whose processors have seen ``fed`` tokens.
+RowFactory = Callable[[Request, Sequence[int]], Row]
+
+
+class ChoiceForks:
+    def __init__(self, make_row: RowFactory, min_prompt: int):
+        self._make_row = make_row
+        # Prompts at least this long are forked (shorter: the shared opening does it).
+        self._min_prompt = min_prompt
+        # Leader request id -> the requests waiting for its prompt.
+        self._waiting: dict[str, list[Request]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    def split(self, requests: list[Request]) -> list[Request]:
+        """The requests to start; those that repeat an earlier one's long prompt
+        wait for it instead."""
+        leaders: dict[tuple[int, ...], Request] = {}
+        started = []
+        for r in requests:
+            leader = leaders.get(r.prompt_ids)
+            if leader is not None:
+                self._waiting.setdefault(leader.request_id, []).append(r)
+                continue
+            if len(r.prompt_ids) >= self._min_prompt:
+                leaders[r.prompt_ids] = r
+            started.append(r)
+        return started
+
+    def fork(
+        self, rows: list[Row], feed: list[int], cache: list[Any]
+    ) -> tuple[list[Row], list[int], list[Any]]:
+        """Rows whose prompt just ended (their batched ``cache``, their last prompt
+        tokens ``feed``), with the requests waiting on them added after each."""
+        if not any(row.request_id in self._waiting for row in rows):
+            return rows, feed, cache
+        out_rows, out_feed, caches = [], [], []
+        for i, (row, token) in enumerate(zip(rows, feed, strict=True)):
+            own = [layer.extract(i) for layer in cache]
+            out_rows.append(row)
+            out_feed.append(token)
+            caches.append(own)
+            for r in self._waiting.pop(row.request_id, []):
+                out_rows.append(self._make_row(r, r.prompt_ids[:-1]))
+                out_feed.append(token)
+                caches.append(own)  # merged into new arrays: each row its own copy
+        return out_rows, out_feed, merge_caches(caches)
+
+    def drop(self, request_ids: set[str]) -> list[Request]:
+        """Forget waiting requests that leave; returns those whose leader left
+        (still waiting: the caller starts them on their own)."""
+        orphans = []
+        for leader in list(self._waiting):
+            staying = [r for r in self._waiting.pop(leader) if r.request_id not in request_ids]
+            if leader in request_ids:
+                orphans += staying
+            elif staying:
+                self._waiting[leader] = staying
+        return orphans
+
+    def clear(self) -> None:
+        self._waiting.clear()
