@@ -1,4 +1,4 @@
-"""`omlx serve | models | config`: the command line."""
+"""`omlx serve | models | config | router`: the command line."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from omlx.models.pull_console import add_pull_parser
 from omlx.net import port_is_free
 from omlx.private_fs import make_private_dir, restrict_umask, tighten_base_dir
 from omlx.quant.console import add_quantize_parser
+from omlx.router.console import add_router_parser
 from omlx.settings import Settings, load_settings, resolve_base_path, set_file_value
 
 log = logging.getLogger("omlx")
@@ -125,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     add_quantize_parser(sub)
     add_pull_parser(sub)
     add_launch_parser(sub)
+    add_router_parser(sub)
     return parser
 
 
@@ -321,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "launch":
         args.tool_args = tool_args
+    if args.command == "router":  # a front for other servers: no settings of its own
+        from omlx.router.console import router_command
+
+        return router_command(args)
     try:
         settings = load_settings(cli_overrides(args))
         if args.command == "serve":

@@ -253,3 +253,11 @@ class TaskConflictError(OmlxError):
     http_status = 409
     error_type = "invalid_request_error"
     code = "task_conflict"
+
+
+class BadGatewayError(OmlxError):
+    """An upstream server (a router's backend) failed or could not be reached."""
+
+    http_status = 502
+    error_type = "server_error"
+    code = "bad_gateway"
