@@ -120,7 +120,9 @@ async def _message(
         stream = StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
         return with_unenforced_header(stream, spec, message_id)
     try:
-        await unless_disconnected(request, _collect(gen, fmt), gen.abort_unfinished)
+        await unless_disconnected(
+            request, gen.collect(lambda _, event: _add(gen, fmt, event)), gen.abort_unfinished
+        )
     except ClientGone:
         return Response(status_code=499)  # nobody is listening; nginx's "client closed"
     return with_unenforced_header(JSONResponse(fmt.body()), spec, message_id)
@@ -133,18 +135,6 @@ def _add(gen: Generation, fmt: MessageFormat, event: StreamEvent) -> list[Frame]
             "messages", fmt.num_prompt_tokens, fmt.num_output_tokens, [event.finish_reason]
         )
     return frames
-
-
-async def _collect(gen: Generation, fmt: MessageFormat) -> None:
-    async with aclosing(gen.events(keepalive_s=3600.0)) as events:
-        async for item in events:
-            if item is None:
-                continue
-            _, event = item
-            if event.error is not None:
-                gen.abort_unfinished()
-                raise event.error
-            _add(gen, fmt, event)
 
 
 async def _stream(gen: Generation, fmt: MessageFormat, keepalive_s: float) -> AsyncIterator[str]:

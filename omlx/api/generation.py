@@ -86,6 +86,19 @@ class Generation:
             if self.observer is not None:
                 self.observer.close()
 
+    async def collect(self, on_event: Callable[[int, StreamEvent], object]) -> None:
+        """Hand every event to ``on_event`` until all requests finish (a whole,
+        non-streamed answer); an error event aborts the rest and is raised."""
+        async with aclosing(self.events(keepalive_s=3600.0)) as events:
+            async for item in events:
+                if item is None:
+                    continue
+                index, event = item
+                if event.error is not None:
+                    self.abort_unfinished()
+                    raise event.error
+                on_event(index, event)
+
     def log_done(self, kind: str, prompt: int, output: int, reasons: list[str]) -> None:
         total = time.perf_counter() - self.start_s
         ttft = (self.first_token_s or time.perf_counter()) - self.start_s

@@ -205,7 +205,9 @@ async def _answer(request: Request, ask: _Ask) -> Response:
         stream = StreamingResponse(_ndjson(gen, reply, finished), media_type=NDJSON)
         return with_unenforced_header(stream, ask.spec, model)
     try:
-        await unless_disconnected(request, _collect(gen, reply), gen.abort_unfinished)
+        await unless_disconnected(
+            request, gen.collect(lambda _, event: _add(gen, reply, event)), gen.abort_unfinished
+        )
     except ClientGone:
         return Response(status_code=499)  # nobody is listening; nginx's "client closed"
     finally:
@@ -269,18 +271,6 @@ def _add(gen: Generation, reply: OllamaReply, event: StreamEvent) -> list[dict[s
         kind = "ollama-chat" if reply.chat else "ollama-generate"
         gen.log_done(kind, reply.num_prompt_tokens, reply.num_output_tokens, [event.finish_reason])
     return objects
-
-
-async def _collect(gen: Generation, reply: OllamaReply) -> None:
-    async with aclosing(gen.events(keepalive_s=3600.0)) as events:
-        async for item in events:
-            if item is None:
-                continue
-            _, event = item
-            if event.error is not None:
-                gen.abort_unfinished()
-                raise event.error
-            _add(gen, reply, event)
 
 
 def _line(obj: dict[str, Any]) -> str:

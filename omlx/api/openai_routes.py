@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -106,19 +105,8 @@ async def _respond(
         )
         return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
 
-    async def collect() -> None:
-        async with aclosing(gen.events(keepalive_s=3600.0)) as events:
-            async for item in events:
-                if item is None:
-                    continue
-                index, event = item
-                if event.error is not None:
-                    gen.abort_unfinished()
-                    raise event.error
-                on_event(index, event)
-
     try:
-        await unless_disconnected(request, collect(), gen.abort_unfinished)
+        await unless_disconnected(request, gen.collect(on_event), gen.abort_unfinished)
     except ClientGone:
         return Response(status_code=499)  # nobody is listening; nginx's "client closed"
     return JSONResponse(fmt.body())

@@ -181,7 +181,9 @@ async def _answer(
         frames = _stream(gen, fmt, keepalive_s, finished)
         return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
-        await unless_disconnected(request, _collect(gen, fmt), gen.abort_unfinished)
+        await unless_disconnected(
+            request, gen.collect(lambda _, event: fmt.add(event)), gen.abort_unfinished
+        )
     except ClientGone:
         return Response(status_code=499)  # nobody is listening; nginx's "client closed"
     await finished()
@@ -261,18 +263,6 @@ def _echo(body: ResponsesRequest, model: str, params: SamplingParams) -> Echo:
         store=body.stores,
         previous_response_id=body.previous_response_id,
     )
-
-
-async def _collect(gen: Generation, fmt: ResponseFormat) -> None:
-    async with aclosing(gen.events(keepalive_s=3600.0)) as events:
-        async for item in events:
-            if item is None:
-                continue
-            _, event = item
-            if event.error is not None:
-                gen.abort_unfinished()
-                raise event.error
-            fmt.add(event)
 
 
 async def _stream(
