@@ -151,9 +151,8 @@ async def _chat_completion(
     )
     grammar = await bind_grammar(engine, spec)
     rid = new_request_id("chatcmpl")
-    gen = Generation(
-        engine, [make_request(rid, prompt.ids, params, grammar)], observer=observer_for(request)
-    )
+    req = make_request(rid, prompt.ids, params, grammar, prompt.images)
+    gen = Generation(engine, [req], observer=observer_for(request))
     tools = bool(body.tools) and body.tool_choice != "none"
     parser = parser_for(
         engine.tokenizer,

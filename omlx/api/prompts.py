@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from omlx.api.images import ImagePart, PromptImages, check_count, from_data_url, process
 from omlx.api.output_parser import HERMES_FORMATS, tool_format
 from omlx.api.render_pool import RENDER_POOL
 from omlx.api.schemas import ChatCompletionRequest, CompletionRequest, PromptField
@@ -29,12 +30,16 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _message_text(content: Any, index: int) -> str:
+def _message_text(content: Any, index: int, images: ImageSink | None = None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type")
+        if kind == "image_url" and images is not None:
+            where = f"messages[{index}].content[{j}]"
+            parts.append(images.add(from_data_url(_image_url(part, where), where)))
+            continue
         if kind not in ("text", "input_text"):
             raise InvalidRequestError(
                 f"messages[{index}].content[{j}]: content type '{kind}' is not supported; "
@@ -45,12 +50,36 @@ def _message_text(content: Any, index: int) -> str:
     return "".join(parts)
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+def _image_url(part: dict[str, Any], where: str) -> str:
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str):
+        raise InvalidRequestError(f"{where}: image_url.url must be a string", param=where)
+    return url
+
+
+class ImageSink:
+    """A vision model's images gathered from the messages, in order; each stands
+    in the text as the model's image token."""
+
+    def __init__(self, image_token: str):
+        self.image_token = image_token
+        self.parts: list[ImagePart] = []
+
+    def add(self, part: ImagePart) -> str:
+        self.parts.append(part)
+        check_count(self.parts)
+        return self.image_token
+
+
+def chat_messages(
+    body: ChatCompletionRequest, images: ImageSink | None = None
+) -> list[dict[str, Any]]:
     messages = []
     for i, msg in enumerate(body.messages):
         out: dict[str, Any] = {
             "role": "system" if msg.role == "developer" else msg.role,
-            "content": _message_text(msg.content, i),
+            "content": _message_text(msg.content, i, images),
         }
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(msg, key) is not None:
@@ -66,19 +95,28 @@ async def chat_prompt(
     timeout_s: float,
 ) -> RenderedPrompt:
     tools = body.tools if body.tool_choice != "none" else None
+    images = image_sink(engine)
     return await render_chat(
         engine,
-        chat_messages(body),
+        chat_messages(body, images),
         tools=tools,
         template_kwargs=template_kwargs,
         timeout_s=timeout_s,
+        images=images,
     )
+
+
+def image_sink(engine: ModelEngine) -> ImageSink | None:
+    """Where a vision model's images go (None: a text model, image parts are a 400)."""
+    vision = engine.loaded.vision
+    return ImageSink(vision.image_token) if vision is not None else None
 
 
 @dataclass(frozen=True, slots=True)
 class RenderedPrompt:
     text: str
     ids: list[int]
+    images: PromptImages | None = None
 
 
 async def render_chat(
@@ -88,6 +126,7 @@ async def render_chat(
     timeout_s: float,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    images: ImageSink | None = None,
 ) -> RenderedPrompt:
     """The model's chat template over OpenAI-style messages (role, content, tool_calls...),
     rendered and tokenized on the render pool; a render past ``timeout_s`` is stopped (400)."""
@@ -103,6 +142,11 @@ async def render_chat(
             param="messages",
             code="chat_template_timeout",
         ) from None
+    if images is not None and images.parts:
+        vision = engine.loaded.vision
+        run = partial(process, vision.processor, text, images.parts, vision.image_token_id)
+        ids, pixels = await RENDER_POOL.run(run)
+        return RenderedPrompt(text, ids, pixels)
     # Native code that ends on its own; the body size limit bounds it.
     if templated:  # the template wrote the special tokens already
         encode = partial(tokenizer.encode, text, add_special_tokens=False)
@@ -312,6 +356,10 @@ def build_sampling(
 
 
 def make_request(
-    request_id: str, prompt_ids: list[int], sampling: SamplingParams, grammar: Any = None
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    grammar: Any = None,
+    images: PromptImages | None = None,
 ) -> Request:
-    return Request(request_id, tuple(prompt_ids), sampling, grammar)
+    return Request(request_id, tuple(prompt_ids), sampling, grammar, images=images)

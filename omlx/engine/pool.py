@@ -521,6 +521,7 @@ class EnginePool:
             prefill_step_size=sched.prefill_step_size,
             stream=self._worker.stream,
             prefix_cache=prefix,
+            vision=loaded.vision,
         )
         scheduler = Scheduler(
             sched.max_concurrent_requests,

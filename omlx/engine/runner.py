@@ -132,8 +132,11 @@ class BatchRunner:
         prefix_cache: PrefixCache | None = None,
         pipelined: bool | None = None,
         compiled: bool = True,
+        vision: Any = None,
     ):
         self._model = model
+        # A vision-language model's encoder (omlx.models.vlm.VisionEncoder), or None.
+        self._vision = vision
         self._prefix = prefix_cache
         self._prefill_step_size = prefill_step_size
         self._stream = stream
@@ -198,6 +201,9 @@ class BatchRunner:
         """Start requests; returns the prompt tokens each got from the prefix cache.
         ``may_share``: the memory gate asked before each shared opening's forward."""
         requests = list(requests)
+        for r in [r for r in requests if r.images is not None]:
+            self._start_with_images(r)
+        requests = [r for r in requests if r.images is None]
         if not requests:
             return {}
         batched = self._decode or self._prefill or self._side
@@ -240,6 +246,32 @@ class BatchRunner:
                     )
                     self._start_batched(row, cache, done, r.prompt_ids[done:])
         return {rid: hit.num_tokens for rid, hit in hits.items() if hit is not None}
+
+    def _start_with_images(self, request: Request) -> None:
+        """Prefill a prompt with images on its own: the vision tower's embeddings
+        stand in for its image tokens; its last (text) token then joins the decode
+        batch like a solo sequence's. Not in the prefix cache: its image tokens'
+        ids are the same whatever the image."""
+        if self._solo is not None:
+            self._solo_to_batch()
+        assert self._vision is not None, "images reached a text-only model"
+        prompt = list(request.prompt_ids)
+        n = len(prompt) - 1
+        with mx.stream(self._stream):
+            embeds = self._vision.embed(prompt, request.images.pixel_values)
+            cache = make_prompt_cache(self._model)
+            ids = mx.array(prompt)[None]
+            for start in range(0, n, self._prefill_step_size):
+                end = min(n, start + self._prefill_step_size)
+                self._model(ids[:, start:end], cache=cache, input_embeddings=embeds[:, start:end])
+                mx.eval([layer.state for layer in cache])
+            row = Row.make(
+                request.request_id,
+                make_request_sampler(request.sampling),
+                make_request_processors(request),
+                prompt[:n],
+            )
+            self._start_batched(row, cache, n, prompt[n:])
 
     def _share_openings(
         self,

@@ -29,6 +29,8 @@ class LoadedModel:
     # Rows of the output layer (may exceed the tokenizer's vocabulary).
     vocab_size: int
     load_s: float
+    # A vision-language model's vision tower and processor (omlx.models.vlm).
+    vision: Any = None
 
     def weights_bytes(self) -> int:
         """Bytes of the loaded parameters (what the model really holds, e.g. after a
@@ -72,15 +74,9 @@ def _generation_eos(path: Path) -> set[int]:
     return {e for e in eos or [] if isinstance(e, int)}
 
 
-def load_model(info: ModelInfo) -> LoadedModel:
-    """Load weights and tokenizer; every failure becomes ModelLoadError with the reason."""
-    if info.kind != "llm":
-        raise ModelLoadError(
-            f"model '{info.name}' is a {info.kind} model; only text LLMs can be served for now"
-        )
+def _load_llm(info: ModelInfo) -> tuple[Any, Any, dict]:
     from mlx_lm import load  # deferred: importing mlx-lm costs ~1 s at server start
 
-    start = time.perf_counter()
     try:
         model, tokenizer, config = load(str(info.path), return_config=True)
     except ValueError as exc:
@@ -89,6 +85,23 @@ def load_model(info: ModelInfo) -> LoadedModel:
         ) from exc
     except (OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load '{info.name}' from {info.path}: {exc}") from exc
+    return model, tokenizer, config
+
+
+def load_model(info: ModelInfo) -> LoadedModel:
+    """Load weights and tokenizer; every failure becomes ModelLoadError with the reason."""
+    if info.kind not in ("llm", "vlm"):
+        raise ModelLoadError(
+            f"model '{info.name}' is a {info.kind} model; it cannot serve chat or completions"
+        )
+    start = time.perf_counter()
+    vision = None
+    if info.kind == "vlm":
+        from omlx.models.vlm import load_vlm  # deferred: imports MLX and mlx-vlm
+
+        model, tokenizer, config, vision = load_vlm(info)
+    else:
+        model, tokenizer, config = _load_llm(info)
     eos = set(tokenizer.eos_token_ids) | _generation_eos(info.path)
     if not eos:
         log.warning("model %s declares no end-of-sequence token", info.name)
@@ -103,6 +116,7 @@ def load_model(info: ModelInfo) -> LoadedModel:
         native_context_length(config),
         vocab_size,
         time.perf_counter() - start,
+        vision,
     )
     log.info(
         "loaded %s (%s, %.1f MB) in %.2f s",

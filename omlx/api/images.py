@@ -1,0 +1,123 @@
+"""Images in chat requests: read the API's image parts into checked images, and
+run the model's processor over the prompt text and its images.
+
+Pure (no MLX): runs on the event loop (decoding base64) and on the render pool
+(the processor). Every bad image is a 400 naming the part.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from dataclasses import dataclass
+from typing import Any
+
+from omlx.errors import InvalidRequestError
+
+# Bounds per image and per request: a decoded image costs ~4 bytes per pixel on
+# the processor and the vision tower's transient grows with the image tokens.
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+MAX_IMAGE_PIXELS = 4096 * 4096
+MAX_IMAGES_PER_REQUEST = 8
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePart:
+    """One image as the client sent it, with where it came from (for errors)."""
+
+    data: bytes
+    where: str
+
+    @property
+    def key(self) -> str:
+        """The image's identity for the prefix cache: a hash of its bytes."""
+        return hashlib.sha256(self.data).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptImages:
+    """A prompt's images as the vision tower takes them."""
+
+    pixel_values: Any  # numpy array (images, channels, height, width)
+    keys: tuple[str, ...]
+    num_image_tokens: int
+
+
+def from_data_url(url: str, where: str) -> ImagePart:
+    """An ``image_url`` part's URL: a base64 data URL (remote URLs are not fetched)."""
+    if url.startswith(("http://", "https://")):
+        raise InvalidRequestError(
+            f"{where}: this server does not fetch image URLs; send the image inline as a "
+            "data URL (data:image/png;base64,...)",
+            param=where,
+        )
+    header, sep, payload = url.partition(",")
+    if not sep or not header.startswith("data:image/") or not header.endswith(";base64"):
+        raise InvalidRequestError(
+            f"{where}: expected a data URL like data:image/png;base64,<data>", param=where
+        )
+    return from_base64(payload, where)
+
+
+def from_base64(payload: str, where: str) -> ImagePart:
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise _too_large(where)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError(f"{where}: the image is not valid base64", param=where) from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise _too_large(where)
+    return ImagePart(data, where)
+
+
+def _too_large(where: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"{where}: the image is larger than {MAX_IMAGE_BYTES // (1024 * 1024)} MiB; "
+        "send a smaller image",
+        param=where,
+    )
+
+
+def check_count(parts: list[ImagePart]) -> None:
+    if len(parts) > MAX_IMAGES_PER_REQUEST:
+        raise InvalidRequestError(
+            f"{parts[MAX_IMAGES_PER_REQUEST].where}: a request may carry at most "
+            f"{MAX_IMAGES_PER_REQUEST} images (this one has {len(parts)})",
+            param=parts[MAX_IMAGES_PER_REQUEST].where,
+        )
+
+
+def open_image(part: ImagePart) -> Any:
+    """The decoded RGB image (PIL); 400 when it does not decode or has too many pixels."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(part.data)) as img:
+            width, height = img.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise InvalidRequestError(
+                    f"{part.where}: the image is {width}x{height} pixels; the limit is "
+                    f"{MAX_IMAGE_PIXELS} pixels, send a smaller image",
+                    param=part.where,
+                )
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+        raise InvalidRequestError(
+            f"{part.where}: the image could not be decoded; send a PNG, JPEG, GIF or WebP",
+            param=part.where,
+        ) from None
+
+
+def process(
+    processor: Any, text: str, parts: list[ImagePart], image_token_id: int
+) -> tuple[list[int], PromptImages]:
+    """Token ids of ``text`` with each image's tokens expanded, and the pixels
+    (runs on the render pool)."""
+    images = [open_image(p) for p in parts]
+    out = processor(text=text, images=images, return_tensors="np")
+    ids = [int(t) for t in out["input_ids"][0]]
+    count = sum(1 for t in ids if t == image_token_id)
+    return ids, PromptImages(out["pixel_values"], tuple(p.key for p in parts), count)
