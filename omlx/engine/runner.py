@@ -161,6 +161,8 @@ class BatchRunner:
         # Prompt + produced tokens of each request (what its cache holds), for storing.
         self._tokens: dict[str, list[int]] = {}
         self._prompt_len: dict[str, int] = {}
+        # A prompt's images' hashes: its blocks' extra keys.
+        self._extra: dict[str, tuple[str, ...]] = {}
         # Cache stores run at the start of the next step, after the events of
         # this one went out (never on a request's time to first token).
         self._deferred: list[Callable[[], None]] = []
@@ -201,11 +203,11 @@ class BatchRunner:
         """Start requests; returns the prompt tokens each got from the prefix cache.
         ``may_share``: the memory gate asked before each shared opening's forward."""
         requests = list(requests)
-        for r in [r for r in requests if r.images is not None]:
-            self._start_with_images(r)
-        requests = [r for r in requests if r.images is None]
+        with_images = {r.request_id: self._start_with_images(r) for r in requests if r.images}
+        cached = {rid: n for rid, n in with_images.items() if n}
+        requests = [r for r in requests if not r.images]
         if not requests:
-            return {}
+            return cached
         batched = self._decode or self._prefill or self._side
         solo = len(requests) == 1 and self._solo is None and not batched
         # A solo or side sequence feeds its restored cache as it is (room saves a
@@ -245,33 +247,53 @@ class BatchRunner:
                         r.prompt_ids[:done],
                     )
                     self._start_batched(row, cache, done, r.prompt_ids[done:])
-        return {rid: hit.num_tokens for rid, hit in hits.items() if hit is not None}
+        cached.update({rid: hit.num_tokens for rid, hit in hits.items() if hit is not None})
+        return cached
 
-    def _start_with_images(self, request: Request) -> None:
+    def _start_with_images(self, request: Request) -> int:
         """Prefill a prompt with images on its own: the vision tower's embeddings
         stand in for its image tokens; its last (text) token then joins the decode
-        batch like a solo sequence's. Not in the prefix cache: its image tokens'
-        ids are the same whatever the image."""
+        batch like a solo sequence's. Its blocks are keyed by the images' hashes
+        (their tokens' ids are the same whatever the image). Returns tokens cached."""
         if self._solo is not None:
             self._solo_to_batch()
-        assert self._vision is not None, "images reached a text-only model"
-        prompt = list(request.prompt_ids)
+        vision, images = self._vision, request.images
+        assert vision is not None, "images reached a text-only model"
+        rid, prompt = request.request_id, list(request.prompt_ids)
         n = len(prompt) - 1
+        hit = None
+        if self._prefix is not None:
+            self._extra[rid] = images.keys
+            self._tokens[rid], self._prompt_len[rid] = list(prompt), len(prompt)
+            hit = self._prefix.lookup(
+                prompt, make_prompt_cache(self._model), extra_keys=images.keys
+            )
+        done = hit.num_tokens if hit is not None else 0
         with mx.stream(self._stream):
-            embeds = self._vision.embed(prompt, request.images.pixel_values)
-            cache = make_prompt_cache(self._model)
-            ids = mx.array(prompt)[None]
-            for start in range(0, n, self._prefill_step_size):
-                end = min(n, start + self._prefill_step_size)
-                self._model(ids[:, start:end], cache=cache, input_embeddings=embeds[:, start:end])
-                mx.eval([layer.state for layer in cache])
+            cache = hit.layers if hit is not None else make_prompt_cache(self._model)
+            if done < n:
+                self._prefill_embedded(vision, images, prompt, cache, done)
             row = Row.make(
-                request.request_id,
+                rid,
                 make_request_sampler(request.sampling),
                 make_request_processors(request),
                 prompt[:n],
             )
             self._start_batched(row, cache, n, prompt[n:])
+        return done
+
+    def _prefill_embedded(
+        self, vision: Any, images: Any, prompt: list[int], cache: list[Any], start: int
+    ) -> None:
+        """Feed ``prompt[start:-1]`` into ``cache`` as input embeddings, a prefill
+        step at a time (the vision tower runs once, over all the prompt's images)."""
+        n = len(prompt) - 1
+        embeds = vision.embed(prompt, images.pixel_values)
+        ids = mx.array(prompt)[None]
+        for begin in range(start, n, self._prefill_step_size):
+            end = min(n, begin + self._prefill_step_size)
+            self._model(ids[:, begin:end], cache=cache, input_embeddings=embeds[:, begin:end])
+            mx.eval([layer.state for layer in cache])
 
     def _share_openings(
         self,
@@ -463,11 +485,16 @@ class BatchRunner:
         for rid, held in leaving.items():
             tokens = self._tokens.pop(rid, None)
             self._prompt_len.pop(rid, None)
+            extra = self._extra.pop(rid, ())
             if self._prefix is not None:
-                self._deferred.append(partial(self._store_and_forget, rid, tokens, held))
+                self._deferred.append(partial(self._store_and_forget, rid, tokens, held, extra))
 
     def _store_and_forget(
-        self, request_id: str, tokens: list[int] | None, held: tuple[list[Any], int] | None
+        self,
+        request_id: str,
+        tokens: list[int] | None,
+        held: tuple[list[Any], int] | None,
+        extra_keys: tuple[str, ...] = (),
     ) -> None:
         assert self._prefix is not None
         try:
@@ -475,7 +502,9 @@ class BatchRunner:
                 layers, num_cached = held
                 num = min(num_cached, len(tokens)) if num_cached >= 0 else len(tokens)
                 # With the partial tail: a next turn reuses the answer's last tokens too.
-                self._prefix.store(request_id, tokens, layers, num, tail=True)
+                self._prefix.store(
+                    request_id, tokens, layers, num, tail=True, extra_keys=extra_keys
+                )
         finally:
             self._prefix.forget(request_id)
 
@@ -567,7 +596,8 @@ class BatchRunner:
         tokens = self._tokens.get(request_id)
         if layers is None or tokens is None or self._prefix is None:
             return
-        self._prefix.store(request_id, tokens, layers, prompt_len - 1, tail=True)
+        extra = self._extra.get(request_id, ())
+        self._prefix.store(request_id, tokens, layers, prompt_len - 1, tail=True, extra_keys=extra)
 
     def reset(self) -> None:
         """Drop every sequence (after an MLX error left the batch unusable)."""
@@ -576,6 +606,7 @@ class BatchRunner:
                 self._prefix.forget(rid)
         self._tokens.clear()
         self._prompt_len.clear()
+        self._extra.clear()
         self._deferred.clear()
         self._prefill = PrefillBatch(self._model, self._prefill_step_size)
         self._decode = DecodeBatch(
