@@ -11,7 +11,7 @@ import base64
 import binascii
 import hashlib
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from omlx.errors import InvalidRequestError
@@ -43,6 +43,8 @@ class PromptImages:
     pixel_values: Any  # numpy array (images, channels, height, width)
     keys: tuple[str, ...]
     num_image_tokens: int
+    # What else the family's vision tower takes (e.g. pixtral's image_sizes).
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 def from_data_url(url: str, where: str) -> ImagePart:
@@ -120,4 +122,8 @@ def process(
     out = processor(text=text, images=images, return_tensors="np")
     ids = [int(t) for t in out["input_ids"][0]]
     count = sum(1 for t in ids if t == image_token_id)
-    return ids, PromptImages(out["pixel_values"], tuple(p.key for p in parts), count)
+    extras = {k: v for k, v in out.items() if k not in _TEXT_FIELDS}
+    return ids, PromptImages(out["pixel_values"], tuple(p.key for p in parts), count, extras)
+
+
+_TEXT_FIELDS = ("input_ids", "attention_mask", "pixel_values")

@@ -288,7 +288,7 @@ class BatchRunner:
         """Feed ``prompt[start:-1]`` into ``cache`` as input embeddings, a prefill
         step at a time (the vision tower runs once, over all the prompt's images)."""
         n = len(prompt) - 1
-        embeds = vision.embed(prompt, images.pixel_values)
+        embeds = vision.embed(prompt, images.pixel_values, images.extras)
         ids = mx.array(prompt)[None]
         for begin in range(start, n, self._prefill_step_size):
             end = min(n, begin + self._prefill_step_size)

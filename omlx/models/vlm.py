@@ -61,11 +61,11 @@ class VisionEncoder:
     image_token: str
     image_token_id: int
 
-    def embed(self, input_ids: list[int], pixel_values: Any) -> mx.array:
+    def embed(self, input_ids: list[int], pixel_values: Any, extras: dict[str, Any]) -> mx.array:
         """Input embeddings (1, tokens, hidden) of a prompt with its images."""
         ids = mx.array(input_ids)[None]
-        pixels = mx.array(pixel_values)
-        features = self.model.get_input_embeddings(ids, pixels)
+        kwargs = {k: mx.array(v) for k, v in extras.items()}
+        features = self.model.get_input_embeddings(ids, mx.array(pixel_values), **kwargs)
         embeds: mx.array = getattr(features, "inputs_embeds", features)
         return embeds
 
