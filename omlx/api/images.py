@@ -11,6 +11,7 @@ import base64
 import binascii
 import hashlib
 import io
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,21 @@ class PromptImages:
     num_image_tokens: int
     # What else the family's vision tower takes (e.g. pixtral's image_sizes).
     extras: dict[str, Any] = field(default_factory=dict)
+
+
+class ImageSink:
+    """A request's images gathered from its messages, in order. Each stands in the
+    message text as a marker no client can forge (unique per request); rendering
+    puts the model's image token there."""
+
+    def __init__(self) -> None:
+        self.marker = f"<omlx-image-{uuid.uuid4().hex}>"
+        self.parts: list[ImagePart] = []
+
+    def add(self, part: ImagePart) -> str:
+        self.parts.append(part)
+        check_count(self.parts)
+        return self.marker
 
 
 def from_data_url(url: str, where: str) -> ImagePart:

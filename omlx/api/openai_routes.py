@@ -30,19 +30,21 @@ from omlx.engine.model_engine import ModelEngine
 from omlx.engine.pool import EnginePool
 from omlx.engine.stream import StreamEvent
 from omlx.errors import InvalidRequestError
-from omlx.models.discovery import ModelInfo
+from omlx.models.discovery import ModelInfo, capabilities
 
 router = APIRouter()
 
 
 def _model_entry(pool: EnginePool, info: ModelInfo) -> dict[str, Any]:
+    kind = pool.model_settings.get(info.name).model_type or info.kind
     return {
         "id": pool.public_name(info.name),
         "object": "model",
         "created": int(info.path.stat().st_mtime),
         "owned_by": "omlx",
         "state": pool.model_state(info.name),
-        "kind": pool.model_settings.get(info.name).model_type or info.kind,
+        "kind": kind,
+        "capabilities": capabilities(kind),
     }
 
 

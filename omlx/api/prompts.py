@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from omlx.api.images import ImagePart, PromptImages, check_count, from_data_url, process
+from omlx.api.images import ImageSink, PromptImages, from_data_url, process
 from omlx.api.output_parser import HERMES_FORMATS, tool_format
 from omlx.api.render_pool import RENDER_POOL
 from omlx.api.schemas import ChatCompletionRequest, CompletionRequest, PromptField
@@ -58,20 +58,6 @@ def _image_url(part: dict[str, Any], where: str) -> str:
     return url
 
 
-class ImageSink:
-    """A vision model's images gathered from the messages, in order; each stands
-    in the text as the model's image token."""
-
-    def __init__(self, image_token: str):
-        self.image_token = image_token
-        self.parts: list[ImagePart] = []
-
-    def add(self, part: ImagePart) -> str:
-        self.parts.append(part)
-        check_count(self.parts)
-        return self.image_token
-
-
 def chat_messages(
     body: ChatCompletionRequest, images: ImageSink | None = None
 ) -> list[dict[str, Any]]:
@@ -95,7 +81,8 @@ async def chat_prompt(
     timeout_s: float,
 ) -> RenderedPrompt:
     tools = body.tools if body.tool_choice != "none" else None
-    images = image_sink(engine)
+    # A text model keeps refusing image parts where they are parsed.
+    images = ImageSink() if engine.loaded.vision is not None else None
     return await render_chat(
         engine,
         chat_messages(body, images),
@@ -104,12 +91,6 @@ async def chat_prompt(
         timeout_s=timeout_s,
         images=images,
     )
-
-
-def image_sink(engine: ModelEngine) -> ImageSink | None:
-    """Where a vision model's images go (None: a text model, image parts are a 400)."""
-    vision = engine.loaded.vision
-    return ImageSink(vision.image_token) if vision is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,16 +124,30 @@ async def render_chat(
             code="chat_template_timeout",
         ) from None
     if images is not None and images.parts:
-        vision = engine.loaded.vision
-        run = partial(process, vision.processor, text, images.parts, vision.image_token_id)
-        ids, pixels = await RENDER_POOL.run(run)
-        return RenderedPrompt(text, ids, pixels)
+        return await _with_images(engine, text, images)
     # Native code that ends on its own; the body size limit bounds it.
     if templated:  # the template wrote the special tokens already
         encode = partial(tokenizer.encode, text, add_special_tokens=False)
     else:
         encode = partial(tokenizer.encode, text)
     return RenderedPrompt(text, list(await RENDER_POOL.run(encode)))
+
+
+async def _with_images(engine: ModelEngine, text: str, images: ImageSink) -> RenderedPrompt:
+    """A prompt with images: each stands in the text as the model's image token, and
+    the model's processor expands it to the image's tokens."""
+    vision = engine.loaded.vision
+    if vision is None:
+        where = images.parts[0].where
+        raise InvalidRequestError(
+            f"{where}: model '{engine.name}' is a text model and does not take images; "
+            "send text parts only, or use a vision model (kind vlm in /v1/models)",
+            param=where,
+        )
+    text = text.replace(images.marker, vision.image_token)
+    run = partial(process, vision.processor, text, images.parts, vision.image_token_id)
+    ids, pixels = await RENDER_POOL.run(run)
+    return RenderedPrompt(text, ids, pixels)
 
 
 def _chat_text(

@@ -34,6 +34,7 @@ from omlx.memory.budget import MemoryReading, prefill_step_transient_bytes
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
 from omlx.memory.throttle import MAX_PREFILL_HOLD_S, PrefillShape, shape_prefill
+from omlx.memory.vision import vision_transient_bytes
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
 from omlx.sizes import format_bytes
@@ -151,7 +152,7 @@ class ModelEngine:
     def submit(self, request: Request, stream: RequestStream) -> None:
         """Queue a request. Raises PrefillMemoryExceededError for a prompt that can
         never fit under the memory limit, QueueFullError when at capacity."""
-        self.guard.check_prefill(request.num_prompt_tokens)
+        self.guard.check_prefill(request.num_prompt_tokens, image_bytes=self._image_bytes(request))
         with self._lock:
             if self._refusal is not None:
                 raise copy.copy(self._refusal)
@@ -166,6 +167,14 @@ class ModelEngine:
 
     def abort(self, request_id: str) -> None:
         self._worker.post(self._abort, request_id)
+
+    def _image_bytes(self, request: Request) -> int:
+        """The transient of encoding the request's images at prefill (0: none)."""
+        vision = self.loaded.vision
+        if request.images is None or vision is None:
+            return 0
+        shape = request.images.pixel_values.shape
+        return vision_transient_bytes(vision.dims, shape, request.num_prompt_tokens)
 
     def refuse_new(self, error: OmlxError | None) -> None:
         """Refuse requests submitted from now on with ``error`` (None: take them
@@ -372,7 +381,11 @@ class ModelEngine:
             # KV still to come for admitted requests, the step transients of every
             # request that will prefill in the same batch as this one, and the copy
             # of the decode batch's KV its rows make when this one joins them.
-            pending = self._pending_bytes + self._join_copy_bytes(request.num_prompt_tokens)
+            pending = (
+                self._pending_bytes
+                + self._join_copy_bytes(request.num_prompt_tokens)
+                + self._image_bytes(request)
+            )
             reading = _plus(self.probe.reading(fresh=True), pending)
             admitted = self.guard.admit(request.num_prompt_tokens, num_running, reading)
             reason = None if admitted else "memory"

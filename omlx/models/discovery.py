@@ -57,6 +57,19 @@ def detect_kind(config: dict[str, Any], folder: Path | None = None) -> str:
     return "llm"
 
 
+_CAPABILITIES = {
+    "llm": ("chat",),
+    "vlm": ("chat", "vision"),
+    "embedding": ("embedding",),
+    "rerank": ("rerank",),
+}
+
+
+def capabilities(kind: str) -> list[str]:
+    """What a model of ``kind`` serves, as /v1/models and the admin panel show it."""
+    return list(_CAPABILITIES.get(kind, ()))
+
+
 def _read_config(folder: Path) -> dict[str, Any] | None:
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))

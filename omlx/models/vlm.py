@@ -20,6 +20,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from omlx.errors import ModelLoadError
+from omlx.memory.vision import VisionDims, vision_dims
 from omlx.models.discovery import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class VisionEncoder:
     model_type: str
     image_token: str
     image_token_id: int
+    dims: VisionDims
 
     def embed(self, input_ids: list[int], pixel_values: Any, extras: dict[str, Any]) -> mx.array:
         """Input embeddings (1, tokens, hidden) of a prompt with its images."""
@@ -93,12 +95,30 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
         model, processor = load(str(info.path))
     except (ValueError, OSError, KeyError, RuntimeError, TypeError) as exc:
         raise ModelLoadError(f"cannot load '{info.name}' from {info.path}: {exc}") from exc
-    raw = _raw_config(info)
-    token, token_id = _image_token(processor, raw)
-    encoder = VisionEncoder(model, processor, info.model_type, token, token_id)
+    config = {**_raw_config(info), "text_config": _text_config(model)}
+    token, token_id = _image_token(processor, config)
+    dims = vision_dims(config, config["text_config"]["hidden_size"], _dtype_bytes(model))
+    encoder = VisionEncoder(model, processor, info.model_type, token, token_id, dims)
     tokenizer = TokenizerWrapper(getattr(processor, "tokenizer", processor))
     log.info("loaded vision-language model %s in %.2f s", info.name, time.perf_counter() - start)
-    return TextModel(model.language_model), tokenizer, raw, encoder
+    return TextModel(model.language_model), tokenizer, config, encoder
+
+
+def _text_config(model: Any) -> dict[str, Any]:
+    """The language model's config as mlx-vlm resolved it (defaults filled in), so
+    the memory guard reads the real text dims of nested VLM configs."""
+    text = model.config.text_config
+    fields = getattr(text, "__dataclass_fields__", None)
+    return {k: getattr(text, k) for k in fields} if fields else dict(vars(text))
+
+
+def _dtype_bytes(model: Any) -> int:
+    from mlx.utils import tree_flatten
+
+    for _, param in tree_flatten(model.parameters()):
+        if mx.issubdtype(param.dtype, mx.floating):
+            return int(param.dtype.size)
+    return 2
 
 
 def _raw_config(info: ModelInfo) -> dict[str, Any]:
