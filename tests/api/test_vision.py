@@ -1,0 +1,244 @@
+"""Vision-language chat on tiny random VLMs of two mlx-vlm families (llava,
+pixtral), through the official openai and anthropic clients on a live server."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from omlx.api.server import Server
+from tests.fixtures.servers import live_server
+from tests.fixtures.tiny_models import build_tiny_model
+from tests.fixtures.tiny_vlms import build_tiny_vlm
+
+VLMS = ["tiny-llava", "tiny-pixtral"]
+BIG = "tiny-llava-336"  # 576 image tokens per image: for the memory guard
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("tiny-vlms")
+    build_tiny_vlm(root / "tiny-llava", "llava", seed=0)
+    build_tiny_vlm(root / "tiny-pixtral", "pixtral", seed=1)
+    build_tiny_vlm(root / BIG, "llava", seed=2, image_size=336)
+    build_tiny_model(root / "tiny-llama", "llama", seed=0)
+    with live_server(
+        tmp_path_factory.mktemp("base"),
+        root,
+        scheduler={"max_concurrent_requests": 8, "prefill_step_size": 64},
+    ) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def png(seed: int, size: tuple[int, int] = (40, 50)) -> bytes:
+    """Four quadrants of random colours (each survives the resize to a few patches)."""
+    quadrants = np.random.default_rng(seed).integers(0, 256, (2, 2, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(quadrants).resize((size[1], size[0]), Image.Resampling.NEAREST).save(out, "PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def ask(*images: bytes, text: str = "what is in the picture?") -> list[dict]:
+    parts: list[dict] = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
+    return [{"role": "user", "content": parts}]
+
+
+def chat(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int = 8):
+    return client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0
+    )
+
+
+def error_of(exc: openai.APIStatusError) -> dict:
+    return exc.response.json()["error"]
+
+
+def test_models_show_kind_vlm_and_the_vision_capability(client: openai.OpenAI) -> None:
+    listed = {m.id: m.model_dump() for m in client.models.list().data}
+    for name in VLMS:
+        assert listed[name]["kind"] == "vlm"
+        assert "vision" in listed[name]["capabilities"]
+    assert listed["tiny-llama"]["kind"] == "llm"
+    assert "vision" not in listed["tiny-llama"]["capabilities"]
+
+
+@pytest.mark.parametrize("model", VLMS)
+def test_the_image_changes_the_answer(client: openai.OpenAI, server: Server, model: str) -> None:
+    first = chat(client, model, ask(png(1))).choices[0].message.content
+    other = chat(client, model, ask(png(2))).choices[0].message.content
+    text_only = chat(client, model, [{"role": "user", "content": "what is in the picture?"}])
+    assert first != other
+    assert text_only.choices[0].message.content not in (first, other)
+    # The memory guard prices the language model from the nested text_config.
+    engine = next(e for e in server.pool.loaded() if e.name == model)
+    assert (engine.guard.dims.num_layers, engine.guard.dims.hidden_size) == (2, 64)
+
+
+@pytest.mark.parametrize("model", VLMS)
+def test_a_repeated_image_is_a_cache_hit_with_the_same_answer(
+    client: openai.OpenAI, model: str
+) -> None:
+    messages = ask(png(10 + VLMS.index(model)))
+    first = chat(client, model, messages)
+    again = chat(client, model, messages)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content
+    # Same tokens, another image: no hit past the images (their hashes key the blocks).
+    other = chat(client, model, ask(png(20 + VLMS.index(model))))
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+@pytest.mark.parametrize("model", VLMS)
+def test_batched_answers_equal_solo_answers(client: openai.OpenAI, model: str) -> None:
+    conversations = [
+        ask(png(30), text="describe it"),
+        ask(png(31), png(32), text="compare them"),
+        [{"role": "user", "content": "tell me a story"}],
+        ask(png(33), text="and this one?"),
+    ]
+    solo = [chat(client, model, m, 12).choices[0].message.content for m in conversations]
+    with ThreadPoolExecutor(len(conversations)) as pool:
+        batched = list(pool.map(lambda m: chat(client, model, m, 12), conversations))
+    assert [r.choices[0].message.content for r in batched] == solo
+
+
+def test_anthropic_image_blocks_answer(server: Server) -> None:
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    image = png(40)
+    block = {
+        "type": "image",
+        "source": {
+            "type": "base64",
+            "media_type": "image/png",
+            "data": base64.b64encode(image).decode(),
+        },
+    }
+    content = [{"type": "text", "text": "what is in the picture?"}, block]
+    answers = [
+        claude.messages.create(
+            model="tiny-llava",
+            max_tokens=8,
+            messages=[{"role": "user", "content": content}],
+            extra_body={"temperature": 0},
+        )
+        for _ in range(2)
+    ]
+    first, again = answers
+    assert first.stop_reason == "max_tokens" and first.content[0].type == "text"
+    assert first.content[0].text  # type: ignore[union-attr]
+    assert again.content == first.content
+    assert (again.usage.cache_read_input_tokens or 0) > 0
+
+
+def _bad(server: Server, content_part: dict, model: str = "tiny-llava") -> httpx.Response:
+    body = {
+        "model": model,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, content_part]}],
+    }
+    return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def _image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("data:image/png;base64,not*base64", "base64"),
+        ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "decoded"),
+        ("https://example.com/cat.png", "data URL"),
+        ("cat.png", "data URL"),
+    ],
+)
+def test_bad_images_are_400_naming_the_part(server: Server, url: str, says: str) -> None:
+    answer = _bad(server, _image_part(url))
+    assert answer.status_code == 400, answer.text
+    err = answer.json()["error"]
+    assert err["param"] == "messages[0].content[1]" and says in err["message"]
+
+
+def test_an_image_with_too_many_pixels_is_400(server: Server) -> None:
+    huge = io.BytesIO()
+    Image.new("RGB", (5000, 4000)).save(huge, "PNG")  # ~60 KB, 20 megapixels
+    answer = _bad(server, _image_part(data_url(huge.getvalue())))
+    assert answer.status_code == 400, answer.text
+    assert "5000x4000" in answer.json()["error"]["message"]
+
+
+def test_too_many_images_is_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, "tiny-llava", ask(*[png(50 + i) for i in range(9)]))
+    err = error_of(info.value)
+    assert err["param"] == "messages[0].content[9]" and "at most 8 images" in err["message"]
+
+
+def test_a_text_model_given_an_image_keeps_its_clear_400(server: Server) -> None:
+    answer = _bad(server, _image_part(data_url(png(60))), model="tiny-llama")
+    assert answer.status_code == 400 and "image_url" in answer.json()["error"]["message"]
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    image = {
+        "type": "base64",
+        "media_type": "image/png",
+        "data": base64.b64encode(png(60)).decode(),
+    }
+    with pytest.raises(anthropic.BadRequestError) as info:
+        claude.messages.create(
+            model="tiny-llama",
+            max_tokens=4,
+            messages=[{"role": "user", "content": [{"type": "image", "source": image}]}],
+        )
+    message = info.value.response.json()["error"]["message"]
+    assert "messages[0].content[0]" in message and "text model" in message
+
+
+def test_the_guard_refuses_an_image_set_that_can_never_fit(
+    client: openai.OpenAI, server: Server
+) -> None:
+    chat(client, BIG, ask(png(70)), max_tokens=1)  # loaded
+    engine = next(e for e in server.pool.loaded() if e.name == BIG)
+    guard = engine.guard
+    before = guard.limits
+    # Room for one 336-pixel image (576 tokens, a few MiB to encode) beside the model
+    # and the margin, not for six (their vision transient alone is ~30 MiB).
+    room = guard.baseline_bytes + before.transient_margin_bytes + 16 * 2**20
+    ceiling = int(room / 0.98) + 1
+    pool_limits = server.pool.limits
+    # The pool's limits too: the enforcer publishes them to every guard each poll.
+    server.pool.limits = dataclasses.replace(pool_limits, hard_bytes=ceiling)
+    guard.publish(dataclasses.replace(before, hard_bytes=ceiling))
+    try:
+        with pytest.raises(openai.BadRequestError) as info:
+            chat(client, BIG, ask(*[png(80 + i) for i in range(6)]), max_tokens=1)
+        err = error_of(info.value)
+        assert err["code"] == "prefill_memory_exceeded"
+        assert err["estimated_bytes"] > err["limit_bytes"] == ceiling
+        assert "images" in err["message"]
+        one = chat(client, BIG, ask(png(90)), max_tokens=2)
+        assert one.choices[0].finish_reason == "length"
+    finally:
+        server.pool.limits = pool_limits
+        guard.publish(before)
