@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import anthropic
 import httpx
 import numpy as np
+import ollama
 import openai
 import pytest
 from PIL import Image
@@ -241,4 +242,56 @@ def test_the_guard_refuses_an_image_set_that_can_never_fit(
         assert one.choices[0].finish_reason == "length"
     finally:
         server.pool.limits = pool_limits
-        guard.publish(before)
+        server.pool.publish_limits()  # every guard, as the enforcer's next poll would
+
+
+def test_responses_input_image_answers_and_a_repeat_is_cached(client: openai.OpenAI) -> None:
+    content = [
+        {"type": "input_text", "text": "what is in the picture?"},
+        {"type": "input_image", "image_url": data_url(png(110))},
+    ]
+    kw = {"model": "tiny-llava", "max_output_tokens": 8, "temperature": 0}
+    first = client.responses.create(input=[{"role": "user", "content": content}], **kw)
+    again = client.responses.create(input=[{"role": "user", "content": content}], **kw)
+    assert first.output_text and again.output_text == first.output_text
+    assert again.usage.input_tokens_details.cached_tokens > 0
+    # The same words with another image answer differently (the image reached the model).
+    content[1]["image_url"] = data_url(png(111))
+    other = client.responses.create(input=[{"role": "user", "content": content}], **kw)
+    assert other.output_text != first.output_text
+
+
+def test_responses_bad_input_image_is_400_naming_the_part(client: openai.OpenAI) -> None:
+    bad = [{"type": "input_text", "text": "hi"}, {"type": "input_image", "image_url": "x.png"}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="tiny-llava", input=[{"role": "user", "content": bad}])
+    assert error_of(info.value)["param"] == "input[0].content[1]"
+    with pytest.raises(openai.BadRequestError) as info:  # a text model: its clear 400
+        client.responses.create(
+            model="tiny-llama",
+            input=[
+                {"role": "user", "content": [bad[0], {**bad[1], "image_url": data_url(png(1))}]}
+            ],
+        )
+    assert "input_image" in error_of(info.value)["message"]
+
+
+def test_ollama_images_answer(server: Server) -> None:
+    llama = ollama.Client(host=server.base_url)
+    image = png(120)
+    options = {"temperature": 0, "num_predict": 6}
+    ask_ = [{"role": "user", "content": "what is this?", "images": [image]}]
+    first = llama.chat(model="tiny-llava", messages=ask_, options=options)
+    again = llama.chat(model="tiny-llava", messages=ask_, options=options)
+    assert first.message.content and again.message.content == first.message.content
+    other = llama.chat(
+        model="tiny-llava", messages=[{**ask_[0], "images": [png(121)]}], options=options
+    )
+    assert other.message.content != first.message.content
+    generated = llama.generate(
+        model="tiny-llava", prompt="what is this?", images=[image], options=options
+    )
+    assert generated.response and generated.done_reason == "length"
+    with pytest.raises(ollama.ResponseError) as info:
+        llama.generate(model="tiny-llava", prompt="hi", images=[b"not an image"])
+    assert info.value.status_code == 400 and "images[0]" in info.value.error
