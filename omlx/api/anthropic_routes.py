@@ -69,7 +69,7 @@ async def _render(
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
-    images = ImageSink()
+    images = ImageSink(state_of(request).settings.models.image_url_allowlist)
     # A bad conversation is refused before any model loads.
     messages = chat_messages(body, images)
     pool = state_of(request).pool
@@ -80,7 +80,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
 
 @router.post("/v1/messages")
 async def create_message(body: MessagesRequest, request: Request) -> Response:
-    images = ImageSink()
+    images = ImageSink(state_of(request).settings.models.image_url_allowlist)
     messages = chat_messages(body, images)
     spec = output_grammar(body)
     pool = state_of(request).pool

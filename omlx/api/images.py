@@ -12,8 +12,10 @@ import binascii
 import hashlib
 import io
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from omlx.errors import InvalidRequestError
 
@@ -30,6 +32,8 @@ class ImagePart:
 
     data: bytes
     where: str
+    # An http(s) image to fetch before rendering (image_fetch.py); data is empty until then.
+    url: str | None = None
 
     @property
     def key(self) -> str:
@@ -53,9 +57,11 @@ class ImageSink:
     message text as a marker no client can forge (unique per request); rendering
     puts the model's image token there."""
 
-    def __init__(self) -> None:
+    def __init__(self, url_allowlist: Sequence[str] = ()) -> None:
         self.marker = f"<omlx-image-{uuid.uuid4().hex}>"
         self.parts: list[ImagePart] = []
+        # Host globs whose http(s) image URLs are fetched (models.image_url_allowlist).
+        self.url_allowlist = tuple(url_allowlist)
 
     def add(self, part: ImagePart) -> str:
         self.parts.append(part)
@@ -64,17 +70,18 @@ class ImageSink:
 
 
 def from_data_url(url: str, where: str) -> ImagePart:
-    """An ``image_url`` part's URL: a base64 data URL (remote URLs are not fetched)."""
+    """An image part's URL: a base64 data URL, or an http(s) URL fetched later (if
+    models.image_url_allowlist lets its host)."""
     if url.startswith(("http://", "https://")):
-        raise InvalidRequestError(
-            f"{where}: this server does not fetch image URLs; send the image inline as a "
-            "data URL (data:image/png;base64,...)",
-            param=where,
-        )
+        if not urlsplit(url).hostname:
+            raise InvalidRequestError(f"{where}: the image URL has no host", param=where)
+        return ImagePart(b"", where, url)
     header, sep, payload = url.partition(",")
     if not sep or not header.startswith("data:image/") or not header.endswith(";base64"):
         raise InvalidRequestError(
-            f"{where}: expected a data URL like data:image/png;base64,<data>", param=where
+            f"{where}: expected a data URL like data:image/png;base64,<data> (or an "
+            "http(s) URL from a host in models.image_url_allowlist)",
+            param=where,
         )
     return from_base64(payload, where)
 

@@ -147,6 +147,7 @@ async def _chat_completion(
         body,
         defaults.template_kwargs(body.chat_template_kwargs),
         state.settings.server.template_timeout_s,
+        state.settings.models.image_url_allowlist,
     )
     params = sampling_params(
         body, len(prompt.ids), engine, defaults.sampling, defaults.generation, defaults.forced

@@ -10,10 +10,12 @@ import contextlib
 import json
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from omlx.api.image_fetch import fetch_images
 from omlx.api.images import ImageSink, PromptImages, from_data_url, process
 from omlx.api.output_parser import HERMES_FORMATS, tool_format
 from omlx.api.render_pool import RENDER_POOL
@@ -79,10 +81,12 @@ async def chat_prompt(
     body: ChatCompletionRequest,
     template_kwargs: dict[str, Any] | None,
     timeout_s: float,
+    image_url_allowlist: Sequence[str] = (),
 ) -> RenderedPrompt:
     tools = body.tools if body.tool_choice != "none" else None
     # A text model keeps refusing image parts where they are parsed.
-    images = ImageSink() if engine.loaded.vision is not None else None
+    vision = engine.loaded.vision is not None
+    images = ImageSink(image_url_allowlist) if vision else None
     return await render_chat(
         engine,
         chat_messages(body, images),
@@ -144,6 +148,7 @@ async def _with_images(engine: ModelEngine, text: str, images: ImageSink) -> Ren
             "send text parts only, or use a vision model (kind vlm in /v1/models)",
             param=where,
         )
+    await fetch_images(images)
     text = text.replace(images.marker, vision.image_token)
     run = partial(process, vision.processor, text, images.parts, vision.image_token_id)
     ids, pixels = await RENDER_POOL.run(run)

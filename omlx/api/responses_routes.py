@@ -204,7 +204,8 @@ async def _fitted_prompt(
     conversation = plan.conversation
     room = plan.body.max_output_tokens or 1
     while True:
-        images = ImageSink() if engine.loaded.vision is not None else None
+        allowlist = state.settings.models.image_url_allowlist
+        images = ImageSink(allowlist) if engine.loaded.vision is not None else None
         messages = chat_messages(plan.body.instructions, conversation, images, plan.names)
         prompt = await render_chat(
             engine,

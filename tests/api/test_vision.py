@@ -6,8 +6,10 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import anthropic
 import httpx
@@ -37,8 +39,38 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         tmp_path_factory.mktemp("base"),
         root,
         scheduler={"max_concurrent_requests": 8, "prefill_step_size": 64},
+        models={"image_url_allowlist": ["127.0.0.1"]},
     ) as srv:
         yield srv
+
+
+class _Images(BaseHTTPRequestHandler):
+    """Serves /cat.png, a too-large /big.png, a redirect and 404s."""
+
+    def do_GET(self) -> None:
+        if self.path == "/redirect":
+            self.send_response(302)
+            self.send_header("Location", "/cat.png")
+            self.end_headers()
+            return
+        body = {"/cat.png": png(130), "/big.png": b"\0" * (21 * 2**20)}.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[int]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd.server_address[1]
+    httpd.shutdown()
+    httpd.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -295,3 +327,35 @@ def test_ollama_images_answer(server: Server) -> None:
     with pytest.raises(ollama.ResponseError) as info:
         llama.generate(model="tiny-llava", prompt="hi", images=[b"not an image"])
     assert info.value.status_code == 400 and "images[0]" in info.value.error
+
+
+def test_an_allowed_image_url_is_fetched_and_keyed_by_its_bytes(
+    client: openai.OpenAI, image_host: int
+) -> None:
+    inline = chat(client, "tiny-llava", ask(png(130)))
+    url = [
+        {"type": "text", "text": "what is in the picture?"},
+        {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{image_host}/cat.png"}},
+    ]
+    fetched = chat(client, "tiny-llava", [{"role": "user", "content": url}])
+    assert fetched.choices[0].message.content == inline.choices[0].message.content
+    # The same bytes, however they came: the prefix cache holds the image's tokens.
+    assert fetched.usage.prompt_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("where", "says"),
+    [
+        ("http://localhost:{port}/cat.png", "image_url_allowlist"),  # host not allowed
+        ("http://127.0.0.1:{port}/big.png", "larger than 20 MiB"),
+        ("http://127.0.0.1:{port}/missing.png", "HTTP 404"),
+        ("http://127.0.0.1:{port}/redirect", "HTTP 302"),  # redirects are not followed
+    ],
+)
+def test_image_urls_that_cannot_be_fetched_are_400_naming_the_part(
+    server: Server, image_host: int, where: str, says: str
+) -> None:
+    answer = _bad(server, _image_part(where.format(port=image_host)))
+    assert answer.status_code == 400, answer.text
+    err = answer.json()["error"]
+    assert err["param"] == "messages[0].content[1]" and says in err["message"]
