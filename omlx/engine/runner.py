@@ -251,49 +251,42 @@ class BatchRunner:
         return cached
 
     def _start_with_images(self, request: Request) -> int:
-        """Prefill a prompt with images on its own: the vision tower's embeddings
-        stand in for its image tokens; its last (text) token then joins the decode
-        batch like a solo sequence's. Its blocks are keyed by the images' hashes
-        (their tokens' ids are the same whatever the image). Returns tokens cached."""
+        """A prompt with images prefills on the side, a gated chunk per step like a
+        side sequence, fed the input embeddings the vision tower and projector made
+        for its image tokens; at its last (text) token it joins the decode batch.
+        Its blocks are keyed by the images' hashes (their tokens' ids are the same
+        whatever the image). Returns the prompt tokens the prefix cache held."""
         if self._solo is not None:
             self._solo_to_batch()
         vision, images = self._vision, request.images
         assert vision is not None, "images reached a text-only model"
         rid, prompt = request.request_id, list(request.prompt_ids)
-        n = len(prompt) - 1
         hit = None
         if self._prefix is not None:
             self._extra[rid] = images.keys
             self._tokens[rid], self._prompt_len[rid] = list(prompt), len(prompt)
-            hit = self._prefix.lookup(
-                prompt, make_prompt_cache(self._model), extra_keys=images.keys
-            )
+            template = make_prompt_cache(self._model)
+            hit = self._prefix.lookup(prompt, template, extra_keys=images.keys)
         done = hit.num_tokens if hit is not None else 0
-        with mx.stream(self._stream):
-            cache = hit.layers if hit is not None else make_prompt_cache(self._model)
-            if done < n:
-                self._prefill_embedded(vision, images, prompt, cache, done)
-            row = Row.make(
-                rid,
-                make_request_sampler(request.sampling),
-                make_request_processors(request),
-                prompt[:n],
-            )
-            self._start_batched(row, cache, n, prompt[n:])
+        embeddings = None
+        # The vision tower runs unless the cache already holds every image token.
+        if vision.image_token_id in prompt[done:]:
+            with mx.stream(self._stream):
+                embeddings = vision.embed(prompt, images.pixel_values, images.extras)
+                mx.eval(embeddings)
+        sequence = SoloSequence(
+            self._model,
+            rid,
+            prompt,
+            make_request_sampler(request.sampling),
+            make_request_processors(request),
+            self._prefill_step_size,
+            cache=hit.layers if hit is not None else None,
+            num_cached=done,
+            embeddings=embeddings,
+        )
+        self._side[rid] = (sequence, request)
         return done
-
-    def _prefill_embedded(
-        self, vision: Any, images: Any, prompt: list[int], cache: list[Any], start: int
-    ) -> None:
-        """Feed ``prompt[start:-1]`` into ``cache`` as input embeddings, a prefill
-        step at a time (the vision tower runs once, over all the prompt's images)."""
-        n = len(prompt) - 1
-        embeds = vision.embed(prompt, images.pixel_values, images.extras)
-        ids = mx.array(prompt)[None]
-        for begin in range(start, n, self._prefill_step_size):
-            end = min(n, begin + self._prefill_step_size)
-            self._model(ids[:, begin:end], cache=cache, input_embeddings=embeds[:, begin:end])
-            mx.eval([layer.state for layer in cache])
 
     def _share_openings(
         self,

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -359,3 +360,46 @@ def test_image_urls_that_cannot_be_fetched_are_400_naming_the_part(
     assert answer.status_code == 400, answer.text
     err = answer.json()["error"]
     assert err["param"] == "messages[0].content[1]" and says in err["message"]
+
+
+def _reference_answer(folder: Path, text: str, image: bytes, max_tokens: int) -> str:
+    """Greedy decoding with mlx-vlm's own model object, the whole prompt in one
+    forward (no chunks, no batch, no cache reuse): what the engine must match."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_vlm import load
+
+    from omlx.api.images import ImagePart, process
+
+    model, processor = load(str(folder))
+    image_id = model.config.image_token_index
+    prompt = f"<|im_start|>user\n{text}{processor.image_token}<|im_end|>\n<|im_start|>assistant\n"
+    ids, images = process(processor, prompt, [ImagePart(image, "x")], image_id)
+    extras = {k: mx.array(v) for k, v in images.extras.items()}
+    features = model.get_input_embeddings(
+        mx.array(ids)[None], mx.array(images.pixel_values), **extras
+    )
+    language = model.language_model
+    cache = make_prompt_cache(language)
+    logits = language(mx.array(ids)[None], inputs_embeds=features.inputs_embeds, cache=cache)
+    out: list[int] = []
+    eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    while len(out) < max_tokens:
+        token = int(mx.argmax(logits.logits[0, -1]).item())
+        if token == eos:
+            break
+        out.append(token)
+        logits = language(mx.array([[token]]), cache=cache)
+    return str(processor.tokenizer.decode(out))
+
+
+@pytest.mark.parametrize("model", ["tiny-llava-336", "tiny-pixtral"])
+def test_answers_match_mlx_vlm_run_in_one_forward(
+    client: openai.OpenAI, server: Server, model: str
+) -> None:
+    # tiny-llava-336's 576 image tokens prefill in 10 chunks of 64 on the engine.
+    image, text = png(140), "what is in the picture?"
+    folder = next(info.path for info in server.pool.available().values() if info.name == model)
+    expected = _reference_answer(folder, text, image, 10)
+    got = chat(client, model, ask(image, text=text), max_tokens=10)
+    assert got.choices[0].message.content == expected
