@@ -144,6 +144,12 @@ def process(
     images = [open_image(p) for p in parts]
     out = processor(text=text, images=images, return_tensors="np")
     ids = [int(t) for t in out["input_ids"][0]]
+    if ids and ids[-1] == image_token_id:
+        # The prompt's last token goes through the decode batch by id, not embedded.
+        raise InvalidRequestError(
+            f"{parts[-1].where}: the prompt ends with an image; put text after it",
+            param=parts[-1].where,
+        )
     count = sum(1 for t in ids if t == image_token_id)
     extras = {k: v for k, v in out.items() if k not in _TEXT_FIELDS}
     return ids, PromptImages(out["pixel_values"], tuple(p.key for p in parts), count, extras)
