@@ -37,8 +37,10 @@ class LoadedModel:
         float32 upcast), falling back to the files' size."""
         from mlx.utils import tree_flatten
 
+        # A VLM's whole model (vision tower and projector too), not its language model.
+        module = self.vision.model if self.vision is not None else self.model
         try:
-            params = tree_flatten(self.model.parameters())
+            params = tree_flatten(module.parameters())
             return int(sum(p.nbytes for _, p in params)) or self.info.size_bytes
         except Exception:
             return self.info.size_bytes

@@ -9,8 +9,10 @@ import io
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx
@@ -21,6 +23,7 @@ import pytest
 from PIL import Image
 
 from omlx.api.server import Server
+from omlx.memory.vision import vision_transient_bytes
 from tests.fixtures.servers import live_server
 from tests.fixtures.tiny_models import build_tiny_model
 from tests.fixtures.tiny_vlms import build_tiny_vlm
@@ -135,6 +138,12 @@ def test_the_image_changes_the_answer(client: openai.OpenAI, server: Server, mod
     # The memory guard prices the language model from the nested text_config.
     engine = next(e for e in server.pool.loaded() if e.name == model)
     assert (engine.guard.dims.num_layers, engine.guard.dims.hidden_size) == (2, 64)
+    # The pool's weights budget counts every weight: the vision tower's too.
+    import mlx.core as mx
+
+    weights = mx.load(str(engine.loaded.info.path / "model.safetensors"))
+    held = next(m for m in server.pool.status() if m["name"] == model)["memory_bytes"]
+    assert held == sum(w.nbytes for w in weights.values())
 
 
 @pytest.mark.parametrize("model", VLMS)
@@ -264,27 +273,38 @@ def test_the_guard_refuses_an_image_set_that_can_never_fit(
     chat(client, BIG, ask(png(70)), max_tokens=1)  # loaded
     engine = next(e for e in server.pool.loaded() if e.name == BIG)
     guard = engine.guard
-    before = guard.limits
     # Room for one 336-pixel image (576 tokens, a few MiB to encode) beside the model
-    # and the margin, not for seven (their vision transient alone is ~34 MiB). Above the
-    # process as it is now: the one image's prefill chunks are gated on a fresh
-    # reading, and this test process's own allocations move it past the baseline.
-    now = engine.probe.reading(fresh=True).resident_bytes
-    room = max(guard.baseline_bytes, now) + before.transient_margin_bytes + 16 * 2**20
-    ceiling = int(room / 0.98) + 1
-    pool_limits = server.pool.limits
-    # The pool's limits too: the enforcer publishes them to every guard each poll.
-    server.pool.limits = dataclasses.replace(pool_limits, hard_bytes=ceiling)
-    guard.publish(dataclasses.replace(before, hard_bytes=ceiling))
-    try:
+    # and the margin, not for seven (their vision transient alone is ~34 MiB).
+    room = guard.baseline_bytes + guard.limits.transient_margin_bytes + 16 * 2**20
+    with _limited(server, guard, int(room / 0.98) + 1) as ceiling:
         with pytest.raises(openai.BadRequestError) as info:
             chat(client, BIG, ask(*[png(80 + i) for i in range(7)]), max_tokens=1)
         err = error_of(info.value)
         assert err["code"] == "prefill_memory_exceeded"
         assert err["estimated_bytes"] > err["limit_bytes"] == ceiling
         assert "images" in err["message"]
+        # One image passes the same front door (the check submit makes).
+        one_image = vision_transient_bytes(engine.loaded.vision.dims, (1, 3, 336, 336), 600)
+        guard.check_prefill(600, image_bytes=one_image)
+    # And runs: its prefill chunks are gated on fresh readings of this process, which
+    # the test's own allocations move past the load-time baseline, so give it room
+    # above the process as it is now.
+    now = engine.probe.reading(fresh=True).resident_bytes
+    room = now + guard.limits.transient_margin_bytes + 16 * 2**20
+    with _limited(server, guard, int(room / 0.98) + 1):
         one = chat(client, BIG, ask(png(90)), max_tokens=2)
         assert one.choices[0].finish_reason == "length"
+
+
+@contextmanager
+def _limited(server: Server, guard: Any, ceiling: int) -> Iterator[int]:
+    """The hard limit at ``ceiling`` for the block: the pool's too, since the
+    enforcer publishes the pool's limits to every guard each poll."""
+    pool_limits = server.pool.limits
+    server.pool.limits = dataclasses.replace(pool_limits, hard_bytes=ceiling)
+    guard.publish(dataclasses.replace(guard.limits, hard_bytes=ceiling))
+    try:
+        yield ceiling
     finally:
         server.pool.limits = pool_limits
         server.pool.publish_limits()  # every guard, as the enforcer's next poll would
