@@ -25,9 +25,11 @@ from omlx.models.discovery import ModelInfo
 
 log = logging.getLogger(__name__)
 
-# mlx-vlm families whose language model is a plain decoder over 1-D positions
-# with plain KV caches: their decode is exact in the shared batch.
-SUPPORTED_FAMILIES = frozenset({"llava", "mistral3", "pixtral", "llava_next", "paligemma"})
+# mlx-vlm families whose language model is a plain causal decoder over 1-D
+# positions (tested: llava, pixtral): their decode is exact in the shared batch.
+# Not: qwen2_vl / qwen2_5_vl (multi-axis rope positions held on the model),
+# paligemma (a bidirectional prefix mask), gemma3 (sliding-window layers).
+SUPPORTED_FAMILIES = frozenset({"llava", "llava_next", "mistral3", "pixtral"})
 
 
 class TextModel(nn.Module):
@@ -95,6 +97,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
         model, processor = load(str(info.path))
     except (ValueError, OSError, KeyError, RuntimeError, TypeError) as exc:
         raise ModelLoadError(f"cannot load '{info.name}' from {info.path}: {exc}") from exc
+    _require_plain_kv(info, model.language_model)
     config = {**_raw_config(info), "text_config": _text_config(model)}
     token, token_id = _image_token(processor, config)
     dims = vision_dims(config, config["text_config"]["hidden_size"], _dtype_bytes(model))
@@ -102,6 +105,18 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     tokenizer = TokenizerWrapper(getattr(processor, "tokenizer", processor))
     log.info("loaded vision-language model %s in %.2f s", info.name, time.perf_counter() - start)
     return TextModel(model.language_model), tokenizer, config, encoder
+
+
+def _require_plain_kv(info: ModelInfo, language_model: Any) -> None:
+    """Every layer a plain KV cache (the batch and the prefix cache take mlx-lm's);
+    a sliding-window configuration of a family is a clear load error."""
+    make = getattr(language_model, "make_cache", None)
+    kinds = {type(c).__name__ for c in make()} if callable(make) else {"KVCache"}
+    if kinds != {"KVCache"}:
+        raise ModelLoadError(
+            f"cannot load '{info.name}': its language model keeps {', '.join(sorted(kinds))} "
+            "layers (sliding window); only plain KV-cache vision-language models are served"
+        )
 
 
 def _text_config(model: Any) -> dict[str, Any]:

@@ -39,6 +39,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     build_tiny_vlm(root / "tiny-pixtral", "pixtral", seed=1)
     build_tiny_vlm(root / BIG, "llava", seed=2, image_size=336)
     build_tiny_model(root / "tiny-llama", "llama", seed=0)
+    # A family not served (multi-axis rope positions): discovered as a VLM, not loaded.
+    qwen = root / "tiny-qwen2-vl"
+    qwen.mkdir()
+    (qwen / "config.json").write_text('{"model_type": "qwen2_vl", "vision_config": {}}')
+    (qwen / "model.safetensors").write_bytes(b"\0" * 64)
     with live_server(
         tmp_path_factory.mktemp("base"),
         root,
@@ -435,3 +440,12 @@ def test_answers_match_mlx_vlm_run_in_one_forward(
     expected = _reference_answer(folder, text, image, 10)
     got = chat(client, model, ask(image, text=text), max_tokens=10)
     assert got.choices[0].message.content == expected
+
+
+def test_a_vlm_family_not_served_is_a_clear_load_error(client: openai.OpenAI) -> None:
+    listed = {m.id: m.model_dump() for m in client.models.list().data}
+    assert listed["tiny-qwen2-vl"]["kind"] == "vlm"
+    with pytest.raises(openai.APIStatusError) as info:
+        chat(client, "tiny-qwen2-vl", ask(png(150)))
+    message = error_of(info.value)["message"]
+    assert "qwen2_vl" in message and "not supported" in message and "llava" in message
