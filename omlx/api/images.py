@@ -142,7 +142,7 @@ def process(
     """Token ids of ``text`` with each image's tokens expanded, and the pixels
     (runs on the render pool)."""
     images = [open_image(p) for p in parts]
-    out = processor(text=text, images=images, return_tensors="np")
+    out = processor(text=_without_double_bos(processor, text), images=images, return_tensors="np")
     ids = [int(t) for t in out["input_ids"][0]]
     if ids and ids[-1] == image_token_id:
         # The prompt's last token goes through the decode batch by id, not embedded.
@@ -156,3 +156,14 @@ def process(
 
 
 _TEXT_FIELDS = ("input_ids", "attention_mask", "pixel_values")
+
+
+def _without_double_bos(processor: Any, text: str) -> str:
+    """The processor's tokenizer adds its BOS (processors take no add_special_tokens):
+    a chat template that wrote one already loses its copy, so there is one BOS."""
+    tokenizer = getattr(processor, "tokenizer", None)
+    bos = getattr(tokenizer, "bos_token", None)
+    if not bos or not text.startswith(bos) or tokenizer is None:
+        return text
+    adds_bos = tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]
+    return text[len(bos) :] if adds_bos else text
