@@ -29,6 +29,7 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 from omlx.cache.prefix import CacheHit, PrefixCache, common_prefix
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, Sampler, merge_caches
 from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
+from omlx.engine.image_prefill import image_sequence
 from omlx.engine.solo import SoloSequence
 from omlx.grammar.processor import Draw, greedy_draw, temperature_draw
 from omlx.scheduler import Request, SamplingParams, TokenOutput
@@ -251,42 +252,32 @@ class BatchRunner:
         return cached
 
     def _start_with_images(self, request: Request) -> int:
-        """A prompt with images prefills on the side, a gated chunk per step like a
-        side sequence, fed the input embeddings the vision tower and projector made
-        for its image tokens; at its last (text) token it joins the decode batch.
-        Its blocks are keyed by the images' hashes (their tokens' ids are the same
-        whatever the image). Returns the prompt tokens the prefix cache held."""
+        """A prompt with images prefills on the side (image_prefill.py). Its blocks
+        are keyed by the images' hashes: their tokens' ids are the same whatever
+        the image. Returns the prompt tokens the prefix cache held."""
         if self._solo is not None:
             self._solo_to_batch()
-        vision, images = self._vision, request.images
-        assert vision is not None, "images reached a text-only model"
-        rid, prompt = request.request_id, list(request.prompt_ids)
+        assert self._vision is not None, "images reached a text-only model"
+        rid, keys = request.request_id, request.images.keys
         hit = None
         if self._prefix is not None:
-            self._extra[rid] = images.keys
-            self._tokens[rid], self._prompt_len[rid] = list(prompt), len(prompt)
+            self._extra[rid] = keys
+            self._tokens[rid] = list(request.prompt_ids)
+            self._prompt_len[rid] = request.num_prompt_tokens
             template = make_prompt_cache(self._model)
-            hit = self._prefix.lookup(prompt, template, extra_keys=images.keys)
-        done = hit.num_tokens if hit is not None else 0
-        embeddings = None
-        # The vision tower runs unless the cache already holds every image token.
-        if vision.image_token_id in prompt[done:]:
-            with mx.stream(self._stream):
-                embeddings = vision.embed(prompt, images.pixel_values, images.extras)
-                mx.eval(embeddings)
-        sequence = SoloSequence(
-            self._model,
-            rid,
-            prompt,
-            make_request_sampler(request.sampling),
-            make_request_processors(request),
-            self._prefill_step_size,
-            cache=hit.layers if hit is not None else None,
-            num_cached=done,
-            embeddings=embeddings,
-        )
+            hit = self._prefix.lookup(request.prompt_ids, template, extra_keys=keys)
+        with mx.stream(self._stream):
+            sequence = image_sequence(
+                self._model,
+                self._vision,
+                request,
+                sampler=make_request_sampler(request.sampling),
+                processors=make_request_processors(request),
+                prefill_step_size=self._prefill_step_size,
+                hit=hit,
+            )
         self._side[rid] = (sequence, request)
-        return done
+        return hit.num_tokens if hit is not None else 0
 
     def _share_openings(
         self,
