@@ -282,15 +282,16 @@ def test_the_guard_refuses_an_image_set_that_can_never_fit(
     # and the margin, not for seven (their vision transient alone is ~34 MiB).
     room = guard.baseline_bytes + guard.limits.transient_margin_bytes + 16 * 2**20
     with _limited(server, guard, int(room / 0.98) + 1) as ceiling:
+        # One image passes this front door (the check submit makes; first, as the
+        # 7-image render below moves this process's live baseline up).
+        one_image = vision_transient_bytes(engine.loaded.vision.dims, (1, 3, 336, 336), 600)
+        guard.check_prefill(600, image_bytes=one_image)
         with pytest.raises(openai.BadRequestError) as info:
             chat(client, BIG, ask(*[png(80 + i) for i in range(7)]), max_tokens=1)
         err = error_of(info.value)
         assert err["code"] == "prefill_memory_exceeded"
         assert err["estimated_bytes"] > err["limit_bytes"] == ceiling
         assert "images" in err["message"]
-        # One image passes the same front door (the check submit makes).
-        one_image = vision_transient_bytes(engine.loaded.vision.dims, (1, 3, 336, 336), 600)
-        guard.check_prefill(600, image_bytes=one_image)
     # And runs: its prefill chunks are gated on fresh readings of this process, which
     # the test's own allocations (images decoded, the 7-image render) move past the
     # load-time baseline, so give it room above the process as it is now.
