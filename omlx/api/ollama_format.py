@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from omlx.api.images import ImageSink, from_base64
 from omlx.api.ollama_schemas import GenerateRequest, Message, Options, Think
 from omlx.api.output_parser import OutputParser, ParsedDelta
 from omlx.api.prompts import SamplingRequest
@@ -81,18 +82,15 @@ def _duration_s(text: str) -> float:
 # ---- request -> chat template input ---------------------------------------------------
 
 
-def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
+def chat_messages(messages: list[Message], images: ImageSink) -> list[dict[str, Any]]:
     """OpenAI-style messages: tool_calls get ids and JSON arguments; a tool answer
-    names the call it answers (the latest unanswered one of that tool)."""
+    names the call it answers (the latest unanswered one of that tool). A message's
+    ``images`` go to ``images`` and stand before its text."""
     out: list[dict[str, Any]] = []
     open_calls: list[tuple[str, str]] = []  # (id, tool name) not answered yet
     for i, msg in enumerate(messages):
-        if msg.images:
-            raise InvalidRequestError(
-                f"messages[{i}].images: images are not supported; omlx serves text models",
-                param=f"messages[{i}].images",
-            )
-        entry: dict[str, Any] = {"role": msg.role, "content": msg.content or ""}
+        content = with_images(msg.content or "", msg.images, f"messages[{i}].images", images)
+        entry: dict[str, Any] = {"role": msg.role, "content": content}
         if msg.tool_calls:
             entry["tool_calls"] = [
                 _openai_call(f"call_{i}_{j}", c.function.name, c.function.arguments)
@@ -120,10 +118,17 @@ def _answered(open_calls: list[tuple[str, str]], tool_name: str | None, i: int) 
     return fields
 
 
-def generate_messages(body: GenerateRequest) -> list[dict[str, Any]]:
+def with_images(text: str, images: list[str] | None, param: str, sink: ImageSink) -> str:
+    """``text`` after the markers of its base64 ``images`` (Ollama's order: images first)."""
+    markers = [sink.add(from_base64(data, f"{param}[{j}]")) for j, data in enumerate(images or [])]
+    return "\n".join([*markers, text]) if markers else text
+
+
+def generate_messages(body: GenerateRequest, images: ImageSink) -> list[dict[str, Any]]:
     """``/api/generate`` as a one-turn chat: the system text, then the prompt."""
     messages = [{"role": "system", "content": body.system}] if body.system else []
-    return [*messages, {"role": "user", "content": body.prompt}]
+    prompt = with_images(body.prompt, body.images, "images", images)
+    return [*messages, {"role": "user", "content": prompt}]
 
 
 def check_generate(body: GenerateRequest) -> None:
@@ -133,9 +138,10 @@ def check_generate(body: GenerateRequest) -> None:
             "suffix (fill-in-the-middle) is not supported; send the prompt only",
             param="suffix",
         )
-    if body.images:
+    if body.images and body.raw:
         raise InvalidRequestError(
-            "images are not supported; omlx serves text models", param="images"
+            "images need the chat template to place them; with raw=true send no images",
+            param="images",
         )
     if body.template:
         raise InvalidRequestError(

@@ -78,6 +78,8 @@ class ModelFacts:
         caps = ["completion", "tools"] if self.chat_template else ["completion"]
         if "enable_thinking" in self.chat_template or "<think>" in self.chat_template:
             caps.append("thinking")
+        if self.info.kind == "vlm":
+            caps.append("vision")  # Ollama's word for a model that takes images
         return caps
 
     def model_info(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from omlx.api.generation import ClientGone, Generation, unless_disconnected
+from omlx.api.images import ImageSink
 from omlx.api.metrics import observer_for
 from omlx.api.ollama_format import (
     OllamaReply,
@@ -153,15 +154,17 @@ class _Ask:
     # Ollama's load idiom: no messages, or no prompt (keep_alive 0: unload).
     empty: bool
     raw: bool = False
+    images: ImageSink | None = None
 
 
 @router.post("/api/chat")
 async def chat(body: ChatRequest, request: Request) -> Response:
     # A bad conversation is refused before any model loads.
-    messages = chat_messages(body.messages)
+    images = ImageSink()
+    messages = chat_messages(body.messages, images)
     tools = body.tools if body.tools and body.tool_choice != "none" else None
     spec = output_grammar(body.format, body.tools, body.tool_choice)
-    ask = _Ask(body, messages, tools, spec, chat=True, empty=not body.messages)
+    ask = _Ask(body, messages, tools, spec, chat=True, empty=not body.messages, images=images)
     return await _answer(request, ask)
 
 
@@ -174,8 +177,10 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
             param="system",
         )
     spec = output_grammar(body.format, None)
-    messages = generate_messages(body)
-    ask = _Ask(body, messages, None, spec, chat=False, empty=not body.prompt, raw=body.raw)
+    images = ImageSink()
+    messages = generate_messages(body, images)
+    empty = not body.prompt and not body.images
+    ask = _Ask(body, messages, None, spec, chat=False, empty=empty, raw=body.raw, images=images)
     return await _answer(request, ask)
 
 
@@ -234,9 +239,8 @@ async def _start(
     )
     grammar = await bind_grammar(engine, ask.spec)
     rid = new_request_id("ollama")
-    gen = Generation(
-        engine, [make_request(rid, prompt.ids, params, grammar)], observer=observer_for(request)
-    )
+    req = make_request(rid, prompt.ids, params, grammar, prompt.images)
+    gen = Generation(engine, [req], observer=observer_for(request))
     thinks = bool(ask.body.think) or bool(getattr(engine.tokenizer, "has_thinking", False))
     parser = parser_for(
         engine.tokenizer,
@@ -261,7 +265,12 @@ async def _prompt(
             text, list(await RENDER_POOL.run(partial(engine.tokenizer.encode, text)))
         )
     return await render_chat(
-        engine, ask.messages, tools=ask.tools, template_kwargs=kwargs, timeout_s=timeout_s
+        engine,
+        ask.messages,
+        tools=ask.tools,
+        template_kwargs=kwargs,
+        timeout_s=timeout_s,
+        images=ask.images,
     )
 
 

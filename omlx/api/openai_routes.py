@@ -30,19 +30,21 @@ from omlx.engine.pool import EnginePool
 from omlx.engine.prompt_scores import prompt_logprobs
 from omlx.engine.stream import StreamEvent
 from omlx.errors import InvalidRequestError
-from omlx.models.discovery import ModelInfo
+from omlx.models.discovery import ModelInfo, capabilities
 
 router = APIRouter()
 
 
 def _model_entry(pool: EnginePool, info: ModelInfo) -> dict[str, Any]:
+    kind = pool.model_settings.get(info.name).model_type or info.kind
     return {
         "id": pool.public_name(info.name),
         "object": "model",
         "created": int(info.path.stat().st_mtime),
         "owned_by": "omlx",
         "state": pool.model_state(info.name),
-        "kind": pool.model_settings.get(info.name).model_type or info.kind,
+        "kind": kind,
+        "capabilities": capabilities(kind),
     }
 
 
@@ -134,13 +136,14 @@ async def _chat_completion(
         body,
         defaults.template_kwargs(body.chat_template_kwargs),
         state.settings.server.template_timeout_s,
+        state.settings.models.image_url_allowlist,
     )
     params = sampling_params(
         body, len(prompt.ids), engine, defaults.sampling, defaults.generation, defaults.forced
     )
     grammar = await bind_grammar(engine, spec)
     rid = new_request_id("chatcmpl")
-    requests = choice_requests(rid, prompt.ids, params, grammar, body.n)
+    requests = choice_requests(rid, prompt.ids, params, grammar, body.n, prompt.images)
     gen = Generation(engine, requests, observer=observer_for(request))
     tools = bool(body.tools) and body.tool_choice != "none"
     parsers = [

@@ -11,10 +11,13 @@ import dataclasses
 import json
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from omlx.api.image_fetch import fetch_images
+from omlx.api.images import ImageSink, PromptImages, from_data_url, process
 from omlx.api.output_parser import HERMES_FORMATS, tool_format
 from omlx.api.render_pool import RENDER_POOL
 from omlx.api.schemas import ChatCompletionRequest, CompletionRequest, PromptField
@@ -30,12 +33,16 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _message_text(content: Any, index: int) -> str:
+def _message_text(content: Any, index: int, images: ImageSink | None = None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type")
+        if kind == "image_url" and images is not None:
+            where = f"messages[{index}].content[{j}]"
+            parts.append(images.add(from_data_url(_image_url(part, where), where)))
+            continue
         if kind not in ("text", "input_text"):
             raise InvalidRequestError(
                 f"messages[{index}].content[{j}]: content type '{kind}' is not supported; "
@@ -46,12 +53,22 @@ def _message_text(content: Any, index: int) -> str:
     return "".join(parts)
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+def _image_url(part: dict[str, Any], where: str) -> str:
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str):
+        raise InvalidRequestError(f"{where}: image_url.url must be a string", param=where)
+    return url
+
+
+def chat_messages(
+    body: ChatCompletionRequest, images: ImageSink | None = None
+) -> list[dict[str, Any]]:
     messages = []
     for i, msg in enumerate(body.messages):
         out: dict[str, Any] = {
             "role": "system" if msg.role == "developer" else msg.role,
-            "content": _message_text(msg.content, i),
+            "content": _message_text(msg.content, i, images),
         }
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(msg, key) is not None:
@@ -65,14 +82,19 @@ async def chat_prompt(
     body: ChatCompletionRequest,
     template_kwargs: dict[str, Any] | None,
     timeout_s: float,
+    image_url_allowlist: Sequence[str] = (),
 ) -> RenderedPrompt:
     tools = body.tools if body.tool_choice != "none" else None
+    # A text model keeps refusing image parts where they are parsed.
+    vision = engine.loaded.vision is not None
+    images = ImageSink(image_url_allowlist) if vision else None
     return await render_chat(
         engine,
-        chat_messages(body),
+        chat_messages(body, images),
         tools=tools,
         template_kwargs=template_kwargs,
         timeout_s=timeout_s,
+        images=images,
     )
 
 
@@ -80,6 +102,7 @@ async def chat_prompt(
 class RenderedPrompt:
     text: str
     ids: list[int]
+    images: PromptImages | None = None
 
 
 async def render_chat(
@@ -89,6 +112,7 @@ async def render_chat(
     timeout_s: float,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    images: ImageSink | None = None,
 ) -> RenderedPrompt:
     """The model's chat template over OpenAI-style messages (role, content, tool_calls...),
     rendered and tokenized on the render pool; a render past ``timeout_s`` is stopped (400)."""
@@ -104,12 +128,32 @@ async def render_chat(
             param="messages",
             code="chat_template_timeout",
         ) from None
+    if images is not None and images.parts:
+        return await _with_images(engine, text, images)
     # Native code that ends on its own; the body size limit bounds it.
     if templated:  # the template wrote the special tokens already
         encode = partial(tokenizer.encode, text, add_special_tokens=False)
     else:
         encode = partial(tokenizer.encode, text)
     return RenderedPrompt(text, list(await RENDER_POOL.run(encode)))
+
+
+async def _with_images(engine: ModelEngine, text: str, images: ImageSink) -> RenderedPrompt:
+    """A prompt with images: each stands in the text as the model's image token, and
+    the model's processor expands it to the image's tokens."""
+    vision = engine.loaded.vision
+    if vision is None:
+        where = images.parts[0].where
+        raise InvalidRequestError(
+            f"{where}: model '{engine.name}' is a text model and does not take images; "
+            "send text parts only, or use a vision model (kind vlm in /v1/models)",
+            param=where,
+        )
+    await fetch_images(images)
+    text = text.replace(images.marker, vision.image_token)
+    run = partial(process, vision.processor, text, images.parts, vision.image_token_id)
+    ids, pixels = await RENDER_POOL.run(run)
+    return RenderedPrompt(text, ids, pixels)
 
 
 def _chat_text(
@@ -315,18 +359,27 @@ def build_sampling(
 
 
 def make_request(
-    request_id: str, prompt_ids: list[int], sampling: SamplingParams, grammar: Any = None
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    grammar: Any = None,
+    images: PromptImages | None = None,
 ) -> Request:
-    return Request(request_id, tuple(prompt_ids), sampling, grammar)
+    return Request(request_id, tuple(prompt_ids), sampling, grammar, images=images)
 
 
 def choice_requests(
-    request_id: str, prompt_ids: list[int], sampling: SamplingParams, grammar: Any, n: int
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    grammar: Any,
+    n: int,
+    images: PromptImages | None = None,
 ) -> list[Request]:
     """``n`` sequences of one prompt (choices 0..n-1), started together so they share
     its prefill; with a seed, choice i samples with seed + i so the choices differ."""
     if n == 1:
-        return [make_request(request_id, prompt_ids, sampling, grammar)]
+        return [make_request(request_id, prompt_ids, sampling, grammar, images)]
     return [
         make_request(
             f"{request_id}-{i}",
@@ -335,6 +388,7 @@ def choice_requests(
             if sampling.seed is None
             else dataclasses.replace(sampling, seed=sampling.seed + i),
             grammar,
+            images,
         )
         for i in range(n)
     ]

@@ -27,6 +27,8 @@ PROTECTED_SETTINGS = (
     "models.model_dirs",
     # The Hub downloads come from, and the hf_token is sent to: a page must not redirect it.
     "models.hf_endpoint",
+    # Hosts the server fetches image URLs from on a request's word: a page must not add any.
+    "models.image_url_allowlist",
     "cache.ssd_cache_dir",
 )
 # Opening the server to the network without a key is a decision for the machine's owner.

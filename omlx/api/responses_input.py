@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from omlx.api.images import ImageSink, from_data_url
 from omlx.api.responses_schemas import ReasoningConfig, TextConfig
 from omlx.api.tool_grammar import tool_constraint
 from omlx.errors import InvalidRequestError
@@ -84,8 +85,38 @@ def _message_item(raw: dict[str, Any], where: str) -> Item:
             f"{where}.role must be one of {', '.join(_ROLES)} (got {role!r})",
             param=f"{where}.role",
         )
-    text = _text_of(raw.get("content"), f"{where}.content")
-    return _message(role, text, raw.get("id") if isinstance(raw.get("id"), str) else None)
+    content = raw.get("content")
+    item_id = raw.get("id") if isinstance(raw.get("id"), str) else None
+    if isinstance(content, list) and any(_is_image(p) for p in content):
+        return _message_with_images(role, content, f"{where}.content", item_id)
+    text = _text_of(content, f"{where}.content")
+    return _message(role, text, item_id)
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "input_image"
+
+
+def _message_with_images(role: str, content: list[Any], where: str, item_id: str | None) -> Item:
+    """A message whose parts include ``input_image``s (data URLs, checked now): its
+    parts are kept in order, text parts normalised."""
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if _is_image(part):
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise InvalidRequestError(
+                    f"{where}[{j}]: input_image needs image_url (a data URL); file_id is not "
+                    "supported",
+                    param=f"{where}[{j}].image_url",
+                )
+            from_data_url(url, f"{where}[{j}]")
+            parts.append({"type": "input_image", "image_url": url, "detail": "auto"})
+        else:
+            parts.append({"type": "input_text", "text": _text_of([part], where)})
+    item = _message(role, "", item_id)
+    item["content"] = parts
+    return item
 
 
 def _id(raw: dict[str, Any], prefix: str) -> str:
@@ -98,6 +129,19 @@ def _string(raw: dict[str, Any], key: str, where: str) -> str:
     if not isinstance(value, str):
         raise InvalidRequestError(f"{where}.{key} must be a string", param=f"{where}.{key}")
     return value
+
+
+def _content_text(content: Any, where: str, images: ImageSink | None) -> str:
+    """A message's text, its images as the sink's markers in their places."""
+    if images is None or not isinstance(content, list) or not any(map(_is_image, content)):
+        return _text_of(content, where)
+    out = []
+    for j, part in enumerate(content):
+        if _is_image(part):
+            out.append(images.add(from_data_url(part["image_url"], f"{where}[{j}]")))
+        else:
+            out.append(_text_of([part], where))
+    return "".join(out)
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -119,17 +163,26 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str, Any]]:
+def chat_messages(
+    instructions: str | None,
+    items: list[Item],
+    images: ImageSink | None = None,
+    names: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
     """Chat Completions messages for the template; function calls join the assistant
-    message before them, outputs become role "tool" messages."""
+    message before them, outputs become role "tool" messages. ``images``: where
+    ``input_image`` parts go; ``names``: item id -> how errors name it (``input[i]``)."""
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
-    for item in items:
+    for k, item in enumerate(items):
         kind = item["type"]
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
-            messages.append({"role": role, "content": _text_of(item["content"], "content")})
+            where = f"{(names or {}).get(item['id'], f'items[{k}]')}.content"
+            messages.append(
+                {"role": role, "content": _content_text(item["content"], where, images)}
+            )
         elif kind == "function_call":
             call = {
                 "id": item["call_id"],

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from omlx.api.generation import ClientGone, Generation, unless_disconnected
+from omlx.api.images import ImageSink
 from omlx.api.metrics import observer_for
 from omlx.api.output_parser import parser_for
 from omlx.api.prompts import (
@@ -83,6 +84,8 @@ class _Plan:
     conversation: list[Item]
     tools: list[dict[str, Any]] | None  # Chat-shaped; None when hidden (tool_choice none)
     rule: GrammarSpec | ToolConstraint | None
+    # This request's input items' ids -> "input[i]" (how errors name them).
+    names: dict[str, str]
 
 
 async def _plan(body: ResponsesRequest, request: Request) -> _Plan:
@@ -104,7 +107,8 @@ async def _plan(body: ResponsesRequest, request: Request) -> _Plan:
     if not history and not items:
         raise InvalidRequestError("'input' must not be empty", param="input")
     visible = tools if body.tool_choice != "none" else None
-    return _Plan(body, [*history, *items], visible, rule)
+    names = {item["id"]: f"input[{i}]" for i, item in enumerate(items)}
+    return _Plan(body, [*history, *items], visible, rule, names)
 
 
 @router.post("/v1/responses")
@@ -134,7 +138,7 @@ async def _generate(plan: _Plan, request: Request, engine: ModelEngine) -> Respo
     response_id = new_item_id("resp")
     gen = Generation(
         engine,
-        [make_request(response_id, prompt.ids, params, grammar)],
+        [make_request(response_id, prompt.ids, params, grammar, prompt.images)],
         observer=observer_for(request),
     )
     parser = parser_for(
@@ -202,9 +206,16 @@ async def _fitted_prompt(
     conversation = plan.conversation
     room = plan.body.max_output_tokens or 1
     while True:
-        messages = chat_messages(plan.body.instructions, conversation)
+        allowlist = state.settings.models.image_url_allowlist
+        images = ImageSink(allowlist) if engine.loaded.vision is not None else None
+        messages = chat_messages(plan.body.instructions, conversation, images, plan.names)
         prompt = await render_chat(
-            engine, messages, tools=plan.tools, template_kwargs=template_kwargs, timeout_s=timeout_s
+            engine,
+            messages,
+            tools=plan.tools,
+            template_kwargs=template_kwargs,
+            timeout_s=timeout_s,
+            images=images,
         )
         excess = len(prompt.ids) + room - engine.context_window
         if excess <= 0 or not plan.body.truncates or len(conversation) <= 1:

@@ -125,15 +125,21 @@ class PrefixCache:
     # -- lookup ------------------------------------------------------------
 
     def lookup(
-        self, prompt_ids: Sequence[int], template: list[Any], *, room: bool = True
+        self,
+        prompt_ids: Sequence[int],
+        template: list[Any],
+        *,
+        room: bool = True,
+        extra_keys: tuple[str, ...] = (),
     ) -> CacheHit | None:
         """The longest cached prefix of ``prompt_ids[:-1]``, restored into ``template``
-        (a new prompt cache), or None on a miss. ``room``: see ``kv_codec.restore``."""
+        (a new prompt cache), or None on a miss. ``room``: see ``kv_codec.restore``.
+        ``extra_keys``: what else the tokens' cache depends on (image hashes)."""
         limit = len(prompt_ids) - 1
         size = self.block_size
         payloads: list[BlockPayload] = []
-        parent = self._root
-        for key in block_keys(self.identity, prompt_ids[:limit], size):
+        parent = self._root_for(extra_keys)
+        for key in block_keys(self.identity, prompt_ids[:limit], size, extra_keys):
             payload = self._hot.get(self.identity, key.hex())
             if payload is None:
                 break
@@ -165,6 +171,9 @@ class PrefixCache:
             self._stats.hits += 1
             self._stats.tokens_saved += num_tokens
         return CacheHit(layers, num_tokens)
+
+    def _root_for(self, extra_keys: tuple[str, ...]) -> bytes:
+        return root_key(self.identity, extra_keys) if extra_keys else self._root
 
     def _find_tail(self, parent: bytes, rest: Sequence[int]) -> BlockPayload | None:
         """The longest stored partial block after ``parent`` that prefixes ``rest``."""
@@ -230,6 +239,7 @@ class PrefixCache:
         num_tokens: int,
         *,
         tail: bool,
+        extra_keys: tuple[str, ...] = (),
     ) -> int:
         """Store the full blocks of the first ``num_tokens`` tokens held by ``layers``
         (and, with ``tail``, the partial block after them). Returns blocks written.
@@ -239,7 +249,7 @@ class PrefixCache:
         of the same request stops at a block that is no longer cached."""
         snaps = self._snapshots.get(request_id, {})
         try:
-            return self._store_chain(token_ids, layers, num_tokens, tail, snaps)
+            return self._store_chain(token_ids, layers, num_tokens, tail, snaps, extra_keys)
         finally:
             for position in [p for p in snaps if p <= num_tokens]:
                 del snaps[position]
@@ -251,14 +261,15 @@ class PrefixCache:
         num_tokens: int,
         tail: bool,
         snaps: dict[int, kv_codec.Snapshot],
+        extra_keys: tuple[str, ...] = (),
     ) -> int:
         size = self.block_size
         stored = 0
-        parent = self._root
+        parent = self._root_for(extra_keys)
         # This runs on the MLX thread: a saturated SSD queue may hold it up once
         # per store, not once per block (later blocks then drop, counted).
         deadline = time.monotonic() + SSD_PUT_TIMEOUT_S
-        keys = block_keys(self.identity, token_ids[:num_tokens], size)
+        keys = block_keys(self.identity, token_ids[:num_tokens], size, extra_keys)
         for i, key in enumerate(keys):
             written = self._put(key, i * size, (i + 1) * size, layers, snaps, deadline)
             if written is None:

@@ -36,6 +36,7 @@ from omlx.memory.budget import MemoryReading, prefill_step_transient_bytes
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
 from omlx.memory.throttle import MAX_PREFILL_HOLD_S, PrefillShape, shape_prefill
+from omlx.memory.vision import vision_transient_bytes
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
 from omlx.sizes import format_bytes
@@ -162,7 +163,9 @@ class ModelEngine:
         """Queue requests as one arrival, all or none: the MLX thread takes them in
         the same step, so the choices of one prompt (``n``) share its prefill."""
         for request, _ in pairs:
-            self.guard.check_prefill(request.num_prompt_tokens)
+            self.guard.check_prefill(
+                request.num_prompt_tokens, image_bytes=self._image_bytes(request)
+            )
         with self._lock:
             if self._refusal is not None:
                 raise copy.copy(self._refusal)
@@ -186,6 +189,14 @@ class ModelEngine:
             if self._refusal is not None and not even_if_closed:
                 raise copy.copy(self._refusal)
         return self._worker.submit(fn, *args)
+
+    def _image_bytes(self, request: Request) -> int:
+        """The transient of encoding the request's images at prefill (0: none)."""
+        vision = self.loaded.vision
+        if request.images is None or vision is None:
+            return 0
+        shape = request.images.pixel_values.shape
+        return vision_transient_bytes(vision.dims, shape, request.num_prompt_tokens)
 
     def refuse_new(self, error: OmlxError | None) -> None:
         """Refuse requests submitted from now on with ``error`` (None: take them
@@ -400,7 +411,11 @@ class ModelEngine:
             # KV still to come for admitted requests, the step transients of every
             # request that will prefill in the same batch as this one, and the copy
             # of the decode batch's KV its rows make when this one joins them.
-            pending = self._pending_bytes + self._join_copy_bytes(request.num_prompt_tokens)
+            pending = (
+                self._pending_bytes
+                + self._join_copy_bytes(request.num_prompt_tokens)
+                + self._image_bytes(request)
+            )
             reading = _plus(self.probe.reading(fresh=True), pending)
             admitted = self.guard.admit(request.num_prompt_tokens, num_running, reading)
             reason = None if admitted else "memory"

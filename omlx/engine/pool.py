@@ -35,7 +35,7 @@ from omlx.memory.baseline import IdleBaseline
 from omlx.memory.budget import KVProfile, Limits, MemoryReading, ModelDims, guard_dims
 from omlx.memory.guard import MemoryGuard, memory_limits
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
-from omlx.models.discovery import ModelInfo, discover_models
+from omlx.models.discovery import ModelInfo, capabilities, discover_models
 from omlx.models.loader import LoadedModel, load_model
 from omlx.models.model_settings import (
     ModelSettingsStore,
@@ -196,6 +196,7 @@ class EnginePool:
                     "path": str(info.path),
                     "model_type": info.model_type,
                     "kind": model.model_type or info.kind,
+                    "capabilities": capabilities(model.model_type or info.kind),
                     "state": self.model_state(name),
                     "pinned": model.pinned,
                     "is_default": name == self.default_model(),
@@ -521,6 +522,7 @@ class EnginePool:
             prefill_step_size=sched.prefill_step_size,
             stream=self._worker.stream,
             prefix_cache=prefix,
+            vision=loaded.vision,
         )
         scheduler = Scheduler(
             sched.max_concurrent_requests,

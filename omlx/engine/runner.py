@@ -30,6 +30,7 @@ from omlx.cache.prefix import CacheHit, PrefixCache, common_prefix
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, Sampler, merge_caches
 from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
 from omlx.engine.forks import ChoiceForks
+from omlx.engine.image_prefill import image_sequence
 from omlx.engine.solo import SoloSequence
 from omlx.grammar.processor import Draw, greedy_draw, temperature_draw
 from omlx.scheduler import Request, SamplingParams, TokenOutput
@@ -136,8 +137,11 @@ class BatchRunner:
         prefix_cache: PrefixCache | None = None,
         pipelined: bool | None = None,
         compiled: bool = True,
+        vision: Any = None,
     ):
         self._model = model
+        # A vision-language model's encoder (omlx.models.vlm.VisionEncoder), or None.
+        self._vision = vision
         self._prefix = prefix_cache
         self._prefill_step_size = prefill_step_size
         self._stream = stream
@@ -165,6 +169,8 @@ class BatchRunner:
         # Prompt + produced tokens of each request (what its cache holds), for storing.
         self._tokens: dict[str, list[int]] = {}
         self._prompt_len: dict[str, int] = {}
+        # A prompt's images' hashes: its blocks' extra keys.
+        self._extra: dict[str, tuple[str, ...]] = {}
         # Cache stores run at the start of the next step, after the events of
         # this one went out (never on a request's time to first token).
         self._deferred: list[Callable[[], None]] = []
@@ -205,8 +211,11 @@ class BatchRunner:
         """Start requests; returns the prompt tokens each got from the prefix cache.
         ``may_share``: the memory gate asked before each shared opening's forward."""
         requests = list(requests)
+        with_images = {r.request_id: self._start_with_images(r) for r in requests if r.images}
+        cached = {rid: n for rid, n in with_images.items() if n}
+        requests = [r for r in requests if not r.images]
         if not requests:
-            return {}
+            return cached
         batched = self._decode or self._prefill or self._side
         solo = len(requests) == 1 and self._solo is None and not batched
         # A solo or side sequence feeds its restored cache as it is (room saves a
@@ -242,7 +251,36 @@ class BatchRunner:
                         done, cache = 0, make_prompt_cache(self._model)
                     row = self._row(r, r.prompt_ids[:done])
                     self._start_batched(row, cache, done, r.prompt_ids[done:])
-        return {rid: hit.num_tokens for rid, hit in hits.items() if hit is not None}
+        cached.update({rid: hit.num_tokens for rid, hit in hits.items() if hit is not None})
+        return cached
+
+    def _start_with_images(self, request: Request) -> int:
+        """A prompt with images prefills on the side (image_prefill.py). Its blocks
+        are keyed by the images' hashes: their tokens' ids are the same whatever
+        the image. Returns the prompt tokens the prefix cache held."""
+        if self._solo is not None:
+            self._solo_to_batch()
+        assert self._vision is not None, "images reached a text-only model"
+        rid, keys = request.request_id, request.images.keys
+        hit = None
+        if self._prefix is not None:
+            self._extra[rid] = keys
+            self._tokens[rid] = list(request.prompt_ids)
+            self._prompt_len[rid] = request.num_prompt_tokens
+            template = make_prompt_cache(self._model)
+            hit = self._prefix.lookup(request.prompt_ids, template, extra_keys=keys)
+        with mx.stream(self._stream):
+            sequence = image_sequence(
+                self._model,
+                self._vision,
+                request,
+                sampler=make_request_sampler(request.sampling),
+                processors=make_request_processors(request),
+                prefill_step_size=self._prefill_step_size,
+                hit=hit,
+            )
+        self._side[rid] = (sequence, request)
+        return hit.num_tokens if hit is not None else 0
 
     @staticmethod
     def _row(request: Request, fed: Sequence[int]) -> Row:
@@ -453,11 +491,16 @@ class BatchRunner:
         for rid, held in leaving.items():
             tokens = self._tokens.pop(rid, None)
             self._prompt_len.pop(rid, None)
+            extra = self._extra.pop(rid, ())
             if self._prefix is not None:
-                self._deferred.append(partial(self._store_and_forget, rid, tokens, held))
+                self._deferred.append(partial(self._store_and_forget, rid, tokens, held, extra))
 
     def _store_and_forget(
-        self, request_id: str, tokens: list[int] | None, held: tuple[list[Any], int] | None
+        self,
+        request_id: str,
+        tokens: list[int] | None,
+        held: tuple[list[Any], int] | None,
+        extra_keys: tuple[str, ...] = (),
     ) -> None:
         assert self._prefix is not None
         try:
@@ -465,7 +508,9 @@ class BatchRunner:
                 layers, num_cached = held
                 num = min(num_cached, len(tokens)) if num_cached >= 0 else len(tokens)
                 # With the partial tail: a next turn reuses the answer's last tokens too.
-                self._prefix.store(request_id, tokens, layers, num, tail=True)
+                self._prefix.store(
+                    request_id, tokens, layers, num, tail=True, extra_keys=extra_keys
+                )
         finally:
             self._prefix.forget(request_id)
 
@@ -559,7 +604,8 @@ class BatchRunner:
         tokens = self._tokens.get(request_id)
         if layers is None or tokens is None or self._prefix is None:
             return
-        self._prefix.store(request_id, tokens, layers, prompt_len - 1, tail=True)
+        extra = self._extra.get(request_id, ())
+        self._prefix.store(request_id, tokens, layers, prompt_len - 1, tail=True, extra_keys=extra)
 
     def reset(self) -> None:
         """Drop every sequence (after an MLX error left the batch unusable)."""
@@ -568,6 +614,7 @@ class BatchRunner:
                 self._prefix.forget(rid)
         self._tokens.clear()
         self._prompt_len.clear()
+        self._extra.clear()
         self._deferred.clear()
         self._prefill = PrefillBatch(self._model, self._prefill_step_size)
         self._decode = DecodeBatch(

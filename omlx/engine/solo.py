@@ -100,12 +100,17 @@ class SoloSequence:
         on_boundary: BoundaryHook | None = None,
         decoder: CompiledDecode | None = None,
         logprobs: int | None = None,
+        embeddings: mx.array | None = None,
     ):
         self.request_id = request_id
         # Top alternatives wanted with each token's logprob (None: no logprobs).
         self.logprobs = logprobs
         # The logprobs of the token the last ``step`` returned.
         self.last_logprobs: TokenLogprob | None = None
+        # Input embeddings (1, prompt tokens, hidden) fed instead of the prompt's ids
+        # (a prompt with images); prefilled in chunks up to its last token, which
+        # goes by id (the batch takes it from there).
+        self._embeddings = embeddings
         self._model = model
         self._sampler = sampler
         self._processors = processors
@@ -209,7 +214,8 @@ class SoloSequence:
         nor past the gate's cap."""
         n = len(self._prompt)
         capped = self._cap is not None and n > self._cap
-        return n <= 1 or (self._on_boundary is None and n <= self._one_pass_max and not capped)
+        chunked = self._on_boundary is not None or self._embeddings is not None
+        return n <= 1 or (not chunked and n <= self._one_pass_max and not capped)
 
     def next_prefill_tokens(self) -> int:
         """Prompt tokens the next step will prefill (0 once decoding)."""
@@ -227,7 +233,11 @@ class SoloSequence:
         n = self.next_prefill_tokens()
         pos = len(self._cached)
         chunk, self._prompt = self._prompt[:n], self._prompt[n:]
-        self._model(mx.array(chunk)[None], cache=self._cache)
+        if self._embeddings is None:
+            self._model(mx.array(chunk)[None], cache=self._cache)
+        else:
+            embedded = self._embeddings[:, pos : pos + n]
+            self._model(mx.array(chunk)[None], cache=self._cache, input_embeddings=embedded)
         mx.eval([c.state for c in self._cache])
         self._cached.extend(chunk)
         self._remember(mx.array(chunk))

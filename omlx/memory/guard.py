@@ -182,12 +182,17 @@ class MemoryGuard:
         )
 
     def check_prefill(
-        self, num_prompt_tokens: int, num_cached_tokens: int = 0, extra_bytes: int = 0
+        self,
+        num_prompt_tokens: int,
+        num_cached_tokens: int = 0,
+        extra_bytes: int = 0,
+        image_bytes: int = 0,
     ) -> None:
         """Raise PrefillMemoryExceededError (HTTP 400) for a prompt that cannot fit
         under the hard limit even with nothing else in flight. The estimate goes
         first: its message names the knob that helps. ``extra_bytes``: a chunk's
-        transient beyond a prefill's (a scoring pass's logits)."""
+        transient beyond a prefill's (a scoring pass's logits); ``image_bytes``: the
+        transient of encoding the prompt's images (memory/vision.py)."""
         baseline = self.baseline_bytes
         try:
             preflight(
@@ -197,13 +202,17 @@ class MemoryGuard:
                 num_cached_tokens=num_cached_tokens,
                 chunk_tokens=self.chunk_tokens,
                 limits=self.limits,
-                unmodeled_bytes=self.unmodeled_bytes + extra_bytes,
+                unmodeled_bytes=self.unmodeled_bytes + extra_bytes + image_bytes,
             )
         except PrefillMemoryExceeded as exc:
+            images = ""
+            if image_bytes:
+                images = f", {format_bytes(image_bytes)} of it to encode its images"
+            hint = "send fewer or smaller images, or " + exc.hint if image_bytes else exc.hint
             raise PrefillMemoryExceededError(
                 f"this prompt ({num_prompt_tokens} tokens) needs about "
-                f"{format_bytes(exc.estimated_bytes)} at its prefill peak, over the "
-                f"{format_bytes(exc.limit_bytes)} memory limit; {exc.hint}",
+                f"{format_bytes(exc.estimated_bytes)} at its prefill peak{images}, over the "
+                f"{format_bytes(exc.limit_bytes)} memory limit; {hint}",
                 estimated_bytes=exc.estimated_bytes,
                 limit_bytes=exc.limit_bytes,
             ) from None

@@ -30,6 +30,18 @@ _RERANK_ARCHS = (
     "RobertaForSequenceClassification",
     "XLMRobertaForSequenceClassification",
 )
+# Image-text-to-text architectures (some packs drop vision_config from config.json,
+# e.g. a vision tower configured by its own file).
+_VLM_ARCHS = (
+    "LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
+    "PaliGemmaForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",
+    "SmolVLMForConditionalGeneration",
+    "MllamaForConditionalGeneration",
+)
 # Files that mark a sentence-transformers folder (a decoder such as Qwen3-Embedding
 # has an LLM's architectures; these files say it embeds).
 _ST_MARKERS = ("modules.json", "config_sentence_transformers.json", "1_Pooling/config.json")
@@ -52,9 +64,30 @@ def detect_kind(config: dict[str, Any], folder: Path | None = None) -> str:
         return "embedding"
     if folder is not None and any((folder / m).is_file() for m in _ST_MARKERS):
         return "embedding"
-    if "vision_config" in config:
+    if "vision_config" in config or any(_is_vlm_arch(a) for a in archs):
         return "vlm"
     return "llm"
+
+
+def _is_vlm_arch(arch: str) -> bool:
+    # Qwen2VL..., Qwen2_5_VL..., Glm4v...: "VL" or "Vision" before the generation head.
+    head = arch.removesuffix("ForConditionalGeneration")
+    return arch in _VLM_ARCHS or (
+        head != arch and (head.upper().endswith("VL") or "Vision" in head)
+    )
+
+
+_CAPABILITIES = {
+    "llm": ("chat",),
+    "vlm": ("chat", "vision"),
+    "embedding": ("embedding",),
+    "rerank": ("rerank",),
+}
+
+
+def capabilities(kind: str) -> list[str]:
+    """What a model of ``kind`` serves, as /v1/models and the admin panel show it."""
+    return list(_CAPABILITIES.get(kind, ()))
 
 
 def _read_config(folder: Path) -> dict[str, Any] | None:

@@ -29,14 +29,18 @@ class LoadedModel:
     # Rows of the output layer (may exceed the tokenizer's vocabulary).
     vocab_size: int
     load_s: float
+    # A vision-language model's vision tower and processor (omlx.models.vlm).
+    vision: Any = None
 
     def weights_bytes(self) -> int:
         """Bytes of the loaded parameters (what the model really holds, e.g. after a
         float32 upcast), falling back to the files' size."""
         from mlx.utils import tree_flatten
 
+        # A VLM's whole model (vision tower and projector too), not its language model.
+        module = self.vision.model if self.vision is not None else self.model
         try:
-            params = tree_flatten(self.model.parameters())
+            params = tree_flatten(module.parameters())
             return int(sum(p.nbytes for _, p in params)) or self.info.size_bytes
         except Exception:
             return self.info.size_bytes
@@ -72,15 +76,9 @@ def _generation_eos(path: Path) -> set[int]:
     return {e for e in eos or [] if isinstance(e, int)}
 
 
-def load_model(info: ModelInfo) -> LoadedModel:
-    """Load weights and tokenizer; every failure becomes ModelLoadError with the reason."""
-    if info.kind != "llm":
-        raise ModelLoadError(
-            f"model '{info.name}' is a {info.kind} model; only text LLMs can be served for now"
-        )
-    from mlx_lm import load  # deferred: importing mlx-lm is slow at server start
+def _load_llm(info: ModelInfo) -> tuple[Any, Any, dict]:
+    from mlx_lm import load  # deferred: importing mlx-lm costs ~1 s at server start
 
-    start = time.perf_counter()
     try:
         model, tokenizer, config = load(str(info.path), return_config=True)
     except ValueError as exc:
@@ -89,6 +87,23 @@ def load_model(info: ModelInfo) -> LoadedModel:
         ) from exc
     except (OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load '{info.name}' from {info.path}: {exc}") from exc
+    return model, tokenizer, config
+
+
+def load_model(info: ModelInfo) -> LoadedModel:
+    """Load weights and tokenizer; every failure becomes ModelLoadError with the reason."""
+    if info.kind not in ("llm", "vlm"):
+        raise ModelLoadError(
+            f"model '{info.name}' is a {info.kind} model; it cannot serve chat or completions"
+        )
+    start = time.perf_counter()
+    vision = None
+    if info.kind == "vlm":
+        from omlx.models.vlm import load_vlm  # deferred: imports MLX and mlx-vlm
+
+        model, tokenizer, config, vision = load_vlm(info)
+    else:
+        model, tokenizer, config = _load_llm(info)
     eos = set(tokenizer.eos_token_ids) | _generation_eos(info.path)
     if not eos:
         log.warning("model %s declares no end-of-sequence token", info.name)
@@ -103,6 +118,7 @@ def load_model(info: ModelInfo) -> LoadedModel:
         native_context_length(config),
         vocab_size,
         time.perf_counter() - start,
+        vision,
     )
     log.info(
         "loaded %s (%s, %.1f MB) in %.2f s",

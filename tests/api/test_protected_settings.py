@@ -32,6 +32,7 @@ ATTACKS: dict[str, Any] = {
     "server.allowed_hosts": ["evil.example"],
     "models.model_dirs": ["/tmp"],
     "models.hf_endpoint": "http://evil.example",  # would receive models.hf_token
+    "models.image_url_allowlist": ["*"],  # the server would fetch any URL a page names
     "cache.ssd_cache_dir": "/tmp/evil-cache",
 }
 

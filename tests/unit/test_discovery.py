@@ -156,6 +156,11 @@ def test_kinds_are_detected_from_config(tmp_path):
         ({"architectures": None}, "llm"),
         ({"architectures": ["Qwen3ForCausalLM"]}, "llm"),
         ({"vision_config": {}}, "vlm"),
+        # A VLM told by its architecture alone; a text seq2seq head is not one.
+        ({"architectures": ["LlavaForConditionalGeneration"]}, "vlm"),
+        ({"architectures": ["Qwen2_5_VLForConditionalGeneration"]}, "vlm"),
+        ({"architectures": ["Qwen2VLForConditionalGeneration"]}, "vlm"),
+        ({"architectures": ["T5ForConditionalGeneration"]}, "llm"),
         ({"architectures": ["XLMRobertaModel"]}, "embedding"),
         ({"architectures": ["NomicBertModel"]}, "embedding"),
         ({"architectures": ["ModernBertForMaskedLM"]}, "embedding"),

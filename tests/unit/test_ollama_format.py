@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from omlx.api.images import ImageSink
 from omlx.api.ollama_format import (
     OllamaReply,
     Timings,
@@ -63,7 +64,8 @@ def test_tool_answers_name_the_call_they_answer() -> None:
             Message(role="user", content="Weather?"),
             Message.model_validate({"role": "assistant", "tool_calls": [call]}),
             Message(role="tool", content="21 C", tool_name="get_weather"),
-        ]
+        ],
+        ImageSink(),
     )
     (openai_call,) = messages[1]["tool_calls"]
     assert openai_call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
@@ -71,10 +73,14 @@ def test_tool_answers_name_the_call_they_answer() -> None:
     assert messages[2]["name"] == "get_weather"
 
 
-def test_images_are_refused_naming_the_message() -> None:
+def test_images_stand_before_the_text_and_bad_ones_are_refused_naming_the_image() -> None:
+    sink = ImageSink()
+    (message,) = chat_messages([Message(role="user", content="see", images=["aGk="])], sink)
+    assert message["content"] == f"{sink.marker}\nsee"
+    assert [(p.data, p.where) for p in sink.parts] == [(b"hi", "messages[0].images[0]")]
     with pytest.raises(InvalidRequestError) as info:
-        chat_messages([Message(role="user", content="see", images=["aGk="])])
-    assert info.value.param == "messages[0].images"
+        chat_messages([Message(role="user", content="see", images=["aGk=", "*"])], ImageSink())
+    assert info.value.param == "messages[0].images[1]"
 
 
 def test_num_predict_and_num_ctx() -> None:

@@ -32,6 +32,7 @@ const GROUPS = [
     ["models", "load_at_start", "bool", "Load the pinned and default models in the background at start."],
     ["models", "hf_endpoint", "text", "Hugging Face Hub address for downloads (a mirror); empty: HF_ENDPOINT or huggingface.co."],
     ["models", "hf_token", "secret", "Token for gated or private repos. Leave empty to keep the current one."],
+    ["models", "image_url_allowlist", "list", "Comma-separated hosts (globs such as *.example.org) whose http(s) image URLs chat requests may have the server fetch; empty: none (images come inline as data URLs)."],
   ]],
   ["Scheduler", [
     ["scheduler", "max_concurrent_requests", "number"],

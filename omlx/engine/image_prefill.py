@@ -1,0 +1,50 @@
+"""A prompt with images as a sequence the runner prefills on the side. MLX thread only.
+
+The vision tower and projector turn the prompt's image tokens into input
+embeddings once; the sequence feeds them a gated chunk per step (solo.py), and at
+its last (text) token it joins the decode batch like any side sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from omlx.cache.prefix import CacheHit
+from omlx.engine.solo import SoloSequence
+from omlx.scheduler import Request
+
+
+def image_sequence(
+    model: Any,
+    vision: Any,
+    request: Request,
+    *,
+    sampler: Callable[[mx.array], mx.array],
+    processors: list[Any],
+    prefill_step_size: int,
+    hit: CacheHit | None,
+) -> SoloSequence:
+    """``vision``: the model's omlx.models.vlm.VisionEncoder; ``hit``: what the
+    prefix cache held of the prompt (keyed by the images' hashes)."""
+    prompt, images = list(request.prompt_ids), request.images
+    done = hit.num_tokens if hit is not None else 0
+    embeddings = None
+    # The vision tower runs unless the cache already holds every image token.
+    if vision.image_token_id in prompt[done:]:
+        embeddings = vision.embed(prompt, images.pixel_values, images.extras)
+        mx.eval(embeddings)
+    return SoloSequence(
+        model,
+        request.request_id,
+        prompt,
+        sampler,
+        processors,
+        prefill_step_size,
+        cache=hit.layers if hit is not None else None,
+        num_cached=done,
+        embeddings=embeddings,
+        logprobs=request.sampling.logprobs,
+    )

@@ -1,0 +1,72 @@
+"""The memory a prompt's images take while they are encoded at prefill.
+
+Pure: no MLX. The image tokens themselves are prompt tokens (their KV and their
+attention are priced like any token's, in budget.py); this prices what comes on
+top: the pixels, the vision tower's activations and attention scores over each
+image's patches, and the prompt's input embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Activations alive at once in a vision encoder layer, in units of hidden_size
+# per patch (residual, normed input, q/k/v, attention output), plus the MLP's.
+_LIVE_HIDDEN_COPIES = 6
+_FLOAT32 = 4
+
+
+@dataclass(frozen=True, slots=True)
+class VisionDims:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    patch_size: int
+    # The language model's width: the input embeddings of the whole prompt.
+    text_hidden_size: int
+    dtype_bytes: int
+
+
+def vision_dims(config: Mapping[str, Any], text_hidden_size: int, dtype_bytes: int) -> VisionDims:
+    """From a VLM's config.json (its ``vision_config``), with families' defaults
+    for what a config leaves out."""
+    vision = config.get("vision_config") or {}
+    hidden = int(vision.get("hidden_size") or 1024)
+    patch = vision.get("patch_size") or 14
+    return VisionDims(
+        hidden_size=hidden,
+        intermediate_size=int(vision.get("intermediate_size") or 4 * hidden),
+        num_heads=int(vision.get("num_attention_heads") or 16),
+        patch_size=int(patch if isinstance(patch, int) else 14),
+        text_hidden_size=text_hidden_size,
+        dtype_bytes=dtype_bytes,
+    )
+
+
+def vision_transient_bytes(
+    dims: VisionDims, pixel_shape: Sequence[int], num_prompt_tokens: int
+) -> int:
+    """Peak bytes of encoding images of ``pixel_shape`` (images, channels, height,
+    width; the processor pads a batch to its largest image) for a prompt of
+    ``num_prompt_tokens`` tokens. An upper bound: every image counted at the
+    batch's size, scores in float32."""
+    if len(pixel_shape) < 3:
+        return 0
+    num_images = pixel_shape[0] if len(pixel_shape) >= 4 else 1
+    height, width = pixel_shape[-2], pixel_shape[-1]
+    patches = max(1, (height // dims.patch_size) * (width // dims.patch_size)) + 1
+    pixels = _prod(pixel_shape) * _FLOAT32
+    per_patch = _LIVE_HIDDEN_COPIES * dims.hidden_size + dims.intermediate_size
+    activations = num_images * patches * per_patch * dims.dtype_bytes
+    scores = num_images * dims.num_heads * patches * patches * _FLOAT32
+    embeddings = num_prompt_tokens * dims.text_hidden_size * dims.dtype_bytes
+    return pixels + activations + scores + embeddings
+
+
+def _prod(values: Sequence[int]) -> int:
+    out = 1
+    for v in values:
+        out *= int(v)
+    return out

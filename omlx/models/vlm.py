@@ -1,0 +1,143 @@
+"""Vision-language models through mlx-vlm's public ``load``. MLX thread only.
+
+The engine runs a VLM's language model as it runs an LLM (``TextModel`` gives it
+mlx-lm's call shape: token ids in, logits out), so its decode joins the same
+continuous batch. Images enter at prefill: ``VisionEncoder.embed`` runs the
+vision tower and projector and returns the prompt's input embeddings, with the
+image tokens' rows replaced by the image features.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from omlx.errors import ModelLoadError
+from omlx.memory.vision import VisionDims, vision_dims
+from omlx.models.discovery import ModelInfo
+
+log = logging.getLogger(__name__)
+
+# mlx-vlm families whose language model is a plain causal decoder over 1-D
+# positions (tested: llava, pixtral): their decode is exact in the shared batch.
+# Not: qwen2_vl / qwen2_5_vl (multi-axis rope positions held on the model),
+# paligemma (a bidirectional prefix mask), gemma3 (sliding-window layers).
+SUPPORTED_FAMILIES = frozenset({"llava", "llava_next", "mistral3", "pixtral"})
+
+
+class TextModel(nn.Module):
+    """A VLM's language model in mlx-lm's shape: ``model(ids, cache=...)`` -> logits."""
+
+    def __init__(self, language_model: Any):
+        super().__init__()
+        self.language_model = language_model
+
+    @property
+    def layers(self) -> list[Any]:
+        return list(self.language_model.layers)
+
+    def make_cache(self) -> list[KVCache]:
+        # mlx-lm's cache type: the batch and the prefix cache know it.
+        return [KVCache() for _ in self.layers]
+
+    def __call__(
+        self, inputs: mx.array, cache: list[Any] | None = None, input_embeddings: Any = None
+    ) -> mx.array:
+        out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache)
+        return out.logits if hasattr(out, "logits") else out
+
+
+@dataclass(frozen=True, slots=True)
+class VisionEncoder:
+    """The whole mlx-vlm model (vision tower, projector) and its processor."""
+
+    model: Any
+    processor: Any
+    model_type: str
+    image_token: str
+    image_token_id: int
+    dims: VisionDims
+
+    def embed(self, input_ids: list[int], pixel_values: Any, extras: dict[str, Any]) -> mx.array:
+        """Input embeddings (1, tokens, hidden) of a prompt with its images."""
+        ids = mx.array(input_ids)[None]
+        kwargs = {k: mx.array(v) for k, v in extras.items()}
+        features = self.model.get_input_embeddings(ids, mx.array(pixel_values), **kwargs)
+        embeds: mx.array = getattr(features, "inputs_embeds", features)
+        return embeds
+
+
+def _image_token(processor: Any, config: dict[str, Any]) -> tuple[str, int]:
+    tokenizer = getattr(processor, "tokenizer", processor)
+    token = getattr(processor, "image_token", None) or "<image>"
+    token_id = config.get("image_token_index", config.get("image_token_id"))
+    if not isinstance(token_id, int):
+        token_id = int(tokenizer.convert_tokens_to_ids(token))
+    return str(token), token_id
+
+
+def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEncoder]:
+    """(text model, tokenizer, config, vision encoder); failures are ModelLoadError."""
+    if info.model_type not in SUPPORTED_FAMILIES:
+        raise ModelLoadError(
+            f"cannot load '{info.name}': vision-language family '{info.model_type}' is not "
+            f"supported yet (supported: {', '.join(sorted(SUPPORTED_FAMILIES))})"
+        )
+    from mlx_vlm import load  # deferred: heavy import
+
+    start = time.perf_counter()
+    try:
+        model, processor = load(str(info.path))
+    except (ValueError, OSError, KeyError, RuntimeError, TypeError) as exc:
+        raise ModelLoadError(f"cannot load '{info.name}' from {info.path}: {exc}") from exc
+    _require_plain_kv(info, model.language_model)
+    config = {**_raw_config(info), "text_config": _text_config(model)}
+    token, token_id = _image_token(processor, config)
+    dims = vision_dims(config, config["text_config"]["hidden_size"], _dtype_bytes(model))
+    encoder = VisionEncoder(model, processor, info.model_type, token, token_id, dims)
+    tokenizer = TokenizerWrapper(getattr(processor, "tokenizer", processor))
+    log.info("loaded vision-language model %s in %.2f s", info.name, time.perf_counter() - start)
+    return TextModel(model.language_model), tokenizer, config, encoder
+
+
+def _require_plain_kv(info: ModelInfo, language_model: Any) -> None:
+    """Every layer a plain KV cache (the batch and the prefix cache take mlx-lm's);
+    a sliding-window configuration of a family is a clear load error."""
+    make = getattr(language_model, "make_cache", None)
+    kinds = {type(c).__name__ for c in make()} if callable(make) else {"KVCache"}
+    if kinds != {"KVCache"}:
+        raise ModelLoadError(
+            f"cannot load '{info.name}': its language model keeps {', '.join(sorted(kinds))} "
+            "layers (sliding window); only plain KV-cache vision-language models are served"
+        )
+
+
+def _text_config(model: Any) -> dict[str, Any]:
+    """The language model's config as mlx-vlm resolved it (defaults filled in), so
+    the memory guard reads the real text dims of nested VLM configs."""
+    text = model.config.text_config
+    fields = getattr(text, "__dataclass_fields__", None)
+    return {k: getattr(text, k) for k in fields} if fields else dict(vars(text))
+
+
+def _dtype_bytes(model: Any) -> int:
+    from mlx.utils import tree_flatten
+
+    for _, param in tree_flatten(model.parameters()):
+        if mx.issubdtype(param.dtype, mx.floating):
+            return int(param.dtype.size)
+    return 2
+
+
+def _raw_config(info: ModelInfo) -> dict[str, Any]:
+    import json
+
+    data = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,52 @@
+"""The memory a prompt's images take to encode (memory/vision.py), and the text dims
+of nested VLM configs the guard prices (the dead-guard reason of seed 001)."""
+
+from __future__ import annotations
+
+from omlx.memory.dims import model_dims
+from omlx.memory.vision import vision_dims, vision_transient_bytes
+
+# A llava-1.5-7b config.json as HF ships it: the text numbers under text_config, the
+# vision tower's (24 layers, 1024 wide) under vision_config.
+LLAVA = {
+    "architectures": ["LlavaForConditionalGeneration"],
+    "model_type": "llava",
+    "text_config": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+    },
+    "vision_config": {
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 24,
+        "image_size": 336,
+        "patch_size": 14,
+    },
+}
+
+
+def test_the_guard_reads_the_text_config_of_a_nested_vlm_config() -> None:
+    dims = model_dims(LLAVA, kv_dtype_bytes=2)
+    assert dims is not None
+    assert (dims.num_layers, dims.hidden_size, dims.num_kv_heads) == (32, 4096, 32)
+
+
+def test_image_transient_grows_with_images_and_their_size() -> None:
+    dims = vision_dims(LLAVA, text_hidden_size=4096, dtype_bytes=2)
+    assert (dims.hidden_size, dims.num_heads, dims.patch_size) == (1024, 16, 14)
+    one = vision_transient_bytes(dims, (1, 3, 336, 336), 600)
+    six = vision_transient_bytes(dims, (6, 3, 336, 336), 3500)
+    small = vision_transient_bytes(dims, (1, 3, 224, 224), 300)
+    assert small < one < six
+    # 577 patches, 16 heads: the float32 scores alone are ~21 MB per image.
+    assert one > 16 * 577 * 577 * 4
+    assert six > 6 * 16 * 577 * 577 * 4
+
+
+def test_no_pixels_no_transient() -> None:
+    dims = vision_dims({}, text_hidden_size=64, dtype_bytes=4)
+    assert vision_transient_bytes(dims, (), 10) == 0
