@@ -181,6 +181,22 @@ def test_batched_answers_equal_solo_answers(client: openai.OpenAI, model: str) -
     assert [r.choices[0].message.content for r in batched] == solo
 
 
+@pytest.mark.parametrize("model", VLMS)
+def test_image_choices_and_logprobs_match_the_plain_answer(
+    client: openai.OpenAI, model: str
+) -> None:
+    messages = ask(png(34), text="describe it")
+    plain = chat(client, model, messages, 8).choices[0].message.content
+    reply = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0, n=2, logprobs=True
+    )
+    assert [c.message.content for c in reply.choices] == [plain, plain]
+    for choice in reply.choices:
+        tokens = choice.logprobs.content
+        assert tokens and "".join(t.token for t in tokens).startswith(plain[:4])
+        assert all(t.logprob <= 0.0 for t in tokens)
+
+
 def test_anthropic_image_blocks_answer(server: Server) -> None:
     claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
     image = png(40)
