@@ -14,14 +14,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from omlx.cache.setup import make_hot_tier, make_prefix_cache
+from omlx.cache.setup import make_hot_tier
 from omlx.embeddings.engine import EmbeddingEngine, make_embedding_engine
+from omlx.engine.assembly import EngineParts, build_engine
 from omlx.engine.enforcer import Enforcer
 from omlx.engine.model_engine import ModelEngine, unloaded_error
-from omlx.engine.profile_cache import ProfileCache, ProfileInputs, profile_model
+from omlx.engine.profile_cache import ProfileCache
 from omlx.engine.release import Releases
 from omlx.engine.residency import ResidentModel, choose_evictions, expired
-from omlx.engine.runner import BatchRunner
 from omlx.engine.startup import StartupLoads
 from omlx.engine.worker import MLXWorker
 from omlx.errors import (
@@ -32,8 +32,8 @@ from omlx.errors import (
 )
 from omlx.memory import mlx_stats
 from omlx.memory.baseline import IdleBaseline
-from omlx.memory.budget import KVProfile, Limits, MemoryReading, ModelDims, guard_dims
-from omlx.memory.guard import MemoryGuard, memory_limits
+from omlx.memory.budget import Limits, MemoryReading
+from omlx.memory.guard import memory_limits
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
 from omlx.models.discovery import ModelInfo, capabilities, discover_models
 from omlx.models.loader import LoadedModel, load_model
@@ -43,7 +43,6 @@ from omlx.models.model_settings import (
     effective_context_window,
     request_defaults,
 )
-from omlx.scheduler import Scheduler
 from omlx.settings import Settings
 from omlx.sizes import format_bytes, parse_byte_size
 
@@ -515,65 +514,23 @@ class EnginePool:
         return engine
 
     def _make_engine(self, loaded: LoadedModel) -> ModelEngine:
-        sched = self.settings.scheduler
-        prefix = make_prefix_cache(self.settings, self.hot_cache, loaded)
-        runner = BatchRunner(
-            loaded.model,
-            prefill_step_size=sched.prefill_step_size,
-            stream=self._worker.stream,
-            prefix_cache=prefix,
-            vision=loaded.vision,
-        )
-        scheduler = Scheduler(
-            sched.max_concurrent_requests,
-            sched.max_queued_requests,
-            gather_s=sched.burst_window_ms / 1000,
-            gather_max_s=sched.burst_max_ms / 1000,
-        )
-        window = self.context_window_for(loaded)
-        dims = guard_dims(
-            loaded.config, kv_dtype_bytes=loaded.activation_bytes(), model=loaded.info.name
-        )
-        guard = MemoryGuard(
-            loaded.info.name,
-            dims,
-            limits=self.limits,
-            baseline=self._live_baseline,
-            chunk_tokens=sched.prefill_step_size,
-        )
-        guard.set_profile(self._profile(loaded, dims, window))
-        # After the profile, so its readings are what they were without the checks.
-        runner.prove_compiled()
-        self._load_facts[loaded.info.name]["compiled_steps"] = _proofs(runner)
-        return ModelEngine(
-            loaded,
-            runner,
-            scheduler,
+        # Built at each load: the limits object is swapped when the settings change.
+        parts = EngineParts(
+            self.settings,
             self._worker,
-            context_window=window,
-            guard=guard,
-            probe=self.probe,
-            prefix_cache=prefix,
+            self.hot_cache,
+            self.limits,
+            self.probe,
+            self.profile_cache,
+            self._live_baseline,
         )
-
-    def _profile(self, loaded: LoadedModel, dims: ModelDims, window: int) -> KVProfile:
-        """The auto-profile: reused from an earlier start when nothing it depends on
-        changed (profile_cache.py), else measured now and kept."""
-        sched, name = self.settings.scheduler, loaded.info.name
-        inputs = ProfileInputs(
-            chunk_tokens=sched.prefill_step_size,
-            batch_size=sched.max_concurrent_requests,
-            vocab_size=loaded.vocab_size,
-            explicit_tokens=self.model_settings.get(name).max_kv_tokens
-            or self.settings.memory.max_kv_tokens,
-            # Validation holds the KV that can really be in flight at once.
-            max_tokens_in_flight=window * sched.max_concurrent_requests,
+        name = loaded.info.name
+        explicit = self.model_settings.get(name).max_kv_tokens or self.settings.memory.max_kv_tokens
+        engine, facts = build_engine(
+            loaded, parts, window=self.context_window_for(loaded), explicit_kv_tokens=explicit
         )
-        profile, reused = profile_model(
-            self.profile_cache, loaded.info, loaded.model, dims, self.probe, self.limits, inputs
-        )
-        self._load_facts[name] = {"kv_profile": "reused" if reused else "measured"}
-        return profile
+        self._load_facts[name] = facts
+        return engine
 
     async def close(self) -> None:
         """Abort all work and unload every model."""
@@ -606,16 +563,6 @@ def _close_each(engines: list[Engine], why: str) -> None:
     keeps an engine (and its weights) alive past the unload."""
     for engine in engines:
         engine.close(unloaded_error(engine.name, why))
-
-
-def _proofs(runner: BatchRunner) -> dict[str, str]:
-    """Each compiled step's one-time proof, as the load left it (a proven step never
-    runs its proof again; "eager": the model does not qualify)."""
-    steps = {"decode": runner.compiled_decoder, "batch": runner.compiled_batch_step}
-    return {
-        what: "eager" if step is None else "proven" if step.proven else "failed"
-        for what, step in steps.items()
-    }
 
 
 def _kv_profile(engine: Engine) -> dict[str, Any] | None:

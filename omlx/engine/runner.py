@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import secrets
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -17,23 +16,16 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    greedy_sampler,
-    make_logits_processors,
-)
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from omlx.cache.prefix import CacheHit, PrefixCache, common_prefix
-from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, Sampler, merge_caches
+from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
 from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
 from omlx.engine.forks import ChoiceForks
 from omlx.engine.image_prefill import image_sequence
+from omlx.engine.sampling import make_request_processors, make_request_sampler
 from omlx.engine.solo import SoloSequence
-from omlx.grammar.processor import Draw, greedy_draw, temperature_draw
-from omlx.scheduler import Request, SamplingParams, TokenOutput
+from omlx.scheduler import Request, TokenOutput
 
 log = logging.getLogger(__name__)
 
@@ -55,62 +47,6 @@ class PrefillChunk:
     num_context_tokens: int
     # Prompt tokens still to prefill, this chunk included (KV yet to be allocated).
     num_remaining: int
-
-
-def make_request_sampler(params: SamplingParams) -> Sampler:
-    """Greedy requests share one sampler (one batched argmax); others get their own
-    PRNG key so a seed reproduces the same tokens whatever else is in the batch.
-
-    Samplers get raw logits (argmax and categorical need no log-softmax; the
-    logprobs some requests ask for are computed beside, logprobs.py); the nucleus, min-p and
-    top-k filters normalise first (top-p exponentiates, which overflows on raw logits)."""
-    if params.is_greedy:
-        return greedy_sampler
-    # Any integer seed (clients send -1 or 64-bit values): MLX takes a uint64.
-    key = mx.random.key(params.seed % 2**64 if params.seed is not None else secrets.randbits(63))
-    filters: list[Callable[[mx.array], mx.array]] = []
-    if 0.0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p > 0.0:
-        filters.append(lambda x: apply_min_p(x, params.min_p, 1))
-    if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
-    inv_temp = 1.0 / params.temperature
-
-    def sample(logits: mx.array) -> mx.array:
-        nonlocal key
-        key, sub = mx.random.split(key)
-        if filters:
-            logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        for f in filters:
-            logits = f(logits)
-        return mx.random.categorical(logits * inv_temp, key=sub)
-
-    return sample
-
-
-def make_request_processors(request: Request) -> list[Any]:
-    """Repetition penalty, then the grammar mask (last, so nothing re-allows a token)."""
-    params = request.sampling
-    processors = []
-    if params.repetition_penalty != 1.0:
-        processors += make_logits_processors(repetition_penalty=params.repetition_penalty)
-    if request.grammar is not None:
-        processors.append(request.grammar.new_processor(draw=grammar_draw(params)))
-    return processors
-
-
-def grammar_draw(params: SamplingParams) -> Draw | None:
-    """How the grammar's fast path draws this request's pick; None when only the
-    full mask is exact (top-p/top-k/min-p cut by the masked distribution) or
-    the request wants logprobs (of the masked distribution, not of one token)."""
-    if params.logprobs is not None:
-        return None
-    if params.is_greedy:
-        return greedy_draw
-    if params.top_p >= 1.0 and params.top_k <= 0 and params.min_p <= 0.0:
-        return temperature_draw(params.temperature, params.seed)
-    return None
 
 
 class BatchRunner:

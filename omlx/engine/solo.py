@@ -267,7 +267,7 @@ class SoloSequence:
         self._remember(fed)
         for processor in self._processors:
             logits = processor(self._context, logits)
-        y = self._sampler(logits)  # raw logits: see runner.make_request_sampler
+        y = self._sampler(logits)  # raw logits: see sampling.make_request_sampler
         if self.logprobs is None:
             return y, None
         return y, pending_logprobs(logits, y, self.logprobs)

@@ -13,7 +13,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx.engine.compiled import CompiledDecode, qualifies
-from omlx.engine.runner import BatchRunner, make_request_sampler
+from omlx.engine.runner import BatchRunner
+from omlx.engine.sampling import make_request_sampler
 from omlx.engine.solo import SoloSequence
 from omlx.scheduler import Request, SamplingParams
 from tests.fixtures.tiny_models import build_tiny_model

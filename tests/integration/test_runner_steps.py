@@ -15,7 +15,8 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx.engine.runner import BatchRunner, make_request_sampler
+from omlx.engine.runner import BatchRunner
+from omlx.engine.sampling import make_request_sampler
 from omlx.engine.solo import last_logits, output_head
 from omlx.engine.stream import RequestStream
 from omlx.scheduler import Request, SamplingParams

@@ -123,7 +123,7 @@ def test_temperature_fast_path_samples_the_masked_distribution(
 ) -> None:
     """Rejection sampling: a draw the grammar refuses falls back to the mask, so
     each allowed token comes out with its softmax share of the allowed mass."""
-    from omlx.engine.runner import make_request_sampler
+    from omlx.engine.sampling import make_request_sampler
     from omlx.scheduler import SamplingParams
 
     compiled = compiler.compile(GrammarSpec.choice(["a", "b", "c", "d"], "structured_outputs"))
@@ -156,7 +156,7 @@ def test_temperature_fast_path_samples_the_masked_distribution(
 def test_any_integer_seed_reproduces_its_tokens(seed: int) -> None:
     """Clients send -1 or values past 64 bits; MLX keys take a uint64. Any integer
     must sample (not fail the engine step) and reproduce itself."""
-    from omlx.engine.runner import make_request_sampler
+    from omlx.engine.sampling import make_request_sampler
     from omlx.scheduler import SamplingParams
 
     logprobs = mx.log(mx.softmax(mx.array(np.linspace(0.0, 3.0, 64, dtype=np.float32))[None]))

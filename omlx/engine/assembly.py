@@ -1,0 +1,115 @@
+"""A loaded model made into a ModelEngine: its prefix cache, runner, scheduler and
+memory guard, with the auto-profile (reused or measured) and the compiled steps
+proven. MLX thread only (the pool calls it inside a load)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from omlx.cache.hot import HotTier
+from omlx.cache.setup import make_prefix_cache
+from omlx.engine.model_engine import ModelEngine
+from omlx.engine.profile_cache import ProfileCache, ProfileInputs, profile_model
+from omlx.engine.runner import BatchRunner
+from omlx.memory.budget import KVProfile, Limits, ModelDims, guard_dims
+from omlx.memory.guard import MemoryGuard
+from omlx.memory.probe import MemoryProbe
+from omlx.models.loader import LoadedModel
+from omlx.scheduler import Scheduler
+from omlx.settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParts:
+    """What the pool shares with every engine it builds."""
+
+    settings: Settings
+    worker: Any  # the MLXWorker
+    hot_cache: HotTier | None
+    limits: Limits
+    probe: MemoryProbe
+    profile_cache: ProfileCache
+    baseline: Callable[[], int]  # the live idle baseline
+
+
+def build_engine(
+    loaded: LoadedModel, parts: EngineParts, *, window: int, explicit_kv_tokens: int | None
+) -> tuple[ModelEngine, dict[str, Any]]:
+    """The engine, and how its load went (``kv_profile``: measured or reused,
+    ``compiled_steps``) for /health."""
+    sched = parts.settings.scheduler
+    prefix = make_prefix_cache(parts.settings, parts.hot_cache, loaded)
+    runner = BatchRunner(
+        loaded.model,
+        prefill_step_size=sched.prefill_step_size,
+        stream=parts.worker.stream,
+        prefix_cache=prefix,
+        vision=loaded.vision,
+    )
+    scheduler = Scheduler(
+        sched.max_concurrent_requests,
+        sched.max_queued_requests,
+        gather_s=sched.burst_window_ms / 1000,
+        gather_max_s=sched.burst_max_ms / 1000,
+    )
+    dims = guard_dims(
+        loaded.config, kv_dtype_bytes=loaded.activation_bytes(), model=loaded.info.name
+    )
+    guard = MemoryGuard(
+        loaded.info.name,
+        dims,
+        limits=parts.limits,
+        baseline=parts.baseline,
+        chunk_tokens=sched.prefill_step_size,
+    )
+    profile, reused = _profile(loaded, parts, dims, window, explicit_kv_tokens)
+    guard.set_profile(profile)
+    # After the profile, so its readings are what they were without the checks.
+    runner.prove_compiled()
+    facts = {"kv_profile": "reused" if reused else "measured", "compiled_steps": _proofs(runner)}
+    engine = ModelEngine(
+        loaded,
+        runner,
+        scheduler,
+        parts.worker,
+        context_window=window,
+        guard=guard,
+        probe=parts.probe,
+        prefix_cache=prefix,
+    )
+    return engine, facts
+
+
+def _profile(
+    loaded: LoadedModel,
+    parts: EngineParts,
+    dims: ModelDims,
+    window: int,
+    explicit_kv_tokens: int | None,
+) -> tuple[KVProfile, bool]:
+    """The auto-profile: reused from an earlier start when nothing it depends on
+    changed (profile_cache.py), else measured now and kept."""
+    sched = parts.settings.scheduler
+    inputs = ProfileInputs(
+        chunk_tokens=sched.prefill_step_size,
+        batch_size=sched.max_concurrent_requests,
+        vocab_size=loaded.vocab_size,
+        explicit_tokens=explicit_kv_tokens,
+        # Validation holds the KV that can really be in flight at once.
+        max_tokens_in_flight=window * sched.max_concurrent_requests,
+    )
+    return profile_model(
+        parts.profile_cache, loaded.info, loaded.model, dims, parts.probe, parts.limits, inputs
+    )
+
+
+def _proofs(runner: BatchRunner) -> dict[str, str]:
+    """Each compiled step's one-time proof, as the load left it (a proven step never
+    runs its proof again; "eager": the model does not qualify)."""
+    steps = {"decode": runner.compiled_decoder, "batch": runner.compiled_batch_step}
+    return {
+        what: "eager" if step is None else "proven" if step.proven else "failed"
+        for what, step in steps.items()
+    }
