@@ -417,3 +417,17 @@ def set_file_value(base: Path, dotted_key: str, value: Any) -> dict[str, Any]:
         raise SettingsError(describe_validation_error(exc)) from None
     write_json_atomic(path, data)
     return data
+
+
+# `omlx router` is its own program, configured by flags, not settings.json; its keys
+# may come from the environment instead, to stay out of `ps`.
+ROUTER_API_KEY_ENV = "OMLX_ROUTER_API_KEY"
+ROUTER_BACKEND_KEYS_ENV = "OMLX_ROUTER_BACKEND_KEYS"  # JSON object {"URL": "KEY"}
+
+
+def router_env_api_key() -> str | None:
+    return os.environ.get(ROUTER_API_KEY_ENV) or None
+
+
+def router_env_backend_keys() -> str | None:
+    return os.environ.get(ROUTER_BACKEND_KEYS_ENV) or None

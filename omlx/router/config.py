@@ -6,15 +6,11 @@ Keys are kept out of ``repr`` and logs: a backend is shown by its URL only.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from omlx.errors import SettingsError
-
-# Environment variables, so keys need not appear in `ps`.
-ENV_API_KEY = "OMLX_ROUTER_API_KEY"
-ENV_BACKEND_KEYS = "OMLX_ROUTER_BACKEND_KEYS"  # JSON object {"URL": "KEY"}
+from omlx.settings import ROUTER_BACKEND_KEYS_ENV
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +72,9 @@ def parse_backend_keys(pairs: list[str], env_json: str | None) -> dict[str, str]
         try:
             loaded = json.loads(env_json)
         except json.JSONDecodeError as exc:
-            raise SettingsError(f"{ENV_BACKEND_KEYS} is not JSON: {exc.msg}") from exc
+            raise SettingsError(f"{ROUTER_BACKEND_KEYS_ENV} is not JSON: {exc.msg}") from exc
         if not isinstance(loaded, dict) or not all(isinstance(v, str) for v in loaded.values()):
-            raise SettingsError(f'{ENV_BACKEND_KEYS} must be a JSON object {{"URL": "KEY"}}')
+            raise SettingsError(f'{ROUTER_BACKEND_KEYS_ENV} must be a JSON object {{"URL": "KEY"}}')
         keys.update({normalise_url(u): k for u, k in loaded.items()})
     for pair in pairs:
         url, sep, key = pair.partition("=")
@@ -106,11 +102,3 @@ def build_backends(urls: list[str], keys: dict[str, str]) -> tuple[BackendSpec, 
             param="--backend-key",
         )
     return tuple(BackendSpec(u, keys.get(u)) for u in normalised)
-
-
-def env_api_key() -> str | None:
-    return os.environ.get(ENV_API_KEY) or None
-
-
-def env_backend_keys() -> str | None:
-    return os.environ.get(ENV_BACKEND_KEYS) or None

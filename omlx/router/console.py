@@ -11,13 +11,15 @@ from omlx.api.auth import check_bind
 from omlx.errors import SettingsError
 from omlx.net import port_is_free
 from omlx.router.config import (
-    ENV_API_KEY,
-    ENV_BACKEND_KEYS,
     RouterConfig,
     build_backends,
-    env_api_key,
-    env_backend_keys,
     parse_backend_keys,
+)
+from omlx.settings import (
+    ROUTER_API_KEY_ENV,
+    ROUTER_BACKEND_KEYS_ENV,
+    router_env_api_key,
+    router_env_backend_keys,
 )
 
 log = logging.getLogger("omlx.router")
@@ -46,12 +48,13 @@ def add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=[],
         metavar="URL=KEY",
         help=f"the API key of one backend (repeatable; visible in `ps`: prefer "
-        f'{ENV_BACKEND_KEYS}=\'{{"URL": "KEY"}}\')',
+        f'{ROUTER_BACKEND_KEYS_ENV}=\'{{"URL": "KEY"}}\')',
     )
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8100)
     router.add_argument(
-        "--api-key", help=f"require this key of clients (visible in `ps`: prefer {ENV_API_KEY})"
+        "--api-key",
+        help=f"require this key of clients (visible in `ps`: prefer {ROUTER_API_KEY_ENV})",
     )
     router.add_argument(
         "--allow-unauthenticated-remote",
@@ -77,14 +80,14 @@ def add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    keys = parse_backend_keys(args.backend_keys, env_backend_keys())
+    keys = parse_backend_keys(args.backend_keys, router_env_backend_keys())
     if args.poll_interval <= 0 or args.fanout_timeout <= 0:
         raise SettingsError("--poll-interval and --fanout-timeout must be positive seconds")
     return RouterConfig(
         backends=build_backends(args.backends, keys),
         host=args.host,
         port=args.port,
-        api_key=args.api_key or env_api_key(),
+        api_key=args.api_key or router_env_api_key(),
         allow_unauthenticated_remote=args.allow_unauthenticated_remote,
         poll_interval_s=args.poll_interval,
         fanout_timeout_s=args.fanout_timeout,
