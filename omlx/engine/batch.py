@@ -24,6 +24,8 @@ from mlx_lm.generate import PromptProcessingBatch
 
 from omlx.engine.compiled import CompiledBatchStep
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
+from omlx.engine.ngram import NgramDrafter
+from omlx.engine.speculative import SpecStats, verify_rows
 from omlx.scheduler import TokenLogprob, TokenOutput
 
 Sampler = Callable[[mx.array], mx.array]
@@ -43,6 +45,9 @@ class Row:
     context: mx.array | None = field(default=None)
     # Top alternatives wanted with each token's logprob (None: no logprobs).
     logprobs: int | None = None
+    # Proposes the row's next tokens from its prompt and output (None: it never
+    # speculates: opted out, or it wants logprobs).
+    drafter: NgramDrafter | None = None
 
     @classmethod
     def make(
@@ -52,9 +57,14 @@ class Row:
         processors: list[Any],
         fed: Sequence[int],
         logprobs: int | None = None,
+        drafter: NgramDrafter | None = None,
     ) -> Row:
         context = mx.array(list(fed)) if processors and fed else None
-        return cls(request_id, sampler, processors, context, logprobs)
+        return cls(request_id, sampler, processors, context, logprobs, drafter)
+
+    @property
+    def greedy(self) -> bool:
+        return not hasattr(self.sampler, "scaled")
 
     def remember(self, fed: mx.array) -> mx.array | None:
         if self.processors:
@@ -256,6 +266,12 @@ class DecodeBatch:
         self._num_steps = 0
         # Rows joined since the last step (whose first tokens it samples).
         self._joined = False
+        # Speculative decoding: tokens each row may draft per step (0: off), and
+        # per row the committed tokens before ``_feed`` not in the cache yet (a
+        # speculative step keeps the cache at its rows' shortest acceptance).
+        self.num_draft = 0
+        self._carry: list[list[int]] = []
+        self.spec_stats = SpecStats()
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -282,12 +298,24 @@ class DecodeBatch:
             self._feed = mx.concatenate([self._feed, mx.array(feed, dtype=self._feed.dtype)])
         self.rows.extend(rows)
         self._fresh.extend([False] * len(rows))
+        self._carry.extend([] for _ in rows)
         self._joined = True
 
     def step(self) -> list[TokenOutput]:
         """One forward of every row; the tokens handed out."""
         if not self.rows:
             return []
+        if self.num_draft or any(self._carry):
+            # Drafts need every token so far: pipelining stops while speculating.
+            out = self._outputs_fresh()
+            drafts = self._propose()
+            if drafts is not None:
+                return out + self._speculate(drafts)
+            return out + self._decode()
+        return self._decode()
+
+    def _decode(self) -> list[TokenOutput]:
+        """One token per row (the compiled step when proven)."""
         feed = self._feed
         assert feed is not None
         logits = None
@@ -323,11 +351,71 @@ class DecodeBatch:
             logprobs = asked.resolve(
                 {r.request_id: t for r, t in zip(self.rows, tokens, strict=True)}
             )
+        for row, t, fresh in zip(self.rows, tokens, send, strict=True):
+            if fresh and row.drafter is not None:
+                row.drafter.append(t)
         return [
             TokenOutput(row.request_id, t, logprobs.get(row.request_id))
             for row, t, fresh in zip(self.rows, tokens, send, strict=True)
             if fresh
         ]
+
+    def _outputs_fresh(self) -> list[TokenOutput]:
+        """The sampled tokens in ``_feed`` not handed out yet (pipelined steps)."""
+        if not any(self._fresh) or self._feed is None:
+            return []
+        out = self._outputs(self._feed.tolist(), self._feed_logprobs, self._fresh)
+        self._fresh, self._feed_logprobs = [False] * len(self.rows), None
+        return out
+
+    def _propose(self) -> list[list[int]] | None:
+        """Each row's drafts (its pending tokens and drafts fill at most
+        ``num_draft + 1`` positions), or None when no row drafts or carries."""
+        width = self.num_draft + 1
+        drafts = [
+            row.drafter.propose(min(self.num_draft, width - len(carry) - 1))
+            if row.drafter is not None and self.num_draft
+            else []
+            for row, carry in zip(self.rows, self._carry, strict=True)
+        ]
+        if not any(drafts) and not any(self._carry):
+            return None
+        return drafts
+
+    def _speculate(self, drafts: list[list[int]]) -> list[TokenOutput]:
+        """One forward of every row's pending tokens and drafts (rows padded to
+        the widest); the drafts the model agrees with and one token after them
+        leave. The cache keeps what every row accepted (the shortest): a row's
+        other accepted tokens are fed again next step, before its new token."""
+        assert self._feed is not None
+        seqs = [
+            [*carry, token, *draft]
+            for carry, token, draft in zip(self._carry, self._feed.tolist(), drafts, strict=True)
+        ]
+        starts = [len(carry) for carry in self._carry]
+        width = max(len(seq) for seq in seqs)
+        padded = [seq + [seq[-1]] * (width - len(seq)) for seq in seqs]
+        logits = self._model(mx.array(padded), cache=self._cache)
+        verdicts = verify_rows(self.rows, logits, seqs, starts)
+        valid = [st + 1 + v.num_accepted for st, v in zip(starts, verdicts, strict=True)]
+        keep = min(valid)
+        if width > keep:
+            for layer in self._cache:
+                layer.trim(width - keep)
+        out = []
+        for row, seq, st, v in zip(self.rows, seqs, starts, verdicts, strict=True):
+            if row.processors:
+                row.remember(mx.array(seq[:keep]))
+            tokens = [*seq[st + 1 : st + 1 + v.num_accepted], v.token]
+            if row.drafter is not None:
+                row.drafter.extend(tokens)
+            out += [TokenOutput(row.request_id, t) for t in tokens[:-1]]
+            out.append(TokenOutput(row.request_id, v.token, v.logprobs))
+        self._carry = [seq[keep:n] for seq, n in zip(seqs, valid, strict=True)]
+        self._feed = mx.array([v.token for v in verdicts])
+        self.spec_stats.add(drafts, verdicts)
+        self._num_steps += 1
+        return out
 
     def _process(self, logits: mx.array, feed: mx.array) -> mx.array:
         """Each row's logits processors (repetition penalty, grammar) on its row."""
@@ -370,7 +458,7 @@ class DecodeBatch:
         keep = _others(len(self.rows), gone)
         if not keep:
             self.rows, self._cache, self._feed, self._fresh = [], [], None, []
-            self._feed_logprobs = None
+            self._feed_logprobs, self._carry = None, []
             return out
         for layer in self._cache:
             layer.filter(keep)
@@ -378,4 +466,5 @@ class DecodeBatch:
         self._feed = self._feed[mx.array(keep)]
         self.rows = [self.rows[i] for i in keep]
         self._fresh = [self._fresh[i] for i in keep]
+        self._carry = [self._carry[i] for i in keep]
         return out

@@ -23,6 +23,7 @@ from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
 from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
 from omlx.engine.forks import ChoiceForks
 from omlx.engine.image_prefill import image_sequence
+from omlx.engine.ngram import NgramDrafter
 from omlx.engine.sampling import make_request_processors, make_request_sampler
 from omlx.engine.solo import SoloSequence
 from omlx.scheduler import Request, TokenOutput
@@ -227,7 +228,22 @@ class BatchRunner:
             make_request_processors(request),
             fed,
             request.sampling.logprobs,
+            drafter_for(request, request.prompt_ids),
         )
+
+    @property
+    def num_draft(self) -> int:
+        """Tokens each decoding request may draft per step (0: no speculation)."""
+        return self._decode.num_draft
+
+    @num_draft.setter
+    def num_draft(self, value: int) -> None:
+        # A plain int swap: the MLX thread reads it at its next step.
+        self._decode.num_draft = value
+
+    def speculative_stats(self) -> dict[str, int]:
+        """Speculative decoding counters since the model loaded (for /metrics)."""
+        return self._decode.spec_stats.as_dict()
 
     def _share_openings(
         self,
@@ -386,15 +402,18 @@ class BatchRunner:
 
     def _solo_to_batch(self) -> None:
         assert self._solo is not None and self._solo_request is not None
-        solo = self._solo
+        solo, request = self._solo, self._solo_request
         self._solo = self._solo_request = None
-        self._join(solo)
+        self._join(solo, request)
 
-    def _join(self, sequence: SoloSequence) -> None:
+    def _join(self, sequence: SoloSequence, request: Request) -> None:
         """A solo or side sequence continues batched, with its cache."""
         state = sequence.handoff()
         rid = sequence.request_id
-        row = Row.make(rid, state.sampler, state.processors, state.cached_tokens, sequence.logprobs)
+        drafter = drafter_for(request, [*state.cached_tokens, *state.feed])
+        row = Row.make(
+            rid, state.sampler, state.processors, state.cached_tokens, sequence.logprobs, drafter
+        )
         with mx.stream(self._stream):
             if state.unreported is not None:
                 self._unreported.append(
@@ -500,14 +519,14 @@ class BatchRunner:
     def _step_side(self) -> None:
         """One prefill chunk for each side sequence; those down to their last
         prompt token join the batch (which samples their first token)."""
-        for rid, (seq, _) in list(self._side.items()):
+        for rid, (seq, request) in list(self._side.items()):
             if seq.held:
                 continue
             if seq.num_pending > 1:
                 seq.step()
             if seq.num_pending <= 1:
                 del self._side[rid]
-                self._join(seq)
+                self._join(seq, request)
 
     # -- prefix cache ------------------------------------------------------
 
@@ -553,9 +572,11 @@ class BatchRunner:
         self._extra.clear()
         self._deferred.clear()
         self._prefill = PrefillBatch(self._model, self._prefill_step_size)
+        old = self._decode
         self._decode = DecodeBatch(
             self._model, pipelined=self._pipelined, compiled=self._batch_step
         )
+        self._decode.num_draft, self._decode.spec_stats = old.num_draft, old.spec_stats
         self._solo = self._solo_request = None
         self._side.clear()
         self._unreported.clear()
@@ -567,6 +588,14 @@ class BatchRunner:
             mx.synchronize(self._stream)
             mx.set_wired_limit(self._old_wired_limit)
             self._old_wired_limit = None
+
+
+def drafter_for(request: Request, history: Sequence[int]) -> NgramDrafter | None:
+    """An n-gram drafter over ``history``, unless the request opted out of
+    speculation or wants logprobs (those decode one token per step)."""
+    if not request.speculative or request.sampling.logprobs is not None:
+        return None
+    return NgramDrafter(history)
 
 
 def _kv_prefix(layer: KVCache, n: int) -> KVCache:

@@ -30,27 +30,42 @@ def make_request_sampler(params: SamplingParams) -> Sampler:
     top-k filters normalise first (top-p exponentiates, which overflows on raw logits)."""
     if params.is_greedy:
         return greedy_sampler
-    # Any integer seed (clients send -1 or 64-bit values): MLX takes a uint64.
-    key = mx.random.key(params.seed % 2**64 if params.seed is not None else secrets.randbits(63))
-    filters: list[Callable[[mx.array], mx.array]] = []
-    if 0.0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p > 0.0:
-        filters.append(lambda x: apply_min_p(x, params.min_p, 1))
-    if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
-    inv_temp = 1.0 / params.temperature
+    return RequestSampler(params)
 
-    def sample(logits: mx.array) -> mx.array:
-        nonlocal key
-        key, sub = mx.random.split(key)
-        if filters:
+
+class RequestSampler:
+    """A sampling (temperature > 0) request's draws, with its own PRNG key.
+    ``scaled`` gives the logits it draws from (filters and temperature applied),
+    which speculative verification needs for its acceptance test."""
+
+    def __init__(self, params: SamplingParams):
+        # Any integer seed (clients send -1 or 64-bit values): MLX takes a uint64.
+        seed = params.seed % 2**64 if params.seed is not None else secrets.randbits(63)
+        self._key = mx.random.key(seed)
+        filters: list[Callable[[mx.array], mx.array]] = []
+        if 0.0 < params.top_p < 1.0:
+            filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.min_p > 0.0:
+            filters.append(lambda x: apply_min_p(x, params.min_p, 1))
+        if params.top_k > 0:
+            filters.append(lambda x: apply_top_k(x, params.top_k))
+        self._filters = filters
+        self._inv_temp = 1.0 / params.temperature
+
+    def next_key(self) -> mx.array:
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def scaled(self, logits: mx.array) -> mx.array:
+        if self._filters:
             logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        for f in filters:
+        for f in self._filters:
             logits = f(logits)
-        return mx.random.categorical(logits * inv_temp, key=sub)
+        return logits * self._inv_temp
 
-    return sample
+    def __call__(self, logits: mx.array) -> mx.array:
+        sub = self.next_key()
+        return mx.random.categorical(self.scaled(logits), key=sub)
 
 
 def make_request_processors(request: Request) -> list[Any]:

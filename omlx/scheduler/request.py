@@ -63,6 +63,8 @@ class Request:
     arrival_s: float = field(default_factory=time.monotonic)
     # A vision model's images (omlx.api.images.PromptImages), encoded at prefill.
     images: Any = None
+    # False: never decode speculatively (the request's "speculative": false).
+    speculative: bool = True
 
     @property
     def num_prompt_tokens(self) -> int:

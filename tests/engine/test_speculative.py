@@ -1,0 +1,118 @@
+"""Speculative decoding in the runner: the same greedy tokens as without it, on
+tiny random models and on the built-in SmolLM2, with drafts really accepted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+from omlx.engine.runner import BatchRunner
+from omlx.scheduler import Request, SamplingParams
+
+# Prompts that repeat themselves: a random model's greedy output then repeats
+# pieces of them too, so the n-gram drafter's guesses get accepted.
+PROMPTS = [list(range(3, 40)) * 3, list(range(50, 71)) * 2, list(range(90, 100)) * 4]
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3"])
+def model(request, tiny_models_dir: Path):
+    return load(str(tiny_models_dir / request.param))[0]
+
+
+def run(
+    model,
+    requests: list[Request],
+    num_draft: int,
+    prefill_step_size: int = 64,
+) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Every token each request got until it reached its max_tokens, and the
+    runner's speculative counters."""
+    runner = BatchRunner(model, prefill_step_size=prefill_step_size, stream=mx.new_stream(mx.cpu))
+    runner.prove_compiled()
+    runner.num_draft = num_draft
+    runner.add(requests)
+    want = {r.request_id: r.sampling.max_tokens for r in requests}
+    got: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    while any(len(got[rid]) < n for rid, n in want.items()):
+        for out in runner.step():
+            if len(got[out.request_id]) < want[out.request_id]:
+                got[out.request_id].append(out.token_id)
+    stats = runner.speculative_stats()
+    runner.close()
+    return got, stats
+
+
+def greedy(rid: str, prompt: list[int], n: int = 40, **kw) -> Request:
+    return Request(rid, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=n, **kw))
+
+
+def test_a_lone_request_gets_the_same_tokens_in_fewer_steps(model) -> None:
+    requests = [greedy("a", PROMPTS[0])]
+    plain, _ = run(model, requests, num_draft=0)
+    fast, stats = run(model, requests, num_draft=4)
+    assert fast == plain
+    assert stats["accepted"] > 0
+    assert stats["tokens"] > stats["row_steps"]  # more than one token per row and step
+
+
+def test_a_batch_gets_each_rows_own_tokens(model) -> None:
+    requests = [greedy(f"r{i}", p) for i, p in enumerate(PROMPTS)]
+    plain, _ = run(model, requests, num_draft=0)
+    fast, stats = run(model, requests, num_draft=3)
+    assert fast == plain
+    assert stats["accepted"] > 0
+
+
+def test_rows_that_opt_out_or_want_logprobs_ride_along_unchanged(model) -> None:
+    requests = [
+        greedy("drafts", PROMPTS[0]),
+        Request("out", tuple(PROMPTS[1]), SamplingParams(temperature=0.0, max_tokens=40), speculative=False),
+        greedy("logprobs", PROMPTS[2], logprobs=2),
+    ]
+    plain, _ = run(model, requests, num_draft=0)
+    fast, stats = run(model, requests, num_draft=4)
+    assert fast == plain
+    assert 0 < stats["accepted"] <= stats["drafted"]
+
+
+def test_repetition_penalty_applies_at_every_drafted_position(model) -> None:
+    requests = [greedy(f"r{i}", p, repetition_penalty=1.3) for i, p in enumerate(PROMPTS)]
+    plain, _ = run(model, requests, num_draft=0)
+    fast, stats = run(model, requests, num_draft=4)
+    assert fast == plain
+    assert stats["drafted"] > 0
+
+
+CODE = """def total(items):
+    result = 0
+    for item in items:
+        result += item.price * item.count
+    return result
+
+
+def average(items):
+    if not items:
+        return 0
+    return total(items) / len(items)
+"""
+
+
+def test_smollm2_returns_an_edited_file_token_for_token(smollm2_path: Path) -> None:
+    model, tokenizer = load(str(smollm2_path))
+    messages = [
+        {
+            "role": "user",
+            "content": "Rename the function total to grand_total and return the whole "
+            f"file:\n\n{CODE}",
+        }
+    ]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    requests = [greedy("edit", prompt, n=64), greedy("other", prompt[:-9], n=64)]
+    plain, _ = run(model, requests, num_draft=0, prefill_step_size=512)
+    fast, stats = run(model, requests, num_draft=4, prefill_step_size=512)
+    assert fast == plain
+    # The answer copies the file: most drafts are kept.
+    assert stats["accepted"] > stats["drafted"] / 3
