@@ -210,6 +210,7 @@ def sampling_request(body: MessagesRequest) -> SamplingRequest:
         top_p=body.top_p,
         top_k=body.top_k,
         stop=tuple(body.stop_sequences or ()),
+        speculative=body.speculative,
     )
 
 

@@ -73,6 +73,8 @@ class MessagesRequest(CountTokensRequest):
     output_format: dict[str, Any] | None = None
     # Extension (as on the OpenAI routes): exactly one of json, regex, grammar, choice.
     structured_outputs: dict[str, Any] | None = None
+    # Extension: false turns speculative decoding off for this request.
+    speculative: StrictBool = True
 
     @field_validator("stop_sequences")
     @classmethod

@@ -162,6 +162,7 @@ class PoolCollector(Collector):
         yield from _requests(snap)
         yield from _memory(snap)
         yield from _memory_guard(snap)
+        yield from _speculative(snap)
         yield from _cache(snap)
 
     def __repr__(self) -> str:
@@ -216,6 +217,31 @@ def _memory(snap: Snapshot) -> Iterator[Metric]:
     )
 
 
+def _speculative(snap: Snapshot) -> Iterator[Metric]:
+    """Speculative decoding per model: what was drafted and kept, and its rates."""
+    spec = {m["name"]: m["speculative"] for m in snap.models if m.get("speculative")}
+    for key, doc in (
+        ("drafted", "Tokens drafted for verification (speculative decoding)"),
+        ("accepted", "Drafted tokens the model agreed with and kept"),
+        ("steps", "Decode steps that verified drafts"),
+        ("row_steps", "Requests advanced by those steps (one per request and step)"),
+        ("tokens", "Tokens handed out by those steps (kept drafts plus one per request)"),
+    ):
+        yield _counter(
+            f"omlx_speculative_{key}", doc, ["model"], {n: s[key] for n, s in spec.items()}
+        )
+    yield _per_model(
+        "omlx_speculative_acceptance_rate",
+        "Kept drafted tokens over drafted tokens since the model loaded",
+        {n: s["accepted"] / s["drafted"] if s["drafted"] else 0.0 for n, s in spec.items()},
+    )
+    yield _per_model(
+        "omlx_speculative_tokens_per_step",
+        "Tokens per request and speculative step since the model loaded (1 without drafts)",
+        {n: s["tokens"] / s["row_steps"] if s["row_steps"] else 0.0 for n, s in spec.items()},
+    )
+
+
 def _memory_guard(snap: Snapshot) -> Iterator[Metric]:
     """What the guard did short of refusing at the front door, per model."""
     guards = {m["name"]: m["memory_guard"] for m in snap.models if m.get("memory_guard")}
@@ -231,6 +257,7 @@ def _memory_guard(snap: Snapshot) -> Iterator[Metric]:
         ("held_steps", "Steps whose prefill waited for decoding requests to free memory"),
         ("reclaims", "Times the gate handed MLX's free cache back before deciding"),
         ("unshared_openings", "Shared openings the gate held back (prefilled per request)"),
+        ("held_drafts", "Speculative steps the gate ran without drafts (plain decode)"),
     ):
         yield _counter(f"omlx_memory_{key}", doc, ["model"], {n: g[key] for n, g in guards.items()})
     yield _gauge(

@@ -192,7 +192,7 @@ def template_kwargs(think: Think | None) -> dict[str, Any] | None:
 
 
 def sampling_request(
-    options: Options | None, num_prompt_tokens: int, window: int
+    options: Options | None, num_prompt_tokens: int, window: int, speculative: bool = True
 ) -> SamplingRequest:
     """``options`` over the defaults (``build_sampling`` checks the prompt against
     the window)."""
@@ -207,6 +207,7 @@ def sampling_request(
         seed=opts.seed,
         stop=tuple(opts.stop or ()),
         max_tokens_param="options.num_predict",
+        speculative=speculative,
     )
 
 

@@ -233,7 +233,8 @@ async def _start(
         state.settings.server.template_timeout_s,
     )
     num_prompt = len(prompt.ids)
-    wanted = sampling_request(ask.body.options, num_prompt, engine.context_window)
+    body = ask.body
+    wanted = sampling_request(body.options, num_prompt, engine.context_window, body.speculative)
     params = build_sampling(
         engine, num_prompt, wanted, defaults.sampling, defaults.generation, defaults.forced
     )

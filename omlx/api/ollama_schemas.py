@@ -88,6 +88,8 @@ class _Generation(_Body):
     stream: StrictBool = True  # Ollama streams unless told not to
     keep_alive: KeepAlive | None = None
     think: Think | None = None
+    # Extension: false turns speculative decoding off for this request.
+    speculative: StrictBool = True
 
 
 class ChatRequest(_Generation):

@@ -283,6 +283,7 @@ def sampling_params(
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=body.logprobs_wanted(),
+            speculative=body.speculative,
         ),
         defaults,
         generation,
@@ -308,6 +309,8 @@ class SamplingRequest:
     logprobs: int | None = None
     # The name of the max-tokens field in this API, for error messages.
     max_tokens_param: str = "max_tokens"
+    # False: the request opted out of speculative decoding.
+    speculative: bool = True
 
 
 def build_sampling(
@@ -355,6 +358,7 @@ def build_sampling(
         stop=req.stop,
         stop_token_ids=frozenset(stop_ids),
         logprobs=req.logprobs,
+        speculative=req.speculative,
     )
 
 

@@ -243,6 +243,7 @@ def _sampling(
         temperature=body.temperature,
         top_p=body.top_p,
         max_tokens_param="max_output_tokens",
+        speculative=body.speculative,
     )
     try:
         return build_sampling(

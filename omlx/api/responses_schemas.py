@@ -63,6 +63,8 @@ class ResponsesRequest(_Body):
     previous_response_id: StrictStr | None = None
     stream: StrictBool | None = None
     background: StrictBool | None = None
+    # Extension: false turns speculative decoding off for this request.
+    speculative: StrictBool = True
 
     @field_validator("input")
     @classmethod

@@ -71,6 +71,8 @@ class _Sampling(_Body):
     )
     # Extension (as in vLLM): keep generating past end-of-sequence, for benchmarks.
     ignore_eos: StrictBool = False
+    # Extension: false turns speculative decoding off for this request.
+    speculative: StrictBool = True
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)

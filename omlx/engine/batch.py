@@ -272,6 +272,8 @@ class DecodeBatch:
         self.num_draft = 0
         self._carry: list[list[int]] = []
         self.spec_stats = SpecStats()
+        # Set by the memory gate for the next step: verify no drafts (plain decode).
+        self.hold_drafts = False
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -368,13 +370,29 @@ class DecodeBatch:
         self._fresh, self._feed_logprobs = [False] * len(self.rows), None
         return out
 
+    def speculation_plan(self) -> list[tuple[str, int, int]]:
+        """(request id, positions, context tokens) per row the next step may
+        verify more than one position of (for the memory gate; an upper bound:
+        whether a row drafts is known only in the step)."""
+        if not self.rows or not (self.num_draft or any(self._carry)):
+            return []
+        context = self._cache[0]._idx if self._cache else 0
+        width = self.num_draft + 1
+        return [
+            (row.request_id, width if row.drafter is not None else len(carry) + 1, context)
+            for row, carry in zip(self.rows, self._carry, strict=True)
+            if row.drafter is not None or carry
+        ]
+
     def _propose(self) -> list[list[int]] | None:
         """Each row's drafts (its pending tokens and drafts fill at most
         ``num_draft + 1`` positions), or None when no row drafts or carries."""
         width = self.num_draft + 1
+        drafting = self.num_draft and not self.hold_drafts
+        self.hold_drafts = False
         drafts = [
             row.drafter.propose(min(self.num_draft, width - len(carry) - 1))
-            if row.drafter is not None and self.num_draft
+            if row.drafter is not None and drafting
             else []
             for row, carry in zip(self.rows, self._carry, strict=True)
         ]

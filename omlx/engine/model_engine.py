@@ -56,6 +56,11 @@ class Runner(Protocol):
     def step(self) -> list[TokenOutput]: ...
     def reset(self) -> None: ...
     def close(self) -> None: ...
+    def speculative_stats(self) -> dict[str, int]: ...
+    def speculation_plan(self) -> list[PrefillChunk]: ...
+    def hold_drafts(self) -> None: ...
+
+    num_draft: int
 
 
 class Poster(Protocol):
@@ -106,6 +111,8 @@ class ModelEngine:
         self._held_since: float | None = None
         # Shared openings the gate held back (their requests prefilled them alone).
         self.num_unshared_openings = 0
+        # Speculative steps the gate made decode without drafts.
+        self.num_held_drafts = 0
         self._pending_bytes = 0
         self.prefix_cache = prefix_cache
         self._runner = runner
@@ -227,6 +234,18 @@ class ModelEngine:
             return 0.0
         return self._scheduler.ready_in(time.monotonic())
 
+    @property
+    def num_draft(self) -> int:
+        """Tokens each request may draft per decode step (0: no speculation)."""
+        return self._runner.num_draft
+
+    @num_draft.setter
+    def num_draft(self, value: int) -> None:
+        self._runner.num_draft = value
+
+    def speculative_stats(self) -> dict[str, int]:
+        return self._runner.speculative_stats()
+
     def _add_all(self, pairs: list[tuple[Request, RequestStream]]) -> None:
         for request, stream in pairs:
             self._add(request, stream)
@@ -265,6 +284,7 @@ class ModelEngine:
             cached = self._runner.add(admitted, self._gate_shared_opening)
             self._announce_admitted(admitted, cached)
             self._gate_prefill(outbox)
+            self._gate_speculation()
             outputs = self._runner.step()
         except Exception as exc:  # an MLX failure: fail what is running, keep serving
             log.exception("engine step failed for %s", self.name)
@@ -378,6 +398,7 @@ class ModelEngine:
             "held_steps": self.num_held_steps,
             "reclaims": self.num_reclaims,
             "unshared_openings": self.num_unshared_openings,
+            "held_drafts": self.num_held_drafts,
         }
 
     def _can_admit(self, request: Request, num_running: int) -> bool:
@@ -457,6 +478,24 @@ class ModelEngine:
                 ),
                 outbox,
             )
+
+    def _gate_speculation(self) -> None:
+        """The forward gate for a speculative step: its rows' verified positions
+        are gated like one prefill chunk (a fresh reading); refused, the step
+        decodes without drafts, which is never gated (seed 003: no engine path
+        runs around the guard)."""
+        plan = self._runner.speculation_plan()
+        if not plan:
+            return
+        reading = self.probe.reading(fresh=True)
+        tokens = sum(c.num_tokens for c in plan)
+        cached = max(c.num_context_tokens - c.num_tokens for c in plan)
+        others = self._scheduler.num_running > 1
+        if self.guard.gate(tokens, cached, reading, others=others):
+            return
+        self._runner.hold_drafts()
+        self.num_held_drafts += 1
+        self._log_over_limit(f"decoding without drafts ({tokens} positions)", reading)
 
     def _reclaim_near_limit(self) -> None:
         """Within one margin of the hard limit, hand freed memory back before the

@@ -33,9 +33,7 @@ class NgramDrafter:
         self._tokens: list[int] = list(tokens)
         self._max_n, self._min_n = max_n, min_n
         # n -> n-gram -> the index just past its latest indexed occurrence.
-        self._ends: dict[int, dict[tuple[int, ...], int]] = {
-            n: {} for n in range(min_n, max_n + 1)
-        }
+        self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
         # Occurrences ending before this index are in ``_ends``.
         self._indexed = 0
 

@@ -211,6 +211,7 @@ class EnginePool:
                     "num_gated": resident.engine.num_gated if resident else 0,
                     "memory_guard": resident.engine.guard_counters() if resident else None,
                     "batching": _batching(resident.engine) if resident else None,
+                    "speculative": _speculative(resident.engine) if resident else None,
                 }
             )
         return out
@@ -462,6 +463,8 @@ class EnginePool:
             engine = resident.engine
             if name is None or engine.name == name:
                 engine.context_window = self.context_window_for(engine.loaded)
+                if isinstance(engine, ModelEngine):
+                    engine.num_draft = self.model_settings.get(engine.name).num_draft_tokens
 
     def publish_limits(self) -> None:
         for resident in self._resident.values():
@@ -530,6 +533,7 @@ class EnginePool:
             loaded, parts, window=self.context_window_for(loaded), explicit_kv_tokens=explicit
         )
         self._load_facts[name] = facts
+        engine.num_draft = self.model_settings.get(name).num_draft_tokens
         return engine
 
     async def close(self) -> None:
@@ -589,6 +593,13 @@ def _require_kind(model: str, kind: str, wanted: str | None) -> None:
 def _batching(engine: Engine) -> dict[str, int] | None:
     """An embedding engine's batching counters (steps, sequences, requests per step)."""
     return engine.batch_stats() if isinstance(engine, EmbeddingEngine) else None
+
+
+def _speculative(engine: Engine) -> dict[str, Any] | None:
+    """An LLM's speculative decoding: drafts per step now, and its counters."""
+    if not isinstance(engine, ModelEngine):
+        return None
+    return {"num_tokens": engine.num_draft, **engine.speculative_stats()}
 
 
 def _with_kind(info: ModelInfo, kind: str | None) -> ModelInfo:

@@ -241,6 +241,19 @@ class BatchRunner:
         # A plain int swap: the MLX thread reads it at its next step.
         self._decode.num_draft = value
 
+    def speculation_plan(self) -> list[PrefillChunk]:
+        """The positions the next decode step may verify per request beyond one
+        (drafts and carried tokens), as chunks for the memory gate."""
+        return [
+            PrefillChunk(rid, width, context + width, width)
+            for rid, width, context in self._decode.speculation_plan()
+        ]
+
+    def hold_drafts(self) -> None:
+        """The memory gate: the next decode step drafts nothing (plain decode;
+        tokens accepted earlier still go through)."""
+        self._decode.hold_drafts = True
+
     def speculative_stats(self) -> dict[str, int]:
         """Speculative decoding counters since the model loaded (for /metrics)."""
         return self._decode.spec_stats.as_dict()
@@ -593,7 +606,7 @@ class BatchRunner:
 def drafter_for(request: Request, history: Sequence[int]) -> NgramDrafter | None:
     """An n-gram drafter over ``history``, unless the request opted out of
     speculation or wants logprobs (those decode one token per step)."""
-    if not request.speculative or request.sampling.logprobs is not None:
+    if not request.sampling.speculative or request.sampling.logprobs is not None:
         return None
     return NgramDrafter(history)
 

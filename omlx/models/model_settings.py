@@ -33,6 +33,21 @@ MODEL_SETTINGS_FILE = "model_settings.json"
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+# The most tokens a request may draft per step: the verification forward is
+# this many positions wider than a plain decode step (and gated as such).
+MAX_DRAFT_TOKENS = 16
+
+
+class SpeculativeSettings(BaseModel):
+    """Speculative decoding for one model: ``ngram`` drafts by prompt lookup
+    (copying what followed the same tokens earlier in the prompt or output)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram"]
+    num_tokens: int = Field(4, ge=1, le=MAX_DRAFT_TOKENS)
+
+
 class ModelSettings(BaseModel):
     """One model's overrides. ``None`` (or an empty collection) inherits."""
 
@@ -60,6 +75,13 @@ class ModelSettings(BaseModel):
     locked_template_kwargs: list[str] = Field(default_factory=list)
     # The model's sampling values win over the request's.
     force_sampling: bool = False
+    # Speculative decoding (None: off); requests opt out with "speculative": false.
+    speculative: SpeculativeSettings | None = None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Tokens each request may draft per decode step (0: no speculation)."""
+        return self.speculative.num_tokens if self.speculative is not None else 0
 
     @field_validator("alias")
     @classmethod

@@ -47,6 +47,8 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()
     # Logprobs of each sampled token plus this many top alternatives (None: none).
     logprobs: int | None = None
+    # False: never decode speculatively (the request body's "speculative": false).
+    speculative: bool = True
 
     @property
     def is_greedy(self) -> bool:
@@ -63,8 +65,6 @@ class Request:
     arrival_s: float = field(default_factory=time.monotonic)
     # A vision model's images (omlx.api.images.PromptImages), encoded at prefill.
     images: Any = None
-    # False: never decode speculatively (the request's "speculative": false).
-    speculative: bool = True
 
     @property
     def num_prompt_tokens(self) -> int:
