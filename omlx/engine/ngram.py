@@ -14,9 +14,19 @@ context; tokens are indexed as they arrive, once each.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-__all__ = ["NgramDrafter"]
+from omlx.scheduler import Request
+
+__all__ = ["NgramDrafter", "drafter_for"]
+
+
+def drafter_for(request: Request, history: Sequence[int]) -> NgramDrafter | None:
+    """A drafter over ``history``, unless the request opted out of speculation
+    or wants logprobs (those decode one token per step: see speculative.py)."""
+    if not request.sampling.speculative or request.sampling.logprobs is not None:
+        return None
+    return NgramDrafter(history)
 
 
 class NgramDrafter:

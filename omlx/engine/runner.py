@@ -23,7 +23,7 @@ from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
 from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
 from omlx.engine.forks import ChoiceForks
 from omlx.engine.image_prefill import image_sequence
-from omlx.engine.ngram import NgramDrafter
+from omlx.engine.ngram import drafter_for
 from omlx.engine.sampling import make_request_processors, make_request_sampler
 from omlx.engine.solo import SoloSequence
 from omlx.scheduler import Request, TokenOutput
@@ -601,14 +601,6 @@ class BatchRunner:
             mx.synchronize(self._stream)
             mx.set_wired_limit(self._old_wired_limit)
             self._old_wired_limit = None
-
-
-def drafter_for(request: Request, history: Sequence[int]) -> NgramDrafter | None:
-    """An n-gram drafter over ``history``, unless the request opted out of
-    speculation or wants logprobs (those decode one token per step)."""
-    if not request.sampling.speculative or request.sampling.logprobs is not None:
-        return None
-    return NgramDrafter(history)
 
 
 def _kv_prefix(layer: KVCache, n: int) -> KVCache:
