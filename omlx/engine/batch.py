@@ -34,6 +34,15 @@ Sampler = Callable[[mx.array], mx.array]
 _CLEAR_EVERY = 512
 
 
+def verify_width(positions: int) -> int:
+    """The forward width for ``positions`` per row: 2, 3, 5, 9, 17 (few shapes:
+    each new one costs a kernel build on MLX's CPU backend the first time)."""
+    width = 2
+    while width < positions:
+        width = 2 * width - 1
+    return width
+
+
 @dataclass(slots=True)
 class Row:
     """One sequence of a batch: how to sample it and what its processors see."""
@@ -377,7 +386,7 @@ class DecodeBatch:
         if not self.rows or not (self.num_draft or any(self._carry)):
             return []
         context = self._cache[0]._idx if self._cache else 0
-        width = self.num_draft + 1
+        width = verify_width(self.num_draft + 1)
         return [
             (row.request_id, width if row.drafter is not None else len(carry) + 1, context)
             for row, carry in zip(self.rows, self._carry, strict=True)
@@ -411,7 +420,7 @@ class DecodeBatch:
             for carry, token, draft in zip(self._carry, self._feed.tolist(), drafts, strict=True)
         ]
         starts = [len(carry) for carry in self._carry]
-        width = max(len(seq) for seq in seqs)
+        width = verify_width(max(len(seq) for seq in seqs))
         padded = [seq + [seq[-1]] * (width - len(seq)) for seq in seqs]
         logits = self._model(mx.array(padded), cache=self._cache)
         verdicts = verify_rows(self.rows, logits, seqs, starts)

@@ -69,12 +69,7 @@ def test_a_batch_gets_each_rows_own_tokens(model) -> None:
 def test_rows_that_opt_out_or_want_logprobs_ride_along_unchanged(model) -> None:
     requests = [
         greedy("drafts", PROMPTS[0]),
-        Request(
-            "out",
-            tuple(PROMPTS[1]),
-            SamplingParams(temperature=0.0, max_tokens=40),
-            speculative=False,
-        ),
+        greedy("out", PROMPTS[1], speculative=False),
         greedy("logprobs", PROMPTS[2], logprobs=2),
     ]
     plain, _ = run(model, requests, num_draft=0)
