@@ -21,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
+from mlx_lm.models.cache import BatchKVCache
 
 from omlx.engine.compiled import CompiledBatchStep
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
@@ -316,7 +317,7 @@ class DecodeBatch:
         """One forward of every row; the tokens handed out."""
         if not self.rows:
             return []
-        if self.num_draft or any(self._carry):
+        if (self.num_draft and self._trimmable()) or any(self._carry):
             # Drafts need every token so far: pipelining stops while speculating.
             out = self._outputs_fresh()
             drafts = self._propose()
@@ -371,6 +372,11 @@ class DecodeBatch:
             if fresh
         ]
 
+    def _trimmable(self) -> bool:
+        """Whether a speculative step can cut rejected positions off the cache:
+        plain KV layers only (a recurrent state or a rolling window cannot)."""
+        return all(type(layer) is BatchKVCache for layer in self._cache)
+
     def _outputs_fresh(self) -> list[TokenOutput]:
         """The sampled tokens in ``_feed`` not handed out yet (pipelined steps)."""
         if not any(self._fresh) or self._feed is None:
@@ -383,7 +389,7 @@ class DecodeBatch:
         """(request id, positions, context tokens) per row the next step may
         verify more than one position of (for the memory gate; an upper bound:
         whether a row drafts is known only in the step)."""
-        if not self.rows or not (self.num_draft or any(self._carry)):
+        if not self.rows or not ((self.num_draft and self._trimmable()) or any(self._carry)):
             return []
         context = self._cache[0]._idx if self._cache else 0
         width = verify_width(self.num_draft + 1)

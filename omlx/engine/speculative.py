@@ -26,6 +26,7 @@ nothing needs rolling back.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -174,10 +175,4 @@ class SpecStats:
         self.tokens += accepted + len(verdicts)
 
     def as_dict(self) -> dict[str, int]:
-        return {
-            "steps": self.steps,
-            "row_steps": self.row_steps,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "tokens": self.tokens,
-        }
+        return dataclasses.asdict(self)

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from omlx.api.server import Server
+from tests.api.test_structured_output import SCHEMA
 from tests.fixtures.prom import scrape, value
 from tests.fixtures.servers import live_server
 
@@ -24,16 +25,6 @@ NGRAM = {"method": "ngram", "num_tokens": 4}
 # Token ids that repeat: the tiny model's greedy answer repeats pieces of them,
 # so prompt-lookup drafts get accepted.
 PROMPT = list(range(3, 40)) * 3
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        "ok": {"type": "boolean"},
-        "tag": {"enum": ["red", "green", "blue"]},
-    },
-    "required": ["n", "ok", "tag"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +74,25 @@ def test_the_setting_turns_speculation_on_live_with_the_same_text(
     before = drafted(server)
     assert complete(client) == plain
     assert drafted(server) == before
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_text_there(
+    server: Server, client: openai.OpenAI
+) -> None:
+    assert put_settings(server, {"speculative": None}).status_code == 200
+    whole = complete(client)
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
+    plain = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop]
+    )
+    assert put_settings(server, {"speculative": NGRAM}).status_code == 200
+    fast = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop]
+    )
+    assert fast.choices[0].text == plain.choices[0].text
+    assert fast.choices[0].finish_reason == plain.choices[0].finish_reason == "stop"
+    assert fast.usage is not None and plain.usage is not None
+    assert fast.usage.completion_tokens == plain.usage.completion_tokens
 
 
 @pytest.mark.parametrize(

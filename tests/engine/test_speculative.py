@@ -11,6 +11,7 @@ from mlx_lm import load
 
 from omlx.engine.runner import BatchRunner
 from omlx.scheduler import Request, SamplingParams
+from tests.fixtures.tiny_models import build_tiny_model
 
 # Prompts that repeat themselves: a random model's greedy output then repeats
 # pieces of them too, so the n-gram drafter's guesses get accepted.
@@ -27,10 +28,16 @@ def run(
     requests: list[Request],
     num_draft: int,
     prefill_step_size: int = 64,
+    pipelined: bool | None = None,
 ) -> tuple[dict[str, list[int]], dict[str, int]]:
     """Every token each request got until it reached its max_tokens, and the
     runner's speculative counters."""
-    runner = BatchRunner(model, prefill_step_size=prefill_step_size, stream=mx.new_stream(mx.cpu))
+    runner = BatchRunner(
+        model,
+        prefill_step_size=prefill_step_size,
+        stream=mx.new_stream(mx.cpu),
+        pipelined=pipelined,
+    )
     runner.prove_compiled()
     runner.num_draft = num_draft
     runner.add(requests)
@@ -64,6 +71,25 @@ def test_a_batch_gets_each_rows_own_tokens(model) -> None:
     fast, stats = run(model, requests, num_draft=3)
     assert fast == plain
     assert stats["accepted"] > 0
+
+
+def test_pipelined_batches_hand_out_every_token_once_when_speculation_starts(model) -> None:
+    """On a GPU the batch queues its next forward before handing tokens out; a
+    speculative step first hands out the tokens such a step left pending."""
+    requests = [greedy(f"r{i}", p) for i, p in enumerate(PROMPTS)]
+    plain, _ = run(model, requests, num_draft=0, pipelined=True)
+    fast, stats = run(model, requests, num_draft=4, pipelined=True)
+    assert fast == plain
+    assert stats["accepted"] > 0
+
+
+def test_models_whose_cache_cannot_be_cut_decode_without_drafts(tmp_path: Path) -> None:
+    lfm2 = load(str(build_tiny_model(tmp_path / "tiny-lfm2", "lfm2", seed=4)))[0]
+    requests = [greedy(f"r{i}", p, n=12) for i, p in enumerate(PROMPTS)]
+    plain, _ = run(lfm2, requests, num_draft=0)
+    fast, stats = run(lfm2, requests, num_draft=4)
+    assert fast == plain
+    assert stats["drafted"] == 0
 
 
 def test_rows_that_opt_out_or_want_logprobs_ride_along_unchanged(model) -> None:
