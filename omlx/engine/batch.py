@@ -35,6 +35,13 @@ Sampler = Callable[[mx.array], mx.array]
 _CLEAR_EVERY = 512
 
 
+# Positions a speculative forward may verify across its rows. On the CPU backend a
+# forward's cost grows with its positions past a few (a 5-wide step of one row
+# pays, of eight rows loses: benchmarks/README.md, "Speculative decoding"); a GPU
+# verifies many at nearly the cost of one (not measured here).
+VERIFY_POSITIONS = {"cpu": 10, "gpu": 64}
+
+
 def verify_width(positions: int) -> int:
     """The forward width for ``positions`` per row: 2, 3, 5, 9, 17 (few shapes:
     each new one costs a kernel build on MLX's CPU backend the first time)."""
@@ -280,6 +287,9 @@ class DecodeBatch:
         # per row the committed tokens before ``_feed`` not in the cache yet (a
         # speculative step keeps the cache at its rows' shortest acceptance).
         self.num_draft = 0
+        self._verify_positions = VERIFY_POSITIONS[
+            "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+        ]
         self._carry: list[list[int]] = []
         self.spec_stats = SpecStats()
         # Set by the memory gate for the next step: verify no drafts (plain decode).
@@ -317,7 +327,7 @@ class DecodeBatch:
         """One forward of every row; the tokens handed out."""
         if not self.rows:
             return []
-        if (self.num_draft and self._trimmable()) or any(self._carry):
+        if (self.draft_limit() and self._trimmable()) or any(self._carry):
             # Drafts need every token so far: pipelining stops while speculating.
             out = self._outputs_fresh()
             drafts = self._propose()
@@ -389,26 +399,34 @@ class DecodeBatch:
         """(request id, positions, context tokens) per row the next step may
         verify more than one position of (for the memory gate; an upper bound:
         whether a row drafts is known only in the step)."""
-        if not self.rows or not ((self.num_draft and self._trimmable()) or any(self._carry)):
+        limit = self.draft_limit() if self._trimmable() else 0
+        if not self.rows or not (limit or any(self._carry)):
             return []
         context = self._cache[0]._idx if self._cache else 0
-        width = verify_width(self.num_draft + 1)
+        width = verify_width(limit + 1)
         return [
             (row.request_id, width if row.drafter is not None else len(carry) + 1, context)
             for row, carry in zip(self.rows, self._carry, strict=True)
             if row.drafter is not None or carry
         ]
 
+    def draft_limit(self) -> int:
+        """Tokens each row may draft this step: ``num_draft``, cut so that the
+        rows' verified positions stay within the backend's budget (0: none)."""
+        per_row = self._verify_positions // max(len(self.rows), 1)
+        limit = min(self.num_draft, per_row - 1)
+        while limit > 0 and verify_width(limit + 1) > per_row:
+            limit -= 1
+        return max(limit, 0)
+
     def _propose(self) -> list[list[int]] | None:
         """Each row's drafts (its pending tokens and drafts fill at most
-        ``num_draft + 1`` positions), or None when no row drafts or carries."""
-        width = self.num_draft + 1
-        drafting = self.num_draft and not self.hold_drafts
+        ``draft_limit() + 1`` positions), or None when no row drafts or carries."""
+        limit = self.draft_limit()
+        drafting = limit and not self.hold_drafts
         self.hold_drafts = False
         drafts = [
-            row.drafter.propose(min(self.num_draft, width - len(carry) - 1))
-            if row.drafter is not None and drafting
-            else []
+            row.drafter.propose(limit - len(carry)) if row.drafter is not None and drafting else []
             for row, carry in zip(self.rows, self._carry, strict=True)
         ]
         if not any(drafts) and not any(self._carry):
