@@ -83,6 +83,19 @@ def test_pipelined_batches_hand_out_every_token_once_when_speculation_starts(mod
     assert stats["accepted"] > 0
 
 
+def test_a_batch_past_the_backends_budget_drafts_less_then_not_at_all(model) -> None:
+    """On the CPU backend a speculative forward may verify 10 positions in all:
+    one row drafts 4 (5 positions), four rows 1 each, eight rows none."""
+    prompts = [PROMPTS[0][i : i + 60] for i in range(8)]  # prefilled in one chunk
+    for rows, most in ((1, 4), (4, 1), (8, 0)):
+        requests = [greedy(f"r{i}", p, n=24) for i, p in enumerate(prompts[:rows])]
+        plain, _ = run(model, requests, num_draft=0)
+        fast, stats = run(model, requests, num_draft=4)
+        assert fast == plain
+        assert stats["drafted"] <= most * stats["row_steps"]
+        assert (stats["drafted"] > 0) == (most > 0)
+
+
 def test_models_whose_cache_cannot_be_cut_decode_without_drafts(tmp_path: Path) -> None:
     lfm2 = load(str(build_tiny_model(tmp_path / "tiny-lfm2", "lfm2", seed=4)))[0]
     requests = [greedy(f"r{i}", p, n=12) for i, p in enumerate(PROMPTS)]
