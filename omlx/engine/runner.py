@@ -147,6 +147,9 @@ class BatchRunner:
         """Start requests; returns the prompt tokens each got from the prefix cache.
         ``may_share``: the memory gate asked before each shared opening's forward."""
         requests = list(requests)
+        if any(r.num_resumed_tokens for r in requests):
+            # A preempted request's blocks were stored on its way out: now, so it hits.
+            self._run_deferred()
         with_images = {r.request_id: self._start_with_images(r) for r in requests if r.images}
         cached = {rid: n for rid, n in with_images.items() if n}
         requests = [r for r in requests if not r.images]
@@ -210,7 +213,7 @@ class BatchRunner:
                 self._model,
                 self._vision,
                 request,
-                sampler=make_request_sampler(request.sampling),
+                sampler=make_request_sampler(request.sampling, request.num_resumed_tokens),
                 processors=make_request_processors(request),
                 prefill_step_size=self._prefill_step_size,
                 hit=hit,
@@ -223,7 +226,7 @@ class BatchRunner:
         """A batch row for ``request`` whose processors have seen ``fed``."""
         return Row.make(
             request.request_id,
-            make_request_sampler(request.sampling),
+            make_request_sampler(request.sampling, request.num_resumed_tokens),
             make_request_processors(request),
             fed,
             request.sampling.logprobs,
@@ -344,7 +347,7 @@ class BatchRunner:
             self._model,
             request.request_id,
             list(request.prompt_ids),
-            make_request_sampler(request.sampling),
+            make_request_sampler(request.sampling, request.num_resumed_tokens),
             make_request_processors(request),
             self._prefill_step_size,
             cache=hit.layers if hit else None,

@@ -21,9 +21,11 @@ from omlx.grammar.processor import Draw, greedy_draw, temperature_draw
 from omlx.scheduler import Request, SamplingParams
 
 
-def make_request_sampler(params: SamplingParams) -> Sampler:
+def make_request_sampler(params: SamplingParams, num_sampled: int = 0) -> Sampler:
     """Greedy requests share one sampler (one batched argmax); others get their own
     PRNG key so a seed reproduces the same tokens whatever else is in the batch.
+    ``num_sampled``: tokens a resumed request sampled before it was preempted (its
+    key advances past them, so a seed gives the same output as without preemption).
 
     Samplers get raw logits (argmax and categorical need no log-softmax; the
     logprobs some requests ask for are computed beside, logprobs.py); the nucleus, min-p and
@@ -32,6 +34,8 @@ def make_request_sampler(params: SamplingParams) -> Sampler:
         return greedy_sampler
     # Any integer seed (clients send -1 or 64-bit values): MLX takes a uint64.
     key = mx.random.key(params.seed % 2**64 if params.seed is not None else secrets.randbits(63))
+    for _ in range(num_sampled):
+        key, _sub = mx.random.split(key)
     filters: list[Callable[[mx.array], mx.array]] = []
     if 0.0 < params.top_p < 1.0:
         filters.append(lambda x: apply_top_p(x, params.top_p))
@@ -60,7 +64,9 @@ def make_request_processors(request: Request) -> list[Any]:
     if params.repetition_penalty != 1.0:
         processors += make_logits_processors(repetition_penalty=params.repetition_penalty)
     if request.grammar is not None:
-        processors.append(request.grammar.new_processor(draw=grammar_draw(params)))
+        grammar = request.grammar.new_processor(draw=grammar_draw(params))
+        grammar.replay(request.resumed_output_ids)
+        processors.append(grammar)
     return processors
 
 

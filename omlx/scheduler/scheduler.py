@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Iterable
+from dataclasses import dataclass, field
 
 from omlx.errors import QueueFullError
 from omlx.scheduler.request import Request, RequestStatus, RequestUpdate, TokenOutput
@@ -17,7 +18,14 @@ AdmitCheck = Callable[[Request, int], bool]
 @dataclass(slots=True)
 class _Running:
     request: Request
+    # Output tokens counted against max_tokens (a resumed request's earlier ones too).
     num_output_tokens: int = 0
+    # Tokens produced since it was (re)admitted: what a preemption appends to its prompt.
+    new_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def admit(cls, request: Request) -> _Running:
+        return cls(request, request.num_resumed_tokens)
 
 
 class Scheduler:
@@ -55,9 +63,7 @@ class Scheduler:
     @property
     def num_running_tokens(self) -> int:
         """Prompt plus generated tokens of the running requests (their KV)."""
-        return sum(
-            r.request.num_prompt_tokens + r.num_output_tokens for r in self._running.values()
-        )
+        return sum(r.request.num_prompt_tokens + len(r.new_ids) for r in self._running.values())
 
     @property
     def capacity(self) -> int:
@@ -115,7 +121,7 @@ class Scheduler:
             if can_admit is not None and not can_admit(request, len(self._running)):
                 break
             del self._waiting[request.request_id]
-            self._running[request.request_id] = _Running(request)
+            self._running[request.request_id] = _Running.admit(request)
             admitted.append(request)
         return admitted
 
@@ -133,6 +139,7 @@ class Scheduler:
             if state is None:
                 continue
             state.num_output_tokens += 1
+            state.new_ids.append(out.token_id)
             sampling = state.request.sampling
             is_stop = out.token_id in sampling.stop_token_ids
             if is_stop:
@@ -170,3 +177,27 @@ class Scheduler:
 
     def running_ids(self) -> list[str]:
         return list(self._running)
+
+    def newest_running(self, *, exclude: Container[str] = ()) -> str | None:
+        """The running request that arrived last (a preemption's victim: the oldest
+        keep their place), leaving out ``exclude``; None if there is none."""
+        candidates = [r.request for rid, r in self._running.items() if rid not in exclude]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda r: r.arrival_s).request_id
+
+    def preempt(self, request_id: str) -> Request:
+        """Put a running request back at the head of the queue, its output so far
+        appended to its prompt (``Request.num_resumed_tokens``): it resumes from
+        there (a prefix-cache hit when its blocks were stored) with the same
+        output. Returns the request as it will resume."""
+        state = self._running.pop(request_id)
+        request = state.request
+        resumed = dataclasses.replace(
+            request,
+            prompt_ids=request.prompt_ids + tuple(state.new_ids),
+            num_resumed_tokens=state.num_output_tokens,
+        )
+        self._waiting[request_id] = resumed
+        self._waiting.move_to_end(request_id, last=False)
+        return resumed
