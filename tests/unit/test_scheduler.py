@@ -413,3 +413,32 @@ def test_sampling_params_is_greedy(params, greedy):
 def test_request_status_finish_reason(status, reason):
     assert status.finish_reason == reason
     assert status.is_finished is (reason is not None)
+
+
+def test_a_preempted_request_waits_at_the_head_and_resumes_its_count() -> None:
+    """Preemption puts the newest request first in the queue with its output so far
+    appended to its prompt; its max_tokens count and KV tokens carry on, not restart."""
+    scheduler = Scheduler(max_running=2, max_waiting=4)
+    old = Request("old", (1, 2, 3), SamplingParams(max_tokens=5), arrival_s=1.0)
+    new = Request("new", (4, 5), SamplingParams(max_tokens=3), arrival_s=2.0)
+    later = Request("later", (6,), SamplingParams(max_tokens=3), arrival_s=3.0)
+    for r in (old, new):
+        scheduler.add(r)
+    assert scheduler.schedule() == [old, new]
+    scheduler.add(later)
+    scheduler.update_from_output([TokenOutput("old", 7), TokenOutput("new", 8)])
+    assert scheduler.newest_running() == "new"
+    assert scheduler.newest_running(exclude={"new"}) == "old"
+
+    resumed = scheduler.preempt("new")
+    assert resumed.prompt_ids == (4, 5, 8) and resumed.num_resumed_tokens == 1
+    assert resumed.resumed_output_ids == (8,)
+    assert scheduler.num_running_tokens == 4  # old: 3 prompt + 1 output
+    # Back at the head of the queue, before the request that arrived after it.
+    admitted = scheduler.schedule()
+    assert admitted == [resumed]
+    assert scheduler.num_running_tokens == 4 + 3
+    updates = scheduler.update_from_output([TokenOutput("new", 9), TokenOutput("new", 10)])
+    assert [u.num_output_tokens for u in updates] == [2, 3]
+    assert updates[-1].status is RequestStatus.FINISHED_LENGTH
+    assert scheduler.schedule() == [later]
