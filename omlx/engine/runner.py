@@ -25,6 +25,7 @@ from omlx.engine.forks import ChoiceForks
 from omlx.engine.image_prefill import image_sequence
 from omlx.engine.sampling import make_request_processors, make_request_sampler
 from omlx.engine.solo import SoloSequence
+from omlx.engine.strategy import ExecutionStrategy
 from omlx.scheduler import Request, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -71,23 +72,25 @@ class BatchRunner:
         prefill_step_size: int,
         stream: mx.Stream,
         prefix_cache: PrefixCache | None = None,
-        pipelined: bool | None = None,
-        compiled: bool = True,
+        strategy: ExecutionStrategy | None = None,
         vision: Any = None,
     ):
+        if strategy is None:
+            strategy = ExecutionStrategy.choose("auto", mx.default_device().type.name)
+        self.strategy = strategy
         self._model = model
         # A vision-language model's encoder (omlx.models.vlm.VisionEncoder), or None.
         self._vision = vision
         self._prefix = prefix_cache
         self._prefill_step_size = prefill_step_size
         self._stream = stream
-        self._pipelined = pipelined
         self._prefill = PrefillBatch(model, prefill_step_size)
         # A lone sequence's decode step and the batch's, compiled (None when the
-        # model does not qualify).
+        # model does not qualify or the strategy runs eager).
+        compiled = strategy.compiled
         self._decoder = CompiledDecode.for_model(model) if compiled else None
         self._batch_step = CompiledBatchStep.for_model(model) if compiled else None
-        self._decode = DecodeBatch(model, pipelined=pipelined, compiled=self._batch_step)
+        self._decode = DecodeBatch(model, pipelined=strategy.pipelined, compiled=self._batch_step)
         # A request's choices (same prompt, started together) wait for one to prefill
         # it, when it is longer than the shared opening covers.
         self._forks = ChoiceForks(self._row, prefill_step_size + 3)
@@ -156,7 +159,9 @@ class BatchRunner:
         if not requests:
             return cached
         batched = self._decode or self._prefill or self._side
-        solo = len(requests) == 1 and self._solo is None and not batched
+        solo = (
+            self.strategy.solo_prefill and len(requests) == 1 and self._solo is None and not batched
+        )
         # A solo or side sequence feeds its restored cache as it is (room saves a
         # copy); a batched one is merged into the batch's cache (a copy anyway).
         room = solo or (self._prefix is not None and self._prefix.needs_snapshots)
@@ -557,7 +562,7 @@ class BatchRunner:
         self._deferred.clear()
         self._prefill = PrefillBatch(self._model, self._prefill_step_size)
         self._decode = DecodeBatch(
-            self._model, pipelined=self._pipelined, compiled=self._batch_step
+            self._model, pipelined=self.strategy.pipelined, compiled=self._batch_step
         )
         self._solo = self._solo_request = None
         self._side.clear()
