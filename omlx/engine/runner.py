@@ -18,7 +18,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from omlx.cache.prefix import CacheHit, PrefixCache, common_prefix
+from omlx.cache.prefix import CacheHit, PrefixCache
+from omlx.cache.prefix_index import common_prefix
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
 from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
 from omlx.engine.forks import ChoiceForks
