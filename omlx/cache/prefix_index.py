@@ -91,8 +91,8 @@ class PrefixIndex:
             return PrefixMatch((*keys, tail[0]), (*lengths, tail[1]))
         partial = self._find_partial(parent, rest) if self.sliceable else None
         if partial is not None:
-            key, tokens, cut = partial
-            return PrefixMatch((*keys, key), (*lengths, tokens), cut)
+            child, num_tokens, cut = partial
+            return PrefixMatch((*keys, child), (*lengths, num_tokens), cut)
         return PrefixMatch(tuple(keys), tuple(lengths))
 
     def _find_tail(self, parent: bytes, rest: Sequence[int]) -> tuple[str, int] | None:
@@ -119,8 +119,8 @@ class PrefixIndex:
         if not self._has_block(best.hex()):
             del children[best]  # evicted since
             return None
-        tokens = len(children[best])
-        return best.hex(), tokens, 0 if best_len == tokens else best_len
+        num_tokens = len(children[best])
+        return best.hex(), num_tokens, 0 if best_len == num_tokens else best_len
 
     def remember(self, parent: bytes, key: bytes, tokens: Sequence[int]) -> None:
         """A block stored in this process, for partial matches."""
