@@ -58,6 +58,7 @@ def build_engine(
         sched.max_queued_requests,
         gather_s=sched.burst_window_ms / 1000,
         gather_max_s=sched.burst_max_ms / 1000,
+        prefill_step_size=sched.prefill_step_size,
     )
     dims = guard_dims(
         loaded.config, kv_dtype_bytes=loaded.activation_bytes(), model=loaded.info.name

@@ -3,10 +3,10 @@
 Admission of the queue's head (``can_admit``), the forward gate on the step's
 prefill chunks (``shape_prefill``: hand MLX's free cache back, cap the chunks,
 hold prefill for decoding requests; the pure rules are in memory/throttle.py),
-the gate of a burst's shared opening, and the KV-capacity check that makes the
-engine preempt. The engine acts on the answers (preempts, ends); this module
-counts what the guard did (admin API, /metrics) and writes the ``memadmit`` /
-``memgate`` log lines.
+the gate of a burst's shared opening, and the KV-capacity check. It is the
+``MemoryView`` the scheduler plans each step with (scheduler/plan.py), which
+acts on the answers (preempts, ends); this module counts what the guard did
+(admin API, /metrics) and writes the ``memadmit`` / ``memgate`` log lines.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 class StepGate:
     """``busy_elsewhere``: whether another model's requests are running (they end
     and free memory too, so prefill may wait for them). ``image_bytes``: the
-    transient of encoding a request's images."""
+    transient of encoding a request's images. ``cached_tokens``: a prompt's
+    tokens the prefix index holds (0 without a prefix cache)."""
 
     def __init__(
         self,
@@ -43,6 +44,7 @@ class StepGate:
         *,
         busy_elsewhere: Callable[[], bool],
         image_bytes: Callable[[Request], int],
+        cached_tokens: Callable[[Request], int] = lambda request: 0,
     ):
         self.name = name
         self.guard = guard
@@ -50,14 +52,15 @@ class StepGate:
         self._scheduler = scheduler
         self._busy_elsewhere = busy_elsewhere
         self._image_bytes = image_bytes
+        self._cached_tokens = cached_tokens
+        self._reading: MemoryReading | None = None  # the last shape's, for its log line
         # Set by the pool's enforcer above the soft limit: admit nothing new
         # while something runs (a lone request is still admitted, so no deadlock).
         self.admission_paused = False
         # Admission deferrals by reason: "memory", "kv_capacity", "paused".
         self.deferrals: Counter[str] = Counter()
-        # Requests the gate ended, and those it preempted instead (by reason).
+        # Requests the gate ended.
         self.num_gated = 0
-        self.preemptions: Counter[str] = Counter()
         # The gate's steps short of ending anything: MLX's cache handed back,
         # chunks capped, prefill waiting for decoding requests (since when).
         self.num_reclaims = 0
@@ -73,7 +76,7 @@ class StepGate:
         return {
             "deferrals": dict(self.deferrals),
             "gate_ended": self.num_gated,
-            "preempted": dict(self.preemptions),
+            "preempted": dict(self._scheduler.preemptions),
             "throttled_steps": self.num_throttled_steps,
             "held_steps": self.num_held_steps,
             "reclaims": self.num_reclaims,
@@ -91,10 +94,13 @@ class StepGate:
             mlx_stats.release_cache()
             self.num_reclaims += 1
 
-    def kv_over_capacity(self) -> bool:
+    def kv_over_capacity(self, num_tokens_in_flight: int) -> bool:
         """The running requests' KV (prompts plus output so far) passed the model's
         KV capacity: decoding grew it after admission."""
-        return not self.guard.kv_fits(self._scheduler.num_running_tokens, 0)
+        return not self.guard.kv_fits(num_tokens_in_flight, 0)
+
+    def cached_tokens(self, request: Request) -> int:
+        return self._cached_tokens(request)
 
     # ---- admission ----------------------------------------------------------
 
@@ -122,6 +128,17 @@ class StepGate:
             return True
         self.deferrals[reason] += 1
         return False
+
+    def sent_back(self, request: Request) -> None:
+        """A request admitted this step goes back to the queue unstarted: its first
+        chunk does not fit beside the running ones (an admission deferral)."""
+        self.deferrals["memory"] += 1
+        log.info(
+            "memadmit %s: deferred a %d-token prompt: its first prefill chunk does not "
+            "fit beside the running requests' this step",
+            self.name,
+            request.num_prompt_tokens,
+        )
 
     def _deferral(self, request: Request, num_running: int) -> str | None:
         """Why the head of the queue waits ("paused", "kv_capacity", "memory"), or None."""
@@ -160,20 +177,21 @@ class StepGate:
 
     # ---- the forward gate ---------------------------------------------------
 
-    def shape_prefill(self, plan: Sequence[PlannedChunk]) -> tuple[PrefillShape, MemoryReading]:
+    def shape_prefill(self, plan: Sequence[Any], num_running: int) -> PrefillShape:
         """What this step's prefill chunks may do under the hard limit (a fresh
         reading: others grew): as planned, capped, held, or some ended. Over the
         limit, MLX's free cache is handed back first and the plan shaped again."""
-        shape, reading = self._shape(plan)
+        if not plan:
+            return PrefillShape(None)
+        shape = self._shape(plan, num_running)
         if shape.cap is not None:
             mlx_stats.release_cache()  # freed buffers count until handed back
             self.num_reclaims += 1
-            shape, reading = self._shape(plan)
-        return shape, reading
+            shape = self._shape(plan, num_running)
+        return shape
 
-    def _shape(self, plan: Sequence[Any]) -> tuple[PrefillShape, MemoryReading]:
-        reading = self.probe.reading(fresh=True)
-        num_running = self._scheduler.num_running
+    def _shape(self, plan: Sequence[Any], num_running: int) -> PrefillShape:
+        reading = self._reading = self.probe.reading(fresh=True)
         others = num_running > 1
         # Requests past their prompt: a row finishing its prompt joins (copies) their
         # batch; and they end and free their memory, so prefill may wait for them.
@@ -182,22 +200,19 @@ class StepGate:
             reading = plus(reading, self._join_copy_bytes(0))
         decoding = decoding_here or self._busy_elsewhere()
         held_for = 0.0 if self._held_since is None else time.monotonic() - self._held_since
-        shape = shape_prefill(
+        return shape_prefill(
             plan,
             lambda tokens, cached: self.guard.gate(tokens, cached, reading, others=others),
             may_hold=decoding and held_for < MAX_PREFILL_HOLD_S,
         )
-        return shape, reading
 
-    def settle(
-        self, shape: PrefillShape, plan: Sequence[PlannedChunk], reading: MemoryReading
-    ) -> None:
+    def settle(self, shape: PrefillShape, plan: Sequence[PlannedChunk]) -> None:
         """Record the shape the step runs with (and log it when it is not the plan)."""
         if not shape.held:
             self._held_since = None
         elif self._held_since is None:
             self._held_since = time.monotonic()
-        if shape.cap is None:
+        if shape.cap is None or not plan or self._reading is None:
             return
         planned = max(c.num_tokens for c in plan)
         if shape.held:
@@ -207,8 +222,9 @@ class StepGate:
             self.num_throttled_steps += 1
             what = f"prefill chunks capped at {shape.cap} tokens (planned {planned})"
         if shape.ended:
+            self.num_gated += len(shape.ended)
             what += f"; ending {', '.join(shape.ended)}: not even a {shape.cap}-token chunk fits"
-        self.log_over_limit(what, reading)
+        self.log_over_limit(what, self._reading)
 
     def may_share(self, num_tokens: int, num_cached_tokens: int) -> bool:
         """The gate for a burst's shared opening (one row, run before the batch's

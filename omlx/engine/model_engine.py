@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 from omlx.cache.prefix import PrefixCache
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omlx.engine.memory_gate import StepGate
-from omlx.engine.runner import OpeningGate, PrefillChunk
+from omlx.engine.runner import OpeningGate
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
 from omlx.engine.token_text import LogprobEntry, TokenText
 from omlx.errors import (
@@ -36,21 +37,22 @@ from omlx.memory.probe import MemoryProbe
 from omlx.memory.vision import vision_transient_bytes
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
+from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput
 from omlx.sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
+    """What the engine asks of its runner (runner.py's BatchRunner)."""
+
     @property
     def has_work(self) -> bool: ...
-    def add(
-        self, requests: list[Request], may_share: OpeningGate | None = None
-    ) -> dict[str, int]: ...
     def prefill_plan(self) -> list[PrefillChunk]: ...
-    def cap_prefill(self, cap: int | None) -> None: ...
+    def execute(
+        self, plan: SchedulerOutput, may_share: OpeningGate | None = None
+    ) -> RunnerOutput: ...
     def remove(self, request_ids: list[str]) -> None: ...
-    def step(self) -> list[TokenOutput]: ...
     def reset(self) -> None: ...
     def close(self) -> None: ...
 
@@ -101,6 +103,7 @@ class ModelEngine:
             scheduler,
             busy_elsewhere=lambda: worker.busy_besides(self),
             image_bytes=self._image_bytes,
+            cached_tokens=self._cached_tokens,
         )
         # Front-door count of submitted, unfinished requests (event loop + MLX thread).
         self._lock = threading.Lock()
@@ -180,6 +183,13 @@ class ModelEngine:
                 raise copy.copy(self._refusal)
         return self._worker.submit(fn, *args)
 
+    def _cached_tokens(self, request: Request) -> int:
+        """Prompt tokens the prefix index holds for ``request`` (MLX thread)."""
+        if self.prefix_cache is None:
+            return 0
+        keys = request.images.keys if request.images is not None else ()
+        return self.prefix_cache.match(request.prompt_ids, keys)
+
     def _image_bytes(self, request: Request) -> int:
         """The transient of encoding the request's images at prefill (0: none)."""
         vision = self.loaded.vision
@@ -247,27 +257,46 @@ class ModelEngine:
             self._release("abort")
 
     def step(self) -> None:
-        """One step: plan it (preempt, admit, gate the prefill under the memory
-        limit), execute it (the runner's forward), turn its tokens into events."""
+        """One step: the scheduler plans it (preemption, admission, the memory gate),
+        the runner executes it, and its tokens become stream events."""
         outbox: list[tuple[RequestStream, StreamEvent]] = []
         try:
-            self._plan(outbox)
-            outputs = self._runner.step()
+            self.gate.reclaim_near_limit()
+            plan = self._scheduler.schedule(self.gate, self._runner.prefill_plan())
+            self._start(plan, outbox)
+            output = self._runner.execute(plan, self.gate.may_share)
         except Exception as exc:  # an MLX failure: fail what is running, keep serving
             log.exception("engine step failed for %s", self.name)
             self._fail_all(EngineError(f"generation failed: {exc}"), outbox)
         else:
-            self._update(outputs, outbox)
+            self._note_cached(output.cached)
+            self._update(list(output.tokens), outbox)
         self._flush(outbox)
 
-    def _plan(self, outbox: list) -> None:
-        self.gate.reclaim_near_limit()
-        while self._scheduler.num_running > 1 and self.gate.kv_over_capacity():
-            self._preempt_newest("kv_capacity")
-        admitted = self._admit()
-        cached = self._runner.add(admitted, self.gate.may_share)
-        self._announce_admitted(admitted, cached)
-        self._gate_prefill(outbox)
+    def _start(self, plan: SchedulerOutput, outbox: list) -> None:
+        """Before the forward: announce the admitted requests and end the ones the
+        memory gate ended (a lone request whose chunk cannot fit)."""
+        self._announce_admitted(plan.admitted, plan.cached)
+        for rid in plan.ended:
+            live = self._live.pop(rid, None)
+            self._release("error")
+            if live is not None:
+                outbox.append((live.stream, StreamEvent(error=self._gated_error())))
+
+    def _gated_error(self) -> MemoryPressureError:
+        return MemoryPressureError(
+            "the server ended this request before its next prefill step: memory is "
+            f"at the {format_bytes(self.guard.limits.hard_bytes)} limit because of "
+            "other work; retry shortly, or send a shorter prompt"
+        )
+
+    def _note_cached(self, cached: Mapping[str, int]) -> None:
+        """The prompt tokens each admitted request really got from the prefix cache
+        (the index's answer at admission, unless a block left the tiers since)."""
+        for rid, num in cached.items():
+            live = self._live.get(rid)
+            if live is not None and not live.request.num_resumed_tokens:
+                live.num_cached_tokens = num
 
     def _update(self, outputs: list[TokenOutput], outbox: list) -> None:
         finished = []
@@ -286,7 +315,7 @@ class ModelEngine:
             # time stamp and ages out of the recent window on schedule.
             self.probe.reading(fresh=True)
 
-    def _announce_admitted(self, admitted: list[Request], cached: dict[str, int]) -> None:
+    def _announce_admitted(self, admitted: Sequence[Request], cached: Mapping[str, int]) -> None:
         """Record each admitted request's cached tokens, and tell the streams that
         asked its prompt split now, before its prefill (Anthropic's message_start)."""
         notices = []
@@ -348,13 +377,6 @@ class ModelEngine:
             del self._live[update.request_id]
         return status.finish_reason
 
-    def _admit(self) -> list[Request]:
-        """Waiting requests that may start now (memory admission included)."""
-        if not self._scheduler.num_waiting:
-            return []
-        self.gate.start_admission(self._runner.prefill_plan())
-        return self._scheduler.schedule(self.gate.can_admit)
-
     @property
     def admission_paused(self) -> bool:
         return self.gate.admission_paused
@@ -374,59 +396,6 @@ class ModelEngine:
     def guard_counters(self) -> dict[str, Any]:
         """What the memory guard did to this model's requests (admin API, /metrics)."""
         return self.gate.counters()
-
-    def _gate_prefill(self, outbox: list) -> None:
-        """Before this step's prefill chunks run: if they would take memory past
-        the hard limit, the gate caps them or lets prefill wait (StepGate). A
-        chunk that still does not fit preempts the newest running request while
-        others run (it resumes later with the same output); a lone request's
-        chunk that cannot fit is ended."""
-        plan = self._runner.prefill_plan()
-        if not plan:
-            return
-        shape, reading = self.gate.shape_prefill(plan)
-        while shape.ended and self._preempt_newest("memory"):
-            plan = self._runner.prefill_plan()
-            if not plan:
-                return
-            shape, reading = self.gate.shape_prefill(plan)
-        self._runner.cap_prefill(shape.cap)
-        self.gate.settle(shape, plan, reading)
-        for rid in shape.ended:
-            self.gate.num_gated += 1
-            self._fail_request(
-                rid,
-                MemoryPressureError(
-                    "the server ended this request before its next prefill step: memory is "
-                    f"at the {format_bytes(self.guard.limits.hard_bytes)} limit because of "
-                    "other work; retry shortly, or send a shorter prompt"
-                ),
-                outbox,
-            )
-
-    def _preempt_newest(self, reason: str) -> bool:
-        """Preempt the newest running request while another runs: its blocks go
-        to the prefix cache and it waits at the head of the queue, to resume from
-        there. Requests with images are not preempted (their prompt cannot grow).
-        Returns whether one was."""
-        if self._scheduler.num_running < 2:
-            return False
-        with_images = [rid for rid, live in self._live.items() if live.request.images]
-        victim = self._scheduler.newest_running(exclude=with_images)
-        if victim is None:
-            return False
-        self._runner.remove([victim])
-        resumed = self._scheduler.preempt(victim)
-        self.gate.preemptions[reason] += 1
-        log.warning(
-            "preempt %s: %s goes back to the queue with %d output tokens (%s short); "
-            "it resumes from the prefix cache",
-            self.name,
-            victim,
-            resumed.num_resumed_tokens,
-            "KV capacity" if reason == "kv_capacity" else "memory",
-        )
-        return True
 
     def _fail_request(self, request_id: str, error: OmlxError, outbox: list) -> None:
         where = self._scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -28,6 +27,7 @@ from omlx.engine.sampling import make_request_processors, make_request_sampler
 from omlx.engine.solo import SoloSequence
 from omlx.engine.strategy import ExecutionStrategy
 from omlx.scheduler import Request, TokenOutput
+from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +39,6 @@ MIN_SHARED_OPENING = 16
 # The memory gate for a shared opening's forward: (tokens, tokens already cached)
 # -> may it run now?
 OpeningGate = Callable[[int, int], bool]
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillChunk:
-    request_id: str
-    num_tokens: int
-    # Tokens the chunk attends over (cached + earlier chunks + this one).
-    num_context_tokens: int
-    # Prompt tokens still to prefill, this chunk included (KV yet to be allocated).
-    num_remaining: int
 
 
 class BatchRunner:
@@ -410,6 +400,16 @@ class BatchRunner:
                     TokenOutput(rid, state.unreported, state.unreported_logprobs)
                 )
             self._start_batched(row, state.cache, len(state.cached_tokens), state.feed)
+
+    def execute(self, plan: SchedulerOutput, may_share: OpeningGate | None = None) -> RunnerOutput:
+        """Run one planned step: drop the requests leaving (their blocks go to the
+        prefix cache), start the admitted ones from their cache hits, cap the
+        prefill chunks as the memory gate said, and run the forward (``step``).
+        ``may_share``: the gate asked before a burst's shared opening's forward."""
+        self.remove(plan.leaving)
+        cached = self.add(plan.admitted, may_share)
+        self.cap_prefill(plan.prefill_cap)
+        return RunnerOutput(tuple(self.step()), cached)
 
     def remove(self, request_ids: Iterable[str]) -> None:
         """Take requests out (finished or aborted); their blocks go to the prefix cache."""

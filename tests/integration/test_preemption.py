@@ -63,7 +63,7 @@ def _check_flood(pool, make) -> None:
         together = await flood(pool, engine, lambda k, p: make(engine, f"flood-{k}", p))
         assert together == alone
         assert all(tokens == OUTPUT for _, _, tokens in together)
-        assert engine.gate.preemptions["kv_capacity"] >= 1 and engine.num_gated == 0
+        assert engine.guard_counters()["preempted"]["kv_capacity"] >= 1 and engine.num_gated == 0
         # Resumed from the blocks they stored when preempted.
         assert engine.prefix_cache.stats()["hits"] > hits_before
         assert engine.num_in_flight == 0
@@ -114,7 +114,7 @@ def test_a_grammar_request_resumes_where_its_grammar_was(make_pool) -> None:
         alone = [await make(engine, f"alone-{k}", p) for k, p in enumerate(prompts())]
         together = await flood(pool, engine, lambda k, p: make(engine, f"flood-{k}", p))
         assert together == alone
-        assert engine.gate.preemptions["kv_capacity"] >= 1
+        assert engine.guard_counters()["preempted"]["kv_capacity"] >= 1
         for reason, text, _ in together:
             if reason == "stop":
                 assert isinstance(json.loads(text)["items"], list)
