@@ -263,21 +263,20 @@ class ModelEngine:
         try:
             self.gate.reclaim_near_limit()
             plan = self._scheduler.schedule(self.gate, self._runner.prefill_plan())
-            self._start(plan, outbox)
+            self._end_gated(plan.ended, outbox)
             output = self._runner.execute(plan, self.gate.may_share)
         except Exception as exc:  # an MLX failure: fail what is running, keep serving
             log.exception("engine step failed for %s", self.name)
             self._fail_all(EngineError(f"generation failed: {exc}"), outbox)
         else:
-            self._note_cached(output.cached)
+            self._announce_admitted(plan.admitted, output.cached)
             self._update(list(output.tokens), outbox)
         self._flush(outbox)
 
-    def _start(self, plan: SchedulerOutput, outbox: list) -> None:
-        """Before the forward: announce the admitted requests and end the ones the
-        memory gate ended (a lone request whose chunk cannot fit)."""
-        self._announce_admitted(plan.admitted, plan.cached)
-        for rid in plan.ended:
+    def _end_gated(self, ended: Sequence[str], outbox: list) -> None:
+        """End the requests the memory gate ended (a lone request whose chunk
+        cannot fit), before the forward."""
+        for rid in ended:
             live = self._live.pop(rid, None)
             self._release("error")
             if live is not None:
@@ -289,14 +288,6 @@ class ModelEngine:
             f"at the {format_bytes(self.guard.limits.hard_bytes)} limit because of "
             "other work; retry shortly, or send a shorter prompt"
         )
-
-    def _note_cached(self, cached: Mapping[str, int]) -> None:
-        """The prompt tokens each admitted request really got from the prefix cache
-        (the index's answer at admission, unless a block left the tiers since)."""
-        for rid, num in cached.items():
-            live = self._live.get(rid)
-            if live is not None and not live.request.num_resumed_tokens:
-                live.num_cached_tokens = num
 
     def _update(self, outputs: list[TokenOutput], outbox: list) -> None:
         finished = []
@@ -316,8 +307,9 @@ class ModelEngine:
             self.probe.reading(fresh=True)
 
     def _announce_admitted(self, admitted: Sequence[Request], cached: Mapping[str, int]) -> None:
-        """Record each admitted request's cached tokens, and tell the streams that
-        asked its prompt split now, before its prefill (Anthropic's message_start)."""
+        """Record each admitted request's cached tokens (as restored), and tell the
+        streams that asked its prompt split (Anthropic's message_start): with its
+        first prefill chunk's tokens, before any output."""
         notices = []
         for request in admitted:
             live = self._live.get(request.request_id)

@@ -407,7 +407,8 @@ class BatchRunner:
         prefill chunks as the memory gate said, and run the forward (``step``).
         ``may_share``: the gate asked before a burst's shared opening's forward."""
         self.remove(plan.leaving)
-        cached = self.add(plan.admitted, may_share)
+        hits = self.add(plan.admitted, may_share)
+        cached = {r.request_id: hits.get(r.request_id, 0) for r in plan.admitted}
         self.cap_prefill(plan.prefill_cap)
         return RunnerOutput(tuple(self.step()), cached)
 
