@@ -8,6 +8,10 @@ capacity and, under ``prefill_transient_margin: auto``, the margin (x1.25,
 floored): the batched step included, so the one margin covers a whole batched
 chunk (admission stacks each request's modeled step on top: conservative).
 
+A VLM's image pass encodes one image at its processor's largest size (vision
+tower, projector, prompt embeddings) and records the peak beside the formula's
+figure (memory/vision.py), so image prompts are priced by a measurement.
+
 Validation allocates the chosen capacity's KV for real (the model's own per-layer
 K/V shapes and dtype, every page written), holds it with a safety canary and runs
 every step beside it; its measured peak must stay under the hard limit, or the
@@ -18,6 +22,7 @@ net. After the passes, memory must come back to the pre-stress baseline.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
@@ -44,6 +49,7 @@ from omlx.memory.budget import (
     unmodeled_transient_bytes,
 )
 from omlx.memory.probe import MemoryProbe
+from omlx.memory.vision import vision_transient_bytes
 from omlx.sizes import format_bytes
 
 log = logging.getLogger(__name__)
@@ -73,16 +79,39 @@ def auto_profile(
     vocab_size: int,
     explicit_tokens: int | None = None,
     max_tokens_in_flight: int | None = None,
+    vision: Any = None,
 ) -> KVProfile:
     """Measure the model's step transients and choose (or check) its KV capacity.
 
     ``max_tokens_in_flight`` bounds the KV validation holds: more than
     max_concurrent_requests x context window can never be in flight (default:
-    one full batched step, ``batch_size`` x ``chunk_tokens``).
+    one full batched step, ``batch_size`` x ``chunk_tokens``). ``vision``: a VLM's
+    omlx.models.vlm.VisionEncoder, whose image encoding is measured too.
 
     Raises InsufficientMemoryError (507) when not even one prefill chunk fits,
     or the explicit capacity does not fit beside the worst step.
     """
+    image_peak, image_estimate = measure_image(vision, probe, limits) if vision else (0, 0)
+    profile = _kv_profile(
+        model, dims, probe, limits, chunk_tokens, batch_size, vocab_size, explicit_tokens,
+        max_tokens_in_flight,
+    )  # fmt: skip
+    return dataclasses.replace(
+        profile, image_peak_bytes=image_peak, image_estimate_bytes=image_estimate
+    )
+
+
+def _kv_profile(
+    model: Any,
+    dims: ModelDims,
+    probe: MemoryProbe,
+    limits: Limits,
+    chunk_tokens: int,
+    batch_size: int,
+    vocab_size: int,
+    explicit_tokens: int | None,
+    max_tokens_in_flight: int | None,
+) -> KVProfile:
     started = time.monotonic()
     baseline = probe.reading(fresh=True).resident_bytes
     stress = _Stress(model, vocab_size, chunk_tokens, batch_size)
@@ -115,6 +144,33 @@ def auto_profile(
         held_kv_bytes=held,
         teardown_bytes=teardown,
     )
+
+
+def measure_image(vision: Any, probe: MemoryProbe, limits: Limits) -> tuple[int, int]:
+    """(measured peak, the formula's figure) of encoding one image at the processor's
+    largest size; the peak is 0 (not measured) when the formula says it would not fit
+    twice over in the room left, so the profile never runs the process out of memory."""
+    ids, pixels, extras = vision.stress_inputs()
+    estimate = vision_transient_bytes(vision.dims, pixels.shape, len(ids))
+    room = limits.hard_bytes - limits.transient_margin_bytes
+    room -= probe.reading(fresh=True).resident_bytes
+    if estimate > room // 2:
+        log.warning(
+            "memprofile: image pass skipped: encoding one %s image needs about %s and %s "
+            "is left; image prompts are priced by the formula alone",
+            "x".join(str(d) for d in pixels.shape[-2:]),
+            format_bytes(estimate),
+            format_bytes(max(room, 0)),
+        )
+        return 0, estimate
+    peak = _measure(probe, lambda: mx.eval(vision.embed(ids, pixels, extras)))
+    log.info(
+        "memprofile: encoding one %s image peaked at %s (the formula says %s)",
+        "x".join(str(d) for d in pixels.shape[-2:]),
+        format_bytes(peak),
+        format_bytes(estimate),
+    )
+    return peak, estimate
 
 
 @dataclass(frozen=True)

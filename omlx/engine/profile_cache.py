@@ -34,7 +34,7 @@ from omlx.settings import write_json_atomic
 log = logging.getLogger(__name__)
 
 # Bumped when the profile's meaning or this file's layout changes: older entries re-measure.
-FORMAT = 1
+FORMAT = 2  # 2: the image pass of VLMs
 _SOURCES = {"measured", "explicit"}
 
 
@@ -83,9 +83,11 @@ def profile_model(
     probe: MemoryProbe,
     limits: Limits,
     inputs: ProfileInputs,
+    vision: Any = None,
 ) -> tuple[KVProfile, bool]:
     """``auto_profile`` of a freshly loaded model, or the stored result when nothing it
-    depends on changed. Returns (profile, whether it was reused)."""
+    depends on changed (a VLM's processor files are among the model's files).
+    Returns (profile, whether it was reused)."""
 
     def measure() -> KVProfile:
         return auto_profile(
@@ -98,6 +100,7 @@ def profile_model(
             vocab_size=inputs.vocab_size,
             explicit_tokens=inputs.explicit_tokens,
             max_tokens_in_flight=inputs.max_tokens_in_flight,
+            vision=vision,
         )
 
     return cache.measure_or_reuse(profile_key(info, dims, limits, inputs), info.path, measure)

@@ -3,7 +3,8 @@
 Pure: no MLX. The image tokens themselves are prompt tokens (their KV and their
 attention are priced like any token's, in budget.py); this prices what comes on
 top: the pixels, the vision tower's activations and attention scores over each
-image's patches, and the prompt's input embeddings.
+image's patches, and the prompt's input embeddings. The auto-profile measures one
+image's encoding at load; ``measured_transient_bytes`` scales the formula by it.
 """
 
 from __future__ import annotations
@@ -63,6 +64,15 @@ def vision_transient_bytes(
     scores = num_images * dims.num_heads * patches * patches * _FLOAT32
     embeddings = num_prompt_tokens * dims.text_hidden_size * dims.dtype_bytes
     return pixels + activations + scores + embeddings
+
+
+def measured_transient_bytes(estimate: int, measured_peak: int, measured_estimate: int) -> int:
+    """``estimate`` scaled by what the auto-profile measured encoding an image against
+    what this formula said for it (never below the formula: the measurement corrects an
+    underestimate, and a noisy small reading does not shrink the bound)."""
+    if measured_peak <= measured_estimate or measured_estimate <= 0:
+        return estimate
+    return -(-estimate * measured_peak // measured_estimate)  # ceiling
 
 
 def _prod(values: Sequence[int]) -> int:

@@ -73,6 +73,37 @@ class VisionEncoder:
         embeds: mx.array = getattr(features, "inputs_embeds", features)
         return embeds
 
+    def stress_inputs(self) -> tuple[list[int], Any, dict[str, Any]]:
+        """A prompt with one image at the processor's largest size (ids, pixels,
+        extras): the auto-profile's image pass."""
+        from PIL import Image
+
+        side = _largest_side(self.processor)
+        image = Image.new("RGB", (side, side), (128, 96, 64))
+        text = f"{self.image_token} describe"
+        out = self.processor(text=text, images=[image], return_tensors="np")
+        extras = {k: v for k, v in out.items() if k not in _TEXT_FIELDS}
+        return [int(t) for t in out["input_ids"][0]], out["pixel_values"], extras
+
+
+_TEXT_FIELDS = ("input_ids", "attention_mask", "pixel_values")
+# The image pass's side when a processor names no size; and at most (a larger image
+# costs more, and its attention is quadratic in the patches, as the formula has it).
+_DEFAULT_SIDE = 336
+_MAX_STRESS_SIDE = 1024
+
+
+def _largest_side(processor: Any) -> int:
+    """The largest edge the image processor resizes to (size / crop_size entries)."""
+    image_processor = getattr(processor, "image_processor", None)
+    sides = []
+    for name in ("size", "crop_size"):
+        entry = getattr(image_processor, name, None)
+        found = entry if isinstance(entry, dict) else getattr(entry, "__dict__", {})
+        # Edges only (shortest_edge, height, ...), not min_pixels / max_pixels areas.
+        sides += [v for k, v in found.items() if isinstance(v, int) and v > 0 and "pixels" not in k]
+    return min(max(sides, default=_DEFAULT_SIDE), _MAX_STRESS_SIDE)
+
 
 def _image_token(processor: Any, config: dict[str, Any]) -> tuple[str, int]:
     tokenizer = getattr(processor, "tokenizer", processor)

@@ -318,6 +318,41 @@ def test_the_guard_refuses_an_image_set_that_can_never_fit(
         assert one.choices[0].finish_reason == "length"
 
 
+def test_the_auto_profile_measures_an_image_pass_and_the_front_door_uses_it(
+    client: openai.OpenAI, server: Server
+) -> None:
+    chat(client, BIG, ask(png(71)), max_tokens=1)  # loaded
+    engine = next(e for e in server.pool.loaded() if e.name == BIG)
+    guard, vision = engine.guard, engine.loaded.vision
+    profile = guard.profile
+    ids, pixels, _ = vision.stress_inputs()
+    assert pixels.shape == (1, 3, 336, 336)  # one image at the processor's size
+    assert profile.image_estimate_bytes == vision_transient_bytes(
+        vision.dims, pixels.shape, len(ids)
+    )
+    # Encoding 576 patches allocates more than the pixels (activations, scores, embeddings).
+    assert profile.image_peak_bytes > pixels.nbytes
+    shown = {
+        m["name"]: m for m in httpx.get(server.base_url + "/admin/api/models").json()["models"]
+    }
+    assert shown[BIG]["kv_profile"]["image_peak_bytes"] == profile.image_peak_bytes
+    # On a machine where encoding took 8x the formula, one image that fits by the
+    # formula is refused at the front door: the measurement prices it.
+    one_image = vision_transient_bytes(vision.dims, (1, 3, 336, 336), 600)
+    room = guard.baseline_bytes + guard.limits.transient_margin_bytes + 4 * one_image
+    heavy = dataclasses.replace(profile, image_peak_bytes=8 * profile.image_estimate_bytes)
+    with _limited(server, guard, int(room / 0.98) + 1):
+        guard.check_prefill(600, image_bytes=one_image)  # fits by the formula
+        guard.set_profile(heavy)
+        try:
+            with pytest.raises(openai.BadRequestError) as info:
+                chat(client, BIG, ask(png(72)), max_tokens=1)
+        finally:
+            guard.set_profile(profile)
+        err = error_of(info.value)
+        assert err["code"] == "prefill_memory_exceeded" and "images" in err["message"]
+
+
 @contextmanager
 def _limited(server: Server, guard: Any, ceiling: int) -> Iterator[int]:
     """The hard limit at ``ceiling`` for the block: the pool's too, since the

@@ -50,3 +50,16 @@ def test_image_transient_grows_with_images_and_their_size() -> None:
 def test_no_pixels_no_transient() -> None:
     dims = vision_dims({}, text_hidden_size=64, dtype_bytes=4)
     assert vision_transient_bytes(dims, (), 10) == 0
+
+
+def test_a_measured_image_pass_scales_the_formula_up_never_down() -> None:
+    from omlx.memory.vision import measured_transient_bytes
+
+    # Measured 2.5x the formula at the profile's image: every estimate 2.5x (ceiling).
+    assert measured_transient_bytes(1000, 250, 100) == 2500
+    assert measured_transient_bytes(3, 250, 100) == 8
+    # A smaller reading (noise, an allocator that reused buffers) keeps the formula.
+    assert measured_transient_bytes(1000, 50, 100) == 1000
+    # Not measured (skipped, or a profile from before the image pass): the formula.
+    assert measured_transient_bytes(1000, 0, 100) == 1000
+    assert measured_transient_bytes(1000, 0, 0) == 1000
