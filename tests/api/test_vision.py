@@ -1,5 +1,5 @@
-"""Vision-language chat on tiny random VLMs of two mlx-vlm families (llava,
-pixtral), through the official openai and anthropic clients on a live server."""
+"""Vision-language chat on tiny random VLMs of three mlx-vlm families (llava,
+pixtral, qwen2_vl), through the official openai and anthropic clients on a live server."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from tests.fixtures.servers import live_server
 from tests.fixtures.tiny_models import build_tiny_model
 from tests.fixtures.tiny_vlms import build_tiny_vlm
 
-VLMS = ["tiny-llava", "tiny-pixtral"]
+VLMS = ["tiny-llava", "tiny-pixtral", "tiny-qwen2-vl"]
 BIG = "tiny-llava-336"  # 576 image tokens per image: for the memory guard
 
 
@@ -38,12 +38,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     build_tiny_vlm(root / "tiny-llava", "llava", seed=0)
     build_tiny_vlm(root / "tiny-pixtral", "pixtral", seed=1)
     build_tiny_vlm(root / BIG, "llava", seed=2, image_size=336)
+    # M-RoPE: a 40x50 image is 12 tokens on a 3x4 grid, 8 positions fewer than tokens.
+    build_tiny_vlm(root / "tiny-qwen2-vl", "qwen2_vl", seed=3, image_size=84)
     build_tiny_model(root / "tiny-llama", "llama", seed=0)
-    # A family not served (multi-axis rope positions): discovered as a VLM, not loaded.
-    qwen = root / "tiny-qwen2-vl"
-    qwen.mkdir()
-    (qwen / "config.json").write_text('{"model_type": "qwen2_vl", "vision_config": {}}')
-    (qwen / "model.safetensors").write_bytes(b"\0" * 64)
+    # A family not served (a bidirectional prefix mask): discovered as a VLM, not loaded.
+    pali = root / "tiny-paligemma"
+    pali.mkdir()
+    (pali / "config.json").write_text('{"model_type": "paligemma", "vision_config": {}}')
+    (pali / "model.safetensors").write_bytes(b"\0" * 64)
     with live_server(
         tmp_path_factory.mktemp("base"),
         root,
@@ -193,7 +195,9 @@ def test_image_choices_and_logprobs_match_the_plain_answer(
     assert [c.message.content for c in reply.choices] == [plain, plain]
     for choice in reply.choices:
         tokens = choice.logprobs.content
-        assert tokens and "".join(t.token for t in tokens).startswith(plain[:4])
+        # By bytes: a token may be part of a character (the answer shows it as U+FFFD).
+        spelled = b"".join(bytes(t.bytes) for t in tokens).decode("utf-8", errors="replace")
+        assert tokens and spelled.startswith(plain[:4])
         assert all(t.logprob <= 0.0 for t in tokens)
 
 
@@ -492,8 +496,10 @@ def _reference_answer(folder: Path, text: str, image: bytes, max_tokens: int) ->
     from omlx.api.images import ImagePart, process
 
     model, processor = load(str(folder))
-    image_id = model.config.image_token_index
-    prompt = f"<|im_start|>user\n{text}{processor.image_token}<|im_end|>\n<|im_start|>assistant\n"
+    qwen = model.config.model_type == "qwen2_vl"
+    image_id = model.config.image_token_id if qwen else model.config.image_token_index
+    marker = "<|vision_start|><|image_pad|><|vision_end|>" if qwen else processor.image_token
+    prompt = f"<|im_start|>user\n{text}{marker}<|im_end|>\n<|im_start|>assistant\n"
     ids, images = process(processor, prompt, [ImagePart(image, "x")], image_id)
     extras = {k: mx.array(v) for k, v in images.extras.items()}
     features = model.get_input_embeddings(
@@ -501,7 +507,13 @@ def _reference_answer(folder: Path, text: str, image: bytes, max_tokens: int) ->
     )
     language = model.language_model
     cache = make_prompt_cache(language)
-    logits = language(mx.array(ids)[None], inputs_embeds=features.inputs_embeds, cache=cache)
+    # Qwen2-VL: mlx-vlm's own M-RoPE positions (unshifted), its decode from the deltas
+    # the model keeps.
+    rope = {"position_ids": features.position_ids, "rope_deltas": features.rope_deltas}
+    logits = language(
+        mx.array(ids)[None], inputs_embeds=features.inputs_embeds, cache=cache,
+        **(rope if qwen else {}),
+    )  # fmt: skip
     out: list[int] = []
     eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     while len(out) < max_tokens:
@@ -513,7 +525,7 @@ def _reference_answer(folder: Path, text: str, image: bytes, max_tokens: int) ->
     return str(processor.tokenizer.decode(out))
 
 
-@pytest.mark.parametrize("model", ["tiny-llava-336", "tiny-pixtral"])
+@pytest.mark.parametrize("model", ["tiny-llava-336", "tiny-pixtral", "tiny-qwen2-vl"])
 def test_answers_match_mlx_vlm_run_in_one_forward(
     client: openai.OpenAI, server: Server, model: str
 ) -> None:
@@ -525,10 +537,23 @@ def test_answers_match_mlx_vlm_run_in_one_forward(
     assert got.choices[0].message.content == expected
 
 
+def test_qwen2_vl_image_tokens_across_prefill_chunks_match_mlx_vlm(
+    client: openai.OpenAI, server: Server
+) -> None:
+    # ~50 text tokens then 36 image tokens on a 6x6 grid: the 64-token chunks cut the
+    # image, whose M-RoPE positions each chunk takes from the prompt's table.
+    image, text = png(141, size=(300, 300)), "describe the colours and the shapes " * 6
+    folder = next(i.path for i in server.pool.available().values() if i.name == "tiny-qwen2-vl")
+    expected = _reference_answer(folder, text, image, 10)
+    got = chat(client, "tiny-qwen2-vl", ask(image, text=text), max_tokens=10)
+    assert got.usage.prompt_tokens > 64
+    assert got.choices[0].message.content == expected
+
+
 def test_a_vlm_family_not_served_is_a_clear_load_error(client: openai.OpenAI) -> None:
     listed = {m.id: m.model_dump() for m in client.models.list().data}
-    assert listed["tiny-qwen2-vl"]["kind"] == "vlm"
+    assert listed["tiny-paligemma"]["kind"] == "vlm"
     with pytest.raises(openai.APIStatusError) as info:
-        chat(client, "tiny-qwen2-vl", ask(png(150)))
+        chat(client, "tiny-paligemma", ask(png(150)))
     message = error_of(info.value)["message"]
-    assert "qwen2_vl" in message and "not supported" in message and "llava" in message
+    assert "paligemma" in message and "not supported" in message and "qwen2_vl" in message

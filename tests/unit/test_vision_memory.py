@@ -63,3 +63,16 @@ def test_a_measured_image_pass_scales_the_formula_up_never_down() -> None:
     # Not measured (skipped, or a profile from before the image pass): the formula.
     assert measured_transient_bytes(1000, 0, 100) == 1000
     assert measured_transient_bytes(1000, 0, 0) == 1000
+
+
+def test_qwen2_vl_flat_patches_are_priced_as_one_image_of_them_all() -> None:
+    # Qwen2-VL: the tower is embed_dim wide (hidden_size is its merger's output) and
+    # the processor hands over (patches, channels x 2 frames x 14 x 14).
+    config = {"vision_config": {"embed_dim": 1280, "hidden_size": 1536, "num_heads": 16,
+                                "patch_size": 14}}  # fmt: skip
+    dims = vision_dims(config, text_hidden_size=1536, dtype_bytes=2)
+    assert (dims.hidden_size, dims.num_heads) == (1536, 16)
+    one = vision_transient_bytes(dims, (1024, 1176), 300)
+    two = vision_transient_bytes(dims, (2048, 1176), 300)
+    scores = 16 * 1024 * 1024 * 4  # heads x patches^2 in float32
+    assert one > scores and two > 3 * scores  # quadratic in the patches
