@@ -1,5 +1,6 @@
-"""Vision-language chat on tiny random VLMs of three mlx-vlm families (llava,
-pixtral, qwen2_vl), through the official openai and anthropic clients on a live server."""
+"""Vision-language chat on tiny random VLMs of four mlx-vlm families (llava,
+pixtral, qwen2_vl, qwen2_5_vl), through the official openai and anthropic clients
+on a live server."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from tests.fixtures.servers import live_server
 from tests.fixtures.tiny_models import build_tiny_model
 from tests.fixtures.tiny_vlms import build_tiny_vlm
 
-VLMS = ["tiny-llava", "tiny-pixtral", "tiny-qwen2-vl"]
+VLMS = ["tiny-llava", "tiny-pixtral", "tiny-qwen2-vl", "tiny-qwen25-vl"]
 BIG = "tiny-llava-336"  # 576 image tokens per image: for the memory guard
 
 
@@ -40,6 +41,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     build_tiny_vlm(root / BIG, "llava", seed=2, image_size=336)
     # M-RoPE: a 40x50 image is 12 tokens on a 3x4 grid, 8 positions fewer than tokens.
     build_tiny_vlm(root / "tiny-qwen2-vl", "qwen2_vl", seed=3, image_size=84)
+    build_tiny_vlm(root / "tiny-qwen25-vl", "qwen2_5_vl", seed=4, image_size=84)
     build_tiny_model(root / "tiny-llama", "llama", seed=0)
     # A family not served (a bidirectional prefix mask): discovered as a VLM, not loaded.
     pali = root / "tiny-paligemma"
@@ -496,7 +498,7 @@ def _reference_answer(folder: Path, text: str, image: bytes, max_tokens: int) ->
     from omlx.api.images import ImagePart, process
 
     model, processor = load(str(folder))
-    qwen = model.config.model_type == "qwen2_vl"
+    qwen = model.config.model_type in ("qwen2_vl", "qwen2_5_vl")
     image_id = model.config.image_token_id if qwen else model.config.image_token_index
     marker = "<|vision_start|><|image_pad|><|vision_end|>" if qwen else processor.image_token
     prompt = f"<|im_start|>user\n{text}{marker}<|im_end|>\n<|im_start|>assistant\n"
@@ -525,7 +527,9 @@ def _reference_answer(folder: Path, text: str, image: bytes, max_tokens: int) ->
     return str(processor.tokenizer.decode(out))
 
 
-@pytest.mark.parametrize("model", ["tiny-llava-336", "tiny-pixtral", "tiny-qwen2-vl"])
+@pytest.mark.parametrize(
+    "model", ["tiny-llava-336", "tiny-pixtral", "tiny-qwen2-vl", "tiny-qwen25-vl"]
+)
 def test_answers_match_mlx_vlm_run_in_one_forward(
     client: openai.OpenAI, server: Server, model: str
 ) -> None:
@@ -537,15 +541,16 @@ def test_answers_match_mlx_vlm_run_in_one_forward(
     assert got.choices[0].message.content == expected
 
 
-def test_qwen2_vl_image_tokens_across_prefill_chunks_match_mlx_vlm(
-    client: openai.OpenAI, server: Server
+@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen25-vl"])
+def test_qwen_image_tokens_across_prefill_chunks_match_mlx_vlm(
+    client: openai.OpenAI, server: Server, model: str
 ) -> None:
     # ~50 text tokens then 36 image tokens on a 6x6 grid: the 64-token chunks cut the
     # image, whose M-RoPE positions each chunk takes from the prompt's table.
     image, text = png(141, size=(300, 300)), "describe the colours and the shapes " * 6
-    folder = next(i.path for i in server.pool.available().values() if i.name == "tiny-qwen2-vl")
+    folder = next(i.path for i in server.pool.available().values() if i.name == model)
     expected = _reference_answer(folder, text, image, 10)
-    got = chat(client, "tiny-qwen2-vl", ask(image, text=text), max_tokens=10)
+    got = chat(client, model, ask(image, text=text), max_tokens=10)
     assert got.usage.prompt_tokens > 64
     assert got.choices[0].message.content == expected
 
