@@ -22,7 +22,6 @@ net. After the passes, memory must come back to the pre-stress baseline.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import math
@@ -79,39 +78,16 @@ def auto_profile(
     vocab_size: int,
     explicit_tokens: int | None = None,
     max_tokens_in_flight: int | None = None,
-    vision: Any = None,
 ) -> KVProfile:
     """Measure the model's step transients and choose (or check) its KV capacity.
 
     ``max_tokens_in_flight`` bounds the KV validation holds: more than
     max_concurrent_requests x context window can never be in flight (default:
-    one full batched step, ``batch_size`` x ``chunk_tokens``). ``vision``: a VLM's
-    omlx.models.vlm.VisionEncoder, whose image encoding is measured too.
+    one full batched step, ``batch_size`` x ``chunk_tokens``).
 
     Raises InsufficientMemoryError (507) when not even one prefill chunk fits,
     or the explicit capacity does not fit beside the worst step.
     """
-    image_peak, image_estimate = measure_image(vision, probe, limits) if vision else (0, 0)
-    profile = _kv_profile(
-        model, dims, probe, limits, chunk_tokens, batch_size, vocab_size, explicit_tokens,
-        max_tokens_in_flight,
-    )  # fmt: skip
-    return dataclasses.replace(
-        profile, image_peak_bytes=image_peak, image_estimate_bytes=image_estimate
-    )
-
-
-def _kv_profile(
-    model: Any,
-    dims: ModelDims,
-    probe: MemoryProbe,
-    limits: Limits,
-    chunk_tokens: int,
-    batch_size: int,
-    vocab_size: int,
-    explicit_tokens: int | None,
-    max_tokens_in_flight: int | None,
-) -> KVProfile:
     started = time.monotonic()
     baseline = probe.reading(fresh=True).resident_bytes
     stress = _Stress(model, vocab_size, chunk_tokens, batch_size)
@@ -163,7 +139,7 @@ def measure_image(vision: Any, probe: MemoryProbe, limits: Limits) -> tuple[int,
             format_bytes(max(room, 0)),
         )
         return 0, estimate
-    peak = _measure(probe, lambda: mx.eval(vision.embed(ids, pixels, extras)))
+    peak = _measure(probe, lambda: mx.eval(vision.embed(ids, pixels, extras)[0]))
     log.info(
         "memprofile: encoding one %s image peaked at %s (the formula says %s)",
         "x".join(str(d) for d in pixels.shape[-2:]),

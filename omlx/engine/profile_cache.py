@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from omlx import __version__
-from omlx.engine.profile import auto_profile
+from omlx.engine.profile import auto_profile, measure_image
 from omlx.memory.budget import KVProfile, Limits, ModelDims
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
 from omlx.models.discovery import ModelInfo
@@ -90,7 +90,9 @@ def profile_model(
     Returns (profile, whether it was reused)."""
 
     def measure() -> KVProfile:
-        return auto_profile(
+        # A VLM's image pass first, on the freshly loaded model (profile.measure_image).
+        image = measure_image(vision, probe, limits) if vision is not None else (0, 0)
+        profile = auto_profile(
             model,
             dims,
             probe,
@@ -100,7 +102,9 @@ def profile_model(
             vocab_size=inputs.vocab_size,
             explicit_tokens=inputs.explicit_tokens,
             max_tokens_in_flight=inputs.max_tokens_in_flight,
-            vision=vision,
+        )
+        return dataclasses.replace(
+            profile, image_peak_bytes=image[0], image_estimate_bytes=image[1]
         )
 
     return cache.measure_or_reuse(profile_key(info, dims, limits, inputs), info.path, measure)
