@@ -36,7 +36,7 @@ from omlx.memory.budget import MemoryReading, prefill_step_transient_bytes
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
 from omlx.memory.throttle import MAX_PREFILL_HOLD_S, PrefillShape, shape_prefill
-from omlx.memory.vision import measured_transient_bytes, vision_transient_bytes
+from omlx.memory.vision import image_bytes
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
 from omlx.sizes import format_bytes
@@ -196,13 +196,7 @@ class ModelEngine:
         if request.images is None or vision is None:
             return 0
         shape = request.images.pixel_values.shape
-        estimate = vision_transient_bytes(vision.dims, shape, request.num_prompt_tokens)
-        profile = self.guard.profile
-        if profile is None:
-            return estimate
-        return measured_transient_bytes(
-            estimate, profile.image_peak_bytes, profile.image_estimate_bytes
-        )
+        return image_bytes(vision.dims, shape, request.num_prompt_tokens, self.guard.profile)
 
     def refuse_new(self, error: OmlxError | None) -> None:
         """Refuse requests submitted from now on with ``error`` (None: take them

@@ -80,6 +80,19 @@ def measured_transient_bytes(estimate: int, measured_peak: int, measured_estimat
     return -(-estimate * measured_peak // measured_estimate)  # ceiling
 
 
+def image_bytes(
+    dims: VisionDims, pixel_shape: Sequence[int], num_prompt_tokens: int, profile: Any
+) -> int:
+    """What encoding a prompt's images costs, as the guard counts it: the formula,
+    scaled by the load-time image pass of ``profile`` (a KVProfile, or None)."""
+    estimate = vision_transient_bytes(dims, pixel_shape, num_prompt_tokens)
+    if profile is None:
+        return estimate
+    return measured_transient_bytes(
+        estimate, profile.image_peak_bytes, profile.image_estimate_bytes
+    )
+
+
 def _prod(values: Sequence[int]) -> int:
     out = 1
     for v in values:
