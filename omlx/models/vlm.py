@@ -26,7 +26,8 @@ from omlx.models.discovery import ModelInfo
 log = logging.getLogger(__name__)
 
 # mlx-vlm families whose language model is a causal decoder over plain KV caches
-# (tested: llava, pixtral, qwen2_vl): their decode is exact in the shared batch.
+# (tested: llava, pixtral, qwen2_vl, qwen2_5_vl): their decode is exact in the shared
+# batch.
 # Not: paligemma (a bidirectional prefix mask), gemma3 (sliding-window layers).
 SUPPORTED_FAMILIES = frozenset(
     {"llava", "llava_next", "mistral3", "pixtral", "qwen2_vl", "qwen2_5_vl"}
