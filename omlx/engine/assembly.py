@@ -111,8 +111,9 @@ def _profile(
         max_tokens_in_flight=window * sched.max_concurrent_requests,
     )
     return profile_model(
-        parts.profile_cache, loaded.info, loaded.model, dims, parts.probe, parts.limits, inputs
-    )
+        parts.profile_cache, loaded.info, loaded.model, dims, parts.probe, parts.limits, inputs,
+        vision=loaded.vision,
+    )  # fmt: skip
 
 
 def _proofs(runner: BatchRunner) -> dict[str, str]:

@@ -34,7 +34,7 @@ from omlx.errors import (
 from omlx.grammar.processor import MAX_STEP_CPU_S
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
-from omlx.memory.vision import vision_transient_bytes
+from omlx.memory.vision import image_bytes
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
 from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput
@@ -196,7 +196,7 @@ class ModelEngine:
         if request.images is None or vision is None:
             return 0
         shape = request.images.pixel_values.shape
-        return vision_transient_bytes(vision.dims, shape, request.num_prompt_tokens)
+        return image_bytes(vision.dims, shape, request.num_prompt_tokens, self.guard.profile)
 
     def refuse_new(self, error: OmlxError | None) -> None:
         """Refuse requests submitted from now on with ``error`` (None: take them
