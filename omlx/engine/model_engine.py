@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from omlx.cache.prefix import PrefixCache
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omlx.engine.memory_gate import StepGate
-from omlx.engine.runner import OpeningGate
+from omlx.engine.openings import OpeningGate
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
 from omlx.engine.token_text import LogprobEntry, TokenText
 from omlx.errors import (
