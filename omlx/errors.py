@@ -63,12 +63,12 @@ class WrongModelKindError(InvalidRequestError):
 
     code = "wrong_model_kind"
 
-    def __init__(self, model: str, kind: str, wanted: str):
+    def __init__(self, model: str, kind: str, wanted: str, hint: str = ""):
         uses = {"llm": "chat and completions", "embedding": "/v1/embeddings and /v1/rerank"}
-        hint = f"; use it with {uses[kind]}" if kind in uses else ""
+        use = f"; use it with {uses[kind]}" if kind in uses else ""
         needs = "a chat model (llm or vlm)" if wanted == "chat" else f"an {wanted} model"
         super().__init__(
-            f"model '{model}' is an {kind} model and this endpoint needs {needs}{hint}",
+            f"model '{model}' is an {kind} model and this endpoint needs {needs}{use}{hint}",
             param="model",
         )
 

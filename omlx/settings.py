@@ -171,6 +171,10 @@ class SchedulerSettings(_Group):
     # prefills as one batch. 0 starts every request at once.
     burst_window_ms: float = Field(5.0, ge=0.0, le=1000.0)
     burst_max_ms: float = Field(25.0, ge=0.0, le=10000.0)
+    # How requests execute (omlx/engine/strategy.py): "auto" picks by backend (the
+    # CPU's measured fast paths; the plain batched path on Metal); "plain" or
+    # "fast_paths" force one, to measure it.
+    execution_strategy: Literal["auto", "plain", "fast_paths"] = "auto"
 
 
 class SamplingSettings(_Group):

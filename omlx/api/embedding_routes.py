@@ -23,10 +23,15 @@ from omlx.embeddings.inputs import (
     text_sequences,
     token_sequences,
 )
+from omlx.embeddings.llm_rerank import llm_pair_sequences
 from omlx.errors import InvalidRequestError, WrongModelKindError
 
 log = logging.getLogger(__name__)
 router = APIRouter()
+_LLM_RERANK_HINT = (
+    "; an LLM reranker (Qwen3-Reranker style) is served as kind rerank when its folder "
+    "name contains 'reranker' or its per-model setting says model_type 'rerank'"
+)
 
 
 def _sequences(engine: EmbeddingEngine, body: EmbeddingsRequest) -> list[Sequence]:
@@ -104,9 +109,16 @@ async def create_embeddings(body: EmbeddingsRequest, request: Request) -> dict[s
 
 
 async def _scores(engine: EmbeddingEngine, body: RerankRequest) -> tuple[np.ndarray, int, str]:
-    """Relevance of each document: a cross-encoder's score of the (query, document)
-    pair, else the cosine similarity of their embeddings."""
+    """Relevance of each document: an LLM reranker's P(yes), a cross-encoder's score
+    of the (query, document) pair, else the cosine similarity of their embeddings."""
     limit, texts = engine.loaded.spec.max_tokens, body.texts()
+    prompt = engine.loaded.rerank_prompt
+    if prompt is not None:
+        pairs = llm_pair_sequences(
+            engine.tokenizer, prompt, body.query, texts, body.instruction, limit,
+            truncate=body.truncate,
+        )  # fmt: skip
+        return await run_embedding(engine, pairs), check_total(pairs, "documents"), "llm-yes-no"
     if engine.loaded.spec.cross_encoder:
         pairs = pair_sequences(engine.tokenizer, body.query, texts, limit, truncate=body.truncate)
         return await run_embedding(engine, pairs), check_total(pairs, "documents"), "cross-encoder"
@@ -123,7 +135,9 @@ async def _rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
     pool = state_of(request).pool
     info = pool.resolve(body.model)
     if info.kind not in ("embedding", "rerank"):
-        raise WrongModelKindError(pool.public_name(info.name), info.kind, "embedding or rerank")
+        raise WrongModelKindError(
+            pool.public_name(info.name), info.kind, "embedding or rerank", hint=_LLM_RERANK_HINT
+        )
     async with pool.lease(body.model, kind=info.kind) as engine:
         scores, tokens, method = await _scores(engine, body)
     order = sorted(range(len(scores)), key=lambda i: -float(scores[i]))[: body.top_n]

@@ -34,6 +34,8 @@ class RerankRequest(_Body):
     top_n: int | None = Field(default=None, ge=1)
     return_documents: StrictBool = False
     truncate: StrictBool = False
+    # omlx: an LLM reranker's task instruction (Qwen3-Reranker's <Instruct>).
+    instruction: StrictStr | None = Field(default=None, min_length=1)
 
     def texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]

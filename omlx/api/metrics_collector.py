@@ -251,6 +251,12 @@ def _memory_guard(snap: Snapshot) -> Iterator[Metric]:
         ["model", "reason"],
         {(name, why): n for name, g in guards.items() for why, n in g["deferrals"].items()},
     )
+    yield _counter(
+        "omlx_memory_preemptions",
+        "Running requests put back in the queue to resume later, by what ran short",
+        ["model", "reason"],
+        {(name, why): n for name, g in guards.items() for why, n in g.get("preempted", {}).items()},
+    )
     for key, doc in (
         ("gate_ended", "Requests the forward gate ended (503) before a prefill chunk"),
         ("throttled_steps", "Steps whose prefill chunks the gate capped to fit"),

@@ -44,10 +44,11 @@ _STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _HOST = re.compile(r"^(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[^:\[\]/@\s]+))(?::\d{1,5})?$")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-# The panel loads only its own files; no inline script or style, no framing.
+# The panel loads only its own files; no inline script or style, no framing. Images
+# may be data: URLs (the Chat page shows the images a message attaches).
 SECURITY_HEADERS = {
     b"content-security-policy": (
-        b"default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
+        b"default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
         b"connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
         b"frame-ancestors 'none'"
     ),

@@ -150,7 +150,7 @@ async def _with_images(engine: ModelEngine, text: str, images: ImageSink) -> Ren
             param=where,
         )
     await fetch_images(images)
-    text = text.replace(images.marker, vision.image_token)
+    text = text.replace(images.marker, vision.image_text)
     run = partial(process, vision.processor, text, images.parts, vision.image_token_id)
     ids, pixels = await RENDER_POOL.run(run)
     return RenderedPrompt(text, ids, pixels)

@@ -1,18 +1,9 @@
 """One model's view of the prefix cache. MLX thread only.
 
-``lookup`` finds the longest cached prefix of a prompt (full blocks, then the
-longest stored partial tail after them) and restores it as a prompt cache;
-``store`` turns a request's cache into block payloads for the hot tier (which
-writes them to the SSD tier by its mode). Block keys chain the model identity
-and every token before the block's end, so a hit is exact.
-
-A prompt's last token is never served from the cache: its forward pass gives
-the logits of the first output token.
-
-After the full blocks, a prompt that repeats only the first tokens of a stored
-block (a chat template's fixed opening, the start of a shared system prompt)
-gets those tokens, cut from that block (sliceable layouts only; the blocks
-stored in this process are indexed by their parent for it).
+``lookup`` restores the longest cached prefix of a prompt as a prompt cache
+(which blocks: ``prefix_index.PrefixIndex.match``, pure, also asked by admission
+through ``match``); ``store`` turns a request's cache into block payloads for
+the hot tier (which writes them to the SSD tier by its mode).
 
 Models with recurrent layers or sliding windows (see kv_codec) need the
 state at a block's end; ``snapshot`` records it during prefill, keyed by
@@ -32,29 +23,20 @@ import json
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from omlx.cache import kv_codec
-from omlx.cache.blocks import block_keys, chain_key, root_key
+from omlx.cache.blocks import block_keys, chain_key
 from omlx.cache.hot import HotTier
+from omlx.cache.prefix_index import PrefixIndex, PrefixMatch
 from omlx.cache.safetensors_io import BlockPayload
 from omlx.cache.ssd import PUT_TIMEOUT_S as SSD_PUT_TIMEOUT_S
 from omlx.cache.ssd import SSDStore
 
 log = logging.getLogger(__name__)
-
-# Token-granular reuse (sliceable layouts): a stored block whose first tokens
-# match the prompt's next ones serves that many, if at least this many (below,
-# restoring costs more than it saves).
-MIN_PARTIAL_TOKENS = 8
-# Blocks remembered per parent for that match (most recent first); a chat
-# template's fixed opening is in every recent one.
-_CHILDREN_PER_PARENT = 32
-_MAX_PARENTS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +90,14 @@ class PrefixCache:
         self.sliceable = kv_codec.is_sliceable(layout)
         self._hot = hot
         self._ssd = ssd
-        self._root = root_key(identity)
+        self.index = PrefixIndex(
+            identity,
+            block_size,
+            sliceable=self.sliceable,
+            has_block=lambda key: hot.contains(identity, key),
+        )
         # request id -> {token position: non-KV state right after it}
         self._snapshots: dict[str, dict[int, kv_codec.Snapshot]] = {}
-        # parent key -> {child block key: its tokens}, for token-granular reuse.
-        # In memory only: blocks loaded from the SSD after a restart match whole.
-        self._children: OrderedDict[bytes, OrderedDict[bytes, tuple[int, ...]]] = OrderedDict()
         self._stats = PrefixStats()
         self._stats_lock = threading.Lock()
         hot.attach(identity, ssd)
@@ -123,6 +107,10 @@ class PrefixCache:
         return not self.sliceable
 
     # -- lookup ------------------------------------------------------------
+
+    def match(self, prompt_ids: Sequence[int], extra_keys: tuple[str, ...] = ()) -> int:
+        """Prompt tokens a lookup would serve now (no block is read)."""
+        return self.index.match(prompt_ids, extra_keys).num_tokens
 
     def lookup(
         self,
@@ -135,23 +123,8 @@ class PrefixCache:
         """The longest cached prefix of ``prompt_ids[:-1]``, restored into ``template``
         (a new prompt cache), or None on a miss. ``room``: see ``kv_codec.restore``.
         ``extra_keys``: what else the tokens' cache depends on (image hashes)."""
-        limit = len(prompt_ids) - 1
-        size = self.block_size
-        payloads: list[BlockPayload] = []
-        parent = self._root_for(extra_keys)
-        for key in block_keys(self.identity, prompt_ids[:limit], size, extra_keys):
-            payload = self._hot.get(self.identity, key.hex())
-            if payload is None:
-                break
-            payloads.append(payload)
-            parent = key
-        matched = len(payloads) * size
-        rest = prompt_ids[matched:limit]
-        tail = self._find_tail(parent, rest[: size - 1])
-        if tail is None and self.sliceable:
-            tail = self._find_partial(parent, rest)
-        if tail is not None:
-            payloads.append(tail)
+        found = self.index.match(prompt_ids, extra_keys)
+        payloads = self._payloads(found)
         with self._stats_lock:
             self._stats.lookups += 1
             if not payloads:
@@ -172,51 +145,18 @@ class PrefixCache:
             self._stats.tokens_saved += num_tokens
         return CacheHit(layers, num_tokens)
 
-    def _root_for(self, extra_keys: tuple[str, ...]) -> bytes:
-        return root_key(self.identity, extra_keys) if extra_keys else self._root
-
-    def _find_tail(self, parent: bytes, rest: Sequence[int]) -> BlockPayload | None:
-        """The longest stored partial block after ``parent`` that prefixes ``rest``."""
-        for length in range(len(rest), 0, -1):
-            key = chain_key(parent, rest[:length]).hex()
-            if self._hot.contains(self.identity, key):
-                payload = self._hot.get(self.identity, key)
-                if payload is not None and payload.num_tokens == length:
-                    return payload
-        return None
-
-    def _find_partial(self, parent: bytes, rest: Sequence[int]) -> BlockPayload | None:
-        """The first tokens of a stored block after ``parent`` that ``rest`` starts
-        with (the longest such run, at least MIN_PARTIAL_TOKENS), cut to them."""
-        children = self._children.get(parent)
-        if not children:
-            return None
-        best, best_len = None, MIN_PARTIAL_TOKENS - 1
-        for key, tokens in children.items():
-            n = common_prefix(tokens, rest)
-            if n > best_len:
-                best, best_len = key, n
-        if best is None:
-            return None
-        payload = self._hot.get(self.identity, best.hex())
-        if payload is None:
-            del children[best]  # evicted since
-            return None
-        if best_len == payload.num_tokens:
-            return payload
-        return kv_codec.cut_payload(payload, best_len)
-
-    def _remember(self, parent: bytes, key: bytes, tokens: Sequence[int]) -> None:
-        if not self.sliceable:
-            return
-        children = self._children.setdefault(parent, OrderedDict())
-        self._children.move_to_end(parent)
-        children[key] = tuple(tokens)
-        children.move_to_end(key, last=False)
-        while len(children) > _CHILDREN_PER_PARENT:
-            children.popitem()
-        while len(self._children) > _MAX_PARENTS:
-            self._children.popitem(last=False)
+    def _payloads(self, found: PrefixMatch) -> list[BlockPayload]:
+        """The matched blocks, read from the tiers, up to the first one that left
+        them since the match; a block served in part is cut to its first tokens."""
+        payloads = []
+        for key in found.keys:
+            payload = self._hot.get(self.identity, key)
+            if payload is None:
+                break
+            payloads.append(payload)
+        if payloads and len(payloads) == len(found.keys) and found.cut:
+            payloads[-1] = kv_codec.cut_payload(payloads[-1], found.cut)
+        return payloads
 
     # -- store -------------------------------------------------------------
 
@@ -265,7 +205,7 @@ class PrefixCache:
     ) -> int:
         size = self.block_size
         stored = 0
-        parent = self._root_for(extra_keys)
+        parent = self.index.root_for(extra_keys)
         # This runs on the MLX thread: a saturated SSD queue may hold it up once
         # per store, not once per block (later blocks then drop, counted).
         deadline = time.monotonic() + SSD_PUT_TIMEOUT_S
@@ -274,7 +214,7 @@ class PrefixCache:
             written = self._put(key, i * size, (i + 1) * size, layers, snaps, deadline)
             if written is None:
                 return stored
-            self._remember(parent, key, token_ids[i * size : (i + 1) * size])
+            self.index.remember(parent, key, token_ids[i * size : (i + 1) * size])
             stored += written
             parent = key
         end = len(keys) * size
@@ -282,7 +222,7 @@ class PrefixCache:
             key = chain_key(parent, token_ids[end:num_tokens])
             written = self._put(key, end, num_tokens, layers, snaps, deadline)
             if written is not None:
-                self._remember(parent, key, token_ids[end:num_tokens])
+                self.index.remember(parent, key, token_ids[end:num_tokens])
             stored += bool(written)
         return stored
 
@@ -325,17 +265,7 @@ class PrefixCache:
     def close(self) -> None:
         """Detach from the hot tier (write-back flushes to the SSD) and close the store."""
         self._snapshots.clear()
-        self._children.clear()
+        self.index.clear()
         self._hot.detach(self.identity)
         if self._ssd is not None:
             self._ssd.close()
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -105,7 +105,8 @@ class _Classifier(nn.Module):
         self.pooler = _Pooler(hidden)
         self.classifier = nn.Linear(hidden, num_labels)
 
-    def __call__(self, hidden_states: mx.array) -> mx.array:
+    def __call__(self, hidden_states: mx.array, attention: mx.array | None = None) -> mx.array:
+        # Scores the first token ([CLS]); the mask is for heads that read the last one.
         pooled = mx.tanh(self.pooler.dense(hidden_states[:, 0]))
         return self.classifier(pooled)
 
@@ -172,7 +173,7 @@ class _RobertaClassifier(nn.Module):
         super().__init__()
         self.classifier = _RobertaHead(hidden, num_labels)
 
-    def __call__(self, hidden_states: mx.array) -> mx.array:
+    def __call__(self, hidden_states: mx.array, attention: mx.array | None = None) -> mx.array:
         head = self.classifier
         return head.out_proj(mx.tanh(head.dense(hidden_states[:, 0])))
 

@@ -280,7 +280,7 @@ class EmbeddingEngine:
         mask = mx.array(attention)
         hidden = self.loaded.encoder(mx.array(ids), mx.array(types), mask)
         if self.loaded.head is not None:
-            out = _pair_scores(self.loaded.head(hidden))
+            out = _pair_scores(self.loaded.head(hidden, mask))
         else:
             out = pool(hidden, mask, self.loaded.spec.pooling)
             if self.loaded.spec.normalize:
@@ -316,7 +316,8 @@ class EmbeddingEngine:
 
 def _pair_scores(logits: Any) -> Any:
     """A cross-encoder's relevance: sigmoid of a single logit, else the last class's
-    probability (sentence-transformers' CrossEncoder does the same)."""
+    probability (sentence-transformers' CrossEncoder does the same; an LLM reranker's
+    head gives [no, yes], so this is P(yes))."""
     import mlx.core as mx
 
     if logits.shape[-1] == 1:

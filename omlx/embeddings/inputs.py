@@ -35,7 +35,7 @@ def _fit(ids: list[int], types: list[int], specials: list[int], limit: int) -> S
     return Sequence(ids[:limit], types[:limit])
 
 
-def _check_length(seq_len: int, limit: int, field: str, truncate: bool) -> None:
+def check_length(seq_len: int, limit: int, field: str, truncate: bool) -> None:
     if seq_len > limit and not truncate:
         raise InvalidRequestError(
             f"{field} is {seq_len} tokens; this model takes at most {limit} tokens per input. "
@@ -75,7 +75,7 @@ def text_sequences(
             raise InvalidRequestError(f"{field}[{i}] is an empty string", param=f"{field}[{i}]")
     out = []
     for i, enc in enumerate(tokenizer.encode_batch(texts)):
-        _check_length(len(enc.ids), limit, f"{field}[{i}]", truncate)
+        check_length(len(enc.ids), limit, f"{field}[{i}]", truncate)
         out.append(_fit(enc.ids, enc.type_ids, enc.special_tokens_mask, limit))
     return out
 
@@ -95,7 +95,7 @@ def token_sequences(
                 f"{name} holds token id {bad}, outside this model's vocabulary 0..{vocab_size - 1}",
                 param=name,
             )
-        _check_length(len(ids), limit, name, truncate)
+        check_length(len(ids), limit, name, truncate)
         out.append(Sequence(ids[:limit], [0] * min(len(ids), limit)))
     return out
 
@@ -107,6 +107,6 @@ def pair_sequences(
     check_count(len(documents), "documents")
     out = []
     for i, enc in enumerate(tokenizer.encode_batch([(query, d) for d in documents])):
-        _check_length(len(enc.ids), limit, f"documents[{i}]", truncate)
+        check_length(len(enc.ids), limit, f"documents[{i}]", truncate)
         out.append(_fit(enc.ids, enc.type_ids, enc.special_tokens_mask, limit))
     return out

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omlx.embeddings.llm_rerank import RerankPrompt, YesNoHead, rerank_prompt
 from omlx.embeddings.spec import EmbeddingSpec, embedding_spec
 from omlx.errors import ModelLoadError
 from omlx.models.discovery import ModelInfo
@@ -32,6 +33,8 @@ class EmbeddingModel:
     native_context: int
     pad_id: int
     load_s: float
+    # An LLM reranker's prompt pieces and answer tokens; None for other models.
+    rerank_prompt: RerankPrompt | None = None
 
     def weights_bytes(self) -> int:
         from mlx.utils import tree_flatten
@@ -111,6 +114,12 @@ def _load_decoder(folder: Path) -> Any:
     return _DecoderEncoder(model)
 
 
+def is_llm_reranker(info: ModelInfo, spec: EmbeddingSpec) -> bool:
+    """A causal LM of kind rerank (its folder name says reranker, or its per-model
+    setting ``model_type: rerank``) scores yes/no; a classification head does not."""
+    return info.kind == "rerank" and spec.family == "decoder" and not spec.cross_encoder
+
+
 def load_embedding_model(info: ModelInfo) -> EmbeddingModel:
     """Weights, tokenizer and pooling of an embedding folder; ModelLoadError with the reason."""
     start = time.perf_counter()
@@ -128,6 +137,13 @@ def load_embedding_model(info: ModelInfo) -> EmbeddingModel:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"cannot load embedding model '{info.name}': {exc}") from exc
     tokenizer = _read_tokenizer(info.path)
+    prompt = None
+    if is_llm_reranker(info, spec):
+        try:
+            prompt = rerank_prompt(tokenizer)
+        except ValueError as exc:
+            raise ModelLoadError(f"cannot load reranker '{info.name}': {exc}") from exc
+        head = YesNoHead(encoder.model, prompt)
     model = EmbeddingModel(
         info,
         config,
@@ -138,6 +154,7 @@ def load_embedding_model(info: ModelInfo) -> EmbeddingModel:
         spec.max_tokens,
         int(config.get("pad_token_id") or 0),
         time.perf_counter() - start,
+        prompt,
     )
     log.info(
         "loaded embedding model %s (%s, %s pooling, %d dims) in %.2f s",

@@ -8,11 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+
 from omlx.cache.hot import HotTier
 from omlx.cache.setup import make_prefix_cache
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.profile_cache import ProfileCache, ProfileInputs, profile_model
 from omlx.engine.runner import BatchRunner
+from omlx.engine.strategy import ExecutionStrategy
 from omlx.memory.budget import KVProfile, Limits, ModelDims, guard_dims
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
@@ -41,11 +44,13 @@ def build_engine(
     ``compiled_steps``) for /health."""
     sched = parts.settings.scheduler
     prefix = make_prefix_cache(parts.settings, parts.hot_cache, loaded)
+    strategy = ExecutionStrategy.choose(sched.execution_strategy, mx.default_device().type.name)
     runner = BatchRunner(
         loaded.model,
         prefill_step_size=sched.prefill_step_size,
         stream=parts.worker.stream,
         prefix_cache=prefix,
+        strategy=strategy,
         vision=loaded.vision,
     )
     scheduler = Scheduler(
@@ -53,6 +58,7 @@ def build_engine(
         sched.max_queued_requests,
         gather_s=sched.burst_window_ms / 1000,
         gather_max_s=sched.burst_max_ms / 1000,
+        prefill_step_size=sched.prefill_step_size,
     )
     dims = guard_dims(
         loaded.config, kv_dtype_bytes=loaded.activation_bytes(), model=loaded.info.name
@@ -68,7 +74,11 @@ def build_engine(
     guard.set_profile(profile)
     # After the profile, so its readings are what they were without the checks.
     runner.prove_compiled()
-    facts = {"kv_profile": "reused" if reused else "measured", "compiled_steps": _proofs(runner)}
+    facts = {
+        "kv_profile": "reused" if reused else "measured",
+        "compiled_steps": _proofs(runner),
+        "execution_strategy": strategy.describe(),
+    }
     engine = ModelEngine(
         loaded,
         runner,
@@ -101,8 +111,9 @@ def _profile(
         max_tokens_in_flight=window * sched.max_concurrent_requests,
     )
     return profile_model(
-        parts.profile_cache, loaded.info, loaded.model, dims, parts.probe, parts.limits, inputs
-    )
+        parts.profile_cache, loaded.info, loaded.model, dims, parts.probe, parts.limits, inputs,
+        vision=loaded.vision,
+    )  # fmt: skip
 
 
 def _proofs(runner: BatchRunner) -> dict[str, str]:

@@ -31,10 +31,11 @@ def image_sequence(
     prefix cache held of the prompt (keyed by the images' hashes)."""
     prompt, images = list(request.prompt_ids), request.images
     done = hit.num_tokens if hit is not None else 0
-    embeddings = None
-    # The vision tower runs unless the cache already holds every image token.
+    embeddings = positions = None
+    # The vision tower runs unless the cache already holds every image token (what
+    # follows the last image is text at plain positions, whatever the family).
     if vision.image_token_id in prompt[done:]:
-        embeddings = vision.embed(prompt, images.pixel_values, images.extras)
+        embeddings, positions = vision.embed(prompt, images.pixel_values, images.extras)
         mx.eval(embeddings)
     return SoloSequence(
         model,
@@ -46,5 +47,6 @@ def image_sequence(
         cache=hit.layers if hit is not None else None,
         num_cached=done,
         embeddings=embeddings,
+        positions=positions,
         logprobs=request.sampling.logprobs,
     )

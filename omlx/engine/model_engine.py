@@ -8,18 +8,19 @@ worker thread calls ``step``. Events flow back through ``RequestStream``s, one
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from omlx.cache.prefix import PrefixCache
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from omlx.engine.runner import OpeningGate, PrefillChunk
+from omlx.engine.memory_gate import StepGate
+from omlx.engine.openings import OpeningGate
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
 from omlx.engine.token_text import LogprobEntry, TokenText
 from omlx.errors import (
@@ -31,29 +32,27 @@ from omlx.errors import (
     ServiceUnavailableError,
 )
 from omlx.grammar.processor import MAX_STEP_CPU_S
-from omlx.memory import mlx_stats
-from omlx.memory.budget import MemoryReading, prefill_step_transient_bytes
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
-from omlx.memory.throttle import MAX_PREFILL_HOLD_S, PrefillShape, shape_prefill
-from omlx.memory.vision import vision_transient_bytes
+from omlx.memory.vision import image_bytes
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
+from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput
 from omlx.sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
+    """What the engine asks of its runner (runner.py's BatchRunner)."""
+
     @property
     def has_work(self) -> bool: ...
-    def add(
-        self, requests: list[Request], may_share: OpeningGate | None = None
-    ) -> dict[str, int]: ...
     def prefill_plan(self) -> list[PrefillChunk]: ...
-    def cap_prefill(self, cap: int | None) -> None: ...
+    def execute(
+        self, plan: SchedulerOutput, may_share: OpeningGate | None = None
+    ) -> RunnerOutput: ...
     def remove(self, request_ids: list[str]) -> None: ...
-    def step(self) -> list[TokenOutput]: ...
     def reset(self) -> None: ...
     def close(self) -> None: ...
     def speculative_stats(self) -> dict[str, int]: ...
@@ -97,28 +96,20 @@ class ModelEngine:
         self.context_window = context_window
         self.guard = guard
         self.probe = probe
-        # Set by the pool's enforcer above the soft limit: admit nothing new
-        # while something runs (a lone request is still admitted, so no deadlock).
-        self.admission_paused = False
-        # Admission deferrals by reason: "memory", "kv_capacity", "paused".
-        self.deferrals: Counter[str] = Counter()
-        self.num_gated = 0
-        # The gate's steps short of ending anything: MLX's cache handed back,
-        # chunks capped, prefill waiting for decoding requests (since when).
-        self.num_reclaims = 0
-        self.num_throttled_steps = 0
-        self.num_held_steps = 0
-        self._held_since: float | None = None
-        # Shared openings the gate held back (their requests prefilled them alone).
-        self.num_unshared_openings = 0
-        # Speculative steps the gate made decode without drafts.
-        self.num_held_drafts = 0
-        self._pending_bytes = 0
         self.prefix_cache = prefix_cache
         self._runner = runner
         self._scheduler = scheduler
         self._worker = worker
         self._live: dict[str, _Live] = {}
+        self.gate = StepGate(
+            self.name,
+            guard,
+            probe,
+            scheduler,
+            busy_elsewhere=lambda: worker.busy_besides(self),
+            image_bytes=self._image_bytes,
+            cached_tokens=self._cached_tokens,
+        )
         # Front-door count of submitted, unfinished requests (event loop + MLX thread).
         self._lock = threading.Lock()
         self._num_in_flight = 0
@@ -197,13 +188,20 @@ class ModelEngine:
                 raise copy.copy(self._refusal)
         return self._worker.submit(fn, *args)
 
+    def _cached_tokens(self, request: Request) -> int:
+        """Prompt tokens the prefix index holds for ``request`` (MLX thread)."""
+        if self.prefix_cache is None:
+            return 0
+        keys = request.images.keys if request.images is not None else ()
+        return self.prefix_cache.match(request.prompt_ids, keys)
+
     def _image_bytes(self, request: Request) -> int:
         """The transient of encoding the request's images at prefill (0: none)."""
         vision = self.loaded.vision
         if request.images is None or vision is None:
             return 0
         shape = request.images.pixel_values.shape
-        return vision_transient_bytes(vision.dims, shape, request.num_prompt_tokens)
+        return image_bytes(vision.dims, shape, request.num_prompt_tokens, self.guard.profile)
 
     def refuse_new(self, error: OmlxError | None) -> None:
         """Refuse requests submitted from now on with ``error`` (None: take them
@@ -276,45 +274,66 @@ class ModelEngine:
             self._release("abort")
 
     def step(self) -> None:
-        """Admit, run one batched step, turn tokens into stream events."""
+        """One step: the scheduler plans it (preemption, admission, the memory gate),
+        the runner executes it, and its tokens become stream events."""
         outbox: list[tuple[RequestStream, StreamEvent]] = []
         try:
-            self._reclaim_near_limit()
-            admitted = self._admit()
-            cached = self._runner.add(admitted, self._gate_shared_opening)
-            self._announce_admitted(admitted, cached)
-            self._gate_prefill(outbox)
-            self._gate_speculation()
-            outputs = self._runner.step()
+            self.gate.reclaim_near_limit()
+            plan = self._scheduler.schedule(self.gate, self._runner.prefill_plan())
+            self._end_gated(plan.ended, outbox)
+            if not self.gate.may_speculate(self._runner.speculation_plan()):
+                self._runner.hold_drafts()
+            output = self._runner.execute(plan, self.gate.may_share)
         except Exception as exc:  # an MLX failure: fail what is running, keep serving
             log.exception("engine step failed for %s", self.name)
             self._fail_all(EngineError(f"generation failed: {exc}"), outbox)
         else:
-            finished = []
-            for update in self._scheduler.update_from_output(outputs):
-                if update.request_id not in self._live:
-                    # A step can carry two tokens of one request (the held first token
-                    # and a decode); a stop string in the first ended it already.
-                    continue
-                reason = self._on_update(update, outbox)
-                if reason is not None:
-                    finished.append(update.request_id)
-                    self._release(reason)
-            self._runner.remove(finished)
-            if finished:
-                # Sample now: the peak of the work that just ended gets its own
-                # time stamp and ages out of the recent window on schedule.
-                self.probe.reading(fresh=True)
+            self._announce_admitted(plan.admitted, output.cached)
+            self._update(list(output.tokens), outbox)
         self._flush(outbox)
 
-    def _announce_admitted(self, admitted: list[Request], cached: dict[str, int]) -> None:
-        """Record each admitted request's cached tokens, and tell the streams that
-        asked its prompt split now, before its prefill (Anthropic's message_start)."""
+    def _end_gated(self, ended: Sequence[str], outbox: list) -> None:
+        """End the requests the memory gate ended (a lone request whose chunk
+        cannot fit), before the forward."""
+        for rid in ended:
+            live = self._live.pop(rid, None)
+            self._release("error")
+            if live is not None:
+                outbox.append((live.stream, StreamEvent(error=self._gated_error())))
+
+    def _gated_error(self) -> MemoryPressureError:
+        return MemoryPressureError(
+            "the server ended this request before its next prefill step: memory is "
+            f"at the {format_bytes(self.guard.limits.hard_bytes)} limit because of "
+            "other work; retry shortly, or send a shorter prompt"
+        )
+
+    def _update(self, outputs: list[TokenOutput], outbox: list) -> None:
+        finished = []
+        for update in self._scheduler.update_from_output(outputs):
+            if update.request_id not in self._live:
+                # A step can carry two tokens of one request (the held first token
+                # and a decode); a stop string in the first ended it already.
+                continue
+            reason = self._on_update(update, outbox)
+            if reason is not None:
+                finished.append(update.request_id)
+                self._release(reason)
+        self._runner.remove(finished)
+        if finished:
+            # Sample now: the peak of the work that just ended gets its own
+            # time stamp and ages out of the recent window on schedule.
+            self.probe.reading(fresh=True)
+
+    def _announce_admitted(self, admitted: Sequence[Request], cached: Mapping[str, int]) -> None:
+        """Record each admitted request's cached tokens (as restored), and tell the
+        streams that asked its prompt split (Anthropic's message_start): with its
+        first prefill chunk's tokens, before any output."""
         notices = []
         for request in admitted:
             live = self._live.get(request.request_id)
-            if live is None:
-                continue
+            if live is None or request.num_resumed_tokens:
+                continue  # a resumed request was announced when first admitted
             live.num_cached_tokens = cached.get(request.request_id, 0)
             if not live.stream.wants_admission:
                 continue
@@ -369,215 +388,25 @@ class ModelEngine:
             del self._live[update.request_id]
         return status.finish_reason
 
-    def _admit(self) -> list[Request]:
-        """Waiting requests that may start now (memory admission included)."""
-        if not self._scheduler.num_waiting:
-            return []
-        # What admitted work will still allocate (KV to come, prefill step
-        # transients): admission counts it, so requests admitted in one step
-        # cannot stack past the limit.
-        dims, extra = self.guard.dims, self.guard.unmodeled_bytes
-        self._pending_bytes = sum(
-            dims.kv_bytes_per_token * c.num_remaining
-            + prefill_step_transient_bytes(dims, c.num_tokens, c.num_context_tokens)
-            + extra
-            for c in self._runner.prefill_plan()
-        )
-        return self._scheduler.schedule(self._can_admit)
+    @property
+    def admission_paused(self) -> bool:
+        return self.gate.admission_paused
+
+    @admission_paused.setter
+    def admission_paused(self, paused: bool) -> None:
+        self.gate.admission_paused = paused
 
     @property
     def num_deferrals(self) -> int:
-        return self.deferrals.total()
+        return self.gate.deferrals.total()
+
+    @property
+    def num_gated(self) -> int:
+        return self.gate.num_gated
 
     def guard_counters(self) -> dict[str, Any]:
         """What the memory guard did to this model's requests (admin API, /metrics)."""
-        return {
-            "deferrals": dict(self.deferrals),
-            "gate_ended": self.num_gated,
-            "throttled_steps": self.num_throttled_steps,
-            "held_steps": self.num_held_steps,
-            "reclaims": self.num_reclaims,
-            "unshared_openings": self.num_unshared_openings,
-            "held_drafts": self.num_held_drafts,
-        }
-
-    def _can_admit(self, request: Request, num_running: int) -> bool:
-        """Memory admission for the head of the queue (never defers a lone request)."""
-        reason = None
-        if num_running == 0:
-            admitted = True
-        elif self.admission_paused:
-            admitted, reason = False, "paused"
-            log.info(
-                "memadmit %s: deferred a %d-token prompt: admission paused (memory above "
-                "the soft limit) with %d in flight",
-                self.name,
-                request.num_prompt_tokens,
-                num_running,
-            )
-        elif not self.guard.kv_fits(
-            # The scheduler counts the ones admitted earlier in this step too.
-            self._scheduler.num_running_tokens,
-            request.num_prompt_tokens,
-        ):
-            admitted, reason = False, "kv_capacity"
-            log.info(
-                "memadmit %s: deferred a %d-token prompt: %d KV tokens in flight, capacity %s",
-                self.name,
-                request.num_prompt_tokens,
-                self._scheduler.num_running_tokens,
-                self.guard.max_kv_tokens,
-            )
-        else:
-            # KV still to come for admitted requests, the step transients of every
-            # request that will prefill in the same batch as this one, and the copy
-            # of the decode batch's KV its rows make when this one joins them.
-            pending = (
-                self._pending_bytes
-                + self._join_copy_bytes(request.num_prompt_tokens)
-                + self._image_bytes(request)
-            )
-            reading = _plus(self.probe.reading(fresh=True), pending)
-            admitted = self.guard.admit(request.num_prompt_tokens, num_running, reading)
-            reason = None if admitted else "memory"
-        if admitted:
-            dims, n = self.guard.dims, request.num_prompt_tokens
-            self._pending_bytes += dims.kv_bytes_per_token * n + (
-                prefill_step_transient_bytes(dims, min(n, self.guard.chunk_tokens), n)
-                + self.guard.unmodeled_bytes
-            )
-        else:
-            self.deferrals[reason or "memory"] += 1
-        return admitted
-
-    def _gate_prefill(self, outbox: list) -> None:
-        """Before this step's prefill chunks run: if they would take memory past
-        the hard limit (a fresh reading; others grew), hand MLX's free cache
-        back, then cap the chunks, then let prefill wait for decoding requests,
-        and only then end the requests whose chunk still does not fit."""
-        plan = self._runner.prefill_plan()
-        if not plan:
-            return
-        shape, reading = self._shape_prefill(plan)
-        if shape.cap is not None:
-            mlx_stats.release_cache()  # freed buffers count until handed back
-            self.num_reclaims += 1
-            shape, reading = self._shape_prefill(plan)
-        self._runner.cap_prefill(shape.cap)
-        self._note_hold(shape.held)
-        if shape.cap is not None:
-            self._log_shape(shape, plan, reading)
-        for rid in shape.ended:
-            self.num_gated += 1
-            self._fail_request(
-                rid,
-                MemoryPressureError(
-                    "the server ended this request before its next prefill step: memory is "
-                    f"at the {format_bytes(self.guard.limits.hard_bytes)} limit because of "
-                    "other work; retry shortly, or send a shorter prompt"
-                ),
-                outbox,
-            )
-
-    def _gate_speculation(self) -> None:
-        """The forward gate for a speculative step: its rows' verified positions
-        are gated like one prefill chunk (a fresh reading); refused, the step
-        decodes without drafts, which is never gated (seed 003: no engine path
-        runs around the guard)."""
-        plan = self._runner.speculation_plan()
-        if not plan:
-            return
-        reading = self.probe.reading(fresh=True)
-        tokens = sum(c.num_tokens for c in plan)
-        cached = max(c.num_context_tokens - c.num_tokens for c in plan)
-        others = self._scheduler.num_running > 1
-        if self.guard.gate(tokens, cached, reading, others=others):
-            return
-        self._runner.hold_drafts()
-        self.num_held_drafts += 1
-        self._log_over_limit(f"decoding without drafts ({tokens} positions)", reading)
-
-    def _reclaim_near_limit(self) -> None:
-        """Within one margin of the hard limit, hand freed memory back before the
-        step allocates: on the CPU backend freed heap pages stay in the footprint
-        and would stack with the step's own transient (decode steps are not gated)."""
-        reading, limits = self.probe.reading(fresh=True), self.guard.limits
-        if reading.resident_bytes + limits.transient_margin_bytes > limits.hard_bytes:
-            mlx_stats.release_cache()
-            self.num_reclaims += 1
-
-    def _join_copy_bytes(self, num_new_tokens: int) -> int:
-        """Rows joining the decode batch extend its KV into new buffers: the old
-        and the new batch are alive together for a moment."""
-        tokens = self._scheduler.num_running_tokens + num_new_tokens
-        return self.guard.dims.kv_bytes_per_token * tokens
-
-    def _shape_prefill(self, plan: list[PrefillChunk]) -> tuple[PrefillShape, MemoryReading]:
-        reading = self.probe.reading(fresh=True)
-        others = self._scheduler.num_running > 1
-        # Requests past their prompt: a row finishing its prompt joins (copies) their
-        # batch; and they end and free their memory, so prefill may wait for them.
-        decoding_here = self._scheduler.num_running > len(plan)
-        if decoding_here and any(c.num_remaining <= c.num_tokens + 1 for c in plan):
-            reading = _plus(reading, self._join_copy_bytes(0))
-        decoding = decoding_here or self._worker.busy_besides(self)
-        held_for = 0.0 if self._held_since is None else time.monotonic() - self._held_since
-        shape = shape_prefill(
-            plan,
-            lambda tokens, cached: self.guard.gate(tokens, cached, reading, others=others),
-            may_hold=decoding and held_for < MAX_PREFILL_HOLD_S,
-        )
-        return shape, reading
-
-    def _note_hold(self, held: bool) -> None:
-        if not held:
-            self._held_since = None
-        elif self._held_since is None:
-            self._held_since = time.monotonic()
-
-    def _log_shape(
-        self, shape: PrefillShape, plan: list[PrefillChunk], reading: MemoryReading
-    ) -> None:
-        planned = max(c.num_tokens for c in plan)
-        if shape.held:
-            self.num_held_steps += 1
-            what = "prefill waits a step for decoding requests to free memory"
-        else:
-            self.num_throttled_steps += 1
-            what = f"prefill chunks capped at {shape.cap} tokens (planned {planned})"
-        if shape.ended:
-            what += f"; ending {', '.join(shape.ended)}: not even a {shape.cap}-token chunk fits"
-        self._log_over_limit(what, reading)
-
-    def _log_over_limit(self, what: str, reading: MemoryReading) -> None:
-        """The ``memgate`` line: what the gate did, and the numbers that made it."""
-        log.warning(
-            "memgate %s: %s: memory %s (recent peak %s) plus the forward and the %s margin "
-            "would pass the %s limit",
-            self.name,
-            what,
-            format_bytes(reading.resident_bytes),
-            format_bytes(reading.recent_peak_bytes),
-            format_bytes(self.guard.limits.transient_margin_bytes),
-            format_bytes(self.guard.limits.hard_bytes),
-        )
-
-    def _gate_shared_opening(self, num_tokens: int, num_cached_tokens: int) -> bool:
-        """The gate for a burst's shared opening (one row, run before the batch's
-        chunks), with a fresh reading like every chunk's. Refused, nothing is ended:
-        each request prefills the opening in its own chunks, gated one by one, so
-        they are served if memory allows and ended by that gate if not."""
-        reading = self.probe.reading(fresh=True)
-        others = self._scheduler.num_running > 1
-        if self.guard.gate(num_tokens, num_cached_tokens, reading, others=others):
-            return True
-        self.num_unshared_openings += 1
-        self._log_over_limit(
-            f"not sharing a {num_tokens}-token opening (its requests prefill it in their "
-            "own gated chunks)",
-            reading,
-        )
-        return False
+        return self.gate.counters()
 
     def _fail_request(self, request_id: str, error: OmlxError, outbox: list) -> None:
         where = self._scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)
@@ -679,13 +508,4 @@ def _grammar_overrun_error(request: Request) -> InvalidRequestError:
         f"token (limit {MAX_STEP_CPU_S} s), so the request was ended to keep the other "
         "requests' speed: the grammar is too ambiguous (e.g. a rule like 's ::= s s'); "
         "rewrite it so each prefix parses one way"
-    )
-
-
-def _plus(reading: MemoryReading, num_bytes: int) -> MemoryReading:
-    """``reading`` with ``num_bytes`` more held (by MLX and so by the process)."""
-    return dataclasses.replace(
-        reading,
-        mlx_active_bytes=reading.mlx_active_bytes + num_bytes,
-        process_footprint_bytes=reading.process_footprint_bytes + num_bytes,
     )

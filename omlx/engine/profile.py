@@ -8,6 +8,10 @@ capacity and, under ``prefill_transient_margin: auto``, the margin (x1.25,
 floored): the batched step included, so the one margin covers a whole batched
 chunk (admission stacks each request's modeled step on top: conservative).
 
+A VLM's image pass encodes one image at its processor's largest size (vision
+tower, projector, prompt embeddings) and records the peak beside the formula's
+figure (memory/vision.py), so image prompts are priced by a measurement.
+
 Validation allocates the chosen capacity's KV for real (the model's own per-layer
 K/V shapes and dtype, every page written), holds it with a safety canary and runs
 every step beside it; its measured peak must stay under the hard limit, or the
@@ -44,6 +48,7 @@ from omlx.memory.budget import (
     unmodeled_transient_bytes,
 )
 from omlx.memory.probe import MemoryProbe
+from omlx.memory.vision import vision_transient_bytes
 from omlx.sizes import format_bytes
 
 log = logging.getLogger(__name__)
@@ -115,6 +120,43 @@ def auto_profile(
         held_kv_bytes=held,
         teardown_bytes=teardown,
     )
+
+
+def measure_image(vision: Any, probe: MemoryProbe, limits: Limits) -> tuple[int, int]:
+    """(measured peak, the formula's figure) of encoding one image at the processor's
+    largest size; the peak is 0 (not measured) when the formula says it would not fit
+    twice over in the room left, so the profile never runs the process out of memory.
+    A pass that fails (a processor that refuses the synthetic image, an allocation
+    refused) is logged and leaves images priced by the formula: it never fails a load."""
+    try:
+        return _image_pass(vision, probe, limits)
+    except (RuntimeError, ValueError, TypeError, KeyError, MemoryError) as exc:
+        log.warning("memprofile: image pass failed (%s); images priced by the formula", exc)
+        return 0, 0
+
+
+def _image_pass(vision: Any, probe: MemoryProbe, limits: Limits) -> tuple[int, int]:
+    ids, pixels, extras = vision.stress_inputs()
+    estimate = vision_transient_bytes(vision.dims, pixels.shape, len(ids))
+    room = limits.hard_bytes - limits.transient_margin_bytes
+    room -= probe.reading(fresh=True).resident_bytes
+    if estimate > room // 2:
+        log.warning(
+            "memprofile: image pass skipped: encoding one %s image needs about %s and %s "
+            "is left; image prompts are priced by the formula alone",
+            "x".join(str(d) for d in pixels.shape[-2:]),
+            format_bytes(estimate),
+            format_bytes(max(room, 0)),
+        )
+        return 0, estimate
+    peak = _measure(probe, lambda: mx.eval(vision.embed(ids, pixels, extras)[0]))
+    log.info(
+        "memprofile: encoding one %s image peaked at %s (the formula says %s)",
+        "x".join(str(d) for d in pixels.shape[-2:]),
+        format_bytes(peak),
+        format_bytes(estimate),
+    )
+    return peak, estimate
 
 
 @dataclass(frozen=True)

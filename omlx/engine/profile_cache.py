@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from omlx import __version__
-from omlx.engine.profile import auto_profile
+from omlx.engine.profile import auto_profile, measure_image
 from omlx.memory.budget import KVProfile, Limits, ModelDims
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
 from omlx.models.discovery import ModelInfo
@@ -34,7 +34,7 @@ from omlx.settings import write_json_atomic
 log = logging.getLogger(__name__)
 
 # Bumped when the profile's meaning or this file's layout changes: older entries re-measure.
-FORMAT = 1
+FORMAT = 2  # 2: the image pass of VLMs
 _SOURCES = {"measured", "explicit"}
 
 
@@ -83,12 +83,16 @@ def profile_model(
     probe: MemoryProbe,
     limits: Limits,
     inputs: ProfileInputs,
+    vision: Any = None,
 ) -> tuple[KVProfile, bool]:
     """``auto_profile`` of a freshly loaded model, or the stored result when nothing it
-    depends on changed. Returns (profile, whether it was reused)."""
+    depends on changed (a VLM's processor files are among the model's files).
+    Returns (profile, whether it was reused)."""
 
     def measure() -> KVProfile:
-        return auto_profile(
+        # A VLM's image pass first, on the freshly loaded model (profile.measure_image).
+        image = measure_image(vision, probe, limits) if vision is not None else (0, 0)
+        profile = auto_profile(
             model,
             dims,
             probe,
@@ -98,6 +102,9 @@ def profile_model(
             vocab_size=inputs.vocab_size,
             explicit_tokens=inputs.explicit_tokens,
             max_tokens_in_flight=inputs.max_tokens_in_flight,
+        )
+        return dataclasses.replace(
+            profile, image_peak_bytes=image[0], image_estimate_bytes=image[1]
         )
 
     return cache.measure_or_reuse(profile_key(info, dims, limits, inputs), info.path, measure)

@@ -7,10 +7,8 @@ decides those and the engine removes finished requests.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -18,36 +16,20 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from omlx.cache.prefix import CacheHit, PrefixCache, common_prefix
+from omlx.cache.prefix import CacheHit, PrefixCache
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
 from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
 from omlx.engine.forks import ChoiceForks
 from omlx.engine.image_prefill import image_sequence
 from omlx.engine.ngram import drafter_for
+from omlx.engine.openings import OpeningGate, share_openings
 from omlx.engine.sampling import make_request_processors, make_request_sampler
 from omlx.engine.solo import SoloSequence
+from omlx.engine.strategy import ExecutionStrategy
 from omlx.scheduler import Request, TokenOutput
+from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
-
-# Requests starting together share the prefill of their common opening when that
-# saves at least this many token-rows of prefill (below, the separate forward costs
-# more than it saves).
-MIN_SHARED_OPENING = 16
-
-# The memory gate for a shared opening's forward: (tokens, tokens already cached)
-# -> may it run now?
-OpeningGate = Callable[[int, int], bool]
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillChunk:
-    request_id: str
-    num_tokens: int
-    # Tokens the chunk attends over (cached + earlier chunks + this one).
-    num_context_tokens: int
-    # Prompt tokens still to prefill, this chunk included (KV yet to be allocated).
-    num_remaining: int
 
 
 class BatchRunner:
@@ -72,23 +54,25 @@ class BatchRunner:
         prefill_step_size: int,
         stream: mx.Stream,
         prefix_cache: PrefixCache | None = None,
-        pipelined: bool | None = None,
-        compiled: bool = True,
+        strategy: ExecutionStrategy | None = None,
         vision: Any = None,
     ):
+        if strategy is None:
+            strategy = ExecutionStrategy.choose("auto", mx.default_device().type.name)
+        self.strategy = strategy
         self._model = model
         # A vision-language model's encoder (omlx.models.vlm.VisionEncoder), or None.
         self._vision = vision
         self._prefix = prefix_cache
         self._prefill_step_size = prefill_step_size
         self._stream = stream
-        self._pipelined = pipelined
         self._prefill = PrefillBatch(model, prefill_step_size)
         # A lone sequence's decode step and the batch's, compiled (None when the
-        # model does not qualify).
+        # model does not qualify or the strategy runs eager).
+        compiled = strategy.compiled
         self._decoder = CompiledDecode.for_model(model) if compiled else None
         self._batch_step = CompiledBatchStep.for_model(model) if compiled else None
-        self._decode = DecodeBatch(model, pipelined=pipelined, compiled=self._batch_step)
+        self._decode = DecodeBatch(model, pipelined=strategy.pipelined, compiled=self._batch_step)
         # A request's choices (same prompt, started together) wait for one to prefill
         # it, when it is longer than the shared opening covers.
         self._forks = ChoiceForks(self._row, prefill_step_size + 3)
@@ -148,13 +132,18 @@ class BatchRunner:
         """Start requests; returns the prompt tokens each got from the prefix cache.
         ``may_share``: the memory gate asked before each shared opening's forward."""
         requests = list(requests)
+        if any(r.num_resumed_tokens for r in requests):
+            # A preempted request's blocks were stored on its way out: now, so it hits.
+            self._run_deferred()
         with_images = {r.request_id: self._start_with_images(r) for r in requests if r.images}
         cached = {rid: n for rid, n in with_images.items() if n}
         requests = [r for r in requests if not r.images]
         if not requests:
             return cached
         batched = self._decode or self._prefill or self._side
-        solo = len(requests) == 1 and self._solo is None and not batched
+        solo = (
+            self.strategy.solo_prefill and len(requests) == 1 and self._solo is None and not batched
+        )
         # A solo or side sequence feeds its restored cache as it is (room saves a
         # copy); a batched one is merged into the batch's cache (a copy anyway).
         room = solo or (self._prefix is not None and self._prefix.needs_snapshots)
@@ -177,7 +166,9 @@ class BatchRunner:
                 self._solo_to_batch()
             with mx.stream(self._stream):
                 started = self._forks.split(requests)
-                shared = self._share_openings(started, hits, may_share)
+                shared = share_openings(
+                    self._model, started, hits, self._prefill_step_size, may_share
+                )
                 for r in started:
                     hit = hits[r.request_id]
                     if r.request_id in shared:
@@ -211,7 +202,7 @@ class BatchRunner:
                 self._model,
                 self._vision,
                 request,
-                sampler=make_request_sampler(request.sampling),
+                sampler=make_request_sampler(request.sampling, request.num_resumed_tokens),
                 processors=make_request_processors(request),
                 prefill_step_size=self._prefill_step_size,
                 hit=hit,
@@ -224,7 +215,7 @@ class BatchRunner:
         """A batch row for ``request`` whose processors have seen ``fed``."""
         return Row.make(
             request.request_id,
-            make_request_sampler(request.sampling),
+            make_request_sampler(request.sampling, request.num_resumed_tokens),
             make_request_processors(request),
             fed,
             request.sampling.logprobs,
@@ -257,85 +248,6 @@ class BatchRunner:
     def speculative_stats(self) -> dict[str, int]:
         """Speculative decoding counters since the model loaded (for /metrics)."""
         return self._decode.spec_stats.as_dict()
-
-    def _share_openings(
-        self,
-        requests: list[Request],
-        hits: dict[str, CacheHit | None],
-        may_share: OpeningGate | None = None,
-    ) -> dict[str, tuple[int, list[Any]]]:
-        """Requests starting together whose prompts open with the same tokens (a
-        system prompt, tool definitions, a chat template's preamble, a client's
-        fixed opening of each turn): the common opening is prefilled once, up to
-        one prefill chunk, and each request starts from a copy of that cache.
-
-        The prefix cache may already hold part of an opening (a burst usually
-        shares a cached preamble and goes on with tokens nobody sent before): the
-        shared forward starts where the shortest hit among the sharers ends, from
-        that hit's cache. Sharers are picked best first (see ``_best_share``) and
-        share when that saves at least MIN_SHARED_OPENING token-rows of prefill.
-        The shared forward is one row of ``n - start`` tokens after ``start``
-        cached: ``may_share(n - start, start)`` gates it as the engine gates every
-        chunk; refused, the group's requests prefill the opening themselves, in
-        their own gated chunks. Returns (tokens cached, cache) per request that
-        shares; only for models whose cache is plain KV layers."""
-        if len(requests) < 2:
-            return {}
-        template = make_prompt_cache(self._model)
-        if any(type(layer) is not KVCache for layer in template):
-            return {}
-        cached = {r.request_id: _hit_length(hits[r.request_id]) for r in requests}
-        # Prompts in token order: requests sharing an opening sit next to each other.
-        pending = sorted(requests, key=lambda r: r.prompt_ids)
-        out: dict[str, tuple[int, list[Any]]] = {}
-        while len(pending) >= 2:
-            best = self._best_share(pending, cached)
-            if best is None:
-                break
-            lo, hi, start, n = best
-            group, pending = pending[lo:hi], pending[:lo] + pending[hi:]
-            if may_share is not None and not may_share(n - start, start):
-                continue
-            base = min(group, key=lambda r: cached[r.request_id])
-            hit = hits[base.request_id]
-            if hit is None:
-                opening = make_prompt_cache(self._model)
-            else:
-                # A copy of the hit's first ``start`` tokens: the forward appends to it.
-                opening = [_kv_prefix(layer, start) for layer in hit.layers]
-            self._model(mx.array(base.prompt_ids[start:n])[None], cache=opening)
-            mx.eval([layer.state for layer in opening])
-            for r in group:
-                if cached[r.request_id] < n:
-                    out[r.request_id] = (n, [_kv_prefix(layer, n) for layer in opening])
-        return out
-
-    def _best_share(
-        self, ordered: list[Request], cached: dict[str, int]
-    ) -> tuple[int, int, int, int] | None:
-        """The run ``ordered[lo:hi]`` (prompts in token order) whose shared opening
-        saves the most token-rows of prefill: the rows each request would prefill
-        itself up to the opening's end ``n``, less the rows prefilled once from
-        ``start`` (the shortest hit). Each request keeps at least two tokens of its
-        own to prefill. (lo, hi, start, n), or None below MIN_SHARED_OPENING."""
-        adjacent = [
-            common_prefix(a.prompt_ids, b.prompt_ids) for a, b in itertools.pairwise(ordered)
-        ]
-        best, best_saved = None, MIN_SHARED_OPENING - 1
-        for lo in range(len(ordered) - 1):
-            n_common, start = len(ordered[lo].prompt_ids) - 2, cached[ordered[lo].request_id]
-            for hi in range(lo + 2, len(ordered) + 1):
-                r = ordered[hi - 1]
-                n_common = min(n_common, adjacent[hi - 2], len(r.prompt_ids) - 2)
-                start = min(start, cached[r.request_id])
-                n = min(n_common, start + self._prefill_step_size)
-                if n <= start:
-                    continue
-                group = ordered[lo:hi]
-                saved = sum(max(0, n - cached[q.request_id]) for q in group) - (n - start)
-                if saved > best_saved:
-                    best, best_saved = (lo, hi, start, n), saved
-        return best
 
     def _start_batched(
         self, row: Row, cache: list[Any], num_cached: int, rest: Sequence[int]
@@ -373,7 +285,7 @@ class BatchRunner:
             self._model,
             request.request_id,
             list(request.prompt_ids),
-            make_request_sampler(request.sampling),
+            make_request_sampler(request.sampling, request.num_resumed_tokens),
             make_request_processors(request),
             self._prefill_step_size,
             cache=hit.layers if hit else None,
@@ -433,6 +345,17 @@ class BatchRunner:
                     TokenOutput(rid, state.unreported, state.unreported_logprobs)
                 )
             self._start_batched(row, state.cache, len(state.cached_tokens), state.feed)
+
+    def execute(self, plan: SchedulerOutput, may_share: OpeningGate | None = None) -> RunnerOutput:
+        """Run one planned step: drop the requests leaving (their blocks go to the
+        prefix cache), start the admitted ones from their cache hits, cap the
+        prefill chunks as the memory gate said, and run the forward (``step``).
+        ``may_share``: the gate asked before a burst's shared opening's forward."""
+        self.remove(plan.leaving)
+        hits = self.add(plan.admitted, may_share)
+        cached = {r.request_id: hits.get(r.request_id, 0) for r in plan.admitted}
+        self.cap_prefill(plan.prefill_cap)
+        return RunnerOutput(tuple(self.step()), cached)
 
     def remove(self, request_ids: Iterable[str]) -> None:
         """Take requests out (finished or aborted); their blocks go to the prefix cache."""
@@ -587,7 +510,7 @@ class BatchRunner:
         self._prefill = PrefillBatch(self._model, self._prefill_step_size)
         old = self._decode
         self._decode = DecodeBatch(
-            self._model, pipelined=self._pipelined, compiled=self._batch_step
+            self._model, pipelined=self.strategy.pipelined, compiled=self._batch_step
         )
         self._decode.num_draft, self._decode.spec_stats = old.num_draft, old.spec_stats
         self._solo = self._solo_request = None
@@ -601,20 +524,6 @@ class BatchRunner:
             mx.synchronize(self._stream)
             mx.set_wired_limit(self._old_wired_limit)
             self._old_wired_limit = None
-
-
-def _kv_prefix(layer: KVCache, n: int) -> KVCache:
-    """A cache holding the first ``n`` tokens of ``layer`` (views: the batch the
-    request joins copies them into its own arrays)."""
-    out = KVCache()
-    assert layer.keys is not None and layer.values is not None
-    out.keys, out.values = layer.keys[..., :n, :], layer.values[..., :n, :]
-    out.offset = n
-    return out
-
-
-def _hit_length(hit: CacheHit | None) -> int:
-    return 0 if hit is None else hit.num_tokens
 
 
 def _cache_length(layers: list[Any]) -> int:

@@ -21,16 +21,18 @@ from omlx.grammar.processor import Draw, greedy_draw, temperature_draw
 from omlx.scheduler import Request, SamplingParams
 
 
-def make_request_sampler(params: SamplingParams) -> Sampler:
+def make_request_sampler(params: SamplingParams, num_sampled: int = 0) -> Sampler:
     """Greedy requests share one sampler (one batched argmax); others get their own
     PRNG key so a seed reproduces the same tokens whatever else is in the batch.
+    ``num_sampled``: tokens a resumed request sampled before it was preempted (its
+    key advances past them, so a seed gives the same output as without preemption).
 
     Samplers get raw logits (argmax and categorical need no log-softmax; the
     logprobs some requests ask for are computed beside, logprobs.py); the nucleus, min-p and
     top-k filters normalise first (top-p exponentiates, which overflows on raw logits)."""
     if params.is_greedy:
         return greedy_sampler
-    return RequestSampler(params)
+    return RequestSampler(params, num_sampled)
 
 
 class RequestSampler:
@@ -38,10 +40,12 @@ class RequestSampler:
     ``scaled`` gives the logits it draws from (filters and temperature applied),
     which speculative verification needs for its acceptance test."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, num_sampled: int = 0):
         # Any integer seed (clients send -1 or 64-bit values): MLX takes a uint64.
         seed = params.seed % 2**64 if params.seed is not None else secrets.randbits(63)
         self._key = mx.random.key(seed)
+        for _ in range(num_sampled):
+            self.next_key()
         filters: list[Callable[[mx.array], mx.array]] = []
         if 0.0 < params.top_p < 1.0:
             filters.append(lambda x: apply_top_p(x, params.top_p))
@@ -75,7 +79,9 @@ def make_request_processors(request: Request) -> list[Any]:
     if params.repetition_penalty != 1.0:
         processors += make_logits_processors(repetition_penalty=params.repetition_penalty)
     if request.grammar is not None:
-        processors.append(request.grammar.new_processor(draw=grammar_draw(params)))
+        grammar = request.grammar.new_processor(draw=grammar_draw(params))
+        grammar.replay(request.resumed_output_ids)
+        processors.append(grammar)
     return processors
 
 

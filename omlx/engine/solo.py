@@ -101,6 +101,7 @@ class SoloSequence:
         decoder: CompiledDecode | None = None,
         logprobs: int | None = None,
         embeddings: mx.array | None = None,
+        positions: mx.array | None = None,
     ):
         self.request_id = request_id
         # Top alternatives wanted with each token's logprob (None: no logprobs).
@@ -111,6 +112,9 @@ class SoloSequence:
         # (a prompt with images); prefilled in chunks up to its last token, which
         # goes by id (the batch takes it from there).
         self._embeddings = embeddings
+        # Their rope positions (3, 1, prompt tokens) for models whose image tokens
+        # take 2-D positions (qwen2_vl); None: each token's index.
+        self._positions = positions
         self._model = model
         self._sampler = sampler
         self._processors = processors
@@ -237,7 +241,14 @@ class SoloSequence:
             self._model(mx.array(chunk)[None], cache=self._cache)
         else:
             embedded = self._embeddings[:, pos : pos + n]
-            self._model(mx.array(chunk)[None], cache=self._cache, input_embeddings=embedded)
+            where = (
+                {}
+                if self._positions is None
+                else {"positions": self._positions[..., pos : pos + n]}
+            )
+            self._model(
+                mx.array(chunk)[None], cache=self._cache, input_embeddings=embedded, **where
+            )
         mx.eval([c.state for c in self._cache])
         self._cached.extend(chunk)
         self._remember(mx.array(chunk))

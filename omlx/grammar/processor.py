@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +120,13 @@ class GrammarLogitsProcessor:
         self._timed(self._matcher.fill_next_token_bitmask, self._bitmask)
         self.num_fills += 1
         return apply_bitmask(logits, self._bitmask)
+
+    def replay(self, tokens: Sequence[int]) -> None:
+        """Accept output a resumed (preempted) request produced before: its next
+        mask continues the grammar from there."""
+        for token in tokens:
+            if not self._matcher.is_terminated():
+                self._matcher.accept_token(token)
 
     def _timed(self, work: Callable[..., Any], *args: Any) -> Any:
         """``work(*args)``, its CPU time (this thread only: not the model's) counted."""

@@ -435,6 +435,10 @@ class KVProfile:
     held_kv_bytes: int = 0
     # Resident bytes after the passes were torn down (the baseline when higher).
     teardown_bytes: int = 0
+    # A VLM's image pass: one image at the processor's largest size encoded (vision
+    # tower, projector, the prompt's embeddings), measured, and the formula's figure.
+    image_peak_bytes: int = 0
+    image_estimate_bytes: int = 0
 
 
 # Auto-profile (seed 002): each retry shrinks the capacity by 5%, at most 3 retries.

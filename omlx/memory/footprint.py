@@ -124,7 +124,8 @@ def _malloc_trim() -> Callable[[int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+        return trim
     except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to trim with
         return None
 

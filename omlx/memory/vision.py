@@ -3,7 +3,8 @@
 Pure: no MLX. The image tokens themselves are prompt tokens (their KV and their
 attention are priced like any token's, in budget.py); this prices what comes on
 top: the pixels, the vision tower's activations and attention scores over each
-image's patches, and the prompt's input embeddings.
+image's patches, and the prompt's input embeddings. The auto-profile measures one
+image's encoding at load; ``measured_transient_bytes`` scales the formula by it.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ def vision_dims(config: Mapping[str, Any], text_hidden_size: int, dtype_bytes: i
     """From a VLM's config.json (its ``vision_config``), with families' defaults
     for what a config leaves out."""
     vision = config.get("vision_config") or {}
-    hidden = int(vision.get("hidden_size") or 1024)
+    # Qwen2-VL names the tower's width embed_dim (its hidden_size is the merger's output).
+    hidden = int(max(vision.get("hidden_size") or 0, vision.get("embed_dim") or 0) or 1024)
     patch = vision.get("patch_size") or 14
     return VisionDims(
         hidden_size=hidden,
         intermediate_size=int(vision.get("intermediate_size") or 4 * hidden),
-        num_heads=int(vision.get("num_attention_heads") or 16),
+        num_heads=int(vision.get("num_attention_heads") or vision.get("num_heads") or 16),
         patch_size=int(patch if isinstance(patch, int) else 14),
         text_hidden_size=text_hidden_size,
         dtype_bytes=dtype_bytes,
@@ -51,18 +53,44 @@ def vision_transient_bytes(
     """Peak bytes of encoding images of ``pixel_shape`` (images, channels, height,
     width; the processor pads a batch to its largest image) for a prompt of
     ``num_prompt_tokens`` tokens. An upper bound: every image counted at the
-    batch's size, scores in float32."""
-    if len(pixel_shape) < 3:
+    batch's size, scores in float32. Qwen2-VL's processor gives flat patches
+    (patches, features): counted as one image of all of them (an upper bound)."""
+    if len(pixel_shape) == 2:
+        num_images, patches = 1, int(pixel_shape[0])
+    elif len(pixel_shape) < 3:
         return 0
-    num_images = pixel_shape[0] if len(pixel_shape) >= 4 else 1
-    height, width = pixel_shape[-2], pixel_shape[-1]
-    patches = max(1, (height // dims.patch_size) * (width // dims.patch_size)) + 1
+    else:
+        num_images = pixel_shape[0] if len(pixel_shape) >= 4 else 1
+        height, width = pixel_shape[-2], pixel_shape[-1]
+        patches = max(1, (height // dims.patch_size) * (width // dims.patch_size)) + 1
     pixels = _prod(pixel_shape) * _FLOAT32
     per_patch = _LIVE_HIDDEN_COPIES * dims.hidden_size + dims.intermediate_size
     activations = num_images * patches * per_patch * dims.dtype_bytes
     scores = num_images * dims.num_heads * patches * patches * _FLOAT32
     embeddings = num_prompt_tokens * dims.text_hidden_size * dims.dtype_bytes
     return pixels + activations + scores + embeddings
+
+
+def measured_transient_bytes(estimate: int, measured_peak: int, measured_estimate: int) -> int:
+    """``estimate`` scaled by what the auto-profile measured encoding an image against
+    what this formula said for it (never below the formula: the measurement corrects an
+    underestimate, and a noisy small reading does not shrink the bound)."""
+    if measured_peak <= measured_estimate or measured_estimate <= 0:
+        return estimate
+    return -(-estimate * measured_peak // measured_estimate)  # ceiling
+
+
+def image_bytes(
+    dims: VisionDims, pixel_shape: Sequence[int], num_prompt_tokens: int, profile: Any
+) -> int:
+    """What encoding a prompt's images costs, as the guard counts it: the formula,
+    scaled by the load-time image pass of ``profile`` (a KVProfile, or None)."""
+    estimate = vision_transient_bytes(dims, pixel_shape, num_prompt_tokens)
+    if profile is None:
+        return estimate
+    return measured_transient_bytes(
+        estimate, profile.image_peak_bytes, profile.image_estimate_bytes
+    )
 
 
 def _prod(values: Sequence[int]) -> int:

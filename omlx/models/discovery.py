@@ -66,6 +66,12 @@ def detect_kind(config: dict[str, Any], folder: Path | None = None) -> str:
         return "embedding"
     if "vision_config" in config or any(_is_vlm_arch(a) for a in archs):
         return "vlm"
+    # A causal LM: so declared, or no architectures at all (mlx-lm goes by model_type).
+    causal = not archs or any(str(a).endswith("ForCausalLM") for a in archs)
+    if causal and folder is not None and "reranker" in folder.name.lower():
+        # A causal LM named a reranker (Qwen3-Reranker-0.6B, its MLX conversions): its
+        # config is a plain LLM's, the name is what every published copy keeps.
+        return "rerank"
     return "llm"
 
 

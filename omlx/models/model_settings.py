@@ -55,7 +55,7 @@ class ModelSettings(BaseModel):
 
     alias: str | None = Field(None, min_length=1, max_length=128)
     # Overrides the kind discovery detects (``ModelInfo.kind``).
-    model_type: Literal["llm", "vlm", "embedding"] | None = None
+    model_type: Literal["llm", "vlm", "embedding", "rerank"] | None = None
     is_default: bool = False
     # Never evicted or expired while loaded.
     pinned: bool = False

@@ -25,19 +25,34 @@ from omlx.models.discovery import ModelInfo
 
 log = logging.getLogger(__name__)
 
-# mlx-vlm families whose language model is a plain causal decoder over 1-D
-# positions (tested: llava, pixtral): their decode is exact in the shared batch.
-# Not: qwen2_vl / qwen2_5_vl (multi-axis rope positions held on the model),
-# paligemma (a bidirectional prefix mask), gemma3 (sliding-window layers).
-SUPPORTED_FAMILIES = frozenset({"llava", "llava_next", "mistral3", "pixtral"})
+# mlx-vlm families whose language model is a causal decoder over plain KV caches
+# (tested: llava, pixtral, qwen2_vl, qwen2_5_vl): their decode is exact in the shared
+# batch.
+# Not: paligemma (a bidirectional prefix mask), gemma3 (sliding-window layers).
+SUPPORTED_FAMILIES = frozenset(
+    {"llava", "llava_next", "mistral3", "pixtral", "qwen2_vl", "qwen2_5_vl"}
+)
+# Families with multi-axis rope (M-RoPE): an image's tokens take (t, h, w) grid
+# positions, so the text after it sits at fewer positions than its index. omlx
+# shifts the whole image prompt's positions up by that difference (rope depends
+# only on differences of positions: the same attention) so that every token after
+# the last image, and every decode step, sits at its index (its cache offset): the
+# shared decode batch needs no per-row state. The shift depends on the prompt's
+# images only, and the prefix cache keys image prompts by their images' hashes.
+MROPE_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+# What stands for one image in the prompt text, where it is more than the image token.
+_IMAGE_TEXT = {f: "<|vision_start|><|image_pad|><|vision_end|>" for f in MROPE_FAMILIES}
 
 
 class TextModel(nn.Module):
     """A VLM's language model in mlx-lm's shape: ``model(ids, cache=...)`` -> logits."""
 
-    def __init__(self, language_model: Any):
+    def __init__(self, language_model: Any, mrope: bool = False):
         super().__init__()
         self.language_model = language_model
+        # M-RoPE: positions are always passed, never left to the model's own state
+        # (it keeps the last prompt's rope deltas, wrong for other rows of a batch).
+        self._mrope = mrope
 
     @property
     def layers(self) -> list[Any]:
@@ -48,10 +63,30 @@ class TextModel(nn.Module):
         return [KVCache() for _ in self.layers]
 
     def __call__(
-        self, inputs: mx.array, cache: list[Any] | None = None, input_embeddings: Any = None
+        self,
+        inputs: mx.array,
+        cache: list[Any] | None = None,
+        input_embeddings: Any = None,
+        positions: mx.array | None = None,
     ) -> mx.array:
-        out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache)
+        """``positions``: an image prompt's chunk of (3, 1, tokens) M-RoPE positions."""
+        kwargs = {}
+        if self._mrope:
+            kwargs["position_ids"] = (
+                positions if positions is not None else _index_positions(inputs, cache)
+            )
+        out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **kwargs)
         return out.logits if hasattr(out, "logits") else out
+
+
+def _index_positions(inputs: mx.array, cache: list[Any] | None) -> mx.array:
+    """(3, rows, tokens) positions of tokens at their index: each row's cache offset
+    onwards (an int for one sequence, one per row for a batch's cache)."""
+    rows, length = inputs.shape
+    offset = cache[0].offset if cache else 0
+    start = offset[:, None] if isinstance(offset, mx.array) else mx.array([[offset]])
+    positions = start + mx.arange(length)[None]
+    return mx.broadcast_to(positions[None], (3, rows, length))
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +100,56 @@ class VisionEncoder:
     image_token_id: int
     dims: VisionDims
 
-    def embed(self, input_ids: list[int], pixel_values: Any, extras: dict[str, Any]) -> mx.array:
-        """Input embeddings (1, tokens, hidden) of a prompt with its images."""
+    @property
+    def image_text(self) -> str:
+        """What stands for one image in the prompt text (the processor expands it)."""
+        return _IMAGE_TEXT.get(self.model_type, self.image_token)
+
+    def embed(
+        self, input_ids: list[int], pixel_values: Any, extras: dict[str, Any]
+    ) -> tuple[mx.array, mx.array | None]:
+        """Input embeddings (1, tokens, hidden) of a prompt with its images, and for
+        M-RoPE families its positions (3, 1, tokens), shifted so the tokens after the
+        last image sit at their index (None: every token at its index)."""
         ids = mx.array(input_ids)[None]
         kwargs = {k: mx.array(v) for k, v in extras.items()}
         features = self.model.get_input_embeddings(ids, mx.array(pixel_values), **kwargs)
         embeds: mx.array = getattr(features, "inputs_embeds", features)
-        return embeds
+        if self.model_type not in MROPE_FAMILIES:
+            return embeds, None
+        positions, deltas = features.position_ids, features.rope_deltas
+        return embeds, (positions - deltas.reshape(1, -1, 1)).astype(mx.int32)
+
+    def stress_inputs(self) -> tuple[list[int], Any, dict[str, Any]]:
+        """A prompt with one image at the processor's largest size (ids, pixels,
+        extras): the auto-profile's image pass."""
+        from PIL import Image
+
+        side = _largest_side(self.processor)
+        image = Image.new("RGB", (side, side), (128, 96, 64))
+        text = f"{self.image_text} describe"
+        out = self.processor(text=text, images=[image], return_tensors="np")
+        extras = {k: v for k, v in out.items() if k not in _TEXT_FIELDS}
+        return [int(t) for t in out["input_ids"][0]], out["pixel_values"], extras
+
+
+_TEXT_FIELDS = ("input_ids", "attention_mask", "pixel_values")
+# The image pass's side when a processor names no size; and at most (a larger image
+# costs more, and its attention is quadratic in the patches, as the formula has it).
+_DEFAULT_SIDE = 336
+_MAX_STRESS_SIDE = 1024
+
+
+def _largest_side(processor: Any) -> int:
+    """The largest edge the image processor resizes to (size / crop_size entries)."""
+    image_processor = getattr(processor, "image_processor", None)
+    sides = []
+    for name in ("size", "crop_size"):
+        entry = getattr(image_processor, name, None)
+        found = entry if isinstance(entry, dict) else getattr(entry, "__dict__", {})
+        # Edges only (shortest_edge, height, ...), not min_pixels / max_pixels areas.
+        sides += [v for k, v in found.items() if isinstance(v, int) and v > 0 and "pixels" not in k]
+    return min(max(sides, default=_DEFAULT_SIDE), _MAX_STRESS_SIDE)
 
 
 def _image_token(processor: Any, config: dict[str, Any]) -> tuple[str, int]:
@@ -104,7 +182,8 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     encoder = VisionEncoder(model, processor, info.model_type, token, token_id, dims)
     tokenizer = TokenizerWrapper(getattr(processor, "tokenizer", processor))
     log.info("loaded vision-language model %s in %.2f s", info.name, time.perf_counter() - start)
-    return TextModel(model.language_model), tokenizer, config, encoder
+    mrope = info.model_type in MROPE_FAMILIES
+    return TextModel(model.language_model, mrope), tokenizer, config, encoder
 
 
 def _require_plain_kv(info: ModelInfo, language_model: Any) -> None:

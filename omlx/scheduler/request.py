@@ -65,10 +65,19 @@ class Request:
     arrival_s: float = field(default_factory=time.monotonic)
     # A vision model's images (omlx.api.images.PromptImages), encoded at prefill.
     images: Any = None
+    # A preempted request resumes with its output so far appended to its prompt:
+    # the last this many prompt tokens are output already produced (and counted).
+    num_resumed_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def resumed_output_ids(self) -> tuple[int, ...]:
+        """The output a resumed request had produced before it was preempted."""
+        n = self.num_resumed_tokens
+        return self.prompt_ids[len(self.prompt_ids) - n :] if n else ()
 
 
 @dataclass(frozen=True, slots=True)

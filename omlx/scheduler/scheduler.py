@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Container, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from omlx.errors import QueueFullError
+from omlx.memory.throttle import PrefillShape
+from omlx.scheduler.plan import MemoryView, PrefillChunk, SchedulerOutput
 from omlx.scheduler.request import Request, RequestStatus, RequestUpdate, TokenOutput
+
+log = logging.getLogger(__name__)
 
 # (request at the head of the queue, requests running) -> admit now?
 AdmitCheck = Callable[[Request, int], bool]
@@ -17,7 +23,14 @@ AdmitCheck = Callable[[Request, int], bool]
 @dataclass(slots=True)
 class _Running:
     request: Request
+    # Output tokens counted against max_tokens (a resumed request's earlier ones too).
     num_output_tokens: int = 0
+    # Tokens produced since it was (re)admitted: what a preemption appends to its prompt.
+    new_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def admit(cls, request: Request) -> _Running:
+        return cls(request, request.num_resumed_tokens)
 
 
 class Scheduler:
@@ -33,6 +46,7 @@ class Scheduler:
         *,
         gather_s: float = 0.0,
         gather_max_s: float = 0.0,
+        prefill_step_size: int = 512,
     ):
         if max_running < 1:
             raise ValueError("max_running must be >= 1")
@@ -41,6 +55,10 @@ class Scheduler:
         # Burst gathering while idle (see ``ready_in``); 0 admits at once.
         self.gather_s = gather_s
         self.gather_max_s = gather_max_s
+        # The runner's prefill chunk: an admitted request's first chunk is planned so.
+        self.prefill_step_size = prefill_step_size
+        # Requests preempted, by what ran short ("kv_capacity", "memory").
+        self.preemptions: Counter[str] = Counter()
         self._waiting: OrderedDict[str, Request] = OrderedDict()
         self._running: dict[str, _Running] = {}
 
@@ -55,9 +73,7 @@ class Scheduler:
     @property
     def num_running_tokens(self) -> int:
         """Prompt plus generated tokens of the running requests (their KV)."""
-        return sum(
-            r.request.num_prompt_tokens + r.num_output_tokens for r in self._running.values()
-        )
+        return sum(r.request.num_prompt_tokens + len(r.new_ids) for r in self._running.values())
 
     @property
     def capacity(self) -> int:
@@ -97,6 +113,119 @@ class Scheduler:
         return max(0.0, min(quiet, cap) - now)
 
     def schedule(
+        self,
+        memory: MemoryView,
+        chunks: Sequence[PrefillChunk] = (),
+        *,
+        now: float | None = None,
+    ) -> SchedulerOutput:
+        """Plan one step. ``chunks``: the prefill work the running requests have
+        next (the runner's ``prefill_plan``).
+
+        While the running requests' KV (prompts plus output so far) is over the
+        model's capacity, the newest is preempted. Waiting requests are admitted
+        (``admit``, with ``memory.can_admit``), each with its cached tokens from
+        the prefix index. Then the memory gate shapes the step's prefill chunks
+        (theirs and the running ones'): capped, held, or, when a chunk does not
+        fit even so, the newest running request gives way: a request admitted
+        in this step goes back to the queue unstarted, an older one is preempted;
+        only a lone request whose chunk cannot fit is ended.
+        """
+        preempted = self._preempt_over_capacity(memory)
+        running = [c for c in chunks if c.request_id in self._running]
+        admitted: list[Request] = []
+        if self._waiting and not preempted:  # short of KV this step: nothing starts
+            memory.start_admission(running)
+            admitted = self.admit(memory.can_admit, now=now)
+        cached = {r.request_id: memory.cached_tokens(r) for r in admitted}
+        planned = running + [c for r in admitted if (c := self._first_chunk(r, cached))]
+        shape = self._gate(memory, planned, admitted, preempted)
+        for rid in shape.ended:
+            self.finish(rid, RequestStatus.FINISHED_ERROR)
+        started = tuple(r for r in admitted if r.request_id in self._running)
+        return SchedulerOutput(
+            admitted=started,
+            cached={r.request_id: cached[r.request_id] for r in started},
+            preempted=tuple(preempted),
+            ended=shape.ended,
+            prefill_cap=shape.cap,
+        )
+
+    def _preempt_over_capacity(self, memory: MemoryView) -> list[str]:
+        """Preempt the newest while the running requests' KV passes the capacity
+        (decoding grew it after admission) and more than one runs."""
+        preempted: list[str] = []
+        while len(self._running) > 1 and memory.kv_over_capacity(self.num_running_tokens):
+            victim = self.newest_running(exclude=self._with_images())
+            if victim is None:
+                break
+            self._preempt(victim, "kv_capacity")
+            preempted.append(victim)
+        return preempted
+
+    def _gate(
+        self,
+        memory: MemoryView,
+        planned: list[PrefillChunk],
+        admitted: list[Request],
+        preempted: list[str],
+    ) -> PrefillShape:
+        """The memory gate's shape for the step's chunks, the newest giving way
+        while a chunk does not fit and another request runs."""
+        shape = memory.shape_prefill(planned, len(self._running))
+        while shape.ended and len(self._running) > 1:
+            victim = self._give_way(memory, admitted, preempted)
+            if victim is None:
+                break
+            planned = [c for c in planned if c.request_id != victim]
+            shape = memory.shape_prefill(planned, len(self._running))
+        memory.settle(shape, planned)
+        return shape
+
+    def _first_chunk(self, request: Request, cached: dict[str, int]) -> PrefillChunk | None:
+        """An admitted request's first prefill chunk, as the runner will plan it
+        (its last prompt token goes through the decode step)."""
+        done = cached[request.request_id]
+        left = request.num_prompt_tokens - done
+        if left <= 1:
+            return None
+        n = min(self.prefill_step_size, left)
+        return PrefillChunk(request.request_id, n, done + n, left)
+
+    def _give_way(
+        self, memory: MemoryView, admitted: list[Request], preempted: list[str]
+    ) -> str | None:
+        """The newest running request makes room: one admitted this step goes back
+        to the queue unstarted, an older one is preempted. None: nothing can."""
+        victim = self.newest_running(exclude=self._with_images())
+        if victim is None:
+            return None
+        if any(r.request_id == victim for r in admitted):
+            state = self._running.pop(victim)
+            self._waiting[victim] = state.request
+            self._waiting.move_to_end(victim, last=False)
+            memory.sent_back(state.request)
+        else:
+            self._preempt(victim, "memory")
+            preempted.append(victim)
+        return victim
+
+    def _with_images(self) -> set[str]:
+        """Requests not preempted: a prompt with images cannot grow by its output."""
+        return {rid for rid, r in self._running.items() if r.request.images is not None}
+
+    def _preempt(self, victim: str, reason: str) -> None:
+        resumed = self.preempt(victim)
+        self.preemptions[reason] += 1
+        log.warning(
+            "preempt: %s goes back to the queue with %d output tokens (%s short); "
+            "it resumes from the prefix cache",
+            victim,
+            resumed.num_resumed_tokens,
+            "KV capacity" if reason == "kv_capacity" else "memory",
+        )
+
+    def admit(
         self, can_admit: AdmitCheck | None = None, *, now: float | None = None
     ) -> list[Request]:
         """Admit waiting requests in arrival order while running slots are free.
@@ -115,7 +244,7 @@ class Scheduler:
             if can_admit is not None and not can_admit(request, len(self._running)):
                 break
             del self._waiting[request.request_id]
-            self._running[request.request_id] = _Running(request)
+            self._running[request.request_id] = _Running.admit(request)
             admitted.append(request)
         return admitted
 
@@ -133,6 +262,7 @@ class Scheduler:
             if state is None:
                 continue
             state.num_output_tokens += 1
+            state.new_ids.append(out.token_id)
             sampling = state.request.sampling
             is_stop = out.token_id in sampling.stop_token_ids
             if is_stop:
@@ -170,3 +300,27 @@ class Scheduler:
 
     def running_ids(self) -> list[str]:
         return list(self._running)
+
+    def newest_running(self, *, exclude: Container[str] = ()) -> str | None:
+        """The running request that arrived last (a preemption's victim: the oldest
+        keep their place), leaving out ``exclude``; None if there is none."""
+        candidates = [r.request for rid, r in self._running.items() if rid not in exclude]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda r: r.arrival_s).request_id
+
+    def preempt(self, request_id: str) -> Request:
+        """Put a running request back at the head of the queue, its output so far
+        appended to its prompt (``Request.num_resumed_tokens``): it resumes from
+        there (a prefix-cache hit when its blocks were stored) with the same
+        output. Returns the request as it will resume."""
+        state = self._running.pop(request_id)
+        request = state.request
+        resumed = dataclasses.replace(
+            request,
+            prompt_ids=request.prompt_ids + tuple(state.new_ids),
+            num_resumed_tokens=state.num_output_tokens,
+        )
+        self._waiting[request_id] = resumed
+        self._waiting.move_to_end(request_id, last=False)
+        return resumed

@@ -1,5 +1,6 @@
-"""Vision-language chat on tiny random VLMs of two mlx-vlm families (llava,
-pixtral), through the official openai and anthropic clients on a live server."""
+"""Vision-language chat on tiny random VLMs of four mlx-vlm families (llava,
+pixtral, qwen2_vl, qwen2_5_vl), through the official openai and anthropic clients
+on a live server."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from tests.fixtures.servers import live_server
 from tests.fixtures.tiny_models import build_tiny_model
 from tests.fixtures.tiny_vlms import build_tiny_vlm
 
-VLMS = ["tiny-llava", "tiny-pixtral"]
+VLMS = ["tiny-llava", "tiny-pixtral", "tiny-qwen2-vl", "tiny-qwen25-vl"]
 BIG = "tiny-llava-336"  # 576 image tokens per image: for the memory guard
 
 
@@ -38,12 +39,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     build_tiny_vlm(root / "tiny-llava", "llava", seed=0)
     build_tiny_vlm(root / "tiny-pixtral", "pixtral", seed=1)
     build_tiny_vlm(root / BIG, "llava", seed=2, image_size=336)
+    # M-RoPE: a 40x50 image is 12 tokens on a 3x4 grid, 8 positions fewer than tokens.
+    build_tiny_vlm(root / "tiny-qwen2-vl", "qwen2_vl", seed=3, image_size=84)
+    build_tiny_vlm(root / "tiny-qwen25-vl", "qwen2_5_vl", seed=4, image_size=84)
     build_tiny_model(root / "tiny-llama", "llama", seed=0)
-    # A family not served (multi-axis rope positions): discovered as a VLM, not loaded.
-    qwen = root / "tiny-qwen2-vl"
-    qwen.mkdir()
-    (qwen / "config.json").write_text('{"model_type": "qwen2_vl", "vision_config": {}}')
-    (qwen / "model.safetensors").write_bytes(b"\0" * 64)
+    # A family not served (a bidirectional prefix mask): discovered as a VLM, not loaded.
+    pali = root / "tiny-paligemma"
+    pali.mkdir()
+    (pali / "config.json").write_text('{"model_type": "paligemma", "vision_config": {}}')
+    (pali / "model.safetensors").write_bytes(b"\0" * 64)
     with live_server(
         tmp_path_factory.mktemp("base"),
         root,
@@ -193,7 +197,9 @@ def test_image_choices_and_logprobs_match_the_plain_answer(
     assert [c.message.content for c in reply.choices] == [plain, plain]
     for choice in reply.choices:
         tokens = choice.logprobs.content
-        assert tokens and "".join(t.token for t in tokens).startswith(plain[:4])
+        # By bytes: a token may be part of a character (the answer shows it as U+FFFD).
+        spelled = b"".join(bytes(t.bytes) for t in tokens).decode("utf-8", errors="replace")
+        assert tokens and spelled.startswith(plain[:4])
         assert all(t.logprob <= 0.0 for t in tokens)
 
 
@@ -318,6 +324,41 @@ def test_the_guard_refuses_an_image_set_that_can_never_fit(
         assert one.choices[0].finish_reason == "length"
 
 
+def test_the_auto_profile_measures_an_image_pass_and_the_front_door_uses_it(
+    client: openai.OpenAI, server: Server
+) -> None:
+    chat(client, BIG, ask(png(71)), max_tokens=1)  # loaded
+    engine = next(e for e in server.pool.loaded() if e.name == BIG)
+    guard, vision = engine.guard, engine.loaded.vision
+    profile = guard.profile
+    ids, pixels, _ = vision.stress_inputs()
+    assert pixels.shape == (1, 3, 336, 336)  # one image at the processor's size
+    assert profile.image_estimate_bytes == vision_transient_bytes(
+        vision.dims, pixels.shape, len(ids)
+    )
+    # Encoding 576 patches allocates more than the pixels (activations, scores, embeddings).
+    assert profile.image_peak_bytes > pixels.nbytes
+    shown = {
+        m["name"]: m for m in httpx.get(server.base_url + "/admin/api/models").json()["models"]
+    }
+    assert shown[BIG]["kv_profile"]["image_peak_bytes"] == profile.image_peak_bytes
+    # On a machine where encoding took 8x the formula, one image that fits by the
+    # formula is refused at the front door: the measurement prices it.
+    one_image = vision_transient_bytes(vision.dims, (1, 3, 336, 336), 600)
+    room = guard.baseline_bytes + guard.limits.transient_margin_bytes + 4 * one_image
+    heavy = dataclasses.replace(profile, image_peak_bytes=8 * profile.image_estimate_bytes)
+    with _limited(server, guard, int(room / 0.98) + 1):
+        guard.check_prefill(600, image_bytes=one_image)  # fits by the formula
+        guard.set_profile(heavy)
+        try:
+            with pytest.raises(openai.BadRequestError) as info:
+                chat(client, BIG, ask(png(72)), max_tokens=1)
+        finally:
+            guard.set_profile(profile)
+        err = error_of(info.value)
+        assert err["code"] == "prefill_memory_exceeded" and "images" in err["message"]
+
+
 @contextmanager
 def _limited(server: Server, guard: Any, ceiling: int) -> Iterator[int]:
     """The hard limit at ``ceiling`` for the block: the pool's too, since the
@@ -346,6 +387,37 @@ def test_responses_input_image_answers_and_a_repeat_is_cached(client: openai.Ope
     content[1]["image_url"] = data_url(png(111))
     other = client.responses.create(input=[{"role": "user", "content": content}], **kw)
     assert other.output_text != first.output_text
+
+
+def test_a_stored_image_is_still_seen_by_a_previous_response_id_follow_up(
+    client: openai.OpenAI,
+) -> None:
+    image = data_url(png(112))
+    content = [
+        {"type": "input_text", "text": "what is in the picture?"},
+        {"type": "input_image", "image_url": image},
+    ]
+    kw = {"model": "tiny-llava", "max_output_tokens": 6, "temperature": 0}
+    first = client.responses.create(input=[{"role": "user", "content": content}], **kw)
+    follow = client.responses.create(input="and the colours?", previous_response_id=first.id, **kw)
+    # The same conversation sent whole, image included.
+    whole = client.responses.create(
+        input=[
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "and the colours?"},
+        ],
+        store=False,
+        **kw,
+    )
+    # The same prompt, image tokens included (a dropped image would be a 400 or fewer
+    # tokens); outputs are not compared: a tiny random model's near-flat logits flip
+    # between a cached and an uncached prefill.
+    assert follow.output_text and follow.usage.input_tokens == whole.usage.input_tokens
+    assert follow.usage.input_tokens_details.cached_tokens > 0  # the first turn reused
+    items = client.responses.input_items.list(follow.id).data
+    parts = [p for item in items if isinstance(item.content, list) for p in item.content]
+    assert [p.image_url for p in parts if p.type == "input_image"] == [image]
 
 
 def test_responses_bad_input_image_is_400_naming_the_part(client: openai.OpenAI) -> None:
@@ -426,8 +498,10 @@ def _reference_answer(folder: Path, text: str, image: bytes, max_tokens: int) ->
     from omlx.api.images import ImagePart, process
 
     model, processor = load(str(folder))
-    image_id = model.config.image_token_index
-    prompt = f"<|im_start|>user\n{text}{processor.image_token}<|im_end|>\n<|im_start|>assistant\n"
+    qwen = model.config.model_type in ("qwen2_vl", "qwen2_5_vl")
+    image_id = model.config.image_token_id if qwen else model.config.image_token_index
+    marker = "<|vision_start|><|image_pad|><|vision_end|>" if qwen else processor.image_token
+    prompt = f"<|im_start|>user\n{text}{marker}<|im_end|>\n<|im_start|>assistant\n"
     ids, images = process(processor, prompt, [ImagePart(image, "x")], image_id)
     extras = {k: mx.array(v) for k, v in images.extras.items()}
     features = model.get_input_embeddings(
@@ -435,7 +509,13 @@ def _reference_answer(folder: Path, text: str, image: bytes, max_tokens: int) ->
     )
     language = model.language_model
     cache = make_prompt_cache(language)
-    logits = language(mx.array(ids)[None], inputs_embeds=features.inputs_embeds, cache=cache)
+    # Qwen2-VL: mlx-vlm's own M-RoPE positions (unshifted), its decode from the deltas
+    # the model keeps.
+    rope = {"position_ids": features.position_ids, "rope_deltas": features.rope_deltas}
+    logits = language(
+        mx.array(ids)[None], inputs_embeds=features.inputs_embeds, cache=cache,
+        **(rope if qwen else {}),
+    )  # fmt: skip
     out: list[int] = []
     eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     while len(out) < max_tokens:
@@ -447,7 +527,9 @@ def _reference_answer(folder: Path, text: str, image: bytes, max_tokens: int) ->
     return str(processor.tokenizer.decode(out))
 
 
-@pytest.mark.parametrize("model", ["tiny-llava-336", "tiny-pixtral"])
+@pytest.mark.parametrize(
+    "model", ["tiny-llava-336", "tiny-pixtral", "tiny-qwen2-vl", "tiny-qwen25-vl"]
+)
 def test_answers_match_mlx_vlm_run_in_one_forward(
     client: openai.OpenAI, server: Server, model: str
 ) -> None:
@@ -459,10 +541,24 @@ def test_answers_match_mlx_vlm_run_in_one_forward(
     assert got.choices[0].message.content == expected
 
 
+@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen25-vl"])
+def test_qwen_image_tokens_across_prefill_chunks_match_mlx_vlm(
+    client: openai.OpenAI, server: Server, model: str
+) -> None:
+    # ~50 text tokens then 36 image tokens on a 6x6 grid: the 64-token chunks cut the
+    # image, whose M-RoPE positions each chunk takes from the prompt's table.
+    image, text = png(141, size=(300, 300)), "describe the colours and the shapes " * 6
+    folder = next(i.path for i in server.pool.available().values() if i.name == model)
+    expected = _reference_answer(folder, text, image, 10)
+    got = chat(client, model, ask(image, text=text), max_tokens=10)
+    assert got.usage.prompt_tokens > 64
+    assert got.choices[0].message.content == expected
+
+
 def test_a_vlm_family_not_served_is_a_clear_load_error(client: openai.OpenAI) -> None:
     listed = {m.id: m.model_dump() for m in client.models.list().data}
-    assert listed["tiny-qwen2-vl"]["kind"] == "vlm"
+    assert listed["tiny-paligemma"]["kind"] == "vlm"
     with pytest.raises(openai.APIStatusError) as info:
-        chat(client, "tiny-qwen2-vl", ask(png(150)))
+        chat(client, "tiny-paligemma", ask(png(150)))
     message = error_of(info.value)["message"]
-    assert "qwen2_vl" in message and "not supported" in message and "llava" in message
+    assert "paligemma" in message and "not supported" in message and "qwen2_vl" in message

@@ -10,6 +10,7 @@ import pytest
 from mlx_lm import load
 
 from omlx.engine.runner import BatchRunner
+from omlx.engine.strategy import ExecutionStrategy
 from omlx.scheduler import Request, SamplingParams
 from tests.fixtures.tiny_models import build_tiny_model
 
@@ -28,7 +29,7 @@ def run(
     requests: list[Request],
     num_draft: int,
     prefill_step_size: int = 64,
-    pipelined: bool | None = None,
+    pipelined: bool = False,
 ) -> tuple[dict[str, list[int]], dict[str, int]]:
     """Every token each request got until it reached its max_tokens, and the
     runner's speculative counters."""
@@ -36,7 +37,7 @@ def run(
         model,
         prefill_step_size=prefill_step_size,
         stream=mx.new_stream(mx.cpu),
-        pipelined=pipelined,
+        strategy=ExecutionStrategy.fast_paths(pipelined=bool(pipelined)),
     )
     runner.prove_compiled()
     runner.num_draft = num_draft

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from omlx.engine.batch import merge_caches
 from omlx.engine.compiled import CompiledBatchStep, batch_qualifies
 from omlx.engine.runner import BatchRunner
+from omlx.engine.strategy import ExecutionStrategy
 from omlx.scheduler import Request, SamplingParams
 from tests.fixtures.tiny_models import build_tiny_model
 
@@ -37,7 +38,12 @@ def request(rid: str, prompt: list[int], n: int) -> Request:
 
 
 def make_runner(model, compiled: bool = True) -> BatchRunner:
-    return BatchRunner(model, prefill_step_size=64, stream=mx.new_stream(mx.cpu), compiled=compiled)
+    return BatchRunner(
+        model,
+        prefill_step_size=64,
+        stream=mx.new_stream(mx.cpu),
+        strategy=ExecutionStrategy.fast_paths(compiled=compiled),
+    )
 
 
 def collect(

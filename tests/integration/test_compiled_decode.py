@@ -16,6 +16,7 @@ from omlx.engine.compiled import CompiledDecode, qualifies
 from omlx.engine.runner import BatchRunner
 from omlx.engine.sampling import make_request_sampler
 from omlx.engine.solo import SoloSequence
+from omlx.engine.strategy import ExecutionStrategy
 from omlx.scheduler import Request, SamplingParams
 from tests.fixtures.tiny_models import build_tiny_model
 
@@ -26,7 +27,12 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
 
 
 def make_runner(model, compiled: bool = True) -> BatchRunner:
-    return BatchRunner(model, prefill_step_size=64, stream=mx.new_stream(mx.cpu), compiled=compiled)
+    return BatchRunner(
+        model,
+        prefill_step_size=64,
+        stream=mx.new_stream(mx.cpu),
+        strategy=ExecutionStrategy.fast_paths(compiled=compiled),
+    )
 
 
 def request(rid: str, prompt: list[int], n: int) -> Request:

@@ -14,6 +14,7 @@ from omlx.api.prompts import choice_requests
 from omlx.engine.logprobs import log_softmax
 from omlx.engine.runner import BatchRunner
 from omlx.engine.scoring import score_prompt
+from omlx.engine.strategy import ExecutionStrategy
 from omlx.scheduler import Request, SamplingParams, TokenLogprob
 from tests.fixtures.tiny_models import build_tiny_model
 
@@ -36,8 +37,7 @@ def _run(
         model,
         prefill_step_size=64,
         stream=mx.new_stream(mx.cpu),
-        pipelined=pipelined,
-        compiled=compiled,
+        strategy=ExecutionStrategy.fast_paths(pipelined=pipelined, compiled=compiled),
     )
     runner.prove_compiled()
     runner.add(requests)
@@ -117,7 +117,10 @@ def test_n_choices_prefill_their_prompt_once(llama) -> None:
     prompt = list(range(3, 43))
     counting = _CountingModel(llama)
     runner = BatchRunner(
-        counting, prefill_step_size=64, stream=mx.new_stream(mx.cpu), compiled=False
+        counting,
+        prefill_step_size=64,
+        stream=mx.new_stream(mx.cpu),
+        strategy=ExecutionStrategy.fast_paths(compiled=False),
     )
     params = SamplingParams(temperature=0.0, max_tokens=4)
     runner.add(choice_requests("c", prompt, params, None, 3))
@@ -176,7 +179,10 @@ def test_n_choices_of_a_long_prompt_prefill_it_once(llama) -> None:
     prompt = [(7 * i) % 300 + 3 for i in range(40)]  # more than two 16-token chunks
     counting = _CountingModel(llama)
     runner = BatchRunner(
-        counting, prefill_step_size=16, stream=mx.new_stream(mx.cpu), compiled=False
+        counting,
+        prefill_step_size=16,
+        stream=mx.new_stream(mx.cpu),
+        strategy=ExecutionStrategy.fast_paths(compiled=False),
     )
     params = SamplingParams(temperature=0.0, max_tokens=4)
     runner.add(choice_requests("c", prompt, params, None, 3))
@@ -193,7 +199,12 @@ def test_n_choices_of_a_long_prompt_prefill_it_once(llama) -> None:
 
 def test_choices_whose_leader_leaves_prefill_on_their_own(llama) -> None:
     prompt = [(11 * i) % 300 + 3 for i in range(40)]
-    runner = BatchRunner(llama, prefill_step_size=16, stream=mx.new_stream(mx.cpu), compiled=False)
+    runner = BatchRunner(
+        llama,
+        prefill_step_size=16,
+        stream=mx.new_stream(mx.cpu),
+        strategy=ExecutionStrategy.fast_paths(compiled=False),
+    )
     params = SamplingParams(temperature=0.0, max_tokens=4)
     choices = choice_requests("c", prompt, params, None, 3)
     runner.add(choices)

@@ -289,7 +289,7 @@ def test_a_pause_above_the_soft_limit_is_counted_and_its_deferrals_logged(
             assert not first.done(), first.result()
             await asyncio.sleep(0.01)
         second = asyncio.create_task(run(pool, "slow-llama", max_tokens=4))
-        while not engine.deferrals["paused"]:
+        while not engine.gate.deferrals["paused"]:
             assert not second.done(), second.result()
             await asyncio.sleep(0.01)
         probe.bytes = 50_000_000
@@ -297,10 +297,10 @@ def test_a_pause_above_the_soft_limit_is_counted_and_its_deferrals_logged(
         assert not pool.enforcer.admission_paused and pool.enforcer.num_admission_pauses == 1
         assert (await second)[0] == "length" and (await first)[0] == "length"
         paused = [m for m in caplog.messages if "admission paused (memory above" in m]
-        assert len(paused) == engine.deferrals["paused"]
+        assert len(paused) == engine.gate.deferrals["paused"]
         assert all(m.startswith("memadmit slow-llama: deferred a 4-token prompt") for m in paused)
         counters = {m["name"]: m["memory_guard"] for m in pool.status()}["slow-llama"]
-        assert counters["deferrals"]["paused"] == engine.deferrals["paused"]
+        assert counters["deferrals"]["paused"] == engine.gate.deferrals["paused"]
 
     asyncio.run(main())
 

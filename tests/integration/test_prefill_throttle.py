@@ -88,7 +88,7 @@ def test_a_flood_near_the_ceiling_is_throttled_not_ended(
         # door frozen at load, or its gate, ending at once, ended them), the gate did
         # step in short of ending, and the peak stayed bounded.
         assert len(completed) == len(results), results
-        assert sum(e.num_throttled_steps + e.num_held_steps for e in engines) > 0
+        assert sum(e.gate.num_throttled_steps + e.gate.num_held_steps for e in engines) > 0
         assert sum(e.num_gated for e in engines) == 0
         assert probe.max_peak <= hard
         _metrics_show(pool, engines)
@@ -111,11 +111,11 @@ def _metrics_show(pool, engines) -> None:
 
     for e in engines:
         model = e.name
-        assert total("omlx_memory_throttled_steps_total", model=model) == e.num_throttled_steps
-        assert total("omlx_memory_held_steps_total", model=model) == e.num_held_steps
-        assert total("omlx_memory_reclaims_total", model=model) == e.num_reclaims
+        assert total("omlx_memory_throttled_steps_total", model=model) == e.gate.num_throttled_steps
+        assert total("omlx_memory_held_steps_total", model=model) == e.gate.num_held_steps
+        assert total("omlx_memory_reclaims_total", model=model) == e.gate.num_reclaims
         assert total("omlx_memory_gate_ended_total", model=model) == 0
-        for reason, n in e.deferrals.items():
+        for reason, n in e.gate.deferrals.items():
             assert total("omlx_memory_deferrals_total", model=model, reason=reason) == n
     assert total("omlx_memory_deferrals_total") == sum(e.num_deferrals for e in engines) > 0
     assert 0 < total("omlx_memory_baseline_bytes") < pool.limits.hard_bytes
@@ -124,7 +124,7 @@ def _metrics_show(pool, engines) -> None:
 def _log_lines_show(messages: list[str], engines) -> None:
     """The lines a person debugging memory greps for, one per kind of event."""
     gate = [m for m in messages if m.startswith("memgate slow-")]
-    steps = sum(e.num_throttled_steps + e.num_held_steps for e in engines)
+    steps = sum(e.gate.num_throttled_steps + e.gate.num_held_steps for e in engines)
     assert len(gate) == steps
     assert all("limit" in m and ("capped at" in m or "waits a step" in m) for m in gate)
     admit = [m for m in messages if m.startswith("memadmit slow-")]

@@ -128,6 +128,8 @@ def test_after_ready_the_first_request_loads_profiles_and_proves_nothing(
         ready = by_name(wait_settled(server.base_url))["tiny-llama"]
         # Proved during the load: a proven step never runs its proof again.
         assert ready["compiled_steps"] == {"decode": "proven", "batch": "proven"}
+        # The CPU backend runs its measured fast paths (a GPU would run the plain path).
+        assert ready["execution_strategy"]["name"] == "fast_paths"
         pool = server.pool
         engine = pool.engine("tiny-llama")
         assert engine is not None

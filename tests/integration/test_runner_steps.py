@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from omlx.engine.runner import BatchRunner
 from omlx.engine.sampling import make_request_sampler
 from omlx.engine.solo import last_logits, output_head
+from omlx.engine.strategy import ExecutionStrategy
 from omlx.engine.stream import RequestStream
 from omlx.scheduler import Request, SamplingParams
 from tests.fixtures.tiny_models import build_tiny_model
@@ -40,7 +41,7 @@ def make_runner(model, step_size: int, pipelined: bool | None = None) -> BatchRu
         model,
         prefill_step_size=step_size,
         stream=mx.new_stream(mx.cpu),
-        pipelined=pipelined,
+        strategy=ExecutionStrategy.fast_paths(pipelined=bool(pipelined)),
     )
 
 

@@ -29,14 +29,18 @@ PROMPTS = [OPENING + [(7 * i + 13 * k) % 300 + 3 for i in range(20)] for k in ra
 
 class DriftProbe(MLXProbe):
     """Real MLX readings, except the next ``spikes`` readings once the whole burst
-    is admitted, which show memory at ``at_limit``. Records how much real MLX
-    memory grew during those readings (peak since the reading before)."""
+    is admitted (after ``skip`` real ones), which show memory at ``at_limit``.
+    Records how much real MLX memory grew during those readings (peak since the
+    reading before)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.engine = None
         self.at_limit = 0
         self.spikes = 0
+        self.skip = 0
+        # False: memory is at the limit whatever runs (not only the whole burst).
+        self.whole_burst_only = True
         self.grown_at_limit = 0
         self._last_active = 0
 
@@ -46,7 +50,11 @@ class DriftProbe(MLXProbe):
         engine = self.engine
         if engine is None or self.spikes == 0:
             return active, active, peak
-        if engine.num_in_flight - engine.num_queued < BURST:  # burst not admitted yet
+        whole = engine.num_in_flight - engine.num_queued == BURST
+        if self.whole_burst_only and not whole:  # not admitted yet, or some preempted
+            return active, active, peak
+        if self.skip:
+            self.skip -= 1
             return active, active, peak
         self.spikes -= 1
         self.grown_at_limit = max(self.grown_at_limit, peak - before)
@@ -78,7 +86,7 @@ async def setup(pool: EnginePool):
 
 
 def test_a_shared_opening_held_back_by_the_gate_is_prefilled_per_request(make_pool) -> None:
-    """Memory is at the limit for one reading right after admission: the shared
+    """Memory is at the limit for the shared opening's reading: the shared
     forward is not run (today it runs without a reading, and the chunks' gate then
     ends every request); each request prefills the opening in its own gated chunks
     and all are served with the output they get alone."""
@@ -86,24 +94,45 @@ def test_a_shared_opening_held_back_by_the_gate_is_prefilled_per_request(make_po
 
     async def main() -> None:
         engine, probe, solo = await setup(pool)
-        probe.spikes = 1
+        # The step's planning gate reads first (real memory: the chunks fit); the
+        # shared opening's gate reads next, inside the runner, right before its forward.
+        probe.skip, probe.spikes = 1, 1
         together = await burst(pool, engine)
         assert probe.spikes == 0  # the drifted reading was taken
         assert together == solo
-        assert engine.num_unshared_openings == 1 and engine.num_gated == 0
+        assert engine.gate.num_unshared_openings == 1 and engine.num_gated == 0
 
     asyncio.run(main())
 
 
 def test_no_shared_forward_runs_while_memory_is_at_the_limit(make_pool) -> None:
-    """Memory stays at the limit: the burst ends with the gate's retryable 503, and
-    no forward ran after the reading said the limit was reached (today the shared
-    opening's forward does: MLX grows by its KV and activations)."""
+    """Memory is at the limit while the whole burst runs: no forward ran after the
+    reading said so (the shared opening's forward would grow MLX by its KV and
+    activations); the gate sends the newest requests back to the queue instead of
+    ending them, and every request completes with the output it gets alone."""
+    pool = make_pool(max_concurrent_requests=8, prefill_step_size=512)
+
+    async def main() -> None:
+        engine, probe, solo = await setup(pool)
+        probe.spikes = 1000
+        results = await burst(pool, engine)
+        assert results == solo
+        assert engine.guard_counters()["deferrals"]["memory"] >= 1 and engine.num_gated == 0
+        assert engine.num_in_flight == 0
+        assert probe.grown_at_limit < 1 * MB
+
+    asyncio.run(main())
+
+
+def test_memory_at_the_limit_whatever_runs_ends_the_burst_with_503(make_pool) -> None:
+    """Memory stays at the limit however few requests run: preempting cannot help
+    a lone request, so each ends with the gate's retryable 503, and no forward ran
+    at the limit."""
     pool = make_pool(max_concurrent_requests=8, prefill_step_size=512)
 
     async def main() -> None:
         engine, probe, _ = await setup(pool)
-        probe.spikes = 1000
+        probe.spikes, probe.whole_burst_only = 10**9, False
         results = await burst(pool, engine)
         for error, text in results:
             assert isinstance(error, MemoryPressureError) and error.http_status == 503

@@ -59,14 +59,14 @@ def test_a_speculative_step_over_the_limit_decodes_without_drafts(make_pool) -> 
 
         roomy = "".join(await _tokens(engine, "roomy", probe, 0))
         drafted = engine.speculative_stats()["drafted"]
-        assert drafted > 0 and engine.num_held_drafts == 0
+        assert drafted > 0 and engine.gate.num_held_drafts == 0
 
         # After the prompt is in, other work takes the room: the gate refuses every
         # speculative step; the request still finishes with the same text.
         tight = "".join(await _tokens(engine, "tight", probe, ROOM))
         assert tight == roomy
-        assert engine.num_held_drafts > 0
-        assert engine.guard_counters()["held_drafts"] == engine.num_held_drafts
+        assert engine.gate.num_held_drafts > 0
+        assert engine.guard_counters()["held_drafts"] == engine.gate.num_held_drafts
         assert engine.speculative_stats()["drafted"] == drafted
 
     asyncio.run(main())

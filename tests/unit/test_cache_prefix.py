@@ -11,7 +11,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from omlx.cache import kv_codec
-from omlx.cache import prefix as prefix_module
+from omlx.cache import prefix_index as prefix_module
 from omlx.cache.hot import HotTier
 from omlx.cache.prefix import PrefixCache
 
@@ -111,6 +111,8 @@ def test_a_prompt_sharing_part_of_a_stored_block_gets_those_tokens() -> None:
 
     # Shares the first block and 11 tokens of the second.
     other = [*stored[:27], 7, 8, 9, 10]
+    # The pure index (what admission asks) says what the lookup then restores.
+    assert prefix.match(other) == 27 and prefix.match([*stored[:5], 1, 2, 3]) == 0
     hit = prefix.lookup(other, [KVCache(), KVCache()])
     assert hit is not None and hit.num_tokens == 27
     np.testing.assert_array_equal(np.array(hit.layers[0].keys[..., :27, :]), keys[..., :27, :])

@@ -137,6 +137,13 @@ def test_kinds_are_detected_from_config(tmp_path):
     )
     make_model(tmp_path / "embed", {"model_type": "bert", "architectures": ["BertModel"]})
     make_model(tmp_path / "notype", {"architectures": ["LlamaForCausalLM"]})
+    qwen3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    make_model(tmp_path / "Qwen3-Reranker-0.6B-4bit", qwen3)
+    # Named a reranker but not a causal LM (a ranking head of its own): not ours to score.
+    make_model(tmp_path / "other-reranker", {"architectures": ["JinaForRanking"]})
+    # A sentence-transformers folder named like a reranker still embeds.
+    make_model(tmp_path / "st-reranker", qwen3)
+    (tmp_path / "st-reranker" / "modules.json").write_text("[]")
 
     models = discover_models([tmp_path])
 
@@ -145,6 +152,9 @@ def test_kinds_are_detected_from_config(tmp_path):
         "vision": "vlm",
         "embed": "embedding",
         "notype": "llm",
+        "Qwen3-Reranker-0.6B-4bit": "rerank",
+        "other-reranker": "llm",
+        "st-reranker": "embedding",
     }
     assert models["notype"].model_type == "unknown"
 

@@ -136,7 +136,7 @@ def test_a_failed_update_keeps_the_old_settings(store):
 
 
 def test_model_type_accepts_the_discovered_kinds(store):
-    for kind in ("llm", "vlm", "embedding"):
+    for kind in ("llm", "vlm", "embedding", "rerank"):
         assert store.put("m", {"model_type": kind}).model_type == kind
 
 

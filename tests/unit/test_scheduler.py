@@ -67,7 +67,7 @@ def make_request(rid: str, max_tokens: int = 4, stop_token_ids: Iterable[int] = 
 
 def engine_step(scheduler: Scheduler, runner: FakeRunner) -> Step:
     """What ModelEngine.step does, minus detokenizing and streams."""
-    admitted = scheduler.schedule()
+    admitted = scheduler.admit()
     runner.add(admitted)
     outputs = runner.step()
     updates = scheduler.update_from_output(outputs)
@@ -143,9 +143,9 @@ def test_schedule_fills_every_free_slot_at_once():
     for rid in ("a", "b", "c", "d"):
         scheduler.add(make_request(rid))
 
-    assert [r.request_id for r in scheduler.schedule()] == ["a", "b", "c"]
+    assert [r.request_id for r in scheduler.admit()] == ["a", "b", "c"]
     assert (scheduler.num_running, scheduler.num_waiting) == (3, 1)
-    assert scheduler.schedule() == []
+    assert scheduler.admit() == []
 
 
 def arriving(rid: str, at: float) -> Request:
@@ -158,12 +158,12 @@ def test_a_burst_arriving_while_idle_is_admitted_as_one_batch():
     scheduler = Scheduler(max_running=8, max_waiting=8, gather_s=0.005, gather_max_s=0.025)
     scheduler.add(arriving("a", 100.000))
     assert scheduler.ready_in(100.001) == pytest.approx(0.004)
-    assert scheduler.schedule(now=100.001) == []
+    assert scheduler.admit(now=100.001) == []
     scheduler.add(arriving("b", 100.003))
     scheduler.add(arriving("c", 100.006))
-    assert scheduler.schedule(now=100.010) == []
+    assert scheduler.admit(now=100.010) == []
     assert scheduler.ready_in(100.010) == pytest.approx(0.001)
-    admitted = scheduler.schedule(now=100.0111)
+    admitted = scheduler.admit(now=100.0111)
     assert [r.request_id for r in admitted] == ["a", "b", "c"]
     assert scheduler.ready_in(100.0111) == 0.0
 
@@ -174,9 +174,9 @@ def test_a_steady_trickle_starts_no_later_than_the_cap():
     scheduler = Scheduler(max_running=16, max_waiting=16, gather_s=0.005, gather_max_s=0.025)
     for i in range(7):
         scheduler.add(arriving(f"r{i}", 10.0 + 0.004 * i))
-        assert scheduler.schedule(now=10.0 + 0.004 * i + 0.001) == []
+        assert scheduler.admit(now=10.0 + 0.004 * i + 0.001) == []
     assert scheduler.ready_in(10.0249) > 0
-    assert len(scheduler.schedule(now=10.025)) == 7
+    assert len(scheduler.admit(now=10.025)) == 7
 
 
 def test_arrivals_while_others_run_are_admitted_at_once():
@@ -184,17 +184,17 @@ def test_arrivals_while_others_run_are_admitted_at_once():
     starts at the next step, as before."""
     scheduler = Scheduler(max_running=4, max_waiting=4, gather_s=0.005, gather_max_s=0.025)
     scheduler.add(arriving("first", 0.0))
-    assert [r.request_id for r in scheduler.schedule(now=1.0)] == ["first"]
+    assert [r.request_id for r in scheduler.admit(now=1.0)] == ["first"]
     scheduler.add(arriving("second", 2.0))
     assert scheduler.ready_in(2.0) == 0.0
-    assert [r.request_id for r in scheduler.schedule(now=2.0)] == ["second"]
+    assert [r.request_id for r in scheduler.admit(now=2.0)] == ["second"]
 
 
 def test_a_zero_window_starts_every_request_at_once():
     scheduler = Scheduler(max_running=4, max_waiting=4)
     scheduler.add(arriving("a", 5.0))
     assert scheduler.ready_in(5.0) == 0.0
-    assert [r.request_id for r in scheduler.schedule(now=5.0)] == ["a"]
+    assert [r.request_id for r in scheduler.admit(now=5.0)] == ["a"]
 
 
 def test_max_running_must_be_positive():
@@ -223,7 +223,7 @@ def test_queue_full_counts_running_requests_too():
     scheduler = Scheduler(max_running=2, max_waiting=1)
     for rid in ("a", "b", "c"):
         scheduler.add(make_request(rid))
-    scheduler.schedule()
+    scheduler.admit()
     assert (scheduler.num_running, scheduler.num_waiting) == (2, 1)
 
     with pytest.raises(QueueFullError):
@@ -249,7 +249,7 @@ def test_duplicate_ids_are_rejected_while_waiting_and_while_running():
     with pytest.raises(ValueError, match="duplicate"):
         scheduler.add(make_request("a"))
 
-    scheduler.schedule()
+    scheduler.admit()
     with pytest.raises(ValueError, match="duplicate"):
         scheduler.add(make_request("a"))
     assert (scheduler.num_running, scheduler.num_waiting) == (1, 0)
@@ -413,3 +413,32 @@ def test_sampling_params_is_greedy(params, greedy):
 def test_request_status_finish_reason(status, reason):
     assert status.finish_reason == reason
     assert status.is_finished is (reason is not None)
+
+
+def test_a_preempted_request_waits_at_the_head_and_resumes_its_count() -> None:
+    """Preemption puts the newest request first in the queue with its output so far
+    appended to its prompt; its max_tokens count and KV tokens carry on, not restart."""
+    scheduler = Scheduler(max_running=2, max_waiting=4)
+    old = Request("old", (1, 2, 3), SamplingParams(max_tokens=5), arrival_s=1.0)
+    new = Request("new", (4, 5), SamplingParams(max_tokens=3), arrival_s=2.0)
+    later = Request("later", (6,), SamplingParams(max_tokens=3), arrival_s=3.0)
+    for r in (old, new):
+        scheduler.add(r)
+    assert scheduler.admit() == [old, new]
+    scheduler.add(later)
+    scheduler.update_from_output([TokenOutput("old", 7), TokenOutput("new", 8)])
+    assert scheduler.newest_running() == "new"
+    assert scheduler.newest_running(exclude={"new"}) == "old"
+
+    resumed = scheduler.preempt("new")
+    assert resumed.prompt_ids == (4, 5, 8) and resumed.num_resumed_tokens == 1
+    assert resumed.resumed_output_ids == (8,)
+    assert scheduler.num_running_tokens == 4  # old: 3 prompt + 1 output
+    # Back at the head of the queue, before the request that arrived after it.
+    admitted = scheduler.admit()
+    assert admitted == [resumed]
+    assert scheduler.num_running_tokens == 4 + 3
+    updates = scheduler.update_from_output([TokenOutput("new", 9), TokenOutput("new", 10)])
+    assert [u.num_output_tokens for u in updates] == [2, 3]
+    assert updates[-1].status is RequestStatus.FINISHED_LENGTH
+    assert scheduler.admit() == [later]

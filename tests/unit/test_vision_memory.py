@@ -50,3 +50,29 @@ def test_image_transient_grows_with_images_and_their_size() -> None:
 def test_no_pixels_no_transient() -> None:
     dims = vision_dims({}, text_hidden_size=64, dtype_bytes=4)
     assert vision_transient_bytes(dims, (), 10) == 0
+
+
+def test_a_measured_image_pass_scales_the_formula_up_never_down() -> None:
+    from omlx.memory.vision import measured_transient_bytes
+
+    # Measured 2.5x the formula at the profile's image: every estimate 2.5x (ceiling).
+    assert measured_transient_bytes(1000, 250, 100) == 2500
+    assert measured_transient_bytes(3, 250, 100) == 8
+    # A smaller reading (noise, an allocator that reused buffers) keeps the formula.
+    assert measured_transient_bytes(1000, 50, 100) == 1000
+    # Not measured (skipped, or a profile from before the image pass): the formula.
+    assert measured_transient_bytes(1000, 0, 100) == 1000
+    assert measured_transient_bytes(1000, 0, 0) == 1000
+
+
+def test_qwen2_vl_flat_patches_are_priced_as_one_image_of_them_all() -> None:
+    # Qwen2-VL: the tower is embed_dim wide (hidden_size is its merger's output) and
+    # the processor hands over (patches, channels x 2 frames x 14 x 14).
+    config = {"vision_config": {"embed_dim": 1280, "hidden_size": 1536, "num_heads": 16,
+                                "patch_size": 14}}  # fmt: skip
+    dims = vision_dims(config, text_hidden_size=1536, dtype_bytes=2)
+    assert (dims.hidden_size, dims.num_heads) == (1536, 16)
+    one = vision_transient_bytes(dims, (1024, 1176), 300)
+    two = vision_transient_bytes(dims, (2048, 1176), 300)
+    scores = 16 * 1024 * 1024 * 4  # heads x patches^2 in float32
+    assert one > scores and two > 3 * scores  # quadratic in the patches

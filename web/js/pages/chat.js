@@ -1,19 +1,21 @@
 // Chat: streams /v1/chat/completions (the API clients use), markdown sanitized,
-// reasoning folded, a stop button that aborts the fetch.
+// reasoning folded, a stop button that aborts the fetch; images attach for vision models.
 
 import DOMPurify from "../../vendor/dompurify/purify.es.js";
 import { marked } from "../../vendor/marked/marked.esm.js";
 import { ApiError, get, streamChat } from "../api.js";
 import { clear, formatNumber, h, uid } from "../ui.js";
+import { imageAttachments, messageContent, thumbnails } from "./chat_images.js";
 
 function renderMarkdown(target, text) {
   target.innerHTML = DOMPurify.sanitize(marked.parse(text, { gfm: true, breaks: true }));
 }
 
-function bubble(role, text = "") {
+function bubble(role, text = "", images = []) {
   const content = h("div.content");
   const el = h(`div.msg.${role}`, { dataset: { role } }, h("div.role", role), content);
   if (role === "user") content.textContent = text;
+  if (images.length) el.insertBefore(thumbnails(images), content);
   return { el, content };
 }
 
@@ -32,6 +34,10 @@ export async function render(view, { params, navigate }) {
   const stop = h("button.btn.danger", { id: "chat-stop", hidden: true }, "Stop");
   const history = [];
   let controller = null;
+  const attachments = imageAttachments();
+  const takesImages = () => models.find((m) => m.id === model.value)?.capabilities?.includes("vision") ?? false;
+  model.addEventListener("change", () => attachments.setEnabled(takesImages()));
+  input.addEventListener("paste", (event) => attachments.onPaste(event));
 
   const reset = () => {
     controller?.abort();
@@ -41,11 +47,12 @@ export async function render(view, { params, navigate }) {
 
   async function submit() {
     const text = input.value.trim();
-    if (!text || controller || !model.value) return;
+    if (controller || !model.value || (!text && !attachments.count())) return;
+    const images = attachments.take();
     input.value = "";
     log.querySelector("#chat-empty")?.remove();
-    history.push({ role: "user", content: text });
-    log.append(bubble("user", text).el);
+    history.push({ role: "user", content: messageContent(text, images) });
+    log.append(bubble("user", text, images).el);
     const reply = bubble("assistant");
     const reasoning = h("div.reasoning-text");
     const details = h("details.reasoning", { hidden: true }, h("summary", "Reasoning"), reasoning);
@@ -136,10 +143,13 @@ export async function render(view, { params, navigate }) {
         h("button.btn", { onclick: reset }, "New chat"),
       ),
       log,
-      h("div.chat-input", input, send, stop),
+      attachments.strip,
+      attachments.notice,
+      h("div.chat-input", ...attachments.elements, input, send, stop),
     ),
   );
   reset();
+  attachments.setEnabled(takesImages());
   input.focus();
   return () => controller?.abort();
 }

@@ -8,7 +8,7 @@ const POLL_MS = 3000;
 // Every per-model field (omlx/models/model_settings.py), in dialog order.
 const FIELDS = [
   { name: "alias", label: "Alias", type: "text", help: "Name clients may use instead of the folder name." },
-  { name: "model_type", label: "Model type", type: "select", options: ["", "llm", "vlm", "embedding"], help: "Empty: as detected." },
+  { name: "model_type", label: "Model type", type: "select", options: ["", "llm", "vlm", "embedding", "rerank"], help: "Empty: as detected. rerank: an LLM reranker (Qwen3-Reranker style) whose folder name does not say reranker." },
   { name: "is_default", label: "Default model", type: "checkbox", help: "Answers the model name \"default\"." },
   { name: "pinned", label: "Pinned", type: "checkbox", help: "Never evicted or expired while loaded." },
   { name: "ttl_s", label: "Idle TTL (s)", type: "number", step: "any", help: "Unload after this many idle seconds; empty: global idle timeout." },

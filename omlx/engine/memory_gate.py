@@ -1,0 +1,286 @@
+"""The memory guard at each step of one model's engine. MLX thread only.
+
+Admission of the queue's head (``can_admit``), the forward gate on the step's
+prefill chunks (``shape_prefill``: hand MLX's free cache back, cap the chunks,
+hold prefill for decoding requests; the pure rules are in memory/throttle.py),
+the gate of a burst's shared opening, and the KV-capacity check. It is the
+``MemoryView`` the scheduler plans each step with (scheduler/plan.py), which
+acts on the answers (preempts, ends); this module counts what the guard did
+(admin API, /metrics) and writes the ``memadmit`` / ``memgate`` log lines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from omlx.memory import mlx_stats
+from omlx.memory.budget import MemoryReading, prefill_step_transient_bytes
+from omlx.memory.guard import MemoryGuard
+from omlx.memory.probe import MemoryProbe
+from omlx.memory.throttle import MAX_PREFILL_HOLD_S, PlannedChunk, PrefillShape, shape_prefill
+from omlx.scheduler import Request, Scheduler
+from omlx.sizes import format_bytes
+
+log = logging.getLogger(__name__)
+
+
+class StepGate:
+    """``busy_elsewhere``: whether another model's requests are running (they end
+    and free memory too, so prefill may wait for them). ``image_bytes``: the
+    transient of encoding a request's images. ``cached_tokens``: a prompt's
+    tokens the prefix index holds (0 without a prefix cache)."""
+
+    def __init__(
+        self,
+        name: str,
+        guard: MemoryGuard,
+        probe: MemoryProbe,
+        scheduler: Scheduler,
+        *,
+        busy_elsewhere: Callable[[], bool],
+        image_bytes: Callable[[Request], int],
+        cached_tokens: Callable[[Request], int] = lambda request: 0,
+    ):
+        self.name = name
+        self.guard = guard
+        self.probe = probe
+        self._scheduler = scheduler
+        self._busy_elsewhere = busy_elsewhere
+        self._image_bytes = image_bytes
+        self._cached_tokens = cached_tokens
+        self._reading: MemoryReading | None = None  # the last shape's, for its log line
+        # Set by the pool's enforcer above the soft limit: admit nothing new
+        # while something runs (a lone request is still admitted, so no deadlock).
+        self.admission_paused = False
+        # Admission deferrals by reason: "memory", "kv_capacity", "paused".
+        self.deferrals: Counter[str] = Counter()
+        # Requests the gate ended.
+        self.num_gated = 0
+        # The gate's steps short of ending anything: MLX's cache handed back,
+        # chunks capped, prefill waiting for decoding requests (since when).
+        self.num_reclaims = 0
+        self.num_throttled_steps = 0
+        self.num_held_steps = 0
+        self._held_since: float | None = None
+        # Shared openings the gate held back (their requests prefilled them alone).
+        self.num_unshared_openings = 0
+        # Speculative steps the gate made decode without drafts.
+        self.num_held_drafts = 0
+        self._pending_bytes = 0
+
+    def counters(self) -> dict[str, Any]:
+        """What the memory guard did to this model's requests (admin API, /metrics)."""
+        return {
+            "deferrals": dict(self.deferrals),
+            "gate_ended": self.num_gated,
+            "preempted": dict(self._scheduler.preemptions),
+            "throttled_steps": self.num_throttled_steps,
+            "held_steps": self.num_held_steps,
+            "reclaims": self.num_reclaims,
+            "unshared_openings": self.num_unshared_openings,
+            "held_drafts": self.num_held_drafts,
+        }
+
+    # ---- before the step ----------------------------------------------------
+
+    def reclaim_near_limit(self) -> None:
+        """Within one margin of the hard limit, hand freed memory back before the
+        step allocates: on the CPU backend freed heap pages stay in the footprint
+        and would stack with the step's own transient (decode steps are not gated)."""
+        reading, limits = self.probe.reading(fresh=True), self.guard.limits
+        if reading.resident_bytes + limits.transient_margin_bytes > limits.hard_bytes:
+            mlx_stats.release_cache()
+            self.num_reclaims += 1
+
+    def kv_over_capacity(self, num_tokens_in_flight: int) -> bool:
+        """The running requests' KV (prompts plus output so far) passed the model's
+        KV capacity: decoding grew it after admission."""
+        return not self.guard.kv_fits(num_tokens_in_flight, 0)
+
+    def cached_tokens(self, request: Request) -> int:
+        return self._cached_tokens(request)
+
+    # ---- admission ----------------------------------------------------------
+
+    def start_admission(self, plan: Sequence[Any]) -> None:
+        """What admitted work will still allocate (KV to come, prefill step
+        transients): admission counts it, so requests admitted in one step
+        cannot stack past the limit. ``plan``: the runner's prefill chunks."""
+        dims, extra = self.guard.dims, self.guard.unmodeled_bytes
+        self._pending_bytes = sum(
+            dims.kv_bytes_per_token * c.num_remaining
+            + prefill_step_transient_bytes(dims, c.num_tokens, c.num_context_tokens)
+            + extra
+            for c in plan
+        )
+
+    def can_admit(self, request: Request, num_running: int) -> bool:
+        """Memory admission for the head of the queue (never defers a lone request)."""
+        reason = None if num_running == 0 else self._deferral(request, num_running)
+        if reason is None:
+            dims, n = self.guard.dims, request.num_prompt_tokens
+            self._pending_bytes += dims.kv_bytes_per_token * n + (
+                prefill_step_transient_bytes(dims, min(n, self.guard.chunk_tokens), n)
+                + self.guard.unmodeled_bytes
+            )
+            return True
+        self.deferrals[reason] += 1
+        return False
+
+    def sent_back(self, request: Request) -> None:
+        """A request admitted this step goes back to the queue unstarted: its first
+        chunk does not fit beside the running ones (an admission deferral)."""
+        self.deferrals["memory"] += 1
+        log.info(
+            "memadmit %s: deferred a %d-token prompt: its first prefill chunk does not "
+            "fit beside the running requests' this step",
+            self.name,
+            request.num_prompt_tokens,
+        )
+
+    def _deferral(self, request: Request, num_running: int) -> str | None:
+        """Why the head of the queue waits ("paused", "kv_capacity", "memory"), or None."""
+        n, running_tokens = request.num_prompt_tokens, self._scheduler.num_running_tokens
+        if self.admission_paused:
+            log.info(
+                "memadmit %s: deferred a %d-token prompt: admission paused (memory above "
+                "the soft limit) with %d in flight",
+                self.name,
+                n,
+                num_running,
+            )
+            return "paused"
+        # The scheduler counts the ones admitted earlier in this step too.
+        if not self.guard.kv_fits(running_tokens, n):
+            log.info(
+                "memadmit %s: deferred a %d-token prompt: %d KV tokens in flight, capacity %s",
+                self.name,
+                n,
+                running_tokens,
+                self.guard.max_kv_tokens,
+            )
+            return "kv_capacity"
+        # KV still to come for admitted requests, the step transients of every
+        # request that will prefill in the same batch as this one, and the copy
+        # of the decode batch's KV its rows make when this one joins them.
+        pending = self._pending_bytes + self._join_copy_bytes(n) + self._image_bytes(request)
+        reading = plus(self.probe.reading(fresh=True), pending)
+        return None if self.guard.admit(n, num_running, reading) else "memory"
+
+    def _join_copy_bytes(self, num_new_tokens: int) -> int:
+        """Rows joining the decode batch extend its KV into new buffers: the old
+        and the new batch are alive together for a moment."""
+        tokens = self._scheduler.num_running_tokens + num_new_tokens
+        return self.guard.dims.kv_bytes_per_token * tokens
+
+    # ---- the forward gate ---------------------------------------------------
+
+    def shape_prefill(self, plan: Sequence[Any], num_running: int) -> PrefillShape:
+        """What this step's prefill chunks may do under the hard limit (a fresh
+        reading: others grew): as planned, capped, held, or some ended. Over the
+        limit, MLX's free cache is handed back first and the plan shaped again."""
+        if not plan:
+            return PrefillShape(None)
+        shape = self._shape(plan, num_running)
+        if shape.cap is not None:
+            mlx_stats.release_cache()  # freed buffers count until handed back
+            self.num_reclaims += 1
+            shape = self._shape(plan, num_running)
+        return shape
+
+    def _shape(self, plan: Sequence[Any], num_running: int) -> PrefillShape:
+        reading = self._reading = self.probe.reading(fresh=True)
+        others = num_running > 1
+        # Requests past their prompt: a row finishing its prompt joins (copies) their
+        # batch; and they end and free their memory, so prefill may wait for them.
+        decoding_here = num_running > len(plan)
+        if decoding_here and any(c.num_remaining <= c.num_tokens + 1 for c in plan):
+            reading = plus(reading, self._join_copy_bytes(0))
+        decoding = decoding_here or self._busy_elsewhere()
+        held_for = 0.0 if self._held_since is None else time.monotonic() - self._held_since
+        return shape_prefill(
+            plan,
+            lambda tokens, cached: self.guard.gate(tokens, cached, reading, others=others),
+            may_hold=decoding and held_for < MAX_PREFILL_HOLD_S,
+        )
+
+    def settle(self, shape: PrefillShape, plan: Sequence[PlannedChunk]) -> None:
+        """Record the shape the step runs with (and log it when it is not the plan)."""
+        if not shape.held:
+            self._held_since = None
+        elif self._held_since is None:
+            self._held_since = time.monotonic()
+        if shape.cap is None or not plan or self._reading is None:
+            return
+        planned = max(c.num_tokens for c in plan)
+        if shape.held:
+            self.num_held_steps += 1
+            what = "prefill waits a step for decoding requests to free memory"
+        else:
+            self.num_throttled_steps += 1
+            what = f"prefill chunks capped at {shape.cap} tokens (planned {planned})"
+        if shape.ended:
+            self.num_gated += len(shape.ended)
+            what += f"; ending {', '.join(shape.ended)}: not even a {shape.cap}-token chunk fits"
+        self.log_over_limit(what, self._reading)
+
+    def may_share(self, num_tokens: int, num_cached_tokens: int) -> bool:
+        """The gate for a burst's shared opening (one row, run before the batch's
+        chunks), with a fresh reading like every chunk's. Refused, nothing is ended:
+        each request prefills the opening in its own chunks, gated one by one, so
+        they are served if memory allows and ended by that gate if not."""
+        reading = self.probe.reading(fresh=True)
+        others = self._scheduler.num_running > 1
+        if self.guard.gate(num_tokens, num_cached_tokens, reading, others=others):
+            return True
+        self.num_unshared_openings += 1
+        self.log_over_limit(
+            f"not sharing a {num_tokens}-token opening (its requests prefill it in their "
+            "own gated chunks)",
+            reading,
+        )
+        return False
+
+    def may_speculate(self, plan: Sequence[PlannedChunk]) -> bool:
+        """The gate for a speculative step: its rows' verified positions (drafts
+        and tokens accepted but not yet cached) as one chunk, with a fresh
+        reading. Refused, the step decodes without drafts, which is never gated
+        (seed 003: no engine path runs around the guard)."""
+        if not plan:
+            return True
+        reading = self.probe.reading(fresh=True)
+        tokens = sum(c.num_tokens for c in plan)
+        cached = max(c.num_context_tokens - c.num_tokens for c in plan)
+        others = self._scheduler.num_running > 1
+        if self.guard.gate(tokens, cached, reading, others=others):
+            return True
+        self.num_held_drafts += 1
+        self.log_over_limit(f"decoding without drafts ({tokens} positions)", reading)
+        return False
+
+    def log_over_limit(self, what: str, reading: MemoryReading) -> None:
+        """The ``memgate`` line: what the gate did, and the numbers that made it."""
+        log.warning(
+            "memgate %s: %s: memory %s (recent peak %s) plus the forward and the %s margin "
+            "would pass the %s limit",
+            self.name,
+            what,
+            format_bytes(reading.resident_bytes),
+            format_bytes(reading.recent_peak_bytes),
+            format_bytes(self.guard.limits.transient_margin_bytes),
+            format_bytes(self.guard.limits.hard_bytes),
+        )
+
+
+def plus(reading: MemoryReading, num_bytes: int) -> MemoryReading:
+    """``reading`` with ``num_bytes`` more held (by MLX and so by the process)."""
+    return dataclasses.replace(
+        reading,
+        mlx_active_bytes=reading.mlx_active_bytes + num_bytes,
+        process_footprint_bytes=reading.process_footprint_bytes + num_bytes,
+    )

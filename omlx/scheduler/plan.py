@@ -1,0 +1,72 @@
+"""One step's contract, as vLLM v1 and nano-vllm have it. Pure: no MLX.
+
+``Scheduler.schedule(memory, chunks) -> SchedulerOutput``: which requests start,
+which leave (preempted back to the queue, or ended by the memory gate), their
+cached tokens from the pure prefix index, and the cap on the step's prefill
+chunks. ``Runner.execute(plan) -> RunnerOutput``: the forward. The scheduler's
+``update_from_output`` then decides what each produced token means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from omlx.memory.throttle import PrefillShape
+from omlx.scheduler.request import Request, TokenOutput
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """Prefill work of one request in a step, as the memory gate sees it."""
+
+    request_id: str
+    num_tokens: int
+    # Tokens the chunk attends over (cached + earlier chunks + this one).
+    num_context_tokens: int
+    # Prompt tokens still to prefill, this chunk included (KV yet to be allocated).
+    num_remaining: int
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """What the runner executes this step (frozen: the plan, not its outcome)."""
+
+    # Requests starting now, in admission order.
+    admitted: tuple[Request, ...] = ()
+    # Prompt tokens of each admitted request the prefix index says are cached.
+    cached: Mapping[str, int] = field(default_factory=dict)
+    # Running requests put back at the head of the queue (they resume later).
+    preempted: tuple[str, ...] = ()
+    # Requests the memory gate ended (a lone request whose chunk can never fit now).
+    ended: tuple[str, ...] = ()
+    # The most tokens any prefill chunk runs (None: as planned; 0: prefill waits).
+    prefill_cap: int | None = None
+
+    @property
+    def leaving(self) -> tuple[str, ...]:
+        """Requests the runner drops before the step."""
+        return self.preempted + self.ended
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    """What one executed step produced."""
+
+    tokens: tuple[TokenOutput, ...] = ()
+    # Prompt tokens each admitted request got from the prefix cache (restored).
+    cached: Mapping[str, int] = field(default_factory=dict)
+
+
+class MemoryView(Protocol):
+    """What the scheduler asks about memory while it plans a step (the engine's
+    StepGate answers from fresh readings and the model's guard)."""
+
+    def kv_over_capacity(self, num_tokens_in_flight: int) -> bool: ...
+    def start_admission(self, chunks: Sequence[PrefillChunk]) -> None: ...
+    def can_admit(self, request: Request, num_running: int) -> bool: ...
+    def cached_tokens(self, request: Request) -> int: ...
+    def sent_back(self, request: Request) -> None: ...
+    def shape_prefill(self, chunks: Sequence[PrefillChunk], num_running: int) -> PrefillShape: ...
+    def settle(self, shape: PrefillShape, chunks: Sequence[PrefillChunk]) -> None: ...
