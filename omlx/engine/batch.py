@@ -37,7 +37,7 @@ _CLEAR_EVERY = 512
 
 # Positions a speculative forward may verify across its rows. On the CPU backend a
 # forward's cost grows with its positions past a few (a 5-wide step of one row
-# pays, of eight rows loses: benchmarks/README.md, "Speculative decoding"); a GPU
+# pays, of eight rows loses: benchmarks/README.md, "bench_speculative.py"); a GPU
 # verifies many at nearly the cost of one (not measured here).
 VERIFY_POSITIONS = {"cpu": 10, "gpu": 64}
 
