@@ -126,17 +126,15 @@ def test_repetition_penalty_applies_at_every_drafted_position(model) -> None:
     assert stats["drafted"] > 0
 
 
-CODE = """def total(items):
-    result = 0
-    for item in items:
-        result += item.price * item.count
-    return result
+CODE = """class Counter:
+    def __init__(self):
+        self.counts = {}
 
+    def add(self, word):
+        self.counts[word] = self.counts.get(word, 0) + 1
 
-def average(items):
-    if not items:
-        return 0
-    return total(items) / len(items)
+    def top(self, n):
+        return sorted(self.counts, key=self.counts.get, reverse=True)[:n]
 """
 
 
@@ -145,12 +143,11 @@ def test_smollm2_returns_an_edited_file_token_for_token(smollm2_path: Path) -> N
     messages = [
         {
             "role": "user",
-            "content": "Rename the function total to grand_total and return the whole "
-            f"file:\n\n{CODE}",
+            "content": f"Rename the method add to add_word and return the whole file:\n\n{CODE}",
         }
     ]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    requests = [greedy("edit", prompt, n=64), greedy("other", prompt[:-9], n=64)]
+    requests = [greedy("edit", prompt, n=40), greedy("other", prompt[:-9], n=40)]
     plain, _ = run(model, requests, num_draft=0, prefill_step_size=512)
     fast, stats = run(model, requests, num_draft=4, prefill_step_size=512)
     assert fast == plain
