@@ -57,7 +57,6 @@ class Runner(Protocol):
     def close(self) -> None: ...
     def speculative_stats(self) -> dict[str, int]: ...
     def speculation_plan(self) -> list[PrefillChunk]: ...
-    def hold_drafts(self) -> None: ...
 
     num_draft: int
 
@@ -279,10 +278,11 @@ class ModelEngine:
         outbox: list[tuple[RequestStream, StreamEvent]] = []
         try:
             self.gate.reclaim_near_limit()
-            plan = self._scheduler.schedule(self.gate, self._runner.prefill_plan())
+            runner = self._runner
+            plan = self._scheduler.schedule(
+                self.gate, runner.prefill_plan(), runner.speculation_plan()
+            )
             self._end_gated(plan.ended, outbox)
-            if not self.gate.may_speculate(self._runner.speculation_plan()):
-                self._runner.hold_drafts()
             output = self._runner.execute(plan, self.gate.may_share)
         except Exception as exc:  # an MLX failure: fail what is running, keep serving
             log.exception("engine step failed for %s", self.name)

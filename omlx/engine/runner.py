@@ -355,6 +355,8 @@ class BatchRunner:
         hits = self.add(plan.admitted, may_share)
         cached = {r.request_id: hits.get(r.request_id, 0) for r in plan.admitted}
         self.cap_prefill(plan.prefill_cap)
+        if not plan.speculate:
+            self.hold_drafts()
         return RunnerOutput(tuple(self.step()), cached)
 
     def remove(self, request_ids: Iterable[str]) -> None:

@@ -1,9 +1,10 @@
 """One step's contract, as vLLM v1 and nano-vllm have it. Pure: no MLX.
 
-``Scheduler.schedule(memory, chunks) -> SchedulerOutput``: which requests start,
-which leave (preempted back to the queue, or ended by the memory gate), their
-cached tokens from the pure prefix index, and the cap on the step's prefill
-chunks. ``Runner.execute(plan) -> RunnerOutput``: the forward. The scheduler's
+``Scheduler.schedule(memory, chunks, speculation) -> SchedulerOutput``: which
+requests start, which leave (preempted back to the queue, or ended by the memory
+gate), their cached tokens from the pure prefix index, the cap on the step's
+prefill chunks, and whether the decoding rows verify drafts.
+``Runner.execute(plan) -> RunnerOutput``: the forward. The scheduler's
 ``update_from_output`` then decides what each produced token means.
 """
 
@@ -43,6 +44,9 @@ class SchedulerOutput:
     ended: tuple[str, ...] = ()
     # The most tokens any prefill chunk runs (None: as planned; 0: prefill waits).
     prefill_cap: int | None = None
+    # Whether decoding rows may verify drafts this step (the memory gate's answer on
+    # the verification width; False: plain decode).
+    speculate: bool = True
 
     @property
     def leaving(self) -> tuple[str, ...]:
@@ -70,3 +74,4 @@ class MemoryView(Protocol):
     def sent_back(self, request: Request) -> None: ...
     def shape_prefill(self, chunks: Sequence[PrefillChunk], num_running: int) -> PrefillShape: ...
     def settle(self, shape: PrefillShape, chunks: Sequence[PrefillChunk]) -> None: ...
+    def may_speculate(self, chunks: Sequence[PrefillChunk]) -> bool: ...

@@ -116,11 +116,13 @@ class Scheduler:
         self,
         memory: MemoryView,
         chunks: Sequence[PrefillChunk] = (),
+        speculation: Sequence[PrefillChunk] = (),
         *,
         now: float | None = None,
     ) -> SchedulerOutput:
         """Plan one step. ``chunks``: the prefill work the running requests have
-        next (the runner's ``prefill_plan``).
+        next (the runner's ``prefill_plan``); ``speculation``: the positions its
+        decoding rows would verify beyond one (drafts), gated like a chunk.
 
         While the running requests' KV (prompts plus output so far) is over the
         model's capacity, the newest is preempted. Waiting requests are admitted
@@ -149,6 +151,9 @@ class Scheduler:
             preempted=tuple(preempted),
             ended=shape.ended,
             prefill_cap=shape.cap,
+            speculate=memory.may_speculate(
+                [c for c in speculation if c.request_id in self._running]
+            ),
         )
 
     def _preempt_over_capacity(self, memory: MemoryView) -> list[str]:

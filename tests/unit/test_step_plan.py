@@ -47,6 +47,9 @@ class BudgetView:
     def settle(self, shape: PrefillShape, chunks: Sequence[PrefillChunk]) -> None:
         self.settled.append((shape, [c.request_id for c in chunks]))
 
+    def may_speculate(self, chunks: Sequence[PrefillChunk]) -> bool:
+        return sum(c.num_tokens for c in chunks) <= self.budget
+
 
 def _request(rid: str, n: int, arrival: float, **kw) -> Request:
     return Request(
@@ -123,3 +126,14 @@ def test_kv_over_capacity_preempts_the_newest_without_images() -> None:
     assert scheduler.preemptions["kv_capacity"] == 1
     again = scheduler.schedule(BudgetView(budget=10**6))
     assert again.admitted[0].prompt_ids[-1] == 9 and again.admitted[0].num_resumed_tokens == 1
+
+
+def test_drafts_are_verified_only_when_their_width_fits() -> None:
+    """The plan says whether the decoding rows speculate: their verification width
+    is gated like a chunk (the requests still decode, one token each, if not)."""
+    scheduler = _scheduler()
+    scheduler.add(_request("a", 40, 1.0))
+    scheduler.schedule(BudgetView(budget=10**6))
+    drafts = [PrefillChunk("a", 9, 49, 9), PrefillChunk("gone", 9, 49, 9)]
+    assert scheduler.schedule(BudgetView(budget=9), (), drafts).speculate
+    assert not scheduler.schedule(BudgetView(budget=8), (), drafts).speculate
