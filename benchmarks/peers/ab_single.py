@@ -80,6 +80,25 @@ def round_of(server: ps.RunningServer, args: argparse.Namespace, warm: bool) -> 
     return asyncio.run(one(base_url, model, tokens))
 
 
+def strategies(server: ps.RunningServer) -> list[object]:
+    """The execution strategies omlx's /health reports (its models' load facts)."""
+    found: list[object] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "execution_strategy":
+                    found.append(value)
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(httpx.get(f"http://127.0.0.1:{server.spec.port}/health", timeout=30).json())
+    return found
+
+
 def report(args: argparse.Namespace, names: list[str], rounds: dict[str, list[dict]]) -> None:
     if args.agent:
         what = f"agent sessions of {args.turns} turns"
@@ -129,6 +148,8 @@ def main() -> None:
         for server in running:  # warm-up: model load, first kernels (and batch sizes)
             asyncio.run(one(server.spec.base_url, server.spec.model, 8))
             round_of(server, args, warm=True)
+            if server.spec.name.startswith("omlx"):
+                print(f"{server.spec.name}: execution_strategy {strategies(server)}", flush=True)
         rounds: dict[str, list[dict]] = {name: [] for name in names}
         for i in range(args.pairs):
             order = running[i % len(running) :] + running[: i % len(running)]
