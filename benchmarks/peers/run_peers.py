@@ -121,7 +121,13 @@ def run_rounds(args: argparse.Namespace, models: Path, cfg: Config) -> tuple[dic
             except (ps.ServerFailed, OSError) as exc:
                 failures[name] = str(exc)
                 print(f"  {name} failed: {str(exc)[:600]}", flush=True)
+            save(args.json_out, results, failures)  # a long run that stops keeps its rounds
     return results, failures
+
+
+def save(path: Path | None, results: dict, failures: dict) -> None:
+    if path:
+        path.write_text(json.dumps({"results": results, "failures": failures}, indent=1))
 
 
 def medians(reports: list[dict]) -> dict[str, float]:
@@ -164,6 +170,9 @@ def print_tokens(results: dict[str, list[dict]]) -> None:
         cached = reps[0]["cached_tokens"]
         retries = sum(r["retries"] for r in reps)
         print(f"  {name}: {', '.join(spans)}; prompt {long}; cached {cached}; retries {retries}")
+        if "agent" in reps[0]["tokens"]:
+            turns = " | ".join(" ".join(map(str, r["tokens"]["agent"])) for r in reps)
+            print(f"  {name}: agent answer tokens per turn, each round: {turns}")
 
 
 def parse_args() -> argparse.Namespace:
@@ -220,8 +229,7 @@ def main() -> None:
     print_tokens(results)
     for name, why in failures.items():
         print(f"\n{name} FAILED: {why[:1500]}")
-    if args.json_out:
-        args.json_out.write_text(json.dumps({"results": results, "failures": failures}, indent=1))
+    save(args.json_out, results, failures)
 
 
 if __name__ == "__main__":
