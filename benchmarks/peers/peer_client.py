@@ -240,7 +240,8 @@ async def agent_session(client: PeerClient, cfg: Config) -> tuple[float, list[St
     included, as an agent sends them) plus a new tool result; returns the wall time of
     all turns and each turn's result. Answers stop at EOS (no ``ignore_eos``) or
     ``agent_tokens``, so a server's answers can differ from another's only where its
-    greedy tokens do; the report keeps each turn's prompt and answer tokens to show it."""
+    greedy tokens do; the report keeps each turn's answer tokens and the last prompt's
+    tokens to show it."""
     session, answers, runs = nonce(), [], []
     start = time.perf_counter()
     for turn in range(cfg.agent_turns):
@@ -262,7 +263,7 @@ async def measure_agent(client: PeerClient, cfg: Config, rep: Report) -> None:
 
 
 async def measure(base_url: str, model: str, cfg: Config, pid: int | None = None) -> Report:
-    """Run every row against one server, in order; returns the report."""
+    """Run the rows ``cfg.groups`` names against one server, in order; returns the report."""
     rep = Report()
     sampler = RssSampler(pid) if pid else None
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=900) as http:
