@@ -69,11 +69,14 @@ async def agent(base_url: str, model: str, cfg: Config) -> dict[str, float]:
     return {"wall_s": wall_s, "ttft_mean_s": statistics.fmean(r.ttft_s for r in runs)}
 
 
-def round_of(server: ps.RunningServer, args: argparse.Namespace, warm: bool) -> dict[str, float]:
+def round_of(
+    server: ps.RunningServer, args: argparse.Namespace, warm: bool, session: str = ""
+) -> dict[str, float]:
+    """One round on ``server``; ``session`` names an agent session (the pair's)."""
     base_url, model = server.spec.base_url, server.spec.model
     tokens = 8 if warm else args.tokens
     if args.agent:
-        cfg = Config(agent_turns=2 if warm else args.turns)
+        cfg = Config(agent_turns=2 if warm else args.turns, agent_session=session)
         return asyncio.run(agent(base_url, model, cfg))
     if args.streams > 1:
         return asyncio.run(many(base_url, model, tokens, args.streams))
@@ -153,8 +156,9 @@ def main() -> None:
         rounds: dict[str, list[dict]] = {name: [] for name in names}
         for i in range(args.pairs):
             order = running[i % len(running) :] + running[: i % len(running)]
+            session = f"{nonce()}-pair{i + 1}"  # the same agent session for each server
             for server in order:
-                rounds[server.spec.name].append(round_of(server, args, warm=False))
+                rounds[server.spec.name].append(round_of(server, args, False, session))
         report(args, names, rounds)
     finally:
         for server in running:

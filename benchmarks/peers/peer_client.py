@@ -45,6 +45,9 @@ class Config:
     agent_turns: int = 10
     agent_tokens: int = 32  # answer cap per agent turn (the answers join the conversation)
     groups: tuple[str, ...] = ROW_GROUPS  # which rows run (ROW_GROUPS names them)
+    # Names the agent session in its system prompt; the same for every server of a round,
+    # so all get the same bytes (a fresh one each time when empty).
+    agent_session: str = ""
 
     @classmethod
     def quick(cls) -> Config:
@@ -242,7 +245,7 @@ async def agent_session(client: PeerClient, cfg: Config) -> tuple[float, list[St
     ``agent_tokens``, so a server's answers can differ from another's only where its
     greedy tokens do; the report keeps each turn's answer tokens and the last prompt's
     tokens to show it."""
-    session, answers, runs = nonce(), [], []
+    session, answers, runs = cfg.agent_session or nonce(), [], []
     start = time.perf_counter()
     for turn in range(cfg.agent_turns):
         messages = agent_messages(session, turn, answers)

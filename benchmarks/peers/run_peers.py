@@ -22,12 +22,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_servers as ps
-from peer_client import ROW_GROUPS, Config, measure, parse_groups
+from peer_client import ROW_GROUPS, Config, measure, nonce, parse_groups
 
 MODEL = "SmolLM2-135M-Instruct"
 WORK = Path(tempfile.gettempdir()) / "omlx-peers"
@@ -108,6 +108,9 @@ def run_rounds(args: argparse.Namespace, models: Path, cfg: Config) -> tuple[dic
     results: dict[str, list[dict]] = {name: [] for name in args.servers}
     failures: dict[str, str] = {}
     for rnd in range(args.rounds):
+        # One agent session id per round: the same bytes to every server, each cold on
+        # it (every start gets a fresh base path or HOME; mlx-lm's cache is in memory).
+        cfg = replace(cfg, agent_session=f"{nonce()}-round{rnd + 1}")
         shift = rnd % len(args.servers)
         order = args.servers[shift:] + args.servers[:shift]
         for name in order:
