@@ -7,7 +7,8 @@ Rows (temperature 0, fixed prompts from prompts.py, the same request bodies for 
 server): single-stream decode tok/s and TTFT; aggregate tok/s and mean/p99 TTFT at 8 and
 16 concurrent streams; TTFT of a ~1,400-token prompt cold, repeated (prefix hit) and with
 the server's own answer plus a short new turn appended (partial hit); peak RSS of the
-server process and its children (psutil, sampled every 50 ms) when ``--pid`` is given.
+server process and its children (psutil, sampled every 50 ms) when ``--pid`` is given;
+the wall time of an agent session (``measure_agent``).
 Tokens are counted from the server's ``usage`` (``stream_options.include_usage``).
 TTFT = request sent -> first streamed chunk with text.
 """
@@ -29,7 +30,9 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompts import decode_messages, long_messages, next_turn
+from prompts import agent_messages, decode_messages, long_messages, next_turn
+
+ROW_GROUPS = ("single", "c8", "c16", "long", "agent")
 
 
 @dataclass(slots=True)
@@ -39,10 +42,16 @@ class Config:
     long_tokens: int = 32  # answer length of the long-prompt rows
     concurrency: tuple[int, ...] = (8, 16)
     single_runs: int = 2  # median of this many single-stream runs
+    agent_turns: int = 10
+    agent_tokens: int = 32  # answer cap per agent turn (the answers join the conversation)
+    groups: tuple[str, ...] = ROW_GROUPS  # which rows run (ROW_GROUPS names them)
+    # Names the agent session in its system prompt; the same for every server of a round,
+    # so all get the same bytes (a fresh one each time when empty).
+    agent_session: str = ""
 
     @classmethod
     def quick(cls) -> Config:
-        return cls(tokens=32, long_lines=20, long_tokens=16, single_runs=1)
+        return cls(tokens=32, long_lines=20, long_tokens=16, single_runs=1, agent_turns=3)
 
 
 @dataclass(slots=True)
@@ -61,6 +70,7 @@ class Report:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # completion tokens per row
     prompt_tokens: dict[str, int] = field(default_factory=dict)
     cached_tokens: dict[str, int | None] = field(default_factory=dict)
+    agent_ttft_s: list[float] = field(default_factory=list)  # per turn
     retries: int = 0  # connection errors retried (see PeerClient.chat)
 
 
@@ -107,13 +117,16 @@ class PeerClient:
     model: str
     num_retries: int = 0  # connection errors retried, reported with the results
 
-    async def chat(self, messages: list[dict], max_tokens: int) -> StreamResult:
+    async def chat(
+        self, messages: list[dict], max_tokens: int, ignore_eos: bool = True
+    ) -> StreamResult:
         """One streaming request. A connection error before any data is retried (at most
         twice, as the official openai client does); TTFT still counts from the first send."""
         start = time.perf_counter()
+        body = chat_body(self.model, messages, max_tokens, ignore_eos)
         for attempt in range(3):
             try:
-                return await _stream_once(self.http, self.model, messages, max_tokens, start)
+                return await _stream_once(self.http, body, start)
             except _Retryable:
                 self.num_retries += 1
                 if attempt == 2:
@@ -125,18 +138,22 @@ class _Retryable(RuntimeError):
     pass
 
 
-async def _stream_once(
-    http: httpx.AsyncClient, model: str, messages: list[dict], max_tokens: int, start: float
-) -> StreamResult:
+def chat_body(model: str, messages: list[dict], max_tokens: int, ignore_eos: bool) -> dict:
+    """The request body every server gets: greedy, streamed, usage in the last chunk."""
     body = {
         "model": model,
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
-        "ignore_eos": True,  # honoured where supported; prompts run long elsewhere
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if ignore_eos:
+        body["ignore_eos"] = True  # honoured where supported; prompts run long elsewhere
+    return body
+
+
+async def _stream_once(http: httpx.AsyncClient, body: dict, start: float) -> StreamResult:
     stamps: list[float] = []
     parts: list[str] = []
     usage = None
@@ -221,8 +238,35 @@ async def measure_long(client: PeerClient, cfg: Config, rep: Report) -> None:
         rep.tokens[f"long_{name}"] = [run.completion_tokens]
 
 
+async def agent_session(client: PeerClient, cfg: Config) -> tuple[float, list[StreamResult]]:
+    """One agent session: turn k sends the conversation so far (the server's own answers
+    included, as an agent sends them) plus a new tool result; returns the wall time of
+    all turns and each turn's result. Answers stop at EOS (no ``ignore_eos``) or
+    ``agent_tokens``, so a server's answers can differ from another's only where its
+    greedy tokens do; the report keeps each turn's answer tokens and the last prompt's
+    tokens to show it."""
+    session, answers, runs = cfg.agent_session or nonce(), [], []
+    start = time.perf_counter()
+    for turn in range(cfg.agent_turns):
+        messages = agent_messages(session, turn, answers)
+        run = await client.chat(messages, cfg.agent_tokens, ignore_eos=False)
+        answers.append(run.text)
+        runs.append(run)
+    return time.perf_counter() - start, runs
+
+
+async def measure_agent(client: PeerClient, cfg: Config, rep: Report) -> None:
+    wall_s, runs = await agent_session(client, cfg)
+    rep.metrics["agent_wall_s"] = wall_s
+    rep.metrics["agent_ttft_mean_s"] = statistics.fmean(r.ttft_s for r in runs)
+    rep.agent_ttft_s = [r.ttft_s for r in runs]
+    rep.tokens["agent"] = [r.completion_tokens for r in runs]
+    rep.prompt_tokens["agent_last"] = runs[-1].prompt_tokens
+    rep.cached_tokens["agent_last"] = runs[-1].cached_tokens
+
+
 async def measure(base_url: str, model: str, cfg: Config, pid: int | None = None) -> Report:
-    """Run every row against one server, in order; returns the report."""
+    """Run the rows ``cfg.groups`` names against one server, in order; returns the report."""
     rep = Report()
     sampler = RssSampler(pid) if pid else None
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=900) as http:
@@ -231,10 +275,15 @@ async def measure(base_url: str, model: str, cfg: Config, pid: int | None = None
         try:
             client = PeerClient(http, model)
             await client.chat(decode_messages(99, nonce()), 4)  # load + warm up
-            await measure_single(client, cfg, rep)
+            if "single" in cfg.groups:
+                await measure_single(client, cfg, rep)
             for n in cfg.concurrency:
-                await measure_concurrent(client, n, cfg, rep)
-            await measure_long(client, cfg, rep)
+                if f"c{n}" in cfg.groups:
+                    await measure_concurrent(client, n, cfg, rep)
+            if "long" in cfg.groups:
+                await measure_long(client, cfg, rep)
+            if "agent" in cfg.groups:
+                await measure_agent(client, cfg, rep)
             rep.retries = client.num_retries
         finally:
             if sampler:
@@ -244,6 +293,15 @@ async def measure(base_url: str, model: str, cfg: Config, pid: int | None = None
     return rep
 
 
+def parse_groups(text: str) -> tuple[str, ...]:
+    """``--rows``: a comma list of ROW_GROUPS."""
+    groups = tuple(g.strip() for g in text.split(",") if g.strip())
+    unknown = sorted(set(groups) - set(ROW_GROUPS))
+    if unknown or not groups:
+        raise SystemExit(f"--rows: unknown {unknown}; pick from {','.join(ROW_GROUPS)}")
+    return groups
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
@@ -251,9 +309,11 @@ def main() -> None:
     parser.add_argument("--pid", type=int, help="server pid, for peak RSS")
     parser.add_argument("--tokens", type=int, help="max_tokens of the decode rows")
     parser.add_argument("--quick", action="store_true", help="short prompts and answers")
+    parser.add_argument("--rows", default=",".join(ROW_GROUPS), help="comma list of rows")
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args()
     cfg = Config.quick() if args.quick else Config()
+    cfg.groups = parse_groups(args.rows)
     if args.tokens:
         cfg.tokens = args.tokens
     rep = asyncio.run(measure(args.base_url, args.model, cfg, args.pid))

@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/peers/run_peers.py --quick         # 1 round, short rows
     .venv/bin/python benchmarks/peers/run_peers.py --servers omlx,mlx-lm,vllm-mlx \
         --install-peers --rounds 3 --json-out /tmp/peers.json
+    .venv/bin/python benchmarks/peers/run_peers.py --rows single,c8,agent   # some rows only
 
 Imports SmolLM2-135M-Instruct float32 (``omlx models install-default``) into a temp
 base path, then for each round starts one server at a time (never two together on the
@@ -21,12 +22,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_servers as ps
-from peer_client import Config, measure
+from peer_client import ROW_GROUPS, Config, measure, nonce, parse_groups
 
 MODEL = "SmolLM2-135M-Instruct"
 WORK = Path(tempfile.gettempdir()) / "omlx-peers"
@@ -54,6 +55,8 @@ ROWS = [
     ("long_cold_ttft_s", "TTFT long prompt, cold s", LOWER, 1.0),
     ("long_hit_ttft_s", "TTFT long prompt, repeated s", LOWER, 1.0),
     ("long_partial_ttft_s", "TTFT long prompt + new turn s", LOWER, 1.3),
+    ("agent_wall_s", "agent session 10 turns, wall s", LOWER, 1.5),
+    ("agent_ttft_mean_s", "agent session TTFT mean s", LOWER, 1.0),
     ("peak_rss_mb", "server peak RSS MB", LOWER, 1.0),
 ]
 
@@ -68,8 +71,14 @@ def ensure_model(base: Path) -> Path:
 
 
 def make_spec(name: str, models: Path, port: int, venvs: Path, blas: str) -> ps.ServerSpec:
-    if name == "omlx":
+    """``name`` is a server, or ``omlx:<strategy>``: omlx with that
+    ``scheduler.execution_strategy`` (auto, plain, fast_paths), for A/Bs of omlx itself."""
+    server, _, strategy = name.partition(":")
+    if server == "omlx":
         spec = ps.omlx_spec(models, MODEL, port)
+        if strategy:
+            spec.name = name
+            spec.env["OMLX_SCHEDULER__EXECUTION_STRATEGY"] = strategy
     elif name == "mlx-lm":
         spec = ps.mlx_lm_spec(models / MODEL, port)
     elif name == "vllm-mlx":
@@ -78,7 +87,7 @@ def make_spec(name: str, models: Path, port: int, venvs: Path, blas: str) -> ps.
         spec = ps.rapid_mlx_spec(venvs / name, models / MODEL, port)
     else:
         raise SystemExit(f"unknown server {name!r}")
-    if name not in BLAS_MODES[blas]:
+    if server not in BLAS_MODES[blas]:
         spec.env["OMLX_FASTGEMM"] = "0"  # the shared library forwards every call to OpenBLAS
     return spec
 
@@ -99,6 +108,9 @@ def run_rounds(args: argparse.Namespace, models: Path, cfg: Config) -> tuple[dic
     results: dict[str, list[dict]] = {name: [] for name in args.servers}
     failures: dict[str, str] = {}
     for rnd in range(args.rounds):
+        # One agent session id per round: the same bytes to every server, each cold on
+        # it (every start gets a fresh base path or HOME; mlx-lm's cache is in memory).
+        cfg = replace(cfg, agent_session=f"{nonce()}-round{rnd + 1}")
         shift = rnd % len(args.servers)
         order = args.servers[shift:] + args.servers[:shift]
         for name in order:
@@ -112,7 +124,13 @@ def run_rounds(args: argparse.Namespace, models: Path, cfg: Config) -> tuple[dic
             except (ps.ServerFailed, OSError) as exc:
                 failures[name] = str(exc)
                 print(f"  {name} failed: {str(exc)[:600]}", flush=True)
+            save(args.json_out, results, failures)  # a long run that stops keeps its rounds
     return results, failures
+
+
+def save(path: Path | None, results: dict, failures: dict) -> None:
+    if path:
+        path.write_text(json.dumps({"results": results, "failures": failures}, indent=1))
 
 
 def medians(reports: list[dict]) -> dict[str, float]:
@@ -155,6 +173,9 @@ def print_tokens(results: dict[str, list[dict]]) -> None:
         cached = reps[0]["cached_tokens"]
         retries = sum(r["retries"] for r in reps)
         print(f"  {name}: {', '.join(spans)}; prompt {long}; cached {cached}; retries {retries}")
+        if "agent" in reps[0]["tokens"]:
+            turns = " | ".join(" ".join(map(str, r["tokens"]["agent"])) for r in reps)
+            print(f"  {name}: agent answer tokens per turn, each round: {turns}")
 
 
 def parse_args() -> argparse.Namespace:
@@ -163,6 +184,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="1 round of short rows (< 2 min)")
     parser.add_argument("--tokens", type=int, help="max_tokens of the decode rows (128)")
+    parser.add_argument("--rows", default=",".join(ROW_GROUPS), help="comma list of rows")
     parser.add_argument("--peer-venvs", type=Path, default=WORK / "venvs")
     parser.add_argument("--install-peers", action="store_true", help="pip-install PyPI peers")
     parser.add_argument(
@@ -199,17 +221,18 @@ def main() -> None:
     args.servers = [n for n in args.servers if n not in failures]
     cfg = Config.quick() if args.quick else Config()
     cfg.tokens = args.tokens or cfg.tokens
+    cfg.groups = parse_groups(args.rows)
     results, run_failures = run_rounds(args, models, cfg)
     failures.update(run_failures)
     print(f"\n{MODEL} float32, {cfg.tokens} tokens per decode request, median of {args.rounds}")
+    print(f"agent session: {cfg.agent_turns} turns, answers <= {cfg.agent_tokens} tokens")
     fast = sorted(BLAS_MODES[args.blas] & set(args.servers)) or ["none"]
     print(f"BLAS: --blas {args.blas} (small-batch matmul for: {', '.join(fast)})")
     print_table(results)
     print_tokens(results)
     for name, why in failures.items():
         print(f"\n{name} FAILED: {why[:1500]}")
-    if args.json_out:
-        args.json_out.write_text(json.dumps({"results": results, "failures": failures}, indent=1))
+    save(args.json_out, results, failures)
 
 
 if __name__ == "__main__":
