@@ -268,7 +268,9 @@ class ModelEngine:
             outputs = self._runner.step()
         except Exception as exc:  # an MLX failure: fail what is running, keep serving
             log.exception("engine step failed for %s", self.name)
-            self._fail_all(EngineError(f"generation failed: {exc}"), outbox)
+            # 503s pass as they are (a distributed rank lost: omlx/distributed/).
+            unavailable = isinstance(exc, ServiceUnavailableError)
+            self._fail_all(exc if unavailable else EngineError(f"generation failed: {exc}"), outbox)
         else:
             finished = []
             for update in self._scheduler.update_from_output(outputs):

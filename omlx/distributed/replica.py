@@ -1,0 +1,123 @@
+"""Every rank runs the same runner calls in the same order, so every forward meets its
+collectives (tensor-parallel sums, pipeline sends) on all ranks.
+
+On rank 0, ``ReplicatingRunner`` wraps the engine's BatchRunner: each method call goes
+out by name (so it follows the runner's API as it changes), then runs locally, then
+every follower's reply is awaited. On the others, ``follow`` replays the calls on
+their own BatchRunner until rank 0 closes the connection."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import json
+import logging
+import pickle
+import secrets
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from omlx.distributed.control import Leader, recv_frame, send_frame
+from omlx.scheduler import Request
+
+log = logging.getLogger(__name__)
+
+# Pure queries of the runner's state: answered by rank 0's runner alone (the same
+# on every rank), so they cost no round trip.
+LOCAL_QUERIES = frozenset({"prefill_plan", "prove_compiled"})
+# Calls that only drop state: still run locally once a rank is lost, so the engine
+# can fail its requests and clean up.
+CLEAN_UPS = frozenset({"reset", "close", "remove"})
+
+
+def _never_share(num_tokens: int, num_cached: int) -> bool:
+    """Shared openings are off when distributed: rank 0's memory gate decides them,
+    and the followers must take the same decision without asking it."""
+    return False
+
+
+class ReplicatingRunner:
+    """Rank 0's runner: the engine's calls, replayed on every follower."""
+
+    def __init__(self, inner: Any, leader: Leader):
+        self._inner = inner
+        self._leader = leader
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name in LOCAL_QUERIES or not inspect.ismethod(attr):
+            return attr  # properties (has_work) are read locally
+        return lambda *args, **kwargs: self._replicated(name, args, kwargs)
+
+    def _replicated(self, name: str, args: tuple, kwargs: dict) -> Any:
+        args, kwargs = replay_arguments(name, args, kwargs)
+        method = getattr(self._inner, name)
+        if self._leader.lost and name in CLEAN_UPS:
+            return method(*args, **kwargs)
+        self._leader.call(("runner", name, args, kwargs))
+        try:
+            result = method(*args, **kwargs)
+        except Exception:
+            # A ring error here usually means a rank died: name it if it did.
+            self._leader.collect()
+            raise
+        self._leader.collect()
+        return result
+
+
+def replay_arguments(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments as every rank runs them: ``add``'s memory gate (a callback into
+    rank 0's engine) replaced by its decision (never share), and a seed for every
+    sampled request without one, so all ranks draw the same tokens."""
+    if name != "add":
+        return args, kwargs
+    bound = dict(zip(("requests", "may_share"), args, strict=False)) | kwargs
+    requests = [_seeded(r) for r in bound["requests"]]
+    return (requests,), {"may_share": _never_share}
+
+
+def _seeded(request: Request) -> Request:
+    sampling = request.sampling
+    if sampling.is_greedy or sampling.seed is not None:
+        return request
+    seed = secrets.randbits(63)
+    return dataclasses.replace(request, sampling=dataclasses.replace(sampling, seed=seed))
+
+
+def follow(
+    sock: socket.socket,
+    load: Callable[[str], Any],
+    memory: Callable[[], dict[str, int]],
+) -> int:
+    """A follower's life: replay rank 0's calls until it closes the connection (0),
+    or stop at the first call that fails here (1: this rank cannot keep in step).
+    ``load(name)`` builds the runner for a model; ``memory()`` is this rank's reading."""
+    runner: Any = None
+    while True:
+        try:
+            frame = recv_frame(sock)
+        except (ConnectionError, OSError):
+            log.info("distributed: rank 0 closed the control connection; stopping")
+            return 0
+        kind, name, args, kwargs = pickle.loads(frame)  # only rank 0 (token-checked) sends
+        try:
+            if kind == "load":
+                if runner is not None:
+                    runner.close()
+                runner = load(name)
+            elif runner is None:
+                raise RuntimeError(f"rank 0 asked for {name} before any model was loaded")
+            else:
+                getattr(runner, name)(*args, **kwargs)
+        except Exception as exc:
+            log.exception("distributed: %s %s failed on this rank", kind, name)
+            _reply(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            return 1
+        _reply(sock, {"ok": True, "memory": memory()})
+
+
+def _reply(sock: socket.socket, reply: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):  # rank 0 is gone; the next receive ends the loop
+        send_frame(sock, json.dumps(reply).encode())
