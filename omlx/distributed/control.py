@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 import pickle
+import select
 import socket
 import struct
 import threading
@@ -157,9 +158,11 @@ class Leader:
                 if link.rank in self.lost:
                     continue
                 try:
-                    data = link.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    continue
+                    # select first: a socket with a timeout waits that long in recv.
+                    readable, _, _ = select.select([link.sock], [], [], 0)
+                    if not readable:
+                        continue
+                    data = link.sock.recv(1, socket.MSG_PEEK)
                 except OSError as exc:
                     self._lose(link, f"its control connection failed ({exc})")
                     continue

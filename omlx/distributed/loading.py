@@ -43,6 +43,8 @@ def _load_llm_shard(info: ModelInfo, *, member: Membership, mode: str) -> tuple[
         model.shard(member.group)
     else:
         model.model.pipeline(member.group)
+        for module in (model, model.model):
+            _evaluate_inputs_first(module)
     mx.eval(model.parameters())  # only this rank's weights are read
     tokenizer = load_tokenizer(info.path, eos_token_ids=config.get("eos_token_id"))
     # Every rank has its shard before any forward (mlx-lm's sharded_load does the same).
@@ -55,6 +57,25 @@ def _load_llm_shard(info: ModelInfo, *, member: Membership, mode: str) -> tuple[
         info.name,
     )
     return model, tokenizer, {**config, "omlx_parallel": chosen}
+
+
+def _evaluate_inputs_first(module: Any) -> None:
+    """Each forward of a pipeline stage starts from evaluated inputs. mlx-lm's
+    ``recv_like`` takes only a shape from its input, so a step queued on the lazy
+    previous token (the decode's overlap) could run its receive before the previous
+    step's all_gather on one rank and not the other: both would wait forever."""
+    import mlx.core as mx
+
+    base = type(module)
+
+    def call(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        mx.eval(inputs)
+        return base.__call__(self, inputs, *args, **kwargs)
+
+    # A subclass in the same module: checks by the model's module still hold.
+    module.__class__ = type(
+        base.__name__, (base,), {"__call__": call, "__module__": base.__module__}
+    )
 
 
 def choose_mode(model: Any, config: dict, num_ranks: int, wanted: str, name: str) -> str:
