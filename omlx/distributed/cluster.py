@@ -158,6 +158,7 @@ class DistributedEngine(ModelEngine):
     the followers cannot replay are refused with a clear 400."""
 
     def submit_together(self, pairs: list[tuple[Request, RequestStream]]) -> None:
+        self._runner.raise_if_lost()  # type: ignore[attr-defined]  # a ReplicatingRunner
         for request, _ in pairs:
             if request.grammar is not None:
                 raise InvalidRequestError(

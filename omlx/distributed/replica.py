@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 # Pure queries of the runner's state: answered by rank 0's runner alone (the same
 # on every rank), so they cost no round trip.
 LOCAL_QUERIES = frozenset({"prefill_plan", "prove_compiled"})
-# Calls that only drop state: still run locally once a rank is lost, so the engine
-# can fail its requests and clean up.
+# Calls that only drop state: once a rank is lost they succeed without running (the
+# engine calls them to fail its requests), so nothing waits on the broken group.
 CLEAN_UPS = frozenset({"reset", "close", "remove"})
 
 
@@ -45,6 +45,11 @@ class ReplicatingRunner:
         self._inner = inner
         self._leader = leader
 
+    def raise_if_lost(self) -> None:
+        """The 503 naming a lost rank, if one is lost (checked before queueing work)."""
+        self._leader.check_alive()
+        self._leader.raise_if_lost()
+
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._inner, name)
         if name in LOCAL_QUERIES or not inspect.ismethod(attr):
@@ -55,7 +60,8 @@ class ReplicatingRunner:
         args, kwargs = replay_arguments(name, args, kwargs)
         method = getattr(self._inner, name)
         if self._leader.lost and name in CLEAN_UPS:
-            return method(*args, **kwargs)
+            # Nothing more runs on this group; its lazy arrays may wait on the dead ring.
+            return None
         self._leader.call(("runner", name, args, kwargs))
         try:
             result = method(*args, **kwargs)
