@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from omlx import __version__
+from omlx.distributed.console import add_cluster_parser
 from omlx.errors import OmlxError, SettingsError
 from omlx.launch_console import add_launch_parser, split_tool_args
 from omlx.models.pull_console import add_pull_parser
@@ -134,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     add_pull_parser(sub)
     add_launch_parser(sub)
     add_router_parser(sub)
+    add_cluster_parser(sub)
     return parser
 
 
@@ -368,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
             from omlx.launch_console import launch_command
 
             return launch_command(args, settings)
+        if args.command == "cluster":
+            from omlx.distributed.console import cluster_command
+
+            return cluster_command(args, settings)
         return _config(args, settings)
     except SettingsError as exc:
         print(f"omlx: {exc.message}", file=sys.stderr)

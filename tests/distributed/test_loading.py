@@ -1,0 +1,33 @@
+"""Which split a model gets, on the real mlx-lm classes (loaded lazily: no weights read)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlx_lm.utils import load_model
+
+from omlx.distributed.loading import choose_mode
+from omlx.errors import ModelLoadError
+
+
+def test_builtin_smollm2_cannot_split_across_two_ranks_and_says_why(smollm2_path: Path) -> None:
+    """SmolLM2-135M has 9 attention heads (3 KV heads), and mlx-lm's llama class has no
+    pipeline split: 2 ranks cannot share it, 3 can (tensor parallel)."""
+    model, config = load_model(smollm2_path, lazy=True, strict=False)
+    with pytest.raises(ModelLoadError) as info:
+        choose_mode(model, config, 2, "auto", "SmolLM2")
+    assert info.value.message == (
+        "cannot split model 'SmolLM2' across 2 ranks: tensor parallel: num_attention_heads "
+        "= 9 is not a multiple of the 2 ranks; pipeline parallel: its mlx-lm model class "
+        "has no `pipeline`"
+    )
+    assert choose_mode(model, config, 3, "auto", "SmolLM2") == "tensor"
+
+
+def test_a_model_with_both_splits_takes_the_one_asked(split_models_dir: Path) -> None:
+    model, config = load_model(split_models_dir / "tiny-qwen2", lazy=True, strict=False)
+    assert choose_mode(model, config, 2, "auto", "q") == "tensor"
+    assert choose_mode(model, config, 2, "pipeline", "q") == "pipeline"
+    with pytest.raises(ModelLoadError, match="it has 2 layers, fewer than the 4 ranks"):
+        choose_mode(model, config, 4, "pipeline", "q")
