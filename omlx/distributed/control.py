@@ -123,7 +123,8 @@ class Leader:
 
     def _reply(self, link: FollowerLink) -> dict[str, Any] | None:
         try:
-            return json.loads(recv_frame(link.sock))
+            reply: dict[str, Any] = json.loads(recv_frame(link.sock))
+            return reply
         except TimeoutError:
             self._lose(link, f"it did not answer within {REPLY_TIMEOUT_S:.0f} s")
         except (OSError, ConnectionError) as exc:

@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from omlx import __version__
+import omlx
 from omlx.errors import SettingsError
 from omlx.models.discovery import discover_models
 
@@ -79,7 +79,7 @@ def read_hostfile(path: Path) -> list[str]:
 def local_facts(model: str, model_dirs: list[Path]) -> dict[str, Any]:
     """What this host would serve with: versions and the model's files."""
     facts: dict[str, Any] = {
-        "omlx": __version__,
+        "omlx": str(getattr(omlx, "__version__", "unknown")),
         "mlx": _version("mlx"),
         "mlx_lm": _version("mlx-lm"),
         "python": sys.executable,

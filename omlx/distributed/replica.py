@@ -56,7 +56,7 @@ class ReplicatingRunner:
             return attr  # properties (has_work) are read locally
         return lambda *args, **kwargs: self._replicated(name, args, kwargs)
 
-    def _replicated(self, name: str, args: tuple, kwargs: dict) -> Any:
+    def _replicated(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         args, kwargs = replay_arguments(name, args, kwargs)
         method = getattr(self._inner, name)
         if self._leader.lost and name in CLEAN_UPS:
@@ -73,7 +73,9 @@ class ReplicatingRunner:
         return result
 
 
-def replay_arguments(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def replay_arguments(
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments as every rank runs them: ``add``'s memory gate (a callback into
     rank 0's engine) replaced by its decision (never share), and a seed for every
     sampled request without one, so all ranks draw the same tokens."""
