@@ -1,7 +1,8 @@
 """Each rank loads only its shard of the model: tensor parallel through the model
 class's own ``shard`` (mlx-lm), pipeline parallel through its ``model.pipeline``
-(mlx-lm's PipelineMixin). As mlx-lm's ``sharded_load``, minus the Hub downloads (the
-model is a local folder on every host) and its need for a safetensors index."""
+(mlx-lm's PipelineMixin; for llama, omlx's llama_pipeline.py). As mlx-lm's
+``sharded_load``, minus the Hub downloads (the model is a local folder on every
+host) and its need for a safetensors index."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 from functools import partial
 from typing import Any
 
+from omlx.distributed import llama_pipeline
 from omlx.distributed.group import Membership
 from omlx.errors import ModelLoadError
 from omlx.models.discovery import ModelInfo
@@ -42,7 +44,10 @@ def _load_llm_shard(info: ModelInfo, *, member: Membership, mode: str) -> tuple[
     if chosen == "tensor":
         model.shard(member.group)
     else:
-        model.model.pipeline(member.group)
+        if hasattr(model.model, "pipeline"):
+            model.model.pipeline(member.group)
+        else:
+            llama_pipeline.pipeline(model, member.group)
         for module in (model, model.model):
             _evaluate_inputs_first(module)
     mx.eval(model.parameters())  # only this rank's weights are read
@@ -106,8 +111,10 @@ def _tensor_refusal(model: Any, config: dict, num_ranks: int) -> str | None:
 
 def _pipeline_refusal(model: Any, config: dict, num_ranks: int) -> str | None:
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "pipeline"):
+    if inner is None:
         return "its mlx-lm model class has no `pipeline`"
+    if not hasattr(inner, "pipeline") and (why := llama_pipeline.refusal(model)) is not None:
+        return why
     if len(inner.layers) < num_ranks:
         return f"it has {len(inner.layers)} layers, fewer than the {num_ranks} ranks"
     return None

@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 # Pure queries of the runner's state: answered by rank 0's runner alone (the same
 # on every rank), so they cost no round trip.
 LOCAL_QUERIES = frozenset({"prefill_plan", "prove_compiled"})
+# Calls that do nothing given an empty list (the engine makes them every step): skipped
+# on every rank, which saves the followers' round trip.
+NOTHING_WHEN_EMPTY = frozenset({"add", "remove"})
 # Calls that only drop state: once a rank is lost they succeed without running (the
 # engine calls them to fail its requests), so nothing waits on the broken group.
 CLEAN_UPS = frozenset({"reset", "close", "remove"})
@@ -57,6 +60,8 @@ class ReplicatingRunner:
         return lambda *args, **kwargs: self._replicated(name, args, kwargs)
 
     def _replicated(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if name in NOTHING_WHEN_EMPTY and args and not args[0]:
+            return {} if name == "add" else None  # add: no cached tokens to report
         args, kwargs = replay_arguments(name, args, kwargs)
         method = getattr(self._inner, name)
         if self._leader.lost and name in CLEAN_UPS:

@@ -46,4 +46,4 @@ def single_client(single_server: Server) -> openai.OpenAI:
 
 def client_for(url: str) -> openai.OpenAI:
     # No retries: a 503 or a dropped connection must show up in the test.
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
