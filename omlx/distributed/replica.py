@@ -62,8 +62,8 @@ class ReplicatingRunner:
     def _replicated(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if name in NOTHING_WHEN_EMPTY and args and not args[0]:
             return {} if name == "add" else None  # add: no cached tokens to report
-        args, kwargs = replay_arguments(name, args, kwargs)
         method = getattr(self._inner, name)
+        args, kwargs = replay_arguments(method, args, kwargs)
         if self._leader.lost and name in CLEAN_UPS:
             # Nothing more runs on this group; its lazy arrays may wait on the dead ring.
             return None
@@ -79,16 +79,31 @@ class ReplicatingRunner:
 
 
 def replay_arguments(
-    name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments as every rank runs them: ``add``'s memory gate (a callback into
-    rank 0's engine) replaced by its decision (never share), and a seed for every
-    sampled request without one, so all ranks draw the same tokens."""
-    if name != "add":
-        return args, kwargs
-    bound = dict(zip(("requests", "may_share"), args, strict=False)) | kwargs
-    requests = [_seeded(r) for r in bound["requests"]]
-    return (requests,), {"may_share": _never_share}
+    """The arguments as every rank runs them: a ``may_share`` memory gate (a callback
+    into rank 0's engine: ``add``, and ``execute`` of the newer step contract) replaced
+    by its decision (never share), and a seed for every sampled request without one
+    (in a list of requests or a plan's fields), so all ranks draw the same tokens."""
+    bound = inspect.signature(method).bind(*args, **kwargs)
+    for name, value in bound.arguments.items():
+        bound.arguments[name] = _never_share if name == "may_share" else _with_seeds(value)
+    return bound.args, bound.kwargs
+
+
+def _with_seeds(value: Any) -> Any:
+    if isinstance(value, Request):
+        return _seeded(value)
+    if isinstance(value, list | tuple) and any(isinstance(v, Request) for v in value):
+        return type(value)(_with_seeds(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changed = {
+            f.name: seeded
+            for f in dataclasses.fields(value)
+            if (seeded := _with_seeds(getattr(value, f.name))) is not getattr(value, f.name)
+        }
+        return dataclasses.replace(value, **changed) if changed else value
+    return value
 
 
 def _seeded(request: Request) -> Request:
