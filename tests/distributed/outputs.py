@@ -35,10 +35,10 @@ def streamed(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = 2
     return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
 
-def concurrent_streams(client: openai.OpenAI, model: str) -> list[str]:
+def concurrent_streams(client: openai.OpenAI, model: str, max_tokens: int = 24) -> list[str]:
     """Every prompt streamed at once (they share the decode batch)."""
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        return list(pool.map(lambda p: streamed(client, model, p), PROMPTS))
+        return list(pool.map(lambda p: streamed(client, model, p, max_tokens), PROMPTS))
 
 
 def seeded(client: openai.OpenAI, model: str) -> str:

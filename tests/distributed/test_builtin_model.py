@@ -50,5 +50,6 @@ def test_greedy_output_equals_one_process(one_process: openai.OpenAI, url: str) 
 
 
 def test_concurrent_streams_equal_one_process(one_process: openai.OpenAI, url: str) -> None:
-    expected = concurrent_streams(one_process, BUILTIN_MODEL_NAME)
-    assert concurrent_streams(client_for(url), BUILTIN_MODEL_NAME) == expected
+    # Few tokens: 30 layers in lockstep on two ranks of a shared 2-core box are slow.
+    expected = concurrent_streams(one_process, BUILTIN_MODEL_NAME, 8)
+    assert concurrent_streams(client_for(url), BUILTIN_MODEL_NAME, 8) == expected
