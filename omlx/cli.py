@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from omlx import __version__
+from omlx.distributed.console import add_cluster_parser
 from omlx.errors import OmlxError, SettingsError
 from omlx.launch_console import add_launch_parser, split_tool_args
 from omlx.models.pull_console import add_pull_parser
@@ -96,6 +97,13 @@ def _parser() -> argparse.ArgumentParser:
         help="shut down when this inherited pipe closes (the desktop app passes it)",
     )
     serve.add_argument(
+        "--distributed",
+        metavar="MODEL",
+        help="serve MODEL split across the ranks of mlx.launch (see `omlx cluster`)",
+    )
+    serve.add_argument("--distributed-backend", default="ring", help="MLX backend (ring, jaccl)")
+    serve.add_argument("--distributed-mode", choices=["auto", "tensor", "pipeline"], default="auto")
+    serve.add_argument(
         "--no-log-stderr",
         action="store_true",
         help="log to server.log only; stderr keeps what logging misses (crashes)",
@@ -127,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     add_pull_parser(sub)
     add_launch_parser(sub)
     add_router_parser(sub)
+    add_cluster_parser(sub)
     return parser
 
 
@@ -170,6 +179,11 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         out.setdefault("models", {})["install_default_model"] = False
     if getattr(args, "no_cache", False):
         out.setdefault("cache", {})["enabled"] = False
+    if getattr(args, "distributed", None):
+        # Split serving: the one model loads at start; ranks keep no prefix cache
+        # (their hits must match exactly, which separate tiers cannot promise yet).
+        out.setdefault("models", {})["default_model"] = args.distributed
+        out.setdefault("cache", {})["enabled"] = False
     return out
 
 
@@ -206,6 +220,17 @@ def setup_logging(settings: Settings, to_stderr: bool = True) -> None:
 
 def _serve(settings: Settings, args: argparse.Namespace) -> int:
     from omlx.api.auth import check_bind
+
+    cluster = None
+    if args.distributed:
+        from omlx.distributed.serve import distributed_role
+
+        role = distributed_role(
+            settings, args.distributed, args.distributed_backend, args.distributed_mode
+        )
+        if isinstance(role, int):
+            return role  # a follower rank, done following
+        cluster = role
 
     host, port = settings.server.host, settings.server.port
     try:
@@ -249,7 +274,7 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
 
         log.info("no model found in %s: installing the built-in model", settings.model_dirs[0])
         install_default_model(settings.model_dirs[0])
-    server = Server(settings)
+    server = Server(settings, cluster=cluster)
     log.info("listening on %s (OpenAI API at %s/v1)", server.base_url, server.base_url)
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
@@ -345,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
             from omlx.launch_console import launch_command
 
             return launch_command(args, settings)
+        if args.command == "cluster":
+            from omlx.distributed.console import cluster_command
+
+            return cluster_command(args, settings)
         return _config(args, settings)
     except SettingsError as exc:
         print(f"omlx: {exc.message}", file=sys.stderr)

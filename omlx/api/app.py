@@ -16,6 +16,8 @@ from omlx.api.admin_routes import router as admin_router
 from omlx.api.anthropic_routes import router as anthropic_router
 from omlx.api.auth import ApiKeyAuth, login_router, require_admin, require_api_key
 from omlx.api.body_guard import BodyGuardMiddleware
+from omlx.api.cluster_routes import cluster_health
+from omlx.api.cluster_routes import router as cluster_router
 from omlx.api.connect_routes import router as connect_router
 from omlx.api.download_routes import router as download_router
 from omlx.api.embedding_routes import router as embedding_router
@@ -103,6 +105,7 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
     app.include_router(memory_router)
     app.include_router(quant_router)
     app.include_router(fit_router)
+    app.include_router(cluster_router)
     app.include_router(download_router)
     app.include_router(connect_router)
     install_web(app, settings)
@@ -135,6 +138,8 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
                 }
                 for e in state.pool.loaded()
             ],
+            # Split across ranks (omlx serve --distributed): each rank, alive or lost.
+            **cluster_health(state.pool, reading),
         }
 
     return app

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import uvicorn
 
@@ -16,10 +17,11 @@ from omlx.settings import Settings
 class Server:
     """The MLX worker, the engine pool and uvicorn, started and stopped together."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, cluster: Any = None):
         self.settings = settings
         self.worker = MLXWorker()
-        self.pool = EnginePool(settings, self.worker)
+        # cluster: omlx.distributed.cluster.Cluster on rank 0 of `serve --distributed`.
+        self.pool = EnginePool(settings, self.worker, cluster=cluster)
         self.app = create_app(settings, self.pool)
         config = uvicorn.Config(
             self.app,

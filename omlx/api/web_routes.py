@@ -16,12 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
-from fastapi.responses import FileResponse, RedirectResponse
 from pydantic import ValidationError
-from starlette.responses import Response
-from starlette.staticfiles import StaticFiles
 
 from omlx.api.auth import require_admin
+from omlx.api.panel_files import resolve_web_dir, serve_panel_files
 from omlx.api.state import state_of
 from omlx.embeddings.builtin import BUILTIN_EMBEDDING_NAME, install_default_embedding_model
 from omlx.engine.pool import EnginePool
@@ -31,9 +29,6 @@ from omlx.settings import MemorySettings, Settings
 
 log = logging.getLogger(__name__)
 
-# Sub-folders of web/ served as files. Mounting these (not all of /admin) keeps
-# every /admin/api route reachable whatever order routers are included in.
-ASSET_DIRS = ("css", "js", "vendor", "img")
 LOG_FILE = "server.log"
 MAX_LOG_LINES = 5000
 # Bytes one log request reads at most: a tail widens its window up to this.
@@ -51,45 +46,11 @@ router = APIRouter(prefix="/admin/api", dependencies=[Depends(require_admin)])
 # -- static files ------------------------------------------------------------
 
 
-def resolve_web_dir(override: Path | None = None) -> Path:
-    """The folder holding the admin panel: ``override`` (a frozen app's), else ``<repo>/web``."""
-    if override is not None:
-        return Path(override).expanduser().resolve()
-    return Path(__file__).resolve().parents[2] / "web"
-
-
-class _RevalidatedFiles(StaticFiles):
-    """Static files the browser re-checks (ETag) on every load: no build step
-    means no hashed names, so an upgrade must not be hidden behind a cache."""
-
-    def file_response(self, *args: Any, **kwargs: Any) -> Response:
-        response = super().file_response(*args, **kwargs)
-        response.headers["Cache-Control"] = "no-cache"
-        return response
-
-
 def install_web(app: FastAPI, settings: Settings) -> None:
     """Serve web/ at /admin (index at /admin/) and add the panel's admin API."""
-    folder = resolve_web_dir(settings.server.web_dir)
-    index = folder / "index.html"
-    if not index.is_file():
-        log.warning("admin panel not found at %s; /admin will answer 404", folder)
     app.state.web_import_lock = asyncio.Lock()
     app.include_router(router)
-
-    @app.get("/admin", include_in_schema=False)
-    async def admin_redirect() -> RedirectResponse:
-        return RedirectResponse("/admin/", status_code=307)
-
-    @app.get("/admin/", include_in_schema=False)
-    async def admin_index() -> FileResponse:
-        if not index.is_file():
-            raise NotFoundError(f"the admin panel is not installed (no {index})")
-        return FileResponse(index, headers={"Cache-Control": "no-cache"})
-
-    for sub in ASSET_DIRS:
-        if (folder / sub).is_dir():
-            app.mount(f"/admin/{sub}", _RevalidatedFiles(directory=folder / sub), f"admin-{sub}")
+    serve_panel_files(app, resolve_web_dir(settings.server.web_dir))
 
 
 # -- log tail ----------------------------------------------------------------

@@ -4,6 +4,7 @@ proven. MLX thread only (the pool calls it inside a load)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,8 @@ class EngineParts:
     probe: MemoryProbe
     profile_cache: ProfileCache
     baseline: Callable[[], int]  # the live idle baseline
+    # omlx.distributed.cluster.Cluster when the model is split across ranks (rank 0).
+    cluster: Any = None
 
 
 def build_engine(
@@ -44,7 +47,10 @@ def build_engine(
     ``compiled_steps``) for /health."""
     sched = parts.settings.scheduler
     prefix = make_prefix_cache(parts.settings, parts.hot_cache, loaded)
+    cluster = parts.cluster
     strategy = ExecutionStrategy.choose(sched.execution_strategy, mx.default_device().type.name)
+    if cluster is not None:  # split models decode eagerly: the compiled steps assume whole layers
+        strategy = dataclasses.replace(strategy, compiled=False)
     runner = BatchRunner(
         loaded.model,
         prefill_step_size=sched.prefill_step_size,
@@ -70,23 +76,28 @@ def build_engine(
         baseline=parts.baseline,
         chunk_tokens=sched.prefill_step_size,
     )
-    profile, reused = _profile(loaded, parts, dims, window, explicit_kv_tokens)
-    guard.set_profile(profile)
+    if cluster is None:
+        profile, reused = _profile(loaded, parts, dims, window, explicit_kv_tokens)
+        guard.set_profile(profile)
+        kv_profile = "reused" if reused else "measured"
+    else:
+        # The profile's forwards would run on rank 0 alone; the guard works from readings.
+        kv_profile = cluster.skip_profile(guard, explicit_kv_tokens)
     # After the profile, so its readings are what they were without the checks.
     runner.prove_compiled()
     facts = {
-        "kv_profile": "reused" if reused else "measured",
+        "kv_profile": kv_profile,
         "compiled_steps": _proofs(runner),
         "execution_strategy": strategy.describe(),
     }
-    engine = ModelEngine(
+    engine = (ModelEngine if cluster is None else cluster.engine_class)(
         loaded,
-        runner,
+        runner if cluster is None else cluster.runner(runner),
         scheduler,
         parts.worker,
         context_window=window,
         guard=guard,
-        probe=parts.probe,
+        probe=parts.probe if cluster is None else cluster.probe(parts.probe, parts.limits),
         prefix_cache=prefix,
     )
     return engine, facts

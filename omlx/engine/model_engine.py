@@ -286,7 +286,9 @@ class ModelEngine:
             output = self._runner.execute(plan, self.gate.may_share)
         except Exception as exc:  # an MLX failure: fail what is running, keep serving
             log.exception("engine step failed for %s", self.name)
-            self._fail_all(EngineError(f"generation failed: {exc}"), outbox)
+            # 503s pass as they are (a distributed rank lost: omlx/distributed/).
+            unavailable = isinstance(exc, ServiceUnavailableError)
+            self._fail_all(exc if unavailable else EngineError(f"generation failed: {exc}"), outbox)
         else:
             self._announce_admitted(plan.admitted, output.cached)
             self._update(list(output.tokens), outbox)

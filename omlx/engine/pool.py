@@ -81,9 +81,15 @@ class EnginePool:
     busy_wait_s = 30.0
 
     def __init__(
-        self, settings: Settings, worker: MLXWorker, clock: Callable[[], float] = time.monotonic
+        self,
+        settings: Settings,
+        worker: MLXWorker,
+        clock: Callable[[], float] = time.monotonic,
+        cluster: Any = None,
     ):
         self.settings = settings
+        # omlx.distributed.cluster.Cluster: one model split across ranks (None: local).
+        self.cluster = cluster
         self.model_dirs = settings.model_dirs
         self._worker = worker
         self._clock = clock
@@ -138,7 +144,10 @@ class EnginePool:
 
     def available(self) -> dict[str, ModelInfo]:
         """Re-scan the model dirs (cheap: a few stat calls per folder)."""
-        return discover_models(self.model_dirs)
+        models = discover_models(self.model_dirs)
+        if self.cluster is not None:  # one model split across ranks, and nothing else
+            models = {n: i for n, i in models.items() if n == self.cluster.model}
+        return models
 
     def loaded(self) -> list[Engine]:
         return [r.engine for r in self._resident.values()]
@@ -510,7 +519,8 @@ class EnginePool:
             capacity = sched.max_concurrent_requests + sched.max_queued_requests
             engine = make_embedding_engine(info, self._worker, self.limits, self.probe, capacity)
         else:
-            engine = self._make_engine(load_model(info))
+            cluster = self.cluster
+            engine = self._make_engine(cluster.load(info) if cluster else load_model(info))
         self._worker.attach(engine)
         self._track_baseline(before)
         log.info(engine.guard.describe())
@@ -526,6 +536,7 @@ class EnginePool:
             self.probe,
             self.profile_cache,
             self._live_baseline,
+            self.cluster,
         )
         name = loaded.info.name
         explicit = self.model_settings.get(name).max_kv_tokens or self.settings.memory.max_kv_tokens

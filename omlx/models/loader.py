@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,8 +91,12 @@ def _load_llm(info: ModelInfo) -> tuple[Any, Any, dict]:
     return model, tokenizer, config
 
 
-def load_model(info: ModelInfo) -> LoadedModel:
-    """Load weights and tokenizer; every failure becomes ModelLoadError with the reason."""
+def load_model(
+    info: ModelInfo, load_llm: Callable[[ModelInfo], tuple[Any, Any, dict]] | None = None
+) -> LoadedModel:
+    """Load weights and tokenizer; every failure becomes ModelLoadError with the reason.
+    ``load_llm``: how a text model's (model, tokenizer, config) is read (a shard of it
+    when distributed; default: all of it with mlx-lm's ``load``)."""
     if info.kind not in ("llm", "vlm"):
         raise ModelLoadError(
             f"model '{info.name}' is a {info.kind} model; it cannot serve chat or completions"
@@ -103,7 +108,7 @@ def load_model(info: ModelInfo) -> LoadedModel:
 
         model, tokenizer, config, vision = load_vlm(info)
     else:
-        model, tokenizer, config = _load_llm(info)
+        model, tokenizer, config = (load_llm or _load_llm)(info)
     eos = set(tokenizer.eos_token_ids) | _generation_eos(info.path)
     if not eos:
         log.warning("model %s declares no end-of-sequence token", info.name)

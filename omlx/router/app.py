@@ -21,6 +21,7 @@ from omlx.api.auth import ApiKeyAuth, require_api_key
 from omlx.api.body_guard import BodyGuardMiddleware
 from omlx.api.errors import install_error_handlers
 from omlx.api.origin_guard import OriginGuardMiddleware
+from omlx.api.panel_files import resolve_web_dir, serve_panel_files
 from omlx.errors import InvalidRequestError, ModelNotFoundError
 from omlx.router.affinity import AffinityTable
 from omlx.router.backends import Backend, BackendSet
@@ -114,6 +115,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     )
     app.include_router(routes)
     app.get("/health")(health)  # open, as omlx's own
+    serve_panel_files(app, resolve_web_dir())  # the admin panel's Backends page
     return app
 
 

@@ -13,7 +13,13 @@ const PAGES = [
   { id: "chat", title: "Chat", icon: "chat", load: () => import("./pages/chat.js") },
   { id: "logs", title: "Logs", icon: "logs", load: () => import("./pages/logs.js") },
   { id: "bench", title: "Benchmark", icon: "bench", load: () => import("./pages/bench.js") },
+  { id: "cluster", title: "Cluster", icon: "cluster", load: () => import("./pages/cluster.js") },
 ];
+// Served by `omlx router`: its one page, the backends (the rest needs an omlx server).
+const ROUTER_PAGES = [
+  { id: "backends", title: "Backends", icon: "cluster", load: () => import("./pages/cluster.js"), options: { router: true } },
+];
+let pages = PAGES;
 const LOGIN = { id: "login", title: "Log in", load: () => import("./pages/login.js") };
 
 const view = document.getElementById("view");
@@ -25,7 +31,7 @@ let authEnabled = false;
 function parseHash() {
   const raw = location.hash.replace(/^#\/?/, "");
   const [id, query = ""] = raw.split("?");
-  return { id: id || "dashboard", params: new URLSearchParams(query) };
+  return { id: id || pages[0].id, params: new URLSearchParams(query) };
 }
 
 export function navigate(id, params = {}) {
@@ -35,8 +41,8 @@ export function navigate(id, params = {}) {
 
 async function route() {
   const { id, params } = parseHash();
-  const page = id === "login" ? LOGIN : PAGES.find((p) => p.id === id);
-  if (!page) return navigate("dashboard");
+  const page = id === "login" ? LOGIN : pages.find((p) => p.id === id);
+  if (!page) return navigate(pages[0].id);
   const token = ++renderToken;
   if (cleanup) cleanup();
   cleanup = null;
@@ -50,7 +56,7 @@ async function route() {
   try {
     const module = await page.load();
     if (token !== renderToken) return;
-    const result = await module.render(view, { params, navigate, authEnabled: () => authEnabled });
+    const result = await module.render(view, { params, navigate, authEnabled: () => authEnabled, ...page.options });
     if (token !== renderToken) {
       if (typeof result === "function") result();
       return;
@@ -96,7 +102,7 @@ async function refreshPill() {
     const response = await fetch("/health", { headers: CLIENT_HEADERS });
     const health = await response.json();
     pill.className = "server-pill up";
-    pill.textContent = `online · v${health.version}`;
+    pill.textContent = health.backends ? `router · ${health.healthy}/${health.total} up` : `online · v${health.version}`;
   } catch (_) {
     pill.className = "server-pill down";
     pill.textContent = "offline";
@@ -121,9 +127,19 @@ async function logout() {
   }
 }
 
+/** `omlx router` answers /health with its backends: it gets the router's pages. */
+async function detectRouter() {
+  try {
+    const health = await (await fetch("/health", { headers: CLIENT_HEADERS })).json();
+    if (Array.isArray(health.backends)) pages = ROUTER_PAGES;
+  } catch (_) {
+    /* offline: the omlx pages, as before */
+  }
+}
+
 function buildNav() {
   const nav = document.getElementById("nav");
-  for (const page of PAGES) {
+  for (const page of pages) {
     nav.append(h("a", { href: `#/${page.id}`, dataset: { page: page.id } }, icon(page.icon), page.title));
   }
 }
@@ -148,10 +164,12 @@ matchMedia("(prefers-color-scheme: dark)").addEventListener("change", () => {
   window.dispatchEvent(new CustomEvent("omlx:theme"));
 });
 
+await detectRouter();
 buildNav();
 paintThemeButton();
 document.getElementById("theme-toggle").addEventListener("click", toggleTheme);
 document.getElementById("logout").addEventListener("click", logout);
 refreshPill();
 setInterval(refreshPill, 5000);
-checkAuth().then(route);
+if (pages === ROUTER_PAGES) route();
+else checkAuth().then(route);

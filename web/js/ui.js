@@ -162,6 +162,7 @@ const ICON_PATHS = {
   connect: "M9 15l6-6M10 6l1.5-1.5a4 4 0 0 1 5.7 5.7L15.7 11.7M14 18l-1.5 1.5a4 4 0 0 1-5.7-5.7l1.5-1.5",
   sun: "M12 17a5 5 0 1 0 0-10 5 5 0 0 0 0 10zM12 1v2m0 18v2M4.2 4.2l1.4 1.4m12.8 12.8 1.4 1.4M1 12h2m18 0h2M4.2 19.8l1.4-1.4M18.4 5.6l1.4-1.4",
   moon: "M21 12.8A9 9 0 1 1 11.2 3a7 7 0 0 0 9.8 9.8z",
+  cluster: "M4 4h6v6H4zm10 0h6v6h-6zM4 14h6v6H4zm10 0h6v6h-6zM10 7h4M7 10v4m10-4v4m-7 3h4",
 };
 
 export function icon(name) {

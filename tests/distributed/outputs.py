@@ -1,0 +1,52 @@
+"""What the split and the one-process servers are asked, the same way."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+
+PROMPTS = [
+    "the cat sat on the mat and",
+    "once upon a time there was",
+    "hello world, my name is",
+    "a b c d e f g",
+]
+
+
+def greedy(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = 24) -> str:
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    return reply.choices[0].message.content or ""
+
+
+def streamed(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = 24) -> str:
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+    )
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def concurrent_streams(client: openai.OpenAI, model: str, max_tokens: int = 24) -> list[str]:
+    """Every prompt streamed at once (they share the decode batch)."""
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(lambda p: streamed(client, model, p, max_tokens), PROMPTS))
+
+
+def seeded(client: openai.OpenAI, model: str) -> str:
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=16,
+        temperature=0.9,
+        seed=1234,
+    )
+    return reply.choices[0].message.content or ""
