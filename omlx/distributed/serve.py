@@ -35,6 +35,7 @@ def _follow(settings: Settings, member: Membership, sock: Any, mode: str) -> int
     import mlx.core as mx
 
     from omlx.engine.runner import BatchRunner
+    from omlx.engine.strategy import ExecutionStrategy
     from omlx.memory.guard import memory_limits
     from omlx.memory.probe import MemoryProbe, total_ram_bytes
     from omlx.models.discovery import discover_models
@@ -55,7 +56,10 @@ def _follow(settings: Settings, member: Membership, sock: Any, mode: str) -> int
             loaded.model,
             prefill_step_size=settings.scheduler.prefill_step_size,
             stream=stream,
-            compiled=False,
+            # The same strategy as rank 0's (assembly.py), so both run the same calls.
+            strategy=ExecutionStrategy.choose(
+                settings.scheduler.execution_strategy, mx.default_device().type.name
+            ).split(),
         )
 
     log.info("distributed: rank %d of %d follows rank 0", member.rank, member.size)

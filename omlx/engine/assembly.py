@@ -4,7 +4,6 @@ proven. MLX thread only (the pool calls it inside a load)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +48,8 @@ def build_engine(
     prefix = make_prefix_cache(parts.settings, parts.hot_cache, loaded)
     cluster = parts.cluster
     strategy = ExecutionStrategy.choose(sched.execution_strategy, mx.default_device().type.name)
-    if cluster is not None:  # split models decode eagerly: the compiled steps assume whole layers
-        strategy = dataclasses.replace(strategy, compiled=False)
+    if cluster is not None:
+        strategy = strategy.split()
     runner = BatchRunner(
         loaded.model,
         prefill_step_size=sched.prefill_step_size,

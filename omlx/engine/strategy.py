@@ -43,6 +43,11 @@ class ExecutionStrategy:
         """The CPU's fast paths with compiled steps or pipelining switched (A/Bs, tests)."""
         return cls("fast_paths", solo_prefill=True, compiled=compiled, pipelined=pipelined)
 
+    def split(self) -> ExecutionStrategy:
+        """This strategy for a model split across ranks (omlx serve --distributed):
+        eager, since the compiled steps assume whole layers."""
+        return ExecutionStrategy(self.name, self.solo_prefill, False, self.pipelined)
+
     def describe(self) -> dict[str, object]:
         """For /health: which strategy each model runs."""
         return {
