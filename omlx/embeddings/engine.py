@@ -140,14 +140,17 @@ class EmbeddingEngine:
 
     def guard_counters(self) -> dict[str, Any]:
         """The memory guard's counters, with the keys of an LLM engine's (admin API,
-        /metrics); an embedding step has no admission queue, chunks or openings."""
+        /metrics); an embedding step has no admission queue, chunks, openings, drafts
+        or preemption."""
         return {
             "deferrals": {},
             "gate_ended": self.num_gated,
+            "preempted": {},
             "throttled_steps": self.num_throttled_steps,
             "held_steps": 0,
             "reclaims": 0,
             "unshared_openings": 0,
+            "held_drafts": 0,
         }
 
     def batch_stats(self) -> dict[str, int]:
