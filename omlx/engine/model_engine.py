@@ -11,10 +11,12 @@ import copy
 import logging
 import threading
 import time
+import weakref
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from omlx.cache.prefix import PrefixCache
@@ -105,9 +107,11 @@ class ModelEngine:
             guard,
             probe,
             scheduler,
-            busy_elsewhere=lambda: worker.busy_besides(self),
-            image_bytes=self._image_bytes,
-            cached_tokens=self._cached_tokens,
+            # Nothing here refers back to the engine: an unloaded model's weights are
+            # freed when its last reference goes, not at the next garbage collection.
+            busy_elsewhere=partial(_busy_besides, worker, weakref.ref(self)),
+            image_bytes=partial(_image_bytes, loaded.vision, guard),
+            cached_tokens=partial(_cached_tokens, prefix_cache),
         )
         # Front-door count of submitted, unfinished requests (event loop + MLX thread).
         self._lock = threading.Lock()
@@ -161,7 +165,8 @@ class ModelEngine:
         the same step, so the choices of one prompt (``n``) share its prefill."""
         for request, _ in pairs:
             self.guard.check_prefill(
-                request.num_prompt_tokens, image_bytes=self._image_bytes(request)
+                request.num_prompt_tokens,
+                image_bytes=_image_bytes(self.loaded.vision, self.guard, request),
             )
         with self._lock:
             if self._refusal is not None:
@@ -186,21 +191,6 @@ class ModelEngine:
             if self._refusal is not None and not even_if_closed:
                 raise copy.copy(self._refusal)
         return self._worker.submit(fn, *args)
-
-    def _cached_tokens(self, request: Request) -> int:
-        """Prompt tokens the prefix index holds for ``request`` (MLX thread)."""
-        if self.prefix_cache is None:
-            return 0
-        keys = request.images.keys if request.images is not None else ()
-        return self.prefix_cache.match(request.prompt_ids, keys)
-
-    def _image_bytes(self, request: Request) -> int:
-        """The transient of encoding the request's images at prefill (0: none)."""
-        vision = self.loaded.vision
-        if request.images is None or vision is None:
-            return 0
-        shape = request.images.pixel_values.shape
-        return image_bytes(vision.dims, shape, request.num_prompt_tokens, self.guard.profile)
 
     def refuse_new(self, error: OmlxError | None) -> None:
         """Refuse requests submitted from now on with ``error`` (None: take them
@@ -467,6 +457,26 @@ class ModelEngine:
         self._live.clear()
         self._runner.close()
         self._flush(outbox)
+
+
+def _cached_tokens(prefix_cache: PrefixCache | None, request: Request) -> int:
+    """Prompt tokens the prefix index holds for ``request`` (MLX thread)."""
+    if prefix_cache is None:
+        return 0
+    keys = request.images.keys if request.images is not None else ()
+    return prefix_cache.match(request.prompt_ids, keys)
+
+
+def _image_bytes(vision: Any, guard: MemoryGuard, request: Request) -> int:
+    """The transient of encoding the request's images at prefill (0: none)."""
+    if request.images is None or vision is None:
+        return 0
+    shape = request.images.pixel_values.shape
+    return image_bytes(vision.dims, shape, request.num_prompt_tokens, guard.profile)
+
+
+def _busy_besides(worker: Poster, engine: weakref.ref[ModelEngine]) -> bool:
+    return worker.busy_besides(engine())
 
 
 def unloaded_error(name: str, why: str) -> ServiceUnavailableError:

@@ -47,6 +47,7 @@ class Scheduler:
         gather_s: float = 0.0,
         gather_max_s: float = 0.0,
         prefill_step_size: int = 512,
+        name: str = "",
     ):
         if max_running < 1:
             raise ValueError("max_running must be >= 1")
@@ -55,6 +56,7 @@ class Scheduler:
         # Burst gathering while idle (see ``ready_in``); 0 admits at once.
         self.gather_s = gather_s
         self.gather_max_s = gather_max_s
+        self.name = name  # the model's, for the log
         # The runner's prefill chunk: an admitted request's first chunk is planned so.
         self.prefill_step_size = prefill_step_size
         # Requests preempted, by what ran short ("kv_capacity", "memory").
@@ -223,8 +225,9 @@ class Scheduler:
         resumed = self.preempt(victim)
         self.preemptions[reason] += 1
         log.warning(
-            "preempt: %s goes back to the queue with %d output tokens (%s short); "
+            "preempt %s: %s goes back to the queue with %d output tokens (%s short); "
             "it resumes from the prefix cache",
+            self.name,
             victim,
             resumed.num_resumed_tokens,
             "KV capacity" if reason == "kv_capacity" else "memory",
