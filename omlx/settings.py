@@ -433,5 +433,11 @@ def router_env_api_key() -> str | None:
     return os.environ.get(ROUTER_API_KEY_ENV) or None
 
 
+def mlx_launch_env() -> tuple[str, str]:
+    """What ``mlx.launch`` tells each rank: its hostfile (ring) and the JACCL
+    coordinator's address ("" when unset)."""
+    return os.environ.get("MLX_HOSTFILE", ""), os.environ.get("MLX_JACCL_COORDINATOR", "")
+
+
 def router_env_backend_keys() -> str | None:
     return os.environ.get(ROUTER_BACKEND_KEYS_ENV) or None

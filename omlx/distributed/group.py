@@ -13,6 +13,7 @@ from typing import Any
 
 from omlx.distributed.control import TOKEN_BYTES, Leader, connect_to_leader
 from omlx.errors import SettingsError
+from omlx.settings import mlx_launch_env
 
 LAUNCH_HINT = (
     "start it under mlx.launch, e.g. `mlx.launch --hostfile hosts.json -- omlx serve "
@@ -44,13 +45,12 @@ def join(backend: str) -> Membership:
 def leader_address() -> str:
     """Where the followers reach rank 0: its address in the launcher's hostfile (ring:
     ``MLX_HOSTFILE``; JACCL: ``MLX_JACCL_COORDINATOR``), else loopback."""
-    hostfile = os.environ.get("MLX_HOSTFILE", "")
+    hostfile, coordinator = mlx_launch_env()
     if hostfile and os.path.isfile(hostfile):
         with open(hostfile, encoding="utf-8") as fh:
             ranks = json.load(fh)
         if ranks and ranks[0]:
             return str(ranks[0][0]).rsplit(":", 1)[0]
-    coordinator = os.environ.get("MLX_JACCL_COORDINATOR", "")
     if coordinator:
         return coordinator.rsplit(":", 1)[0]
     return "127.0.0.1"

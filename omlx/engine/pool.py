@@ -18,6 +18,7 @@ from omlx.cache.setup import make_hot_tier
 from omlx.embeddings.engine import EmbeddingEngine, make_embedding_engine
 from omlx.engine.assembly import EngineParts, build_engine
 from omlx.engine.enforcer import Enforcer
+from omlx.engine.engine_status import engine_status
 from omlx.engine.model_engine import ModelEngine, unloaded_error
 from omlx.engine.profile_cache import ProfileCache
 from omlx.engine.release import Releases
@@ -210,17 +211,9 @@ class EnginePool:
                     "is_default": name == self.default_model(),
                     "size_bytes": info.size_bytes,
                     "memory_bytes": resident.size_bytes if resident else 0,
-                    "requests_in_flight": resident.engine.num_in_flight if resident else 0,
-                    "requests_queued": resident.engine.num_queued if resident else 0,
                     "idle_s": round(now - resident.last_used_s, 1) if resident else None,
                     "ttl_s": model.ttl_s,
-                    "kv_profile": _kv_profile(resident.engine) if resident else None,
-                    # Requests memory admission kept queued / the forward gate ended.
-                    "num_deferrals": resident.engine.num_deferrals if resident else 0,
-                    "num_gated": resident.engine.num_gated if resident else 0,
-                    "memory_guard": resident.engine.guard_counters() if resident else None,
-                    "batching": _batching(resident.engine) if resident else None,
-                    "speculative": _speculative(resident.engine) if resident else None,
+                    **engine_status(resident.engine if resident else None),
                 }
             )
         return out
@@ -580,14 +573,6 @@ def _close_each(engines: list[Engine], why: str) -> None:
         engine.close(unloaded_error(engine.name, why))
 
 
-def _kv_profile(engine: Engine) -> dict[str, Any] | None:
-    """The load-time auto-profile and the KV capacity under the limits in force now."""
-    guard = engine.guard
-    if guard.profile is None:
-        return None
-    return {**dataclasses.asdict(guard.profile), "max_kv_tokens": guard.max_kv_tokens}
-
-
 def _model_budget(value: str | int, hard_bytes: int) -> int:
     if value == "auto":
         return hard_bytes
@@ -599,18 +584,6 @@ def _require_kind(model: str, kind: str, wanted: str | None) -> None:
     fits = kind in ("llm", "vlm") if wanted == "chat" else wanted in (None, kind)
     if not fits:
         raise WrongModelKindError(model, kind, wanted or "")
-
-
-def _batching(engine: Engine) -> dict[str, int] | None:
-    """An embedding engine's batching counters (steps, sequences, requests per step)."""
-    return engine.batch_stats() if isinstance(engine, EmbeddingEngine) else None
-
-
-def _speculative(engine: Engine) -> dict[str, Any] | None:
-    """An LLM's speculative decoding: drafts per step now, and its counters."""
-    if not isinstance(engine, ModelEngine):
-        return None
-    return {"num_tokens": engine.num_draft, **engine.speculative_stats()}
 
 
 def _with_kind(info: ModelInfo, kind: str | None) -> ModelInfo:

@@ -1,0 +1,51 @@
+"""What a loaded engine reports in the model list (admin API, /health, /metrics)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from omlx.embeddings.engine import EmbeddingEngine
+from omlx.engine.model_engine import ModelEngine
+
+
+def engine_status(engine: ModelEngine | EmbeddingEngine | None) -> dict[str, Any]:
+    """Requests in flight and queued, the auto-profile, what the memory guard did,
+    and each kind's own counters; zeros and None for a model not loaded."""
+    if engine is None:
+        return {
+            "requests_in_flight": 0,
+            "requests_queued": 0,
+            "kv_profile": None,
+            "num_deferrals": 0,
+            "num_gated": 0,
+            "memory_guard": None,
+            "batching": None,
+            "speculative": None,
+        }
+    return {
+        "requests_in_flight": engine.num_in_flight,
+        "requests_queued": engine.num_queued,
+        "kv_profile": _kv_profile(engine),
+        # Requests memory admission kept queued / the forward gate ended.
+        "num_deferrals": engine.num_deferrals,
+        "num_gated": engine.num_gated,
+        "memory_guard": engine.guard_counters(),
+        "batching": engine.batch_stats() if isinstance(engine, EmbeddingEngine) else None,
+        "speculative": _speculative(engine),
+    }
+
+
+def _kv_profile(engine: ModelEngine | EmbeddingEngine) -> dict[str, Any] | None:
+    """The load-time auto-profile and the KV capacity under the limits in force now."""
+    guard = engine.guard
+    if guard.profile is None:
+        return None
+    return {**dataclasses.asdict(guard.profile), "max_kv_tokens": guard.max_kv_tokens}
+
+
+def _speculative(engine: ModelEngine | EmbeddingEngine) -> dict[str, Any] | None:
+    """An LLM's speculative decoding: drafts per step now, and its counters."""
+    if not isinstance(engine, ModelEngine):
+        return None
+    return {"num_tokens": engine.num_draft, **engine.speculative_stats()}
