@@ -24,6 +24,7 @@ from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
 
 from omlx.engine.compiled import CompiledBatchStep
+from omlx.engine.draft_model import DraftProposer
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
 from omlx.engine.ngram import NgramDrafter
 from omlx.engine.speculative import SpecStats, verify_rows
@@ -294,6 +295,10 @@ class DecodeBatch:
         self.spec_stats = SpecStats()
         # Set by the memory gate for the next step: verify no drafts (plain decode).
         self.hold_drafts = False
+        # A draft model proposes instead of prompt lookup (None: prompt lookup), and
+        # the logits its drafts of this step were sampled from (per row).
+        self.draft: DraftProposer | None = None
+        self._draft_logits: list[mx.array | None] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -404,11 +409,12 @@ class DecodeBatch:
             return []
         context = self._cache[0]._idx if self._cache else 0
         width = verify_width(limit + 1)
+        drafting = self.draft.planned_positions(self.rows, limit) if self.draft and limit else []
         return [
             (row.request_id, width if row.drafter is not None else len(carry) + 1, context)
             for row, carry in zip(self.rows, self._carry, strict=True)
             if row.drafter is not None or carry
-        ]
+        ] + [(f"{rid} (draft model)", n, ctx) for rid, n, ctx in drafting]
 
     def draft_limit(self) -> int:
         """Tokens each row may draft this step: ``num_draft``, cut so that the
@@ -425,6 +431,16 @@ class DecodeBatch:
         limit = self.draft_limit()
         drafting = limit and not self.hold_drafts
         self.hold_drafts = False
+        self._draft_logits = None
+        if self.draft is not None:
+            budgets = [
+                limit - len(carry) if row.drafter is not None and drafting else 0
+                for row, carry in zip(self.rows, self._carry, strict=True)
+            ]
+            proposed = self.draft.propose(self.rows, budgets) if drafting else None
+            drafts = proposed.tokens if proposed else [[] for _ in self.rows]
+            self._draft_logits = proposed.logits if proposed else None
+            return drafts if any(drafts) or any(self._carry) else None
         drafts = [
             row.drafter.propose(limit - len(carry)) if row.drafter is not None and drafting else []
             for row, carry in zip(self.rows, self._carry, strict=True)
@@ -447,7 +463,10 @@ class DecodeBatch:
         width = verify_width(max(len(seq) for seq in seqs))
         padded = [seq + [seq[-1]] * (width - len(seq)) for seq in seqs]
         logits = self._model(mx.array(padded), cache=self._cache)
-        verdicts = verify_rows(self.rows, logits, seqs, starts)
+        verdicts = verify_rows(self.rows, logits, seqs, starts, self._draft_logits)
+        if self.draft is not None:
+            ids = [row.request_id for row in self.rows]
+            self.draft.commit({rid: v.num_accepted for rid, v in zip(ids, verdicts, strict=True)})
         valid = [st + 1 + v.num_accepted for st, v in zip(starts, verdicts, strict=True)]
         keep = min(valid)
         if width > keep:
@@ -503,6 +522,8 @@ class DecodeBatch:
         gone = [i for i, row in enumerate(self.rows) if row.request_id in request_ids]
         if not gone:
             return {}
+        if self.draft is not None:
+            self.draft.drop({self.rows[i].request_id for i in gone})
         out = {}
         if extract:
             out = {self.rows[i].request_id: [c.extract(i) for c in self._cache] for i in gone}

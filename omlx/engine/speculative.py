@@ -16,7 +16,10 @@ distribution:
 - sampling (rejection sampling with a point-mass draft): draft ``d`` is kept
   with probability ``p(d)``; otherwise the token is drawn from ``p`` with
   ``d`` removed and renormalised, which makes every token's total probability
-  exactly ``p``'s.
+  exactly ``p``'s;
+- sampling with a draft model's distribution ``q`` (speculative sampling):
+  ``d`` is kept with probability ``min(1, p(d) / q(d))``; otherwise the token
+  is drawn from ``normalize(max(0, p - q))``: again exactly ``p``.
 
 Logits processors (repetition penalty, the grammar mask) run on each judged
 position in order, with the context up to it, and only up to the position that
@@ -54,10 +57,16 @@ def draft_dist_logits(sampler: Any, logits: mx.array) -> mx.array | None:
 
 
 def verify_rows(
-    rows: Sequence[Any], logits: mx.array, seqs: Sequence[Sequence[int]], starts: Sequence[int]
+    rows: Sequence[Any],
+    logits: mx.array,
+    seqs: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    draft_logits: Sequence[mx.array | None] | None = None,
 ) -> list[Verdict]:
     """Each row's verdict from the step's logits (rows, width, vocab). Greedy
-    rows without processors share one argmax; the others are judged one by one."""
+    rows without processors share one argmax; the others are judged one by one.
+    ``draft_logits``: per row, the logits its drafts were sampled from (one row
+    per draft, softmax is ``q``), or None for point-mass drafts (n-gram, greedy)."""
     plain = [
         e
         for e, row in enumerate(rows)
@@ -71,12 +80,13 @@ def verify_rows(
     verdicts = []
     for e, (row, seq, start) in enumerate(zip(rows, seqs, starts, strict=True)):
         drafts = seq[start + 1 :]
+        q = draft_logits[e] if draft_logits is not None else None
         if e in picks:
             verdicts.append(verify_greedy(picks[e], seq, start))
         elif row.processors:
-            verdicts.append(verify_processed(row, logits[e], seq, start, row.context))
+            verdicts.append(verify_processed(row, logits[e], seq, start, row.context, q))
         elif drafts:
-            verdicts.append(verify_sampled(row.sampler, logits[e, start:], drafts))
+            verdicts.append(verify_sampled(row.sampler, logits[e, start:], drafts, q))
         else:
             verdicts.append(verify_plain(row, logits[e], start))
     return verdicts
@@ -90,10 +100,15 @@ def verify_greedy(argmax: list[int], seq: Sequence[int], start: int) -> Verdict:
     return Verdict(j - start, argmax[j])
 
 
-def verify_sampled(sampler: Any, logits: mx.array, drafts: Sequence[int]) -> Verdict:
+def verify_sampled(
+    sampler: Any, logits: mx.array, drafts: Sequence[int], q: mx.array | None = None
+) -> Verdict:
     """Rejection sampling of ``drafts`` against ``logits`` (m + 1, V): position
-    ``j`` holds the distribution ``drafts[j]`` was drawn in place of."""
+    ``j`` holds the distribution ``drafts[j]`` was drawn in place of; ``q``
+    (m, V), the draft model's logits they were drawn from (None: point masses)."""
     m = len(drafts)
+    if q is not None and m:
+        return verify_drafted(sampler, logits, drafts, q)
     scaled = sampler.scaled(logits)
     k_accept, k_residual, k_bonus = mx.random.split(sampler.next_key(), 3)
     logp = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
@@ -115,11 +130,44 @@ def verify_sampled(sampler: Any, logits: mx.array, drafts: Sequence[int]) -> Ver
     return Verdict(m, int(bonus.item()))
 
 
+def verify_drafted(sampler: Any, logits: mx.array, drafts: Sequence[int], q: mx.array) -> Verdict:
+    """Speculative sampling: ``drafts[j]`` was drawn from softmax(``q[j]``);
+    kept with probability min(1, p/q), else the token comes from max(0, p - q)
+    renormalised; after all m kept, one more from ``p`` at position m."""
+    m = len(drafts)
+    scaled = sampler.scaled(logits)
+    k_accept, k_residual, k_bonus = mx.random.split(sampler.next_key(), 3)
+    p = mx.softmax(scaled.astype(mx.float32), axis=-1)
+    qp = mx.softmax(q.astype(mx.float32), axis=-1)
+    d = mx.array(list(drafts))[:, None]
+    p_draft = mx.take_along_axis(p[:m], d, axis=-1)[:, 0]
+    q_draft = mx.take_along_axis(qp, d, axis=-1)[:, 0]
+    uniform = mx.random.uniform(shape=(m,), key=k_accept)
+    residual = mx.maximum(p[:m] - qp, 0.0)
+    # p == q leaves nothing: then the draft was kept for sure (the fallback is unused).
+    empty = residual.sum(axis=-1, keepdims=True) <= 0
+    residual_logits = mx.where(empty, scaled[:m], mx.log(residual))
+    resampled = mx.random.categorical(residual_logits, key=k_residual)
+    bonus = mx.random.categorical(scaled[m:], key=k_bonus)
+    mx.eval(p_draft, q_draft, uniform, resampled, bonus)
+    kept = (uniform * q_draft < p_draft).tolist()
+    for j, ok in enumerate(kept):
+        if not ok:
+            return Verdict(j, int(resampled[j].item()))
+    return Verdict(m, int(bonus.item()))
+
+
 def verify_processed(
-    row: Any, logits: mx.array, seq: Sequence[int], start: int, context: mx.array | None
+    row: Any,
+    logits: mx.array,
+    seq: Sequence[int],
+    start: int,
+    context: mx.array | None,
+    q: mx.array | None = None,
 ) -> Verdict:
     """A row with logits processors: position by position from ``start``, each
-    position's logits processed with the context up to it, then judged."""
+    position's logits processed with the context up to it, then judged (``q``:
+    the draft model's logits per draft, see ``verify_sampled``)."""
     j = start
     while True:
         fed = mx.array(list(seq[: j + 1]))
@@ -135,7 +183,8 @@ def verify_processed(
             pick = int(mx.argmax(one, axis=-1).item())
             verdict = Verdict(int(pick == seq[j + 1]), pick)
         else:
-            verdict = verify_sampled(row.sampler, mx.concatenate([one, one]), [seq[j + 1]])
+            q_j = None if q is None else q[j - start : j - start + 1]
+            verdict = verify_sampled(row.sampler, mx.concatenate([one, one]), [seq[j + 1]], q_j)
         if not verdict.num_accepted:
             return Verdict(j - start, verdict.token, _logprobs(row, one, verdict.token))
         j += 1
