@@ -163,19 +163,20 @@ class DraftProposer:
                 state.seen += n
             if state.seen == len(history) - 1 and state.seen > 0:
                 done.append(rid)
-        for rid in done:
-            state = self._prefilling.pop(rid)
-            self._join(rid, state)
+        if done:
+            self._join(done, [self._prefilling.pop(rid) for rid in done])
 
-    def _join(self, rid: str, state: _Prefilling) -> None:
-        batched = [BatchKVCache.merge([layer]) for layer in state.cache]
+    def _join(self, ids: list[str], states: list[_Prefilling]) -> None:
+        """Rows done prefilling join the batched cache (one merge, one extend)."""
+        layers = zip(*(state.cache for state in states), strict=True)
+        batched = [BatchKVCache.merge(list(per_row)) for per_row in layers]
         if not self._cache:
             self._cache = batched
         else:
             for mine, theirs in zip(self._cache, batched, strict=True):
                 mine.extend(theirs)
-        self._ids.append(rid)
-        self._seen.append(state.seen)
+        self._ids += ids
+        self._seen += [state.seen for state in states]
 
     def _catch_up(self, histories: list[list[int]]) -> bool:
         """Feed the committed tokens every row has unseen but its last, in one
