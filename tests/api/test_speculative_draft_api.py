@@ -5,6 +5,7 @@ refused with a 400 naming the field, and the memory guard counting the draft."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,10 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
 from omlx.api.server import Server
+from tests.api.test_speculative_api import structured
+from tests.api.test_structured_output import SCHEMA
 from tests.fixtures.prom import scrape, value
 from tests.fixtures.servers import live_server
 from tests.fixtures.tiny_encoders import build_tiny_decoder_embedder
@@ -128,6 +132,24 @@ def test_chat_with_a_draft_model_matches_plain_decoding(
     plain = chat()
     use_draft(server, SMALL, num_tokens=3)
     assert chat() == plain
+
+
+def test_structured_output_stays_valid_with_drafts_from_the_draft_model(
+    server: Server, client: openai.OpenAI
+) -> None:
+    """The grammar mask judges each drafted position: the small draft guesses
+    tokens the grammar forbids, and they are never kept."""
+    use_draft(server, None)
+    plain = structured(client, 0.0, 0)
+    use_draft(server, SMALL)
+    before = counter(server, "drafted_total")
+    assert structured(client, 0.0, 0) == plain  # greedy: the same JSON
+    jsonschema.validate(json.loads(plain[0]), SCHEMA)
+    for seed in range(3):
+        text, reason = structured(client, 0.8, seed)
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert counter(server, "drafted_total") > before
 
 
 def test_a_request_that_opts_out_drafts_nothing(server: Server, client: openai.OpenAI) -> None:

@@ -79,7 +79,8 @@ def greedy(rid: str, prompt: list[int], n: int = 30, **kw) -> Request:
 
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_greedy_tokens_are_the_plain_tokens(target, small_draft, twin_draft, pipelined) -> None:
-    for requests in ([greedy("a", PROMPTS[0])], [greedy(f"r{i}", p) for i, p in enumerate(PROMPTS)]):
+    batched = [greedy(f"r{i}", p) for i, p in enumerate(PROMPTS)]
+    for requests in ([greedy("a", PROMPTS[0])], batched):
         plain, _ = run(target, requests, pipelined=pipelined)
         wrong, stats = run(target, requests, small_draft, num_draft=3, pipelined=pipelined)
         assert wrong == plain
