@@ -21,7 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from omlx.errors import SettingsError
@@ -49,6 +58,14 @@ class SpeculativeSettings(BaseModel):
     method: Literal["ngram", "draft"]
     num_tokens: int = Field(4, ge=1, le=MAX_DRAFT_TOKENS)
     draft_model: str | None = Field(None, min_length=1)
+
+    @model_serializer(mode="wrap")
+    def _without_unused_draft_model(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # Shown (and stored) only with "method": "draft".
+        data = handler(self)
+        if isinstance(data, dict) and data.get("draft_model") is None:
+            data.pop("draft_model", None)
+        return data
 
     @model_validator(mode="after")
     def _draft_model_with_draft_only(self) -> SpeculativeSettings:
