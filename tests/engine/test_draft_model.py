@@ -17,6 +17,7 @@ from omlx.engine import batch
 from omlx.engine.runner import BatchRunner
 from omlx.engine.strategy import ExecutionStrategy
 from omlx.scheduler import Request, SamplingParams
+from tests.fixtures.speculation import run_to_max_tokens
 from tests.fixtures.tiny_models import build_tiny_model
 
 PROMPTS = [list(range(3, 40)), list(range(50, 71)) * 2, list(range(90, 100)) * 4]
@@ -59,18 +60,7 @@ def run(
     if draft is not None:
         runner.set_draft(draft, model.args.vocab_size)
         runner.num_draft = num_draft
-    # In groups: a burst's shared-opening search compares every pair of its prompts.
-    for i in range(0, len(requests), 50):
-        runner.add(requests[i : i + 50])
-    want = {r.request_id: r.sampling.max_tokens for r in requests}
-    got: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    while any(len(got[rid]) < n for rid, n in want.items()):
-        for out in runner.step():
-            if len(got[out.request_id]) < want[out.request_id]:
-                got[out.request_id].append(out.token_id)
-    stats = runner.speculative_stats()
-    runner.close()
-    return got, stats
+    return run_to_max_tokens(runner, requests)
 
 
 def greedy(rid: str, prompt: list[int], n: int = 30, **kw) -> Request:

@@ -8,15 +8,15 @@ from __future__ import annotations
 import asyncio
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from omlx.errors import PrefillMemoryExceededError
-from omlx.memory.budget import Limits
-from tests.integration.test_speculative_gate import MARGIN, ROOM, RaisedProbe, _tokens
+from tests.integration.test_speculative_gate import roomy_then_tight
 
 MODEL = "tiny-llama"
-DRAFT = {"method": "draft", "num_tokens": 4, "draft_model": "tiny-llama-twin"}
+DRAFT: dict[str, Any] = {"method": "draft", "num_tokens": 4, "draft_model": "tiny-llama-twin"}
 
 
 @pytest.fixture
@@ -29,24 +29,10 @@ def models_dir(tiny_models_dir: Path, tmp_path: Path) -> Path:
 
 def test_a_draft_step_over_the_limit_decodes_without_drafts(make_pool, models_dir) -> None:
     async def main() -> None:
-        pool = make_pool(models_dir)
-        probe = pool.probe = RaisedProbe()
-        pool.model_settings.update(MODEL, {"speculative": DRAFT})
-        engine = await pool.get_engine(MODEL)
+        engine, drafted = await roomy_then_tight(make_pool(models_dir), MODEL, DRAFT)
         assert engine.draft is not None and engine.draft.name == "tiny-llama-twin"
-        baseline = probe.reading(fresh=True).resident_bytes
-        pool.limits = Limits(baseline + MARGIN + ROOM, baseline + MARGIN + ROOM, MARGIN)
-        engine.guard.publish(pool.limits)
-
-        roomy = "".join(await _tokens(engine, "roomy", probe, 0))
-        drafted = engine.speculative_stats()["drafted"]
-        assert drafted > 0 and engine.gate.num_held_drafts == 0
-
         # The reading rises once the first token reaches the event loop; a step the
         # MLX thread ran before that may still draft (one step: num_tokens drafts).
-        tight = "".join(await _tokens(engine, "tight", probe, ROOM))
-        assert tight == roomy
-        assert engine.gate.num_held_drafts > 0
         assert engine.speculative_stats()["drafted"] <= drafted + DRAFT["num_tokens"]
 
     asyncio.run(main())
