@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,24 @@ def _vocabulary(folder: Path) -> dict[str, int] | None:
     return {**vocab, **added}
 
 
+def configured_draft(
+    draft: str | None, model: str, available: Callable[[], Mapping[str, ModelInfo]]
+) -> ModelInfo | None:
+    """The folder of ``model``'s draft model setting (None: none, or not found: logged)."""
+    if draft is None:
+        return None
+    info = available().get(draft)
+    if info is None:
+        log.error("draft model %s of %s is not in the model dirs: no drafts", draft, model)
+    return info
+
+
+def weights_with_draft(engine: Any) -> int:
+    """A loaded model's weights, its draft model's included."""
+    draft = getattr(engine, "draft", None)
+    return int(engine.loaded.weights_bytes()) + (draft.weights_bytes if draft is not None else 0)
+
+
 def attach_draft(engine: Any, info: ModelInfo | None) -> AttachedDraft | None:
     """MLX thread: load ``info`` as ``engine``'s draft model (None: drop the draft),
     count it in the engine's guard and start drafting with it. A draft that
@@ -111,8 +129,10 @@ def attach_draft(engine: Any, info: ModelInfo | None) -> AttachedDraft | None:
         engine.guard.dims = dataclasses.replace(dims, draft_kv_bytes_per_token=0)
         return None
     try:
+        # The settings file may have been edited by hand: the API's checks again.
+        check_draft_model(engine.loaded.info, info, info.name)
         loaded = _load(info)
-    except ModelLoadError as exc:
+    except (ModelLoadError, SettingsError) as exc:
         log.error("draft model %s for %s not loaded (%s): drafting by prompt lookup", info.name,
                   engine.name, exc)  # fmt: skip
         engine.use_draft(None)

@@ -17,7 +17,7 @@ from typing import Any
 from omlx.cache.setup import make_hot_tier
 from omlx.embeddings.engine import EmbeddingEngine, make_embedding_engine
 from omlx.engine.assembly import EngineParts, build_engine
-from omlx.engine.drafts import attach_draft
+from omlx.engine.drafts import attach_draft, configured_draft, weights_with_draft
 from omlx.engine.enforcer import Enforcer
 from omlx.engine.engine_status import engine_status
 from omlx.engine.model_engine import ModelEngine, unloaded_error
@@ -272,7 +272,7 @@ class EnginePool:
                     engine = await asyncio.wrap_future(future)
                 finally:
                     self._loading.discard(info.name)
-            resident = _Resident(engine, _weights_bytes(engine), self._clock())
+            resident = _Resident(engine, weights_with_draft(engine), self._clock())
             self._resident[info.name] = resident
             self.num_loads += 1
             self.publish_limits()
@@ -475,10 +475,9 @@ class EnginePool:
 
     def _draft_info(self, name: str) -> ModelInfo | None:
         """The draft model ``name``'s settings give it (None: none, or distributed)."""
-        draft = self.model_settings.get(name).draft_model
-        if draft is None or self.cluster is not None:
+        if self.cluster is not None:
             return None
-        return self.available().get(draft)
+        return configured_draft(self.model_settings.get(name).draft_model, name, self.available)
 
     def _redraft_on_worker(self, resident: _Resident, draft: ModelInfo | None) -> None:
         """Load (or drop) a loaded model's draft model; its weights join the model's."""
@@ -486,7 +485,7 @@ class EnginePool:
         engine = resident.engine
         assert isinstance(engine, ModelEngine)
         engine.draft = attach_draft(engine, draft)
-        resident.size_bytes = _weights_bytes(engine)
+        resident.size_bytes = weights_with_draft(engine)
         self._track_baseline(before)
 
     def publish_limits(self) -> None:
@@ -612,9 +611,3 @@ def _require_kind(model: str, kind: str, wanted: str | None) -> None:
 
 def _with_kind(info: ModelInfo, kind: str | None) -> ModelInfo:
     return info if kind is None or kind == info.kind else dataclasses.replace(info, kind=kind)
-
-
-def _weights_bytes(engine: Engine) -> int:
-    """A loaded model's weights, its draft model's included."""
-    draft = getattr(engine, "draft", None)
-    return engine.loaded.weights_bytes() + (draft.weights_bytes if draft is not None else 0)
