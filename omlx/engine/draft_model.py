@@ -196,33 +196,23 @@ class DraftProposer:
         forward (all rows at once); lazy until the one ``eval`` at the end."""
         unseen = [len(h) - s for h, s in zip(histories, self._seen, strict=True)]
         positions = max(u + n - 1 for u, n in zip(unseen, budgets, strict=True))
-        drafted: list[list[mx.array]] = [[] for _ in rows]
+        # The position whose logits give a row's first draft (the last unseen token's).
+        first = [u - 1 for u in unseen]
         scaled: list[list[mx.array]] = [[] for _ in rows]
-        previous: mx.array | None = None
+        columns: list[mx.array] = []  # each forward's pick per row
         # Per row: the history, where its unseen tokens start, how many there are.
         fed = [(h, s, u) for h, s, u in zip(histories, self._seen, unseen, strict=True)]
         for t in range(positions):
-            known = [h[s + t] if t < u else 0 for h, s, u in fed]
-            feed = mx.array(known)
-            if previous is not None:
-                feed = mx.where(mx.array([t >= u for u in unseen]), previous, feed)
+            feed = mx.array([h[s + t] if t < u else 0 for h, s, u in fed])
+            if columns:
+                feed = mx.where(mx.array([t >= u for u in unseen]), columns[-1], feed)
             logits = self._fit_vocab(self.model(feed[:, None], cache=self._cache)[:, -1, :])
-            picks = mx.argmax(logits, axis=-1)
-            column = []
-            for b, row in enumerate(rows):
-                pick = picks[b : b + 1]
-                if 0 <= t - (unseen[b] - 1) < budgets[b] and not row.greedy:
-                    dist = row.sampler.scaled(logits[b : b + 1])
-                    pick = mx.random.categorical(dist, key=row.sampler.next_key())
-                    scaled[b].append(dist)
-                if 0 <= t - (unseen[b] - 1) < budgets[b]:
-                    drafted[b].append(pick)
-                column.append(pick)
-            previous = mx.concatenate(column).astype(feed.dtype)
-        flat = [mx.concatenate(d) for d in drafted if d]
+            drafting = [0 <= t - f < n for f, n in zip(first, budgets, strict=True)]
+            columns.append(_pick(rows, logits, drafting, scaled).astype(feed.dtype))
         dists = [mx.concatenate(s) if s else None for s in scaled]
-        mx.eval(*flat, *[d for d in dists if d is not None])
-        tokens = [mx.concatenate(d).tolist() if d else [] for d in drafted]
+        mx.eval(*columns, *[d for d in dists if d is not None])
+        table = mx.stack(columns, axis=1).tolist() if columns else [[] for _ in rows]
+        tokens = [table[b][f : f + n] for b, (f, n) in enumerate(zip(first, budgets, strict=True))]
         fed_drafts = [max(0, min(n, positions - u)) for u, n in zip(unseen, budgets, strict=True)]
         self._fed = _Fed(list(self._ids), unseen, fed_drafts, positions)
         return tokens, dists
@@ -237,3 +227,21 @@ class DraftProposer:
             return logits[:, : self._vocab]
         pad = mx.full((logits.shape[0], self._vocab - rows), -mx.inf, dtype=logits.dtype)
         return mx.concatenate([logits, pad], axis=-1)
+
+
+def _pick(
+    rows: list[Any], logits: mx.array, drafting: list[bool], scaled: list[list[mx.array]]
+) -> mx.array:
+    """One forward's next token per row: the argmax, or for a sampling row that
+    drafts here a draw under its own sampler (whose logits go to ``scaled``)."""
+    picks = mx.argmax(logits, axis=-1)
+    sampled = [b for b, row in enumerate(rows) if drafting[b] and not row.greedy]
+    if not sampled:
+        return picks
+    column = [picks[b : b + 1] for b in range(len(rows))]
+    for b in sampled:
+        sampler = rows[b].sampler
+        dist = sampler.scaled(logits[b : b + 1])
+        scaled[b].append(dist)
+        column[b] = mx.random.categorical(dist, key=sampler.next_key()).astype(picks.dtype)
+    return mx.concatenate(column)
