@@ -101,6 +101,47 @@ def test_a_prompt_longer_than_a_chunk_drafts_once_the_draft_caught_up(target, tw
     assert stats["accepted"] > 0
 
 
+def staggered(model, draft, pipelined: bool) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Requests arriving at different steps (the draft prefills each newcomer in
+    16-token chunks while the others draft) and leaving at different lengths."""
+    runner = BatchRunner(
+        model,
+        prefill_step_size=16,
+        stream=mx.new_stream(mx.cpu),
+        strategy=ExecutionStrategy.fast_paths(pipelined=pipelined),
+    )
+    runner.prove_compiled()
+    if draft is not None:
+        runner.set_draft(draft, model.args.vocab_size)
+        runner.num_draft = 3
+    arrivals = {0: ("a", PROMPTS[0], 30), 3: ("b", PROMPTS[1], 12), 9: ("c", PROMPTS[2], 25)}
+    got: dict[str, list[int]] = {}
+    want: dict[str, int] = {}
+    for step in range(400):
+        if step in arrivals:
+            rid, prompt, n = arrivals[step]
+            runner.add([greedy(rid, prompt, n)])
+            got[rid], want[rid] = [], n
+        for out in runner.step():
+            if len(got[out.request_id]) < want[out.request_id]:
+                got[out.request_id].append(out.token_id)
+        runner.remove([rid for rid in got if len(got[rid]) == want[rid]])
+        if step > max(arrivals) and all(len(got[r]) == want[r] for r in got):
+            break
+    stats = runner.speculative_stats()
+    runner.close()
+    return got, stats
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_rows_joining_and_leaving_keep_the_draft_cache_in_step(target, twin_draft, pipelined):
+    plain, _ = staggered(target, None, pipelined)
+    fast, stats = staggered(target, twin_draft, pipelined)
+    assert fast == plain
+    # Out of step (a row's tokens at another row's positions), the twin would miss.
+    assert stats["accepted"] > 0.9 * stats["drafted"] > 0
+
+
 # -- sampling: the handed-out tokens follow the target's distribution ---------
 
 ROWS = 1000
