@@ -64,6 +64,7 @@ def build_engine(
         gather_s=sched.burst_window_ms / 1000,
         gather_max_s=sched.burst_max_ms / 1000,
         prefill_step_size=sched.prefill_step_size,
+        share_openings=runner.shares_openings,
         name=loaded.info.name,
     )
     dims = guard_dims(
