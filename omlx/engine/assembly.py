@@ -70,6 +70,8 @@ def build_engine(
     dims = guard_dims(
         loaded.config, kv_dtype_bytes=loaded.activation_bytes(), model=loaded.info.name
     )
+    if cluster is not None:
+        dims = cluster.rank_dims(dims)  # each rank holds its share of heads or layers
     guard = MemoryGuard(
         loaded.info.name,
         dims,
