@@ -66,6 +66,8 @@ class Row:
     # Proposes the row's next tokens from its prompt and output (None: it never
     # speculates: opted out, or it wants logprobs).
     drafter: NgramDrafter | None = None
+    # The logits a draft model drew this step's drafts from (None: point masses).
+    draft_logits: mx.array | None = None
 
     @classmethod
     def make(
@@ -295,10 +297,8 @@ class DecodeBatch:
         self.spec_stats = SpecStats()
         # Set by the memory gate for the next step: verify no drafts (plain decode).
         self.hold_drafts = False
-        # A draft model proposes instead of prompt lookup (None: prompt lookup), and
-        # the logits its drafts of this step were sampled from (per row).
+        # A draft model proposes instead of prompt lookup (None: prompt lookup).
         self.draft: DraftProposer | None = None
-        self._draft_logits: list[mx.array | None] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -431,7 +431,6 @@ class DecodeBatch:
         limit = self.draft_limit()
         drafting = limit and not self.hold_drafts
         self.hold_drafts = False
-        self._draft_logits = None
         if self.draft is not None:
             budgets = [
                 limit - len(carry) if row.drafter is not None and drafting else 0
@@ -439,7 +438,8 @@ class DecodeBatch:
             ]
             proposed = self.draft.propose(self.rows, budgets) if drafting else None
             drafts = proposed.tokens if proposed else [[] for _ in self.rows]
-            self._draft_logits = proposed.logits if proposed else None
+            for e, row in enumerate(self.rows):
+                row.draft_logits = proposed.logits[e] if proposed else None
             return drafts if any(drafts) or any(self._carry) else None
         drafts = [
             row.drafter.propose(limit - len(carry)) if row.drafter is not None and drafting else []
@@ -463,10 +463,9 @@ class DecodeBatch:
         width = verify_width(max(len(seq) for seq in seqs))
         padded = [seq + [seq[-1]] * (width - len(seq)) for seq in seqs]
         logits = self._model(mx.array(padded), cache=self._cache)
-        verdicts = verify_rows(self.rows, logits, seqs, starts, self._draft_logits)
+        verdicts = verify_rows(self.rows, logits, seqs, starts)
         if self.draft is not None:
-            ids = [row.request_id for row in self.rows]
-            self.draft.commit({rid: v.num_accepted for rid, v in zip(ids, verdicts, strict=True)})
+            self._draft_verified(verdicts)
         valid = [st + 1 + v.num_accepted for st, v in zip(starts, verdicts, strict=True)]
         keep = min(valid)
         if width > keep:
@@ -486,6 +485,15 @@ class DecodeBatch:
         self.spec_stats.add(drafts, verdicts)
         self._num_steps += 1
         return out
+
+    def _draft_verified(self, verdicts: list[Any]) -> None:
+        """The draft model's cache cut back to what the rows kept; its logits dropped."""
+        assert self.draft is not None
+        kept = {}
+        for row, verdict in zip(self.rows, verdicts, strict=True):
+            row.draft_logits = None
+            kept[row.request_id] = verdict.num_accepted
+        self.draft.commit(kept)
 
     def _process(self, logits: mx.array, feed: mx.array) -> mx.array:
         """Each row's logits processors (repetition penalty, grammar) on its row."""

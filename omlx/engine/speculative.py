@@ -63,12 +63,11 @@ def verify_rows(
     logits: mx.array,
     seqs: Sequence[Sequence[int]],
     starts: Sequence[int],
-    draft_logits: Sequence[mx.array | None] | None = None,
 ) -> list[Verdict]:
     """Each row's verdict from the step's logits (rows, width, vocab). Greedy
     rows without processors share one argmax; the others are judged one by one.
-    ``draft_logits``: per row, the logits its drafts were sampled from (one row
-    per draft, softmax is ``q``), or None for point-mass drafts (n-gram, greedy)."""
+    A row's ``draft_logits``: the logits a draft model drew its drafts from (one
+    row per draft, softmax is ``q``), or None for point-mass drafts (n-gram)."""
     plain = [
         e
         for e, row in enumerate(rows)
@@ -82,7 +81,7 @@ def verify_rows(
     verdicts = []
     for e, (row, seq, start) in enumerate(zip(rows, seqs, starts, strict=True)):
         drafts = seq[start + 1 :]
-        q = draft_logits[e] if draft_logits is not None else None
+        q = getattr(row, "draft_logits", None)
         if e in picks:
             verdicts.append(verify_greedy(picks[e], seq, start))
         elif row.processors:
