@@ -10,10 +10,12 @@ import logging
 import time
 from typing import Any
 
+from omlx.cache.prefix import AgreeHits
 from omlx.distributed.control import Leader
 from omlx.distributed.group import Membership
 from omlx.distributed.loading import load_shard
 from omlx.distributed.replica import ReplicatingRunner
+from omlx.distributed.shared_hits import agree_hits, shard_name
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.stream import RequestStream
 from omlx.errors import InvalidRequestError, ModelLoadError, OmlxError
@@ -67,6 +69,14 @@ class Cluster:
     @property
     def engine_class(self) -> type[ModelEngine]:
         return DistributedEngine
+
+    def cache_shard(self) -> str:
+        """Rank 0's part of the model: its SSD cache folder's suffix (shared_hits.py)."""
+        return shard_name(self.member, self.parallel or self.mode)
+
+    def shared_hits(self) -> AgreeHits:
+        """The prefix-cache hit lengths every rank holds (a collective at each lookup)."""
+        return agree_hits(self.member)
 
     def runner(self, runner: Any) -> ReplicatingRunner:
         return ReplicatingRunner(runner, self.leader)

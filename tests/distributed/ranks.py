@@ -41,8 +41,8 @@ def serve_args(base: Path, model_dir: Path, port: int, model: str, mode: str) ->
     ]
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), **(extra or {})}
 
 
 def wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float = 120) -> dict:
@@ -80,8 +80,11 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 @contextmanager
-def launched(base: Path, model_dir: Path, model: str, mode: str) -> Iterator[str]:
-    """``mlx.launch -n 2 --backend ring -- omlx serve --distributed MODEL``: rank 0's URL."""
+def launched(
+    base: Path, model_dir: Path, model: str, mode: str, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """``mlx.launch -n 2 --backend ring -- omlx serve --distributed MODEL``: rank 0's URL.
+    ``env``: settings for every rank (``OMLX_...`` variables)."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -97,7 +100,7 @@ def launched(base: Path, model_dir: Path, model: str, mode: str) -> Iterator[str
         "--",
         *serve_args(base, model_dir, port, model, mode),
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(env), start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, [proc])
