@@ -50,3 +50,19 @@ def seeded(client: openai.OpenAI, model: str) -> str:
         seed=1234,
     )
     return reply.choices[0].message.content or ""
+
+
+def with_usage(
+    client: openai.OpenAI, model: str, prompt: str, max_tokens: int
+) -> tuple[str, int, int]:
+    """(greedy answer, prompt tokens, prompt tokens served from the prefix cache)."""
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    usage = reply.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens or 0
+    return reply.choices[0].message.content or "", usage.prompt_tokens, cached

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.distributed.conftest import PP_MODEL, client_for
-from tests.distributed.outputs import PROMPTS, concurrent_streams, greedy, seeded
+from tests.distributed.outputs import PROMPTS, concurrent_streams, greedy, seeded, with_usage
 from tests.distributed.ranks import launched
 
 
@@ -44,3 +44,12 @@ def test_concurrent_streams_equal_one_process(client, single_client) -> None:
 
 def test_seeded_sampling_equals_one_process(client, single_client) -> None:
     assert seeded(client, PP_MODEL) == seeded(single_client, PP_MODEL)
+
+
+def test_a_repeated_prompt_is_served_from_every_ranks_cache(client, single_client) -> None:
+    """Each rank keeps its own layers' KV of the prompt (in its RAM tier here)."""
+    prompt = "Repeat after me: " + ", ".join(f"line {i} of the poem" for i in range(30))
+    first, num_prompt, cached = with_usage(client, PP_MODEL, prompt, 12)
+    again, _, cached_again = with_usage(client, PP_MODEL, prompt, 12)
+    assert cached == 0 and cached_again == num_prompt - 1
+    assert again == first == greedy(single_client, PP_MODEL, prompt, 12)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.distributed.conftest import TP_MODEL, client_for
-from tests.distributed.outputs import greedy
+from tests.distributed.outputs import greedy, with_usage
 from tests.distributed.ranks import launched
 
 BLOCK = 16
@@ -35,17 +35,7 @@ def cluster(
 
 
 def ask(client: openai.OpenAI, prompt: str) -> tuple[str, int, int]:
-    """(greedy answer, prompt tokens, cached prompt tokens)."""
-    reply = client.chat.completions.create(
-        model=TP_MODEL,
-        messages=[{"role": "user", "content": prompt}],
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-    )
-    usage = reply.usage
-    assert usage is not None and usage.prompt_tokens_details is not None
-    cached = usage.prompt_tokens_details.cached_tokens or 0
-    return reply.choices[0].message.content or "", usage.prompt_tokens, cached
+    return with_usage(client, TP_MODEL, prompt, MAX_TOKENS)
 
 
 def rank_blocks(root: Path, rank: int) -> dict[str, Path]:
