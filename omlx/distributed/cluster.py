@@ -95,14 +95,18 @@ class Cluster:
         )
         return "explicit"
 
-    def status(self, local: MemoryReading, hard_bytes: int) -> dict[str, Any]:
-        """Each rank: alive or lost (why), its memory and its own limit."""
+    def status(
+        self, local: MemoryReading, hard_bytes: int, cache: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Each rank: alive or lost (why), its memory and its own limit, and its prefix
+        cache's counters (``cache``: rank 0's; None where a rank keeps none)."""
         self.leader.check_alive()
         ranks = [
             {
                 "rank": 0,
                 "state": "serving",
                 "memory": {**_reading_dict(local), "limit_bytes": hard_bytes},
+                "cache": cache,
             }
         ]
         for link in self.leader.links:
@@ -113,6 +117,7 @@ class Cluster:
                     "state": "lost" if lost else "following",
                     "error": lost,
                     "memory": dict(link.memory) or None,
+                    "cache": link.cache,
                 }
             )
         return {

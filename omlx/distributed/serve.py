@@ -57,10 +57,16 @@ def _follow(settings: Settings, member: Membership, sock: Any, mode: str) -> int
     log.info("distributed: rank %d of %d follows rank 0", member.rank, member.size)
     try:
         with mx.stream(stream):
-            return follow(sock, load, lambda: follower_memory(probe, hard_bytes))
+            return follow(sock, load, lambda: _facts(probe, hard_bytes, caches))
     finally:
         for prefix in caches:  # write-back: its RAM blocks go to its SSD folder
             prefix.close()
+
+
+def _facts(probe: Any, hard_bytes: int, caches: list[Any]) -> dict[str, Any]:
+    """What a follower sends with every reply (rank 0's /health shows them)."""
+    cache = caches[0].stats() if caches else None
+    return {"memory": follower_memory(probe, hard_bytes), "cache": cache}
 
 
 def _follower_runner(

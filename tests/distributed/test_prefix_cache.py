@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -28,10 +29,10 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def cluster(
     split_models_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[openai.OpenAI, Path]]:
+) -> Iterator[tuple[openai.OpenAI, Path, str]]:
     base = tmp_path_factory.mktemp("tp-cache")
     with launched(base, split_models_dir, TP_MODEL, "tensor", env=SSD_ONLY) as url:
-        yield client_for(url), base / "cache" / "omlx-kv-v1"
+        yield client_for(url), base / "cache" / "omlx-kv-v1", url
 
 
 def ask(client: openai.OpenAI, prompt: str) -> tuple[str, int, int]:
@@ -57,7 +58,7 @@ def settled(root: Path) -> set[str]:
 
 
 def test_a_repeated_prompt_is_served_from_every_ranks_cache(cluster, single_client) -> None:
-    client, root = cluster
+    client, root, url = cluster
     first, num_prompt, cached = ask(client, LONG_A)
     assert cached == 0 and num_prompt > 4 * BLOCK
     settled(root)  # both ranks hold the prompt's blocks, under the same keys
@@ -65,10 +66,13 @@ def test_a_repeated_prompt_is_served_from_every_ranks_cache(cluster, single_clie
     # Every prompt token but the last (its forward gives the first output token).
     assert (num_again, cached_again) == (num_prompt, num_prompt - 1)
     assert again == first == greedy(single_client, TP_MODEL, LONG_A, MAX_TOKENS)
+    # /health shows each rank's own cache: both stored the blocks and served the hit.
+    for rank in httpx.get(url + "/health").json()["distributed"]["ranks"]:
+        assert rank["cache"]["hits"] >= 1 and rank["cache"]["blocks_stored"] >= 4, rank
 
 
 def test_a_rank_that_lost_blocks_shrinks_the_hit_not_the_answer(cluster, single_client) -> None:
-    client, root = cluster
+    client, root, _ = cluster
     before = settled(root)
     first, num_prompt, _ = ask(client, LONG_B)
     new = sorted(
