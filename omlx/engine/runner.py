@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 
 class BatchRunner:
     """``prefix_cache``: look prompts up before prefill; store a request's blocks
-    once its prompt is in the cache and again when it leaves.
+    once its prompt is in the cache and again when it leaves. ``shared_hits``: the
+    model is split across ranks, each with its own cache; every rank restores the hit
+    length all of them hold (omlx/distributed/shared_hits.py).
 
     A lone request prefills as a ``SoloSequence`` (and decodes there when the
     model has no proven compiled batch step; otherwise it moves to the batch
