@@ -110,19 +110,32 @@ def launched(
 
 
 @contextmanager
-def ranks_by_hand(base: Path, model_dir: Path, model: str, mode: str) -> Iterator[tuple[str, list]]:
+def ranks_by_hand(
+    base: Path,
+    model_dir: Path,
+    model: str,
+    mode: str,
+    env: dict[int, dict[str, str]] | None = None,
+) -> Iterator[tuple[str, list]]:
     """The two ranks started as mlx.launch starts them (its ring hostfile, MLX_RANK), but
     without its rule of stopping every rank when one fails: a test can kill rank 1 and
-    watch rank 0. Yields (rank 0's URL, [rank 0, rank 1] processes)."""
+    watch rank 0. ``env``: settings of one rank (``{1: {"OMLX_...": ...}}``). Yields
+    (rank 0's URL, [rank 0, rank 1] processes)."""
     port = free_port()
     hostfile = base / "ring.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
     procs = []
     for rank in (0, 1):
-        env = {**_env(), "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)}
+        rank_env = {
+            **_env((env or {}).get(rank)),
+            "MLX_HOSTFILE": str(hostfile),
+            "MLX_RANK": str(rank),
+        }
         args = serve_args(base / f"rank{rank}", model_dir, port, model, mode)
         procs.append(
-            subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, start_new_session=True)
+            subprocess.Popen(
+                [sys.executable, *args], cwd=ROOT, env=rank_env, start_new_session=True
+            )
         )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -15,7 +15,7 @@ import pytest
 
 from tests.distributed.conftest import TP_MODEL, client_for
 from tests.distributed.outputs import greedy, with_usage
-from tests.distributed.ranks import launched
+from tests.distributed.ranks import launched, ranks_by_hand
 
 BLOCK = 16
 # Every block lives on the SSD alone (a RAM tier of 1 byte), so deleting one rank's
@@ -86,3 +86,17 @@ def test_a_rank_that_lost_blocks_shrinks_the_hit_not_the_answer(cluster, single_
     assert again == first == greedy(single_client, TP_MODEL, LONG_B, MAX_TOKENS)
     # Rank 1's whole blocks up to its first missing one: less than rank 0 holds.
     assert BLOCK <= cached < num_prompt - 1 and cached % BLOCK == 0
+
+
+def test_a_rank_keeping_no_cache_still_takes_part(
+    split_models_dir: Path, tmp_path: Path, single_client
+) -> None:
+    """Rank 1's settings switch its cache off: nothing is served from any rank's cache,
+    and no rank waits for another's lookup."""
+    off = {1: {"OMLX_CACHE__ENABLED": "false"}}
+    with ranks_by_hand(tmp_path, split_models_dir, TP_MODEL, "tensor", env=off) as (url, _):
+        client = client_for(url)
+        first, _, _ = with_usage(client, TP_MODEL, LONG_A, MAX_TOKENS)
+        again, _, cached = with_usage(client, TP_MODEL, LONG_A, MAX_TOKENS)
+    assert cached == 0
+    assert again == first == greedy(single_client, TP_MODEL, LONG_A, MAX_TOKENS)
