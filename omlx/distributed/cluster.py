@@ -15,6 +15,7 @@ from omlx.distributed.control import Leader
 from omlx.distributed.group import Membership
 from omlx.distributed.loading import load_shard
 from omlx.distributed.replica import ReplicatingRunner
+from omlx.distributed.shared_grammar import SharedGrammar
 from omlx.distributed.shared_hits import agree_hits, shard_name
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.stream import RequestStream
@@ -170,7 +171,8 @@ def _reading_dict(reading: MemoryReading) -> dict[str, int]:
 
 class DistributedEngine(ModelEngine):
     """A ModelEngine whose forwards run split across ranks: requests that need work
-    the followers cannot replay are refused with a clear 400."""
+    the followers cannot replay are refused with a clear 400; a grammar is rank 0's
+    (shared_grammar.py)."""
 
     @property
     def num_draft(self) -> int:
@@ -188,15 +190,9 @@ class DistributedEngine(ModelEngine):
 
     def submit_together(self, pairs: list[tuple[Request, RequestStream]]) -> None:
         self._runner.raise_if_lost()  # type: ignore[attr-defined]  # a ReplicatingRunner
-        for request, _ in pairs:
-            if request.grammar is not None:
-                raise InvalidRequestError(
-                    "structured output and strict tool calls (a grammar) are not available "
-                    "when the model is split across ranks (omlx serve --distributed); send "
-                    "the request without response_format json_schema / strict tools",
-                    param="response_format",
-                )
-        super().submit_together(pairs)
+        # A grammar stays on rank 0, which hands its masked logits to the other ranks.
+        shared = [(_shared_grammar(request), stream) for request, stream in pairs]
+        super().submit_together(shared)
 
     def run_on_mlx(self, fn: Any, *args: Any, even_if_closed: bool = False) -> Any:
         # Its only user is prompt scoring (echo / prompt logprobs), a forward of rank 0
@@ -208,3 +204,9 @@ class DistributedEngine(ModelEngine):
                 param="echo",
             )
         return super().run_on_mlx(fn, *args, even_if_closed=even_if_closed)
+
+
+def _shared_grammar(request: Request) -> Request:
+    if request.grammar is None:
+        return request
+    return dataclasses.replace(request, grammar=SharedGrammar(request.grammar))

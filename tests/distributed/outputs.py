@@ -6,6 +6,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
+# A JSON schema for structured output (a grammar on rank 0, its masks on every rank).
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+        "tag": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["n", "ok", "tag"],
+    "additionalProperties": False,
+}
 PROMPTS = [
     "the cat sat on the mat and",
     "once upon a time there was",
@@ -66,3 +77,18 @@ def with_usage(
     assert usage is not None and usage.prompt_tokens_details is not None
     cached = usage.prompt_tokens_details.cached_tokens or 0
     return reply.choices[0].message.content or "", usage.prompt_tokens, cached
+
+
+def constrained(client: openai.OpenAI, model: str, **kw: object) -> tuple[str, str]:
+    """(answer, finish reason) of a request whose output must follow SCHEMA."""
+    out = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Answer please."}],
+        max_tokens=60,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "t", "schema": SCHEMA, "strict": True},
+        },
+        **{"temperature": 0, **kw},  # type: ignore[arg-type]
+    )
+    return out.choices[0].message.content or "", out.choices[0].finish_reason
