@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
+import jsonschema
 import openai
 
 # A JSON schema for structured output (a grammar on rank 0, its masks on every rank).
 SCHEMA = {
     "type": "object",
     "properties": {
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        "ok": {"type": "boolean"},
-        "tag": {"enum": ["red", "green", "blue"]},
+        "colour": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
     },
-    "required": ["n", "ok", "tag"],
+    "required": ["colour", "count"],
     "additionalProperties": False,
 }
 PROMPTS = [
@@ -92,3 +93,8 @@ def constrained(client: openai.OpenAI, model: str, **kw: object) -> tuple[str, s
         **{"temperature": 0, **kw},  # type: ignore[arg-type]
     )
     return out.choices[0].message.content or "", out.choices[0].finish_reason
+
+
+def follows_schema(text: str) -> bool:
+    jsonschema.validate(json.loads(text), SCHEMA)
+    return True
