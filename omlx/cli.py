@@ -180,10 +180,8 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "no_cache", False):
         out.setdefault("cache", {})["enabled"] = False
     if getattr(args, "distributed", None):
-        # Split serving: the one model loads at start; ranks keep no prefix cache
-        # (their hits must match exactly, which separate tiers cannot promise yet).
+        # Split serving: the one model loads at start.
         out.setdefault("models", {})["default_model"] = args.distributed
-        out.setdefault("cache", {})["enabled"] = False
     return out
 
 

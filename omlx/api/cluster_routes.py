@@ -1,6 +1,6 @@
 """The distributed group (``omlx serve --distributed``): ``/admin/api/cluster`` lists
-each rank with its memory (the admin panel's Cluster view), and ``/health`` carries
-the same report so a lost rank shows there too."""
+each rank with its memory and prefix-cache counters (the admin panel's Cluster view),
+and ``/health`` carries the same report so a lost rank shows there too."""
 
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ def cluster_health(pool: EnginePool, reading: MemoryReading) -> dict[str, Any]:
     """``{"distributed": report}`` when this server is rank 0 of a group, else {}."""
     if pool.cluster is None:
         return {}
-    return {"distributed": pool.cluster.status(reading, pool.limits.hard_bytes)}
+    engine = pool.engine(pool.cluster.model)
+    prefix = getattr(engine, "prefix_cache", None)
+    cache = prefix.stats() if prefix is not None else None
+    return {"distributed": pool.cluster.status(reading, pool.limits.hard_bytes, cache)}
 
 
 @router.get("/cluster")

@@ -1,6 +1,7 @@
 """Where the SSD tier keeps its blocks, and the cache folders omlx refuses.
 
-Blocks live in ``<cache.ssd_cache_dir>/omlx-kv-v1/<model folder>/``: omlx only
+Blocks live in ``<cache.ssd_cache_dir>/omlx-kv-v1/<model folder>/`` (a rank of a model
+split across ranks: ``<model folder>-<shard>/``, its own KV shard): omlx only
 ever touches that subfolder, so the cache folder itself may hold other things.
 A cache folder that overlaps a model folder is refused at start, before any
 file is opened, so no setting can point the cache's deletes at model weights.
@@ -36,8 +37,10 @@ def model_folder_name(model_name: str) -> str:
     return f"{slug}-{digest}"
 
 
-def model_cache_dir(settings: Settings, model_name: str) -> Path:
-    return ssd_root(settings) / model_folder_name(model_name)
+def model_cache_dir(settings: Settings, model_name: str, shard: str = "") -> Path:
+    """``shard``: a rank's part of a split model (its blocks hold only its KV shard)."""
+    folder = model_folder_name(model_name)
+    return ssd_root(settings) / (f"{folder}-{shard}" if shard else folder)
 
 
 def _within(inner: Path, outer: Path) -> bool:

@@ -5,6 +5,10 @@
 through ``match``); ``store`` turns a request's cache into block payloads for
 the hot tier (which writes them to the SSD tier by its mode).
 
+A model split across ranks (omlx serve --distributed) has a PrefixCache per rank,
+each holding its own KV shard under the same block keys; ``lookup_together`` cuts
+each hit to a length every rank restored (their tiers evict on their own).
+
 Models with recurrent layers or sliding windows (see kv_codec) need the
 state at a block's end; ``snapshot`` records it during prefill, keyed by
 request id, and ``forget`` drops a request's snapshots once it has stored (or
@@ -23,7 +27,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +35,7 @@ from typing import Any
 from omlx.cache import kv_codec
 from omlx.cache.blocks import block_keys, chain_key
 from omlx.cache.hot import HotTier
-from omlx.cache.prefix_index import PrefixIndex, PrefixMatch
+from omlx.cache.prefix_index import NO_HIT, HitSpan, PrefixIndex, PrefixMatch
 from omlx.cache.safetensors_io import BlockPayload
 from omlx.cache.ssd import PUT_TIMEOUT_S as SSD_PUT_TIMEOUT_S
 from omlx.cache.ssd import SSDStore
@@ -61,6 +65,11 @@ class PrefixStats:
             "tokens_saved": self.tokens_saved,
             "blocks_stored": self.blocks_stored,
         }
+
+
+# A model split across ranks: each rank's spans of the same prompts' hits in, the length
+# every rank holds out, per prompt (a collective: omlx/distributed/shared_hits.py).
+AgreeHits = Callable[[list[HitSpan]], list[int]]
 
 
 def model_identity(name: str, path: Path) -> str:
@@ -123,13 +132,36 @@ class PrefixCache:
         """The longest cached prefix of ``prompt_ids[:-1]``, restored into ``template``
         (a new prompt cache), or None on a miss. ``room``: see ``kv_codec.restore``.
         ``extra_keys``: what else the tokens' cache depends on (image hashes)."""
-        found = self.index.match(prompt_ids, extra_keys)
-        payloads = self._payloads(found)
-        with self._stats_lock:
-            self._stats.lookups += 1
-            if not payloads:
-                self._stats.misses += 1
-                return None
+        payloads = self._payloads(self.index.match(prompt_ids, extra_keys))
+        return self._counted(self._restore(payloads, template, room))
+
+    def lookup_together(
+        self,
+        prompts: Sequence[Sequence[int]],
+        new_cache: Callable[[], list[Any]],
+        *,
+        room: bool,
+        agree: AgreeHits | None = None,
+    ) -> list[CacheHit | None]:
+        """``lookup`` of each prompt (``new_cache()``: a fresh prompt cache). ``agree``
+        (the model split across ranks, every rank looking up the same prompts): each
+        hit is cut to a length every rank restored, so the ranks' caches stay in step
+        whatever each one's tiers lost."""
+        found = [self._payloads(self.index.match(p)) for p in prompts]
+        hits = [self._restore(payloads, new_cache(), room) for payloads in found]
+        if agree is not None:
+            lengths = agree([self._span(p, h) for p, h in zip(found, hits, strict=True)])
+            hits = [
+                self._cut(length, payloads, hit, new_cache, room)
+                for length, payloads, hit in zip(lengths, found, hits, strict=True)
+            ]
+        return [self._counted(hit) for hit in hits]
+
+    def _restore(
+        self, payloads: list[BlockPayload], template: list[Any], room: bool
+    ) -> CacheHit | None:
+        if not payloads:
+            return None
         num_tokens = sum(p.num_tokens for p in payloads)
         try:
             layers = kv_codec.restore(
@@ -137,13 +169,49 @@ class PrefixCache:
             )
         except (KeyError, ValueError) as exc:  # a block that does not fit this model
             log.warning("prefix cache: cannot restore %d blocks: %s", len(payloads), exc)
-            with self._stats_lock:
-                self._stats.misses += 1
             return None
-        with self._stats_lock:
-            self._stats.hits += 1
-            self._stats.tokens_saved += num_tokens
         return CacheHit(layers, num_tokens)
+
+    def _counted(self, hit: CacheHit | None) -> CacheHit | None:
+        with self._stats_lock:
+            self._stats.lookups += 1
+            if hit is None:
+                self._stats.misses += 1
+            else:
+                self._stats.hits += 1
+                self._stats.tokens_saved += hit.num_tokens
+        return hit
+
+    def _span(self, payloads: list[BlockPayload], hit: CacheHit | None) -> HitSpan:
+        """The lengths this hit can be cut to (``prefix_index.HitSpan``)."""
+        if hit is None:
+            return NO_HIT
+        total = hit.num_tokens
+        if self.sliceable:
+            return HitSpan(1, total, total)
+        last = payloads[-1].num_tokens
+        return HitSpan(self.block_size, total if last == self.block_size else total - last, total)
+
+    def _cut(
+        self,
+        num_tokens: int,
+        payloads: list[BlockPayload],
+        hit: CacheHit | None,
+        new_cache: Callable[[], list[Any]],
+        room: bool,
+    ) -> CacheHit | None:
+        """``hit`` restored again at ``num_tokens`` (one of its span's lengths)."""
+        if hit is None or num_tokens == hit.num_tokens:
+            return hit
+        kept, held = [], 0
+        for payload in payloads:
+            if held >= num_tokens:
+                break
+            if held + payload.num_tokens > num_tokens:  # sliceable KV only (the span)
+                payload = kv_codec.cut_payload(payload, num_tokens - held)
+            kept.append(payload)
+            held += payload.num_tokens
+        return self._restore(kept, new_cache(), room)
 
     def _payloads(self, found: PrefixMatch) -> list[BlockPayload]:
         """The matched blocks, read from the tiers, up to the first one that left

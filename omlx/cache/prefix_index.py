@@ -147,3 +147,43 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+@dataclass(frozen=True, slots=True)
+class HitSpan:
+    """Which prompt lengths one rank's hit can be restored at (a model split across
+    ranks restores the same length everywhere): any multiple of ``step`` up to
+    ``whole``, and ``total``. Sliceable KV cuts anywhere (step 1); recurrent or window
+    state only at a block's end (step: the block size; ``total``: a partial tail)."""
+
+    step: int
+    whole: int
+    total: int
+
+    def holds(self, num_tokens: int) -> bool:
+        return num_tokens == self.total or (
+            num_tokens <= self.whole and num_tokens % self.step == 0
+        )
+
+    def lengths(self) -> list[int]:
+        """Every restorable length, longest first."""
+        return [self.total, *range(self.whole - self.whole % self.step, -1, -self.step)]
+
+
+# A miss: only the empty prefix.
+NO_HIT = HitSpan(1, 0, 0)
+
+
+def common_hit(spans: Sequence[HitSpan]) -> int:
+    """The longest hit every rank can restore (0: none). Candidates come from the
+    rank with the coarsest step, so the work is one pass over its block ends."""
+    if not spans:
+        return 0
+    ceiling = min(span.total for span in spans)
+    coarsest = max(spans, key=lambda span: span.step)
+    if coarsest.step == 1:
+        return ceiling
+    for length in coarsest.lengths():
+        if length <= ceiling and all(span.holds(length) for span in spans):
+            return length
+    return 0

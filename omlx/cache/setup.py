@@ -53,9 +53,11 @@ def ssd_budget(value: str | int, directory: Path) -> int | Literal["auto"]:
 
 
 def make_prefix_cache(
-    settings: Settings, hot: HotTier | None, loaded: LoadedModel
+    settings: Settings, hot: HotTier | None, loaded: LoadedModel, shard: str = ""
 ) -> PrefixCache | None:
-    """MLX thread. None when the cache is off or the model's layers cannot be cached."""
+    """MLX thread. None when the cache is off or the model's layers cannot be cached.
+    ``shard``: a rank's part of a split model, e.g. "tensor-rank1-of-2" (its SSD
+    folder's suffix: ranks on one host share no file)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cfg = settings.cache
@@ -71,7 +73,7 @@ def make_prefix_cache(
     identity = model_identity(name, loaded.info.path)
     ssd = None
     if cfg.hot_cache_mode != "hot-only":
-        ssd = open_ssd_store(settings, name, identity, layout)
+        ssd = open_ssd_store(settings, name, identity, layout, shard)
     prefix = PrefixCache(identity, layout, cfg.block_size, hot, ssd)
     log.info(
         "prefix cache for %s: %s, block %d tokens, %s%s",
@@ -85,12 +87,12 @@ def make_prefix_cache(
 
 
 def open_ssd_store(
-    settings: Settings, name: str, identity: str, layout: tuple[str, ...]
+    settings: Settings, name: str, identity: str, layout: tuple[str, ...], shard: str = ""
 ) -> SSDStore | None:
     """The model's SSD store; None (RAM only, with a warning) when its folder holds
     files omlx did not write, which the store refuses to touch, or cannot be used."""
     cfg = settings.cache
-    directory = model_cache_dir(settings, name)
+    directory = model_cache_dir(settings, name, shard)
     budget = ssd_budget(cfg.ssd_cache_max_size, directory)
     try:
         return SSDStore(

@@ -10,10 +10,13 @@ import logging
 import time
 from typing import Any
 
+from omlx.cache.prefix import AgreeHits
 from omlx.distributed.control import Leader
 from omlx.distributed.group import Membership
 from omlx.distributed.loading import load_shard
 from omlx.distributed.replica import ReplicatingRunner
+from omlx.distributed.shared_grammar import SharedGrammar
+from omlx.distributed.shared_hits import agree_hits, shard_name
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.stream import RequestStream
 from omlx.errors import InvalidRequestError, ModelLoadError, OmlxError
@@ -77,6 +80,14 @@ class Cluster:
     def engine_class(self) -> type[ModelEngine]:
         return DistributedEngine
 
+    def cache_shard(self) -> str:
+        """Rank 0's part of the model: its SSD cache folder's suffix (shared_hits.py)."""
+        return shard_name(self.member, self.parallel or self.mode)
+
+    def shared_hits(self) -> AgreeHits:
+        """The prefix-cache hit lengths every rank holds (a collective at each lookup)."""
+        return agree_hits(self.member)
+
     def runner(self, runner: Any) -> ReplicatingRunner:
         return ReplicatingRunner(runner, self.leader)
 
@@ -94,14 +105,18 @@ class Cluster:
         )
         return "explicit"
 
-    def status(self, local: MemoryReading, hard_bytes: int) -> dict[str, Any]:
-        """Each rank: alive or lost (why), its memory and its own limit."""
+    def status(
+        self, local: MemoryReading, hard_bytes: int, cache: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Each rank: alive or lost (why), its memory and its own limit, and its prefix
+        cache's counters (``cache``: rank 0's; None where a rank keeps none)."""
         self.leader.check_alive()
         ranks = [
             {
                 "rank": 0,
                 "state": "serving",
                 "memory": {**_reading_dict(local), "limit_bytes": hard_bytes},
+                "cache": cache,
             }
         ]
         for link in self.leader.links:
@@ -112,6 +127,7 @@ class Cluster:
                     "state": "lost" if lost else "following",
                     "error": lost,
                     "memory": dict(link.memory) or None,
+                    "cache": link.cache,
                 }
             )
         return {
@@ -165,7 +181,8 @@ def _reading_dict(reading: MemoryReading) -> dict[str, int]:
 
 class DistributedEngine(ModelEngine):
     """A ModelEngine whose forwards run split across ranks: requests that need work
-    the followers cannot replay are refused with a clear 400."""
+    the followers cannot replay are refused with a clear 400; a grammar is rank 0's
+    (shared_grammar.py)."""
 
     @property
     def num_draft(self) -> int:
@@ -183,15 +200,9 @@ class DistributedEngine(ModelEngine):
 
     def submit_together(self, pairs: list[tuple[Request, RequestStream]]) -> None:
         self._runner.raise_if_lost()  # type: ignore[attr-defined]  # a ReplicatingRunner
-        for request, _ in pairs:
-            if request.grammar is not None:
-                raise InvalidRequestError(
-                    "structured output and strict tool calls (a grammar) are not available "
-                    "when the model is split across ranks (omlx serve --distributed); send "
-                    "the request without response_format json_schema / strict tools",
-                    param="response_format",
-                )
-        super().submit_together(pairs)
+        # A grammar stays on rank 0, which hands its masked logits to the other ranks.
+        shared = [(_shared_grammar(request), stream) for request, stream in pairs]
+        super().submit_together(shared)
 
     def run_on_mlx(self, fn: Any, *args: Any, even_if_closed: bool = False) -> Any:
         # Its only user is prompt scoring (echo / prompt logprobs), a forward of rank 0
@@ -203,3 +214,9 @@ class DistributedEngine(ModelEngine):
                 param="echo",
             )
         return super().run_on_mlx(fn, *args, even_if_closed=even_if_closed)
+
+
+def _shared_grammar(request: Request) -> Request:
+    if request.grammar is None:
+        return request
+    return dataclasses.replace(request, grammar=SharedGrammar(request.grammar))

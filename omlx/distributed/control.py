@@ -60,6 +60,7 @@ class FollowerLink:
     sock: socket.socket
     # The follower's last reply's memory fields (bytes) and its own hard limit.
     memory: dict[str, int] = field(default_factory=dict)
+    cache: dict[str, Any] | None = None  # its prefix cache's counters (None: it keeps none)
     replied_at: float = 0.0
 
 
@@ -117,6 +118,7 @@ class Leader:
                     self._lose(link, f"it failed: {reply.get('error')}")
                     continue
                 link.memory, link.replied_at = reply.get("memory", {}), time.monotonic()
+                link.cache = reply.get("cache")
                 results.append(reply.get("result"))
             self.raise_if_lost()
         return results

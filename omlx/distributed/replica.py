@@ -112,11 +112,12 @@ def _seeded(request: Request) -> Request:
 def follow(
     sock: socket.socket,
     load: Callable[[str], Any],
-    memory: Callable[[], dict[str, int]],
+    facts: Callable[[], dict[str, Any]],
 ) -> int:
     """A follower's life: replay rank 0's calls until it closes the connection (0),
     or stop at the first call that fails here (1: this rank cannot keep in step).
-    ``load(name)`` builds the runner for a model; ``memory()`` is this rank's reading."""
+    ``load(name)`` builds the runner for a model; ``facts()``: this rank's memory reading
+    and prefix-cache counters, sent with every reply."""
     runner: Any = None
     while True:
         try:
@@ -138,7 +139,7 @@ def follow(
             log.exception("distributed: %s %s failed on this rank", kind, name)
             _reply(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
             return 1
-        _reply(sock, {"ok": True, "memory": memory()})
+        _reply(sock, {"ok": True, **facts()})
 
 
 def _reply(sock: socket.socket, reply: dict[str, Any]) -> None:

@@ -45,8 +45,9 @@ def build_engine(
     """The engine, and how its load went (``kv_profile``: measured or reused,
     ``compiled_steps``) for /health."""
     sched = parts.settings.scheduler
-    prefix = make_prefix_cache(parts.settings, parts.hot_cache, loaded)
     cluster = parts.cluster
+    shard = cluster.cache_shard() if cluster is not None else ""
+    prefix = make_prefix_cache(parts.settings, parts.hot_cache, loaded, shard)
     strategy = ExecutionStrategy.choose(sched.execution_strategy, mx.default_device().type.name)
     if cluster is not None:
         strategy = strategy.split()
@@ -57,6 +58,7 @@ def build_engine(
         prefix_cache=prefix,
         strategy=strategy,
         vision=loaded.vision,
+        shared_hits=cluster.shared_hits() if cluster is not None else None,
     )
     scheduler = Scheduler(
         sched.max_concurrent_requests,

@@ -16,7 +16,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from omlx.cache.prefix import CacheHit, PrefixCache
+from omlx.cache.prefix import AgreeHits, CacheHit, PrefixCache
+from omlx.cache.prefix_index import NO_HIT
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
 from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
 from omlx.engine.draft_model import DraftProposer
@@ -36,7 +37,9 @@ log = logging.getLogger(__name__)
 
 class BatchRunner:
     """``prefix_cache``: look prompts up before prefill; store a request's blocks
-    once its prompt is in the cache and again when it leaves.
+    once its prompt is in the cache and again when it leaves. ``shared_hits``: the
+    model is split across ranks, each with its own cache; every rank restores the hit
+    length all of them hold (omlx/distributed/shared_hits.py).
 
     A lone request prefills as a ``SoloSequence`` (and decodes there when the
     model has no proven compiled batch step; otherwise it moves to the batch
@@ -58,6 +61,7 @@ class BatchRunner:
         prefix_cache: PrefixCache | None = None,
         strategy: ExecutionStrategy | None = None,
         vision: Any = None,
+        shared_hits: AgreeHits | None = None,
     ):
         if strategy is None:
             strategy = ExecutionStrategy.choose("auto", mx.default_device().type.name)
@@ -71,6 +75,8 @@ class BatchRunner:
         self.shares_openings = shares_openings(model) and not (
             prefix_cache is not None and prefix_cache.needs_snapshots
         )
+        # A model split across ranks: the hit lengths every rank holds (shared_hits.py).
+        self._shared_hits = shared_hits
         self._prefill_step_size = prefill_step_size
         self._stream = stream
         self._prefill = PrefillBatch(model, prefill_step_size)
@@ -156,7 +162,7 @@ class BatchRunner:
         # A solo or side sequence feeds its restored cache as it is (room saves a
         # copy); a batched one is merged into the batch's cache (a copy anyway).
         room = solo or (self._prefix is not None and self._prefix.needs_snapshots)
-        hits = {r.request_id: self._lookup(r, room) for r in requests}
+        hits = self._lookup(requests, room)
         if self._prefix is not None:
             for r in requests:
                 self._tokens[r.request_id] = list(r.prompt_ids)
@@ -276,11 +282,20 @@ class BatchRunner:
         else:
             self._decode.join(*self._forks.fork([row], list(rest), merge_caches([cache])))
 
-    def _lookup(self, request: Request, room: bool) -> CacheHit | None:
+    def _lookup(self, requests: list[Request], room: bool) -> dict[str, CacheHit | None]:
+        """Each request's prefix-cache hit; split across ranks, one every rank holds (a
+        rank keeping no cache still takes part in ``shared_hits``: it holds none)."""
         if self._prefix is None:
-            return None
-        template = make_prompt_cache(self._model)
-        return self._prefix.lookup(request.prompt_ids, template, room=room)
+            if self._shared_hits is not None:
+                self._shared_hits([NO_HIT] * len(requests))
+            return dict.fromkeys((r.request_id for r in requests), None)
+        found = self._prefix.lookup_together(
+            [r.prompt_ids for r in requests],
+            partial(make_prompt_cache, self._model),
+            room=room,
+            agree=self._shared_hits,
+        )
+        return {r.request_id: hit for r, hit in zip(requests, found, strict=True)}
 
     def _sequence(self, request: Request, hit: CacheHit | None) -> SoloSequence:
         """An unbatched sequence for ``request`` (snapshots at block boundaries

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
+import jsonschema
 import openai
 
+# A JSON schema for structured output (a grammar on rank 0, its masks on every rank).
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["colour", "count"],
+    "additionalProperties": False,
+}
 PROMPTS = [
     "the cat sat on the mat and",
     "once upon a time there was",
@@ -50,3 +62,39 @@ def seeded(client: openai.OpenAI, model: str) -> str:
         seed=1234,
     )
     return reply.choices[0].message.content or ""
+
+
+def with_usage(
+    client: openai.OpenAI, model: str, prompt: str, max_tokens: int
+) -> tuple[str, int, int]:
+    """(greedy answer, prompt tokens, prompt tokens served from the prefix cache)."""
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    usage = reply.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens or 0
+    return reply.choices[0].message.content or "", usage.prompt_tokens, cached
+
+
+def constrained(client: openai.OpenAI, model: str, **kw: object) -> tuple[str, str]:
+    """(answer, finish reason) of a request whose output must follow SCHEMA."""
+    out = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Answer please."}],
+        max_tokens=60,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "t", "schema": SCHEMA, "strict": True},
+        },
+        **{"temperature": 0, **kw},  # type: ignore[arg-type]
+    )
+    return out.choices[0].message.content or "", out.choices[0].finish_reason
+
+
+def follows_schema(text: str) -> bool:
+    jsonschema.validate(json.loads(text), SCHEMA)
+    return True

@@ -26,8 +26,8 @@ def serve_args(base: Path, model_dir: Path, port: int, model: str, mode: str) ->
     return fixture_serve_args(base, model_dir, port, "--max-concurrent-requests", "8", *distributed)
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), **(extra or {})}
 
 
 def wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float = 120) -> dict:
@@ -65,8 +65,11 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 @contextmanager
-def launched(base: Path, model_dir: Path, model: str, mode: str) -> Iterator[str]:
-    """``mlx.launch -n 2 --backend ring -- omlx serve --distributed MODEL``: rank 0's URL."""
+def launched(
+    base: Path, model_dir: Path, model: str, mode: str, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """``mlx.launch -n 2 --backend ring -- omlx serve --distributed MODEL``: rank 0's URL.
+    ``env``: settings for every rank (``OMLX_...`` variables)."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -82,7 +85,7 @@ def launched(base: Path, model_dir: Path, model: str, mode: str) -> Iterator[str
         "--",
         *serve_args(base, model_dir, port, model, mode),
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(env), start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, [proc])
@@ -92,19 +95,32 @@ def launched(base: Path, model_dir: Path, model: str, mode: str) -> Iterator[str
 
 
 @contextmanager
-def ranks_by_hand(base: Path, model_dir: Path, model: str, mode: str) -> Iterator[tuple[str, list]]:
+def ranks_by_hand(
+    base: Path,
+    model_dir: Path,
+    model: str,
+    mode: str,
+    env: dict[int, dict[str, str]] | None = None,
+) -> Iterator[tuple[str, list]]:
     """The two ranks started as mlx.launch starts them (its ring hostfile, MLX_RANK), but
     without its rule of stopping every rank when one fails: a test can kill rank 1 and
-    watch rank 0. Yields (rank 0's URL, [rank 0, rank 1] processes)."""
+    watch rank 0. ``env``: settings of one rank (``{1: {"OMLX_...": ...}}``). Yields
+    (rank 0's URL, [rank 0, rank 1] processes)."""
     port = free_port()
     hostfile = base / "ring.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
     procs = []
     for rank in (0, 1):
-        env = {**_env(), "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)}
+        rank_env = {
+            **_env((env or {}).get(rank)),
+            "MLX_HOSTFILE": str(hostfile),
+            "MLX_RANK": str(rank),
+        }
         args = serve_args(base / f"rank{rank}", model_dir, port, model, mode)
         procs.append(
-            subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, start_new_session=True)
+            subprocess.Popen(
+                [sys.executable, *args], cwd=ROOT, env=rank_env, start_new_session=True
+            )
         )
     url = f"http://127.0.0.1:{port}"
     try:

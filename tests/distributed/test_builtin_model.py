@@ -13,7 +13,7 @@ import pytest
 
 from omlx.models.builtin import BUILTIN_MODEL_NAME
 from tests.distributed.conftest import client_for
-from tests.distributed.outputs import PROMPTS, concurrent_streams, greedy
+from tests.distributed.outputs import PROMPTS, concurrent_streams, greedy, with_usage
 from tests.distributed.ranks import launched, wait_ready
 from tests.fixtures.servers import live_server
 
@@ -53,3 +53,15 @@ def test_concurrent_streams_equal_one_process(one_process: openai.OpenAI, url: s
     # Few tokens: 30 layers in lockstep on two ranks of a shared 2-core box are slow.
     expected = concurrent_streams(one_process, BUILTIN_MODEL_NAME, 8)
     assert concurrent_streams(client_for(url), BUILTIN_MODEL_NAME, 8) == expected
+
+
+def test_a_repeated_prompt_is_served_from_every_ranks_cache(
+    one_process: openai.OpenAI, url: str
+) -> None:
+    split = client_for(url)
+    prompt = "Name the colours in this list: " + ", ".join(["red", "green", "blue"] * 15)
+    first, num_prompt, cached = with_usage(split, BUILTIN_MODEL_NAME, prompt, 8)
+    again, _, cached_again = with_usage(split, BUILTIN_MODEL_NAME, prompt, 8)
+    # At first at most the chat template's opening, which earlier prompts shared.
+    assert cached < cached_again == num_prompt - 1
+    assert again == first == greedy(one_process, BUILTIN_MODEL_NAME, prompt, 8)

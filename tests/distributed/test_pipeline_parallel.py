@@ -10,8 +10,9 @@ import httpx
 import openai
 import pytest
 
+from tests.distributed import outputs
 from tests.distributed.conftest import PP_MODEL, client_for, half_the_kv_of
-from tests.distributed.outputs import PROMPTS, concurrent_streams, greedy, seeded
+from tests.distributed.outputs import PROMPTS, concurrent_streams, greedy, seeded, with_usage
 from tests.distributed.ranks import launched
 
 
@@ -46,3 +47,20 @@ def test_concurrent_streams_equal_one_process(client, single_client) -> None:
 
 def test_seeded_sampling_equals_one_process(client, single_client) -> None:
     assert seeded(client, PP_MODEL) == seeded(single_client, PP_MODEL)
+
+
+def test_a_repeated_prompt_is_served_from_every_ranks_cache(client, single_client) -> None:
+    """Each rank keeps its own layers' KV of the prompt (in its RAM tier here)."""
+    prompt = "Repeat after me: " + ", ".join(f"line {i} of the poem" for i in range(30))
+    first, num_prompt, cached = with_usage(client, PP_MODEL, prompt, 12)
+    again, _, cached_again = with_usage(client, PP_MODEL, prompt, 12)
+    # At first at most the chat template's opening, which earlier prompts shared.
+    assert cached < cached_again == num_prompt - 1
+    assert again == first == greedy(single_client, PP_MODEL, prompt, 12)
+
+
+def test_structured_output_equals_one_process(client, single_client) -> None:
+    text, reason = outputs.constrained(client, PP_MODEL)
+    assert reason == "stop"
+    assert outputs.follows_schema(text)
+    assert (text, reason) == outputs.constrained(single_client, PP_MODEL)

@@ -4,6 +4,7 @@ split server answers exactly as one process does, and refuses what it cannot spl
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -11,7 +12,14 @@ import openai
 import pytest
 
 from tests.distributed.conftest import PP_MODEL, TP_MODEL, client_for, half_the_kv_of
-from tests.distributed.outputs import PROMPTS, concurrent_streams, greedy, seeded
+from tests.distributed.outputs import (
+    PROMPTS,
+    concurrent_streams,
+    constrained,
+    follows_schema,
+    greedy,
+    seeded,
+)
 from tests.distributed.ranks import launched
 
 
@@ -65,17 +73,34 @@ def test_only_the_split_model_is_served(client) -> None:
         greedy(client, PP_MODEL, "hi", max_tokens=2)
 
 
-def test_structured_output_is_refused_clearly(client) -> None:
+def test_structured_output_equals_one_process(client, single_client) -> None:
+    """Rank 0 keeps the grammar; every rank samples from its masked logits."""
+    text, reason = constrained(client, TP_MODEL)
+    assert reason == "stop"
+    assert follows_schema(text)
+    assert (text, reason) == constrained(single_client, TP_MODEL)
+    seeded = {"temperature": 0.8, "seed": 7}
+    assert constrained(client, TP_MODEL, **seeded) == constrained(single_client, TP_MODEL, **seeded)
+
+
+def test_constrained_and_free_requests_batch_on_every_rank(client, single_client) -> None:
+    def together(c: openai.OpenAI) -> list:
+        with ThreadPoolExecutor(3) as pool:
+            jobs = [
+                pool.submit(constrained, c, TP_MODEL),
+                pool.submit(constrained, c, TP_MODEL, temperature=0.8, seed=3),
+            ]
+            jobs.append(pool.submit(greedy, c, TP_MODEL, PROMPTS[2]))
+            return [job.result() for job in jobs]
+
+    split = together(client)
+    assert split == together(single_client)
+    assert follows_schema(split[0][0])
+
+
+def test_prompt_logprobs_are_refused_clearly(client) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
-            model=TP_MODEL,
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=4,
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "x", "schema": {"type": "object"}},
-            },
-        )
+        client.completions.create(model=TP_MODEL, prompt="hi", max_tokens=1, echo=True, logprobs=1)
     assert "split across ranks" in info.value.message
 
 

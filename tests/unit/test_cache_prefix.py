@@ -14,6 +14,7 @@ from omlx.cache import kv_codec
 from omlx.cache import prefix_index as prefix_module
 from omlx.cache.hot import HotTier
 from omlx.cache.prefix import PrefixCache
+from omlx.cache.prefix_index import NO_HIT, HitSpan, common_hit
 
 BLOCK = 4
 WINDOW = 6
@@ -135,3 +136,37 @@ def test_token_granular_reuse_is_off_for_unsliceable_layouts(monkeypatch) -> Non
     # the second (no snapshot there: the window at token 6 is unknown).
     hit = prefix.lookup([*list(range(6)), 50, 51, 52], _layers())
     assert hit is not None and hit.num_tokens == BLOCK
+
+
+def test_ranks_agree_on_the_longest_hit_each_can_restore() -> None:
+    """Sliceable KV cuts anywhere (step 1); window or recurrent state only at a block's
+    end or at its stored tail. Ranks may even use other block sizes."""
+    assert common_hit([HitSpan(1, 30, 30), HitSpan(16, 16, 20)]) == 20
+    assert common_hit([HitSpan(16, 32, 40), HitSpan(16, 16, 20)]) == 16
+    assert common_hit([HitSpan(16, 16, 20), HitSpan(16, 16, 20)]) == 20
+    assert common_hit([HitSpan(16, 48, 48), HitSpan(24, 48, 50)]) == 48
+    assert common_hit([HitSpan(16, 32, 32), HitSpan(24, 48, 48)]) == 0
+    assert common_hit([HitSpan(1, 30, 30), NO_HIT]) == 0
+
+
+def test_a_split_model_cuts_a_hit_to_a_length_every_rank_holds() -> None:
+    """A window model's hit is cut at a block's end every rank holds, and restored with
+    that block's window, not the longer hit's."""
+    prefix = _prefix_cache()
+    tokens = list(range(100, 120))
+    layers = _layers()
+    held = _prefill(prefix, "a", layers, len(tokens))
+    kv_keys = np.array(layers[0].keys[..., :8, :])
+    prefix.store("a", tokens, layers, 19, tail=True)
+    other_rank = HitSpan(BLOCK, 8, 11)  # two whole blocks and a tail of its own
+    seen: list[HitSpan] = []
+
+    def agree(spans: list[HitSpan]) -> list[int]:
+        seen.extend(spans)
+        return [common_hit([span, other_rank]) for span in spans]
+
+    (hit,) = prefix.lookup_together([tokens], _layers, room=True, agree=agree)
+    assert seen == [HitSpan(BLOCK, 16, 19)]  # 4 whole blocks and the tail
+    assert hit is not None and hit.num_tokens == 8
+    _assert_window(hit.layers[1], held[8])
+    np.testing.assert_array_equal(np.array(hit.layers[0].keys_and_values()[0]), kv_keys)
