@@ -147,6 +147,12 @@ async def put_model_settings(name: str, request: Request) -> dict[str, Any]:
     folder = _known_model(state, name)
     changes = await _json_object(request)
     pool = state.pool
+    if pool.cluster is not None and changes.get("speculative") is not None:
+        raise SettingsError(
+            "speculative: speculative decoding is not available while the model is split "
+            "across ranks (omlx serve --distributed); leave it null",
+            param="speculative",
+        )
     check_draft_setting(folder, changes, pool.available())
     saved = pool.model_settings.update(folder, changes, available=list(pool.available()))
     pool.settings_changed(folder)

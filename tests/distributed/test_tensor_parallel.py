@@ -104,6 +104,16 @@ def test_prompt_logprobs_are_refused_clearly(client) -> None:
     assert "split across ranks" in info.value.message
 
 
+def test_speculative_decoding_is_refused_clearly_and_nothing_is_saved(url: str) -> None:
+    settings = f"{url}/admin/api/models/{TP_MODEL}/settings"
+    body = {"speculative": {"method": "ngram", "num_tokens": 4}}
+    refused = httpx.put(settings, json=body)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "speculative"
+    assert "split across ranks" in refused.json()["error"]["message"]
+    assert httpx.get(settings).json()["settings"]["speculative"] is None
+
+
 def test_a_request_after_a_refusal_still_runs(client, single_client) -> None:
     """A refused request leaves nothing behind on any rank."""
     assert greedy(client, TP_MODEL, PROMPTS[1], 8) == greedy(single_client, TP_MODEL, PROMPTS[1], 8)
