@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import logging
 import math
@@ -30,14 +29,19 @@ from omlx.errors import (
     InsufficientMemoryError,
     ModelNotFoundError,
     OmlxError,
-    WrongModelKindError,
 )
 from omlx.memory import mlx_stats
 from omlx.memory.baseline import IdleBaseline
 from omlx.memory.budget import Limits, MemoryReading
 from omlx.memory.guard import memory_limits
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
-from omlx.models.discovery import ModelInfo, capabilities, discover_models
+from omlx.models.discovery import (
+    ModelInfo,
+    capabilities,
+    discover_models,
+    require_kind,
+    with_kind,
+)
 from omlx.models.loader import LoadedModel, load_model
 from omlx.models.model_settings import (
     ModelSettingsStore,
@@ -168,7 +172,7 @@ class EnginePool:
         if info is None:
             shown = sorted(self.public_name(n) for n in models)
             raise ModelNotFoundError(requested, shown)
-        return _with_kind(info, self.model_settings.get(info.name).model_type)
+        return with_kind(info, self.model_settings.get(info.name).model_type)
 
     def public_name(self, name: str) -> str:
         """What clients see for a model folder: its alias, else its name."""
@@ -242,11 +246,11 @@ class EnginePool:
         resident = self._resident.get(requested)
         if resident is None:
             info = self.resolve(requested)
-            _require_kind(self.public_name(info.name), info.kind, kind)
+            require_kind(self.public_name(info.name), info.kind, kind)
             self.releases.refuse_if_released(info.name)
             resident = self._resident.get(info.name) or await self._load(info)
         else:
-            _require_kind(self.public_name(requested), resident.engine.loaded.info.kind, kind)
+            require_kind(self.public_name(requested), resident.engine.loaded.info.kind, kind)
             self.releases.refuse_if_released(requested)
         resident.last_used_s = self._clock()
         return resident
@@ -600,14 +604,3 @@ def _model_budget(value: str | int, hard_bytes: int) -> int:
     if value == "auto":
         return hard_bytes
     return min(hard_bytes, parse_byte_size(value, total_bytes=hard_bytes, field="max_model_memory"))
-
-
-def _require_kind(model: str, kind: str, wanted: str | None) -> None:
-    """``wanted``: "chat" (an LLM or VLM), "embedding", or None (any kind)."""
-    fits = kind in ("llm", "vlm") if wanted == "chat" else wanted in (None, kind)
-    if not fits:
-        raise WrongModelKindError(model, kind, wanted or "")
-
-
-def _with_kind(info: ModelInfo, kind: str | None) -> ModelInfo:
-    return info if kind is None or kind == info.kind else dataclasses.replace(info, kind=kind)

@@ -8,12 +8,15 @@ in progress write into hidden temp folders).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from omlx.errors import WrongModelKindError
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +97,19 @@ _CAPABILITIES = {
 def capabilities(kind: str) -> list[str]:
     """What a model of ``kind`` serves, as /v1/models and the admin panel show it."""
     return list(_CAPABILITIES.get(kind, ()))
+
+
+def require_kind(model: str, kind: str, wanted: str | None) -> None:
+    """``wanted``: "chat" (an LLM or VLM), "embedding", or None (any kind); a
+    model of another kind is a 400 naming both."""
+    fits = kind in ("llm", "vlm") if wanted == "chat" else wanted in (None, kind)
+    if not fits:
+        raise WrongModelKindError(model, kind, wanted or "")
+
+
+def with_kind(info: ModelInfo, kind: str | None) -> ModelInfo:
+    """``info`` as the kind its settings give it (``model_type``), if any."""
+    return info if kind is None or kind == info.kind else dataclasses.replace(info, kind=kind)
 
 
 def _read_config(folder: Path) -> dict[str, Any] | None:
