@@ -285,11 +285,13 @@ def batch_qualifies(model: Any) -> bool:
 class CompiledBatchStep(_CompiledStep):
     """The decode step of a batch (one token per row, every layer a
     ``BatchKVCache``), with each layer's projections, norms, RoPE and MLP in two
-    compiled functions and the cache write and attention eager in between.
+    compiled functions and the cache write and attention eager in between; and
+    the same step over several tokens per row (``verify``: a speculative step's
+    drafts, the same arithmetic as mlx-lm's forward of them).
 
     Attention is left out of the traced functions because its shape grows every
-    step; the rest has the batch's shape only, so one trace per batch size serves
-    every layer (the layer's weights are inputs, not constants). What the step
+    step; the rest has the batch's shape only, so one trace per (rows, tokens
+    per row) serves every layer (the layer's weights are inputs, not constants). What the step
     saves is graph nodes, each of which costs a dispatch (on the CPU backend
     a few microseconds): the eager step evaluates ~2,500 per step for SmolLM2's
     30 layers, this one ~1,250.

@@ -130,6 +130,24 @@ def test_logits_and_caches_equal_mlx_lms_forward(model) -> None:
         assert mx.array_equal(c.values[..., : c._idx, :], e.values[..., : e._idx, :]).item()
 
 
+def test_a_verification_forward_equals_mlx_lms_forward_of_the_same_tokens(model) -> None:
+    """A speculative step feeds each row several tokens at once: the compiled
+    step's logits at every position and its caches are mlx-lm's, bit for bit,
+    at each width the batch uses, rows of different lengths."""
+    prompts = list(PROMPTS.values())
+    step = CompiledBatchStep(model)
+    assert step.prove()
+    compiled, eager = batch_of(model, prompts), batch_of(model, prompts)
+    for width in (2, 5, 3):
+        fed = mx.array([[(7 * r + j) % 100 + 1 for j in range(width)] for r in range(3)])
+        got = step.verify(fed, compiled)
+        assert got is not None
+        assert mx.array_equal(got, model(fed, cache=eager)).item()
+    for c, e in zip(compiled, eager, strict=True):
+        assert c._idx == e._idx
+        assert mx.array_equal(c.keys[..., : c._idx, :], e.keys[..., : e._idx, :]).item()
+
+
 def pending_ops(array: mx.array) -> int:
     """Operations still to run for ``array`` (0 once it is evaluated)."""
     dot = io.StringIO()
