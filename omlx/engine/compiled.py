@@ -381,7 +381,7 @@ class CompiledBatchStep(_CompiledStep):
         """Logits (rows * width, vocab) for ``tokens`` (rows, width)."""
         model = self._model
         inner = model.model
-        rows, width = tokens.shape
+        width = tokens.shape[1]
         x = inner.embed_tokens(tokens.reshape(-1))  # (rows * width, hidden)
         mask = cache[0].make_mask(width)
         offset = cache[0].offset  # every layer's (the caches move in step)
