@@ -13,7 +13,8 @@ is one of:
   first tokens' wait counts) and their mean TTFT;
 - ``--agent``: one agent session (peer_client.agent_session): its wall time and mean TTFT.
 
-``omlx:<strategy>`` names omlx with that ``scheduler.execution_strategy``.
+``omlx:<strategy>`` names omlx with that ``scheduler.execution_strategy``, ``omlx@REV``
+the code of commit REV (the step redesign's before/after: ``omlx@b66bb0a,omlx``).
 
     .venv/bin/python benchmarks/peers/ab_single.py --servers omlx,rapid-mlx --pairs 8
     .venv/bin/python benchmarks/peers/ab_single.py --servers omlx,mlx-lm --streams 8

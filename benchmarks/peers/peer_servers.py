@@ -24,6 +24,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = ROOT / ".venv" / "bin"
+OMLX_MAIN = "import sys; from omlx.cli import main; sys.exit(main())"
 
 
 @dataclass(slots=True)
@@ -55,13 +56,20 @@ class ServerFailed(RuntimeError):
     """A server did not install, start or answer; the message says why."""
 
 
-def omlx_spec(model_dir: Path, model: str, port: int) -> ServerSpec:
+def omlx_spec(model_dir: Path, model: str, port: int, tree: Path | None = None) -> ServerSpec:
+    """omlx from the project's .venv, running this checkout or ``tree`` (another
+    commit's code, first on the path: ``-P`` keeps the working directory off it)."""
     # A fresh base path: empty SSD cache and settings. The prefix cache is on by default;
     # 16 slots so the 16-stream row runs as one batch (the default admits 8).
     base = tempfile.mkdtemp(prefix="omlx-peers-base-")
-    argv = [str(VENV_BIN / "omlx"), "--base-path", base, "serve", "--model-dir", str(model_dir)]
+    command = [str(VENV_BIN / "omlx")]
+    env = {}
+    if tree is not None:
+        command = [str(VENV_BIN / "python"), "-P", "-c", OMLX_MAIN]
+        env["PYTHONPATH"] = str(tree)
+    argv = [*command, "--base-path", base, "serve", "--model-dir", str(model_dir)]
     argv += ["--port", str(port), "--max-concurrent-requests", "16", "--no-install-default"]
-    return ServerSpec("omlx", argv, model, port, ready_path="/health", scratch=[base])
+    return ServerSpec("omlx", argv, model, port, "/health", env, scratch=[base])
 
 
 def mlx_lm_spec(model_path: Path, port: int) -> ServerSpec:

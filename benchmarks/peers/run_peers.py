@@ -26,7 +26,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import peer_servers as ps
+from flood_realistic import extract_ref
 from peer_client import ROW_GROUPS, Config, measure, nonce, parse_groups
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -70,14 +72,22 @@ def ensure_model(base: Path) -> Path:
     return models
 
 
+def ref_tree(rev: str) -> Path:
+    """Commit ``rev``'s code, extracted once under WORK/trees."""
+    tree = WORK / "trees" / rev
+    return tree if tree.is_dir() else extract_ref(rev, tree)
+
+
 def make_spec(name: str, models: Path, port: int, venvs: Path, blas: str) -> ps.ServerSpec:
-    """``name`` is a server, or ``omlx:<strategy>``: omlx with that
-    ``scheduler.execution_strategy`` (auto, plain, fast_paths), for A/Bs of omlx itself."""
+    """``name`` is a server; ``omlx:<strategy>`` is omlx with that
+    ``scheduler.execution_strategy`` (auto, plain, fast_paths), and ``omlx@REV`` runs
+    the code of commit REV (``git archive``), for A/Bs of omlx itself."""
     server, _, strategy = name.partition(":")
+    server, _, rev = server.partition("@")
     if server == "omlx":
-        spec = ps.omlx_spec(models, MODEL, port)
+        spec = ps.omlx_spec(models, MODEL, port, tree=ref_tree(rev) if rev else None)
+        spec.name = name
         if strategy:
-            spec.name = name
             spec.env["OMLX_SCHEDULER__EXECUTION_STRATEGY"] = strategy
     elif name == "mlx-lm":
         spec = ps.mlx_lm_spec(models / MODEL, port)

@@ -18,6 +18,7 @@ from omlx.engine.model_engine import ModelEngine
 from omlx.engine.stream import RequestStream
 from omlx.errors import InvalidRequestError, ModelLoadError, OmlxError
 from omlx.memory.budget import KVProfile, Limits, MemoryReading
+from omlx.memory.dims import ModelDims, rank_share
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
 from omlx.models.discovery import ModelInfo
@@ -43,6 +44,8 @@ class Cluster:
         self.model = model
         self.mode = mode
         self.parallel: str | None = None  # what the load chose: "tensor" or "pipeline"
+        # The KV one token takes on the busiest rank (its share of heads or layers).
+        self.rank_kv_bytes_per_token: int | None = None
         self.started_at = time.time()
 
     def load(self, info: ModelInfo) -> LoadedModel:
@@ -63,6 +66,12 @@ class Cluster:
         self.leader.collect()
         self.parallel = loaded.config.get("omlx_parallel")
         return loaded
+
+    def rank_dims(self, dims: ModelDims) -> ModelDims:
+        """The busiest rank's share of the model (after ``load``): the guard's dims."""
+        shared = rank_share(dims, self.parallel, self.member.size)
+        self.rank_kv_bytes_per_token = shared.kv_bytes_per_token
+        return shared
 
     @property
     def engine_class(self) -> type[ModelEngine]:
@@ -110,6 +119,7 @@ class Cluster:
             "parallel": self.parallel or self.mode,
             "backend": self.member.backend,
             "world_size": self.member.size,
+            "kv_bytes_per_token_per_rank": self.rank_kv_bytes_per_token,
             "healthy": not self.leader.lost,
             "ranks": ranks,
         }

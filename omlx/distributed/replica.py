@@ -37,12 +37,6 @@ NOTHING_WHEN_EMPTY = frozenset({"add", "remove"})
 CLEAN_UPS = frozenset({"reset", "close", "remove"})
 
 
-def _never_share(num_tokens: int, num_cached: int) -> bool:
-    """Shared openings are off when distributed: rank 0's memory gate decides them,
-    and the followers must take the same decision without asking it."""
-    return False
-
-
 class ReplicatingRunner:
     """Rank 0's runner: the engine's calls, replayed on every follower."""
 
@@ -83,13 +77,12 @@ class ReplicatingRunner:
 def replay_arguments(
     method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments as every rank runs them: a ``may_share`` memory gate (a callback
-    into rank 0's engine: ``add``, and ``execute`` of the newer step contract) replaced
-    by its decision (never share), and a seed for every sampled request without one
-    (in a list of requests or a plan's fields), so all ranks draw the same tokens."""
+    """The arguments as every rank runs them: a seed for every sampled request
+    without one (in a list of requests or a plan's fields), so all ranks draw the
+    same tokens. (The plan carries every memory decision, shared openings too.)"""
     bound = inspect.signature(method).bind(*args, **kwargs)
     for name, value in bound.arguments.items():
-        bound.arguments[name] = _never_share if name == "may_share" else _with_seeds(value)
+        bound.arguments[name] = _with_seeds(value)
     return bound.args, bound.kwargs
 
 

@@ -64,11 +64,14 @@ def build_engine(
         gather_s=sched.burst_window_ms / 1000,
         gather_max_s=sched.burst_max_ms / 1000,
         prefill_step_size=sched.prefill_step_size,
+        share_openings=runner.shares_openings,
         name=loaded.info.name,
     )
     dims = guard_dims(
         loaded.config, kv_dtype_bytes=loaded.activation_bytes(), model=loaded.info.name
     )
+    if cluster is not None:
+        dims = cluster.rank_dims(dims)  # each rank holds its share of heads or layers
     guard = MemoryGuard(
         loaded.info.name,
         dims,

@@ -22,7 +22,6 @@ from typing import Any, Protocol
 from omlx.cache.prefix import PrefixCache
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omlx.engine.memory_gate import StepGate
-from omlx.engine.openings import OpeningGate
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
 from omlx.engine.token_text import LogprobEntry, TokenText
 from omlx.errors import (
@@ -51,9 +50,7 @@ class Runner(Protocol):
     @property
     def has_work(self) -> bool: ...
     def prefill_plan(self) -> list[PrefillChunk]: ...
-    def execute(
-        self, plan: SchedulerOutput, may_share: OpeningGate | None = None
-    ) -> RunnerOutput: ...
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...
     def remove(self, request_ids: list[str]) -> None: ...
     def reset(self) -> None: ...
     def close(self) -> None: ...
@@ -273,7 +270,7 @@ class ModelEngine:
                 self.gate, runner.prefill_plan(), runner.speculation_plan()
             )
             self._end_gated(plan.ended, outbox)
-            output = self._runner.execute(plan, self.gate.may_share)
+            output = self._runner.execute(plan)
         except Exception as exc:  # an MLX failure: fail what is running, keep serving
             log.exception("engine step failed for %s", self.name)
             # 503s pass as they are (a distributed rank lost: omlx/distributed/).

@@ -22,11 +22,12 @@ from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
 from omlx.engine.forks import ChoiceForks
 from omlx.engine.image_prefill import image_sequence
 from omlx.engine.ngram import drafter_for
-from omlx.engine.openings import OpeningGate, share_openings
+from omlx.engine.openings import share_openings, shares_openings
 from omlx.engine.sampling import make_request_processors, make_request_sampler
 from omlx.engine.solo import SoloSequence
 from omlx.engine.strategy import ExecutionStrategy
 from omlx.scheduler import Request, TokenOutput
+from omlx.scheduler.openings import SharedOpening
 from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,11 @@ class BatchRunner:
         # A vision-language model's encoder (omlx.models.vlm.VisionEncoder), or None.
         self._vision = vision
         self._prefix = prefix_cache
+        # Whether a burst's requests may start from a shared opening's cache (the
+        # scheduler plans openings only then): batched requests of sliceable caches.
+        self.shares_openings = shares_openings(model) and not (
+            prefix_cache is not None and prefix_cache.needs_snapshots
+        )
         self._prefill_step_size = prefill_step_size
         self._stream = stream
         self._prefill = PrefillBatch(model, prefill_step_size)
@@ -127,10 +133,10 @@ class BatchRunner:
         )
 
     def add(
-        self, requests: Iterable[Request], may_share: OpeningGate | None = None
+        self, requests: Iterable[Request], openings: Sequence[SharedOpening] = ()
     ) -> dict[str, int]:
         """Start requests; returns the prompt tokens each got from the prefix cache.
-        ``may_share``: the memory gate asked before each shared opening's forward."""
+        ``openings``: the shared openings the scheduler planned among them."""
         requests = list(requests)
         if any(r.num_resumed_tokens for r in requests):
             # A preempted request's blocks were stored on its way out: now, so it hits.
@@ -166,9 +172,7 @@ class BatchRunner:
                 self._solo_to_batch()
             with mx.stream(self._stream):
                 started = self._forks.split(requests)
-                shared = share_openings(
-                    self._model, started, hits, self._prefill_step_size, may_share
-                )
+                shared = share_openings(self._model, openings, started, hits)
                 for r in started:
                     hit = hits[r.request_id]
                     if r.request_id in shared:
@@ -346,13 +350,13 @@ class BatchRunner:
                 )
             self._start_batched(row, state.cache, len(state.cached_tokens), state.feed)
 
-    def execute(self, plan: SchedulerOutput, may_share: OpeningGate | None = None) -> RunnerOutput:
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run one planned step: drop the requests leaving (their blocks go to the
-        prefix cache), start the admitted ones from their cache hits, cap the
-        prefill chunks as the memory gate said, and run the forward (``step``).
-        ``may_share``: the gate asked before a burst's shared opening's forward."""
+        prefix cache), start the admitted ones from their cache hits and shared
+        openings, cap the prefill chunks as the memory gate said, and run the
+        forward (``step``)."""
         self.remove(plan.leaving)
-        hits = self.add(plan.admitted, may_share)
+        hits = self.add(plan.admitted, plan.openings)
         cached = {r.request_id: hits.get(r.request_id, 0) for r in plan.admitted}
         self.cap_prefill(plan.prefill_cap)
         if not plan.speculate:

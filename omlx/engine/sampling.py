@@ -60,6 +60,24 @@ class RequestSampler:
         self._key, sub = mx.random.split(self._key)
         return sub
 
+    def keys_ahead(self, n: int) -> list[mx.array]:
+        """The keys of the next ``n`` draws, not used up: a speculative step draws
+        at every drafted position, then ``advance``s past the tokens it hands out."""
+        key, subs = self._key, []
+        for _ in range(n):
+            key, sub = mx.random.split(key)
+            subs.append(sub)
+        return subs
+
+    def advance(self, n: int) -> None:
+        """Use up the keys of ``n`` draws (made with ``keys_ahead``)."""
+        for _ in range(n):
+            self.next_key()
+
+    def draw(self, logits: mx.array, key: mx.array) -> mx.array:
+        """The token drawn from ``logits`` (1, V) with ``key``."""
+        return mx.random.categorical(self.scaled(logits), key=key)
+
     def scaled(self, logits: mx.array) -> mx.array:
         if self._filters:
             logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -68,8 +86,7 @@ class RequestSampler:
         return logits * self._inv_temp
 
     def __call__(self, logits: mx.array) -> mx.array:
-        sub = self.next_key()
-        return mx.random.categorical(self.scaled(logits), key=sub)
+        return self.draw(logits, self.next_key())
 
 
 def make_request_processors(request: Request) -> list[Any]:

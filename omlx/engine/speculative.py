@@ -13,10 +13,11 @@ distribution:
 
 - greedy: a draft is kept when it is the argmax (token-for-token the
   non-speculative output);
-- sampling (rejection sampling with a point-mass draft): draft ``d`` is kept
-  with probability ``p(d)``; otherwise the token is drawn from ``p`` with
-  ``d`` removed and renormalised, which makes every token's total probability
-  exactly ``p``'s.
+- sampling: each position is drawn as the plain step draws it (the request's
+  next key, its categorical) and a draft is kept while it equals the draw, so
+  draft ``d`` is kept with probability ``p(d)`` (rejection sampling's rate for
+  a point-mass draft) and every token follows ``p`` exactly: it is the plain
+  step's own draw, the same for a seed with or without drafts.
 
 Logits processors (repetition penalty, the grammar mask) run on each judged
 position in order, with the context up to it, and only up to the position that
@@ -91,28 +92,23 @@ def verify_greedy(argmax: list[int], seq: Sequence[int], start: int) -> Verdict:
 
 
 def verify_sampled(sampler: Any, logits: mx.array, drafts: Sequence[int]) -> Verdict:
-    """Rejection sampling of ``drafts`` against ``logits`` (m + 1, V): position
-    ``j`` holds the distribution ``drafts[j]`` was drawn in place of."""
+    """``drafts`` judged against ``logits`` (m + 1, V), position ``j`` holding the
+    distribution ``drafts[j]`` stands in for: each position is drawn exactly as
+    the plain step would draw it there (its key, its categorical), and a draft is
+    kept while it equals the draw. Kept with probability p(d), rejection
+    sampling's rate for a point-mass draft, and every token handed out is the
+    plain step's own draw: a seed gives the same tokens with or without drafts,
+    and a preempted request resumes with them (one key per token either way)."""
     m = len(drafts)
-    scaled = sampler.scaled(logits)
-    k_accept, k_residual, k_bonus = mx.random.split(sampler.next_key(), 3)
-    logp = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
-    if m == 0:
-        return Verdict(0, int(mx.random.categorical(scaled[-1:], key=k_bonus).item()))
-    d = mx.array(list(drafts))
-    p_draft = mx.exp(mx.take_along_axis(logp[:m], d[:, None], axis=-1)[:, 0])
-    uniform = mx.random.uniform(shape=(m,), key=k_accept)
-    # p with the draft removed: renormalising is categorical's own softmax.
-    vocab = mx.arange(scaled.shape[-1])
-    without = mx.where(vocab[None, :] == d[:, None], -mx.inf, scaled[:m])
-    residual = mx.random.categorical(without, key=k_residual)
-    bonus = mx.random.categorical(scaled[m:], key=k_bonus)
-    mx.eval(p_draft, uniform, residual, bonus)
-    kept = (uniform < p_draft).tolist()
-    for j, ok in enumerate(kept):
-        if not ok:
-            return Verdict(j, int(residual[j].item()))
-    return Verdict(m, int(bonus.item()))
+    keys = sampler.keys_ahead(m + 1)
+    draws = [sampler.draw(logits[j : j + 1], key) for j, key in enumerate(keys)]
+    mx.eval(draws)
+    tokens = [int(d.item()) for d in draws]
+    kept = 0
+    while kept < m and tokens[kept] == drafts[kept]:
+        kept += 1
+    sampler.advance(kept + 1)
+    return Verdict(kept, tokens[kept])
 
 
 def verify_processed(
@@ -127,17 +123,11 @@ def verify_processed(
         one = logits[j : j + 1]
         for processor in row.processors:
             one = processor(ctx, one)
-        has_draft = j + 1 < len(seq)
-        if not has_draft:
-            token = int(row.sampler(one).item())
+        # Drawn as the plain step draws here (greedy: the argmax); a draft is kept
+        # while it equals the draw.
+        token = int(row.sampler(one).item())
+        if j + 1 == len(seq) or token != seq[j + 1]:
             return Verdict(j - start, token, _logprobs(row, one, token))
-        if row.greedy:
-            pick = int(mx.argmax(one, axis=-1).item())
-            verdict = Verdict(int(pick == seq[j + 1]), pick)
-        else:
-            verdict = verify_sampled(row.sampler, mx.concatenate([one, one]), [seq[j + 1]])
-        if not verdict.num_accepted:
-            return Verdict(j - start, verdict.token, _logprobs(row, one, verdict.token))
         j += 1
 
 

@@ -5,12 +5,13 @@ Pure: no MLX. Split from budget.py, which prices prefill with these numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelDims", "conservative_dims", "guard_dims", "model_dims"]
+__all__ = ["ModelDims", "conservative_dims", "guard_dims", "model_dims", "rank_share"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,27 @@ def guard_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int, model: str) ->
         return dims
     dims = conservative_dims(config, kv_dtype_bytes=kv_dtype_bytes)
     logger.warning("memguard %s: config dims unresolved, conservative fallback %s", model, dims)
+    return dims
+
+
+def rank_share(dims: ModelDims, parallel: str | None, world_size: int) -> ModelDims:
+    """The share of ``dims`` the busiest rank holds when the model is split across
+    ``world_size`` ranks: its heads (tensor parallel) or its layers (pipeline), so
+    each rank's guard prices its own KV and attention, not the whole model's."""
+    if world_size <= 1:
+        return dims
+
+    def share(n: int) -> int:
+        return -(-n // world_size)  # the rank with the most
+
+    if parallel == "tensor":
+        return dataclasses.replace(
+            dims,
+            num_kv_heads=share(dims.num_kv_heads),
+            num_attention_heads=share(dims.num_attention_heads),
+        )
+    if parallel == "pipeline":
+        return dataclasses.replace(dims, num_layers=share(dims.num_layers))
     return dims
 
 

@@ -2,8 +2,9 @@
 
 ``Scheduler.schedule(memory, chunks, speculation) -> SchedulerOutput``: which
 requests start, which leave (preempted back to the queue, or ended by the memory
-gate), their cached tokens from the pure prefix index, the cap on the step's
-prefill chunks, and whether the decoding rows verify drafts.
+gate), their cached tokens from the pure prefix index, the shared openings they
+prefill once, the cap on the step's prefill chunks, and whether the decoding rows
+verify drafts.
 ``Runner.execute(plan) -> RunnerOutput``: the forward. The scheduler's
 ``update_from_output`` then decides what each produced token means.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from omlx.memory.throttle import PrefillShape
+from omlx.scheduler.openings import SharedOpening
 from omlx.scheduler.request import Request, TokenOutput
 
 
@@ -44,6 +46,8 @@ class SchedulerOutput:
     ended: tuple[str, ...] = ()
     # The most tokens any prefill chunk runs (None: as planned; 0: prefill waits).
     prefill_cap: int | None = None
+    # Shared openings among the admitted requests (each prefilled once), gated.
+    openings: tuple[SharedOpening, ...] = ()
     # Whether decoding rows may verify drafts this step (the memory gate's answer on
     # the verification width; False: plain decode).
     speculate: bool = True
@@ -74,4 +78,5 @@ class MemoryView(Protocol):
     def sent_back(self, request: Request) -> None: ...
     def shape_prefill(self, chunks: Sequence[PrefillChunk], num_running: int) -> PrefillShape: ...
     def settle(self, shape: PrefillShape, chunks: Sequence[PrefillChunk]) -> None: ...
+    def may_share(self, num_tokens: int, num_cached_tokens: int) -> bool: ...
     def may_speculate(self, chunks: Sequence[PrefillChunk]) -> bool: ...

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from omlx.errors import QueueFullError
 from omlx.memory.throttle import PrefillShape
+from omlx.scheduler.openings import SharedOpening, plan_openings
 from omlx.scheduler.plan import MemoryView, PrefillChunk, SchedulerOutput
 from omlx.scheduler.request import Request, RequestStatus, RequestUpdate, TokenOutput
 
@@ -47,6 +48,7 @@ class Scheduler:
         gather_s: float = 0.0,
         gather_max_s: float = 0.0,
         prefill_step_size: int = 512,
+        share_openings: bool = False,
         name: str = "",
     ):
         if max_running < 1:
@@ -59,6 +61,8 @@ class Scheduler:
         self.name = name  # the model's, for the log
         # The runner's prefill chunk: an admitted request's first chunk is planned so.
         self.prefill_step_size = prefill_step_size
+        # Whether the runner can start a burst from shared openings (plain KV caches).
+        self.share_openings = share_openings
         # Requests preempted, by what ran short ("kv_capacity", "memory").
         self.preemptions: Counter[str] = Counter()
         self._waiting: OrderedDict[str, Request] = OrderedDict()
@@ -153,10 +157,23 @@ class Scheduler:
             preempted=tuple(preempted),
             ended=shape.ended,
             prefill_cap=shape.cap,
+            openings=self._openings(memory, started, cached),
             speculate=memory.may_speculate(
                 [c for c in speculation if c.request_id in self._running]
             ),
         )
+
+    def _openings(
+        self, memory: MemoryView, started: Sequence[Request], cached: dict[str, int]
+    ) -> tuple[SharedOpening, ...]:
+        """The shared openings of the requests starting now (text prompts: images
+        prefill on their own), each through the memory gate like a chunk; refused,
+        its requests prefill the opening in their own gated chunks."""
+        if not self.share_openings:
+            return ()
+        text = [r for r in started if not r.images]
+        planned = plan_openings(text, cached, self.prefill_step_size)
+        return tuple(o for o in planned if memory.may_share(o.num_tokens, o.start))
 
     def _preempt_over_capacity(self, memory: MemoryView) -> list[str]:
         """Preempt the newest while the running requests' KV passes the capacity

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import openai
 import pytest
 
 from omlx.api.server import Server
+from omlx.memory.dims import model_dims
 from tests.fixtures.servers import live_server
 from tests.fixtures.tiny_models import build_tiny_model
 
@@ -47,3 +49,12 @@ def single_client(single_server: Server) -> openai.OpenAI:
 def client_for(url: str) -> openai.OpenAI:
     # No retries: a 503 or a dropped connection must show up in the test.
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def half_the_kv_of(models_dir: Path, model: str) -> int:
+    """Half of the KV bytes a token of ``model`` takes in one process (float32 tiny
+    models): each of two ranks holds half of its heads or half of its layers."""
+    config = json.loads((models_dir / model / "config.json").read_text())
+    dims = model_dims(config, kv_dtype_bytes=4)
+    assert dims is not None
+    return dims.kv_bytes_per_token // 2

@@ -16,29 +16,14 @@ from pathlib import Path
 import httpx
 
 from tests.fixtures.servers import ROOT, free_port
+from tests.fixtures.servers import serve_args as fixture_serve_args
 
 MLX_LAUNCH = Path(sys.executable).with_name("mlx.launch")
 
 
 def serve_args(base: Path, model_dir: Path, port: int, model: str, mode: str) -> list[str]:
-    return [
-        "-m",
-        "omlx.cli",
-        "--base-path",
-        str(base),
-        "serve",
-        "--model-dir",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--no-install-default",
-        "--max-concurrent-requests",
-        "8",
-        "--distributed",
-        model,
-        "--distributed-mode",
-        mode,
-    ]
+    distributed = ("--distributed", model, "--distributed-mode", mode)
+    return fixture_serve_args(base, model_dir, port, "--max-concurrent-requests", "8", *distributed)
 
 
 def _env() -> dict[str, str]:

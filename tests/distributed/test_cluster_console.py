@@ -64,18 +64,17 @@ def _hostfile(tmp_path: Path, *names: str) -> Path:
     return path
 
 
+def _on_hosts(
+    tmp_path: Path, verb: str, hostfile: Path, model: str, model_dir: Path, *more: str
+) -> subprocess.CompletedProcess:
+    """``omlx cluster VERB`` for ``model`` over the hosts of ``hostfile``."""
+    where = ("--hostfile", str(hostfile), "--model", model, "--model-dir", str(model_dir))
+    return omlx(tmp_path, verb, *where, *more)
+
+
 def test_check_passes_when_every_host_has_the_model(tmp_path: Path, split_models_dir: Path) -> None:
     hostfile = _hostfile(tmp_path, "127.0.0.1", "127.0.0.1")
-    done = omlx(
-        tmp_path,
-        "check",
-        "--hostfile",
-        str(hostfile),
-        "--model",
-        TP_MODEL,
-        "--model-dir",
-        str(split_models_dir),
-    )
+    done = _on_hosts(tmp_path, "check", hostfile, TP_MODEL, split_models_dir)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"all 2 hosts can serve '{TP_MODEL}'" in done.stdout
 
@@ -84,16 +83,7 @@ def test_check_names_the_host_without_the_model_and_the_unreachable_one(
     tmp_path: Path, split_models_dir: Path
 ) -> None:
     hostfile = _hostfile(tmp_path, "127.0.0.1", "no-such-host.invalid")
-    done = omlx(
-        tmp_path,
-        "check",
-        "--hostfile",
-        str(hostfile),
-        "--model",
-        "not-there",
-        "--model-dir",
-        str(split_models_dir),
-    )
+    done = _on_hosts(tmp_path, "check", hostfile, "not-there", split_models_dir)
     assert done.returncode == 1
     lines = done.stdout.splitlines()
     assert lines[0].startswith("rank 0 127.0.0.1") and "no model 'not-there'" in lines[0]
@@ -115,18 +105,7 @@ def test_command_starts_omlx_serve_distributed_under_mlx_launch(
     tmp_path: Path, split_models_dir: Path
 ) -> None:
     hostfile = _hostfile(tmp_path, "127.0.0.1", "127.0.0.1")
-    done = omlx(
-        tmp_path,
-        "command",
-        "--hostfile",
-        str(hostfile),
-        "--model",
-        TP_MODEL,
-        "--model-dir",
-        str(split_models_dir),
-        "--mode",
-        "tensor",
-    )
+    done = _on_hosts(tmp_path, "command", hostfile, TP_MODEL, split_models_dir, "--mode", "tensor")
     argv = shlex.split(done.stdout)
     assert argv[:3] == ["mlx.launch", "--hostfile", str(hostfile)]
     serve = argv[argv.index("--") + 3 :]  # after "-- -m omlx.cli"

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.distributed.conftest import PP_MODEL, client_for
+from tests.distributed.conftest import PP_MODEL, client_for, half_the_kv_of
 from tests.distributed.outputs import PROMPTS, concurrent_streams, greedy, seeded
 from tests.distributed.ranks import launched
 
@@ -26,9 +26,11 @@ def client(url: str) -> openai.OpenAI:
     return client_for(url)
 
 
-def test_the_model_is_split_by_layers(url: str) -> None:
+def test_the_model_is_split_by_layers(url: str, split_models_dir: Path) -> None:
     report = httpx.get(url + "/health").json()["distributed"]
     assert report["parallel"] == "pipeline" and report["healthy"] is True
+    # Each rank's guard prices the KV of its own layers, not the whole model's.
+    assert report["kv_bytes_per_token_per_rank"] == half_the_kv_of(split_models_dir, PP_MODEL)
 
 
 def test_greedy_output_equals_one_process(client, single_client) -> None:

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.distributed.conftest import PP_MODEL, TP_MODEL, client_for
+from tests.distributed.conftest import PP_MODEL, TP_MODEL, client_for, half_the_kv_of
 from tests.distributed.outputs import PROMPTS, concurrent_streams, greedy, seeded
 from tests.distributed.ranks import launched
 
@@ -24,6 +24,12 @@ def url(split_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 @pytest.fixture(scope="module")
 def client(url: str) -> openai.OpenAI:
     return client_for(url)
+
+
+def test_each_rank_guards_the_kv_of_its_own_heads(url: str, split_models_dir: Path) -> None:
+    report = httpx.get(url + "/health").json()["distributed"]
+    assert report["parallel"] == "tensor"
+    assert report["kv_bytes_per_token_per_rank"] == half_the_kv_of(split_models_dir, TP_MODEL)
 
 
 def test_greedy_output_equals_one_process(client, single_client) -> None:

@@ -153,3 +153,19 @@ def test_smollm2_returns_an_edited_file_token_for_token(smollm2_path: Path) -> N
     assert fast == plain
     # The answer copies the file: most drafts are kept.
     assert stats["accepted"] > 0
+
+
+def test_a_seed_gives_the_same_sampled_tokens_with_or_without_drafts(model) -> None:
+    """Each drafted position is drawn as the plain step draws it, with the same key:
+    a seeded request's output does not depend on speculation (nor, so, on a
+    preemption that resumes it with a different draft history)."""
+    requests = [
+        Request(
+            f"s{i}", tuple(p), SamplingParams(temperature=0.5, top_k=4, seed=9 + i, max_tokens=40)
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
+    plain, _ = run(model, requests, num_draft=0)
+    fast, stats = run(model, requests, num_draft=4)
+    assert fast == plain
+    assert stats["accepted"] > 0

@@ -16,6 +16,7 @@ from omlx.engine.runner import BatchRunner
 from omlx.engine.scoring import score_prompt
 from omlx.engine.strategy import ExecutionStrategy
 from omlx.scheduler import Request, SamplingParams, TokenLogprob
+from omlx.scheduler.openings import plan_openings
 from tests.fixtures.tiny_models import build_tiny_model
 
 
@@ -123,7 +124,8 @@ def test_n_choices_prefill_their_prompt_once(llama) -> None:
         strategy=ExecutionStrategy.fast_paths(compiled=False),
     )
     params = SamplingParams(temperature=0.0, max_tokens=4)
-    runner.add(choice_requests("c", prompt, params, None, 3))
+    choices = choice_requests("c", prompt, params, None, 3)
+    runner.add(choices, plan_openings(choices, {c.request_id: 0 for c in choices}, 64))
     first = runner.step()
     # The opening (all but each choice's last two tokens) once, then two tokens a row.
     assert counting.rows == (len(prompt) - 2) + 3 * 2

@@ -55,11 +55,12 @@ def _pool(make_pool):
     )
 
 
-def _check_flood(pool, make) -> None:
+def _check_flood(pool, make, num_draft: int = 0) -> None:
     async def main() -> None:
         engine = await pool.get_engine("tiny-llama")
         alone = [await make(engine, f"alone-{k}", p) for k, p in enumerate(prompts())]
         hits_before = engine.prefix_cache.stats()["hits"]
+        engine.num_draft = num_draft  # the flood alone decodes speculatively (or not)
         together = await flood(pool, engine, lambda k, p: make(engine, f"flood-{k}", p))
         assert together == alone
         assert all(tokens == OUTPUT for _, _, tokens in together)
@@ -85,6 +86,23 @@ def test_seeded_sampling_resumes_with_the_same_output(make_pool) -> None:
         return generate(engine, rid, prompt, params)
 
     _check_flood(_pool(make_pool), make)
+
+
+def test_seeded_sampling_preempted_while_speculating_resumes_with_the_same_output(
+    make_pool,
+) -> None:
+    """Drafted positions draw with the keys plain steps use, so a seeded request
+    preempted mid-speculation resumes with the output it gets alone, unspeculated."""
+
+    def make(engine, rid: str, prompt):
+        seed = prompts().index(tuple(prompt))
+        params = SamplingParams(temperature=0.6, top_k=3, seed=seed, max_tokens=OUTPUT)
+        return generate(engine, rid, prompt, params)
+
+    pool = _pool(make_pool)
+    _check_flood(pool, make, num_draft=4)
+    (engine,) = pool.loaded()
+    assert engine.speculative_stats()["accepted"] > 0
 
 
 def test_a_grammar_request_resumes_where_its_grammar_was(make_pool) -> None:

@@ -15,12 +15,15 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from omlx.cache.hot import HotTier
+from omlx.cache.prefix import PrefixCache
 from omlx.engine.runner import BatchRunner
 from omlx.engine.sampling import make_request_sampler
 from omlx.engine.solo import last_logits, output_head
 from omlx.engine.strategy import ExecutionStrategy
 from omlx.engine.stream import RequestStream
 from omlx.scheduler import Request, SamplingParams
+from omlx.scheduler.openings import plan_openings
 from tests.fixtures.tiny_models import build_tiny_model
 
 
@@ -47,6 +50,15 @@ def make_runner(model, step_size: int, pipelined: bool | None = None) -> BatchRu
 
 def request(rid: str, prompt: list[int], n: int = 8) -> Request:
     return Request(rid, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=n))
+
+
+def start_burst(
+    runner: BatchRunner, step_size: int, requests: list[Request], prefix: PrefixCache | None = None
+) -> dict[str, int]:
+    """Start requests arriving together with the shared openings the scheduler
+    plans for them (from what the prefix index holds), as a step's plan does."""
+    cached = {r.request_id: prefix.match(r.prompt_ids) if prefix else 0 for r in requests}
+    return runner.add(requests, plan_openings(requests, cached, step_size))
 
 
 def run(runner: BatchRunner, steps: int) -> list[dict[str, list[int]]]:
@@ -282,7 +294,7 @@ def test_requests_starting_together_prefill_their_common_opening_once(llama) -> 
         "other": [(13 * i) % 170 + 5 for i in range(30)],
     }
     runner = make_runner(llama, 64)
-    runner.add([request(rid, p, 8) for rid, p in prompts.items()])
+    start_burst(runner, 64, [request(rid, p, 8) for rid, p in prompts.items()])
     left = {c.request_id: c.num_remaining for c in runner.prefill_plan()}
     assert left == {"a": 9, "b": 17, "c": 5, "other": 30}
     got = tokens_of(run(runner, 12))
@@ -300,7 +312,7 @@ def test_a_shared_opening_is_at_most_one_prefill_chunk(llama) -> None:
         "b": opening + [(5 * i) % 140 + 2 for i in range(8)],
     }
     runner = make_runner(llama, 16)
-    runner.add([request(rid, p, 6) for rid, p in prompts.items()])
+    start_burst(runner, 16, [request(rid, p, 6) for rid, p in prompts.items()])
     left = {c.request_id: c.num_remaining for c in runner.prefill_plan()}
     assert left == {"a": 46 - 16, "b": 48 - 16}
     got = tokens_of(run(runner, 12))
@@ -315,9 +327,6 @@ def test_a_burst_shares_its_opening_past_what_the_prefix_cache_holds(llama) -> N
     and then each its own. The common part is prefilled once, from the cached
     preamble, and every request still gets mlx-lm's tokens for its prompt alone.
     A request whose own hit already covers the common part keeps its hit."""
-    from omlx.cache.hot import HotTier
-    from omlx.cache.prefix import PrefixCache
-
     layout = tuple("kv" for _ in llama.layers)
     prefix = PrefixCache("tiny@0", layout, 16, HotTier(1 << 26, mode="hot-only"), None)
     runner = BatchRunner(
@@ -338,7 +347,8 @@ def test_a_burst_shares_its_opening_past_what_the_prefix_cache_holds(llama) -> N
         # Its first 26 tokens are the warm prompt's: its hit covers the common 20.
         "again": warm + [(13 * i) % 170 + 5 for i in range(8)],
     }
-    hits = runner.add([request(rid, p, 8) for rid, p in prompts.items()])
+    burst = [request(rid, p, 8) for rid, p in prompts.items()]
+    hits = start_burst(runner, 64, burst, prefix)
     assert 0 < hits["a"] == hits["b"] == hits["c"] <= 20 < hits["again"]
     left = {c.request_id: c.num_remaining for c in runner.prefill_plan()}
     assert left == {"a": 9, "b": 17, "c": 5, "again": 34 - hits["again"]}

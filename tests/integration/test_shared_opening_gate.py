@@ -19,6 +19,8 @@ from mlx_lm import load
 from omlx.engine.pool import EnginePool
 from omlx.errors import MemoryPressureError
 from omlx.memory.budget import Limits
+from omlx.scheduler import Scheduler
+from tests.fixtures.budget_view import BudgetView
 from tests.integration.test_memory_admission import MARGIN, MB, MLXProbe, generate
 from tests.integration.test_runner_steps import make_runner, reference, request, run, tokens_of
 
@@ -94,8 +96,8 @@ def test_a_shared_opening_held_back_by_the_gate_is_prefilled_per_request(make_po
 
     async def main() -> None:
         engine, probe, solo = await setup(pool)
-        # The step's planning gate reads first (real memory: the chunks fit); the
-        # shared opening's gate reads next, inside the runner, right before its forward.
+        # The step's chunk gate reads first (real memory: the chunks fit); the shared
+        # opening's gate reads next, as the scheduler plans the opening.
         probe.skip, probe.spikes = 1, 1
         together = await burst(pool, engine)
         assert probe.spikes == 0  # the drifted reading was taken
@@ -143,12 +145,13 @@ def test_memory_at_the_limit_whatever_runs_ends_the_burst_with_503(make_pool) ->
     asyncio.run(main())
 
 
-def test_the_runner_asks_before_each_shared_forward_and_falls_back_when_refused(
+def test_the_plan_asks_before_each_shared_forward_and_falls_back_when_refused(
     tiny_models_dir: Path,
 ) -> None:
-    """The gate is asked with the shared forward's size (one row, the opening's
-    tokens after what is cached); refused, every request keeps its whole prompt to
-    prefill in its own chunks and still gets mlx-lm's tokens for it."""
+    """The scheduler asks the gate with the shared forward's size (one row, the
+    opening's tokens after what is cached); refused, the plan has no opening and
+    every request keeps its whole prompt to prefill in its own chunks and still
+    gets mlx-lm's tokens for it."""
     model, _ = load(str(tiny_models_dir / "tiny-llama"))
     opening = [(11 * i) % 180 + 4 for i in range(24)]
     prompts = {
@@ -162,8 +165,14 @@ def test_the_runner_asks_before_each_shared_forward_and_falls_back_when_refused(
         return False
 
     runner = make_runner(model, 64)
-    runner.add([request(rid, p, 6) for rid, p in prompts.items()], refuse)
-    assert asked == [(24, 0)]
+    scheduler = Scheduler(4, 8, prefill_step_size=64, share_openings=runner.shares_openings)
+    for rid, p in prompts.items():
+        scheduler.add(request(rid, p, 6))
+    view = BudgetView(budget=10**6)
+    view.may_share = refuse  # type: ignore[method-assign]
+    plan = scheduler.schedule(view)
+    assert asked == [(24, 0)] and plan.openings == ()
+    runner.add(plan.admitted, plan.openings)
     left = {c.request_id: c.num_remaining for c in runner.prefill_plan()}
     assert left == {rid: len(p) for rid, p in prompts.items()}
     got = tokens_of(run(runner, 10))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -32,6 +33,7 @@ from omlx.memory.budget import (
     resolve_limits,
     unmodeled_transient_bytes,
 )
+from omlx.memory.dims import rank_share
 
 MIB = 1 << 20
 GIB = 1024**3
@@ -658,3 +660,15 @@ def test_unmodeled_bytes_raise_every_estimate() -> None:
         unmodeled_bytes=GIB,
     )
     assert fits and not refused
+
+
+def test_a_rank_of_a_split_model_prices_its_own_share() -> None:
+    dims = ModelDims(
+        num_layers=30, num_kv_heads=4, head_dim=64, num_attention_heads=8, hidden_size=512
+    )
+    tensor = rank_share(dims, "tensor", 2)
+    assert (tensor.num_kv_heads, tensor.num_attention_heads, tensor.num_layers) == (2, 4, 30)
+    assert tensor.kv_bytes_per_token * 2 == dims.kv_bytes_per_token
+    # 31 layers over 2 ranks: the busiest rank holds 16 of them.
+    assert rank_share(dataclasses.replace(dims, num_layers=31), "pipeline", 2).num_layers == 16
+    assert rank_share(dims, "pipeline", 1) == dims == rank_share(dims, None, 2)

@@ -6,49 +6,12 @@ tokens per step and a KV capacity, answered by the real ``shape_prefill`` rules.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import pytest
 
-from omlx.memory.throttle import PrefillShape, shape_prefill
 from omlx.scheduler import Request, RequestStatus, SamplingParams, Scheduler, TokenOutput
 from omlx.scheduler.plan import PrefillChunk, SchedulerOutput
-
-
-class BudgetView:
-    """A MemoryView whose step fits ``budget`` prefill tokens in all (chunks of
-    a step add up) and whose KV holds ``kv_capacity`` tokens."""
-
-    def __init__(self, budget: int, kv_capacity: int = 10**9, cached: dict | None = None):
-        self.budget = budget
-        self.kv_capacity = kv_capacity
-        self.cached = cached or {}
-        self.settled: list[tuple[PrefillShape, list[str]]] = []
-        self.sent: list[str] = []
-
-    def kv_over_capacity(self, num_tokens_in_flight: int) -> bool:
-        return num_tokens_in_flight > self.kv_capacity
-
-    def start_admission(self, chunks: Sequence[PrefillChunk]) -> None:
-        pass
-
-    def can_admit(self, request: Request, num_running: int) -> bool:
-        return True
-
-    def cached_tokens(self, request: Request) -> int:
-        return self.cached.get(request.request_id, 0)
-
-    def sent_back(self, request: Request) -> None:
-        self.sent.append(request.request_id)
-
-    def shape_prefill(self, chunks: Sequence[PrefillChunk], num_running: int) -> PrefillShape:
-        return shape_prefill(chunks, lambda tokens, _cached: tokens <= self.budget, may_hold=False)
-
-    def settle(self, shape: PrefillShape, chunks: Sequence[PrefillChunk]) -> None:
-        self.settled.append((shape, [c.request_id for c in chunks]))
-
-    def may_speculate(self, chunks: Sequence[PrefillChunk]) -> bool:
-        return sum(c.num_tokens for c in chunks) <= self.budget
+from tests.fixtures.budget_view import BudgetView
 
 
 def _request(rid: str, n: int, arrival: float, **kw) -> Request:
@@ -137,3 +100,43 @@ def test_drafts_are_verified_only_when_their_width_fits() -> None:
     drafts = [PrefillChunk("a", 9, 49, 9), PrefillChunk("gone", 9, 49, 9)]
     assert scheduler.schedule(BudgetView(budget=9), (), drafts).speculate
     assert not scheduler.schedule(BudgetView(budget=8), (), drafts).speculate
+
+
+def _burst(scheduler: Scheduler, opening: int, *tails: int) -> None:
+    """Requests arriving together whose prompts open with the same ``opening``
+    tokens, each followed by a tail of its own."""
+    for i, tail in enumerate(tails):
+        own = tuple(1000 * (i + 1) + j for j in range(tail))
+        scheduler.add(Request(f"r{i}", tuple(range(3, 3 + opening)) + own, SamplingParams()))
+
+
+def test_a_burst_shares_its_opening_from_the_shortest_hit_gated_like_a_chunk() -> None:
+    scheduler = Scheduler(max_running=4, max_waiting=8, prefill_step_size=64, share_openings=True)
+    _burst(scheduler, 40, 10, 12, 9)
+    view = BudgetView(budget=10**6, cached={"r0": 16, "r1": 32})
+    plan = scheduler.schedule(view)
+    (opening,) = plan.openings
+    # All three open with the same 40 tokens; r2 has nothing cached: the opening
+    # runs once from 0, and the gate was asked for exactly that forward.
+    assert sorted(opening.request_ids) == ["r0", "r1", "r2"]
+    assert (opening.start, opening.end) == (0, 40)
+    assert view.shares_asked == [(40, 0)]
+
+
+def test_a_refused_opening_is_not_planned_and_nobody_is_ended() -> None:
+    scheduler = Scheduler(max_running=4, max_waiting=8, prefill_step_size=64, share_openings=True)
+    _burst(scheduler, 40, 10, 12)
+    # Each request's own chunk (at most 64 tokens) fits; the 40-token opening does not.
+    view = BudgetView(budget=10**6)
+    view.may_share = lambda num_tokens, num_cached: False  # type: ignore[method-assign]
+    plan = scheduler.schedule(view)
+    assert plan.openings == () and len(plan.admitted) == 2 and plan.ended == ()
+
+
+def test_no_openings_for_a_runner_that_cannot_share_or_prompts_that_differ() -> None:
+    plain = Scheduler(max_running=4, max_waiting=8, prefill_step_size=64)
+    _burst(plain, 40, 10, 12)
+    assert plain.schedule(BudgetView(budget=10**6)).openings == ()
+    sharing = Scheduler(max_running=4, max_waiting=8, prefill_step_size=64, share_openings=True)
+    _burst(sharing, 0, 50, 50)  # nothing in common
+    assert sharing.schedule(BudgetView(budget=10**6)).openings == ()
