@@ -265,6 +265,25 @@ def test_the_checks_can_run_before_any_request(tiny_models_dir: Path) -> None:
         assert got[rid] == reference(model, prompt, 6), rid
 
 
+def test_speculative_steps_verify_on_the_compiled_step(tiny_models_dir: Path) -> None:
+    """With drafts on, every step of a batch runs compiled, the speculative ones
+    (several tokens per row) included, and the tokens are still mlx-lm's."""
+    model, _ = load(str(tiny_models_dir / "tiny-llama"))
+    runner = make_runner(model)
+    runner.prove_compiled()
+    runner.num_draft = 4
+    # Prompts that repeat themselves, so the n-gram drafter has guesses.
+    prompts = {"a": list(range(3, 40)) * 3, "b": list(range(50, 71)) * 2}
+    runner.add([request(rid, p, 24) for rid, p in prompts.items()])
+    got = collect(runner, dict.fromkeys(prompts, 24))
+    stats = runner.speculative_stats()
+    assert stats["steps"] > 0 and stats["accepted"] > 0
+    step = runner.compiled_batch_step
+    assert step is not None and step.steps == runner._decode._num_steps
+    for rid, prompt in prompts.items():
+        assert got[rid] == reference(model, prompt, 24), rid
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
 def test_a_lone_request_continues_in_the_batch_after_its_first_token(
     tiny_models_dir: Path, name: str
