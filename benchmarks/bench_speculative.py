@@ -17,9 +17,9 @@ the acceptance rate (drafts kept / drafted) and tokens per request and step.
 ``--forward-costs``: what a speculative step pays instead. The edit prompts are
 prefilled as one batch of 1, 2, 4 and 8 rows; per round, interleaved, the
 compiled decode step (one token per row) and the compiled verification forward
-of 2, 3, 5 and 9 tokens per row (cache trimmed back after each), each evaluated
-and timed alone; reported: the median time of each as a multiple of the
-one-token step's at the same rows.
+of 2, 3, 5 and 9 tokens per row, and mlx-lm's eager forward of 5 (cache
+trimmed back after each), each evaluated and timed alone; reported: the median
+time of each as a multiple of the one-token step's at the same rows.
 """
 
 from __future__ import annotations
@@ -223,10 +223,13 @@ def forward_costs(model: Any, prompts: list[list[int]], rounds: int) -> None:
     assert step.prove()
     widths = (2, 3, 5, 9)
 
-    def timed(rows: int, width: int, cache: list[Any]) -> float:
+    def timed(rows: int, width: int, cache: list[Any], eager: bool = False) -> float:
         tokens = mx.array([prompts[r][-width:] for r in range(rows)])
         start = time.perf_counter()
-        logits = step(tokens[:, 0], cache) if width == 1 else step.verify(tokens, cache)
+        if eager:
+            logits = model(tokens, cache=cache)
+        else:
+            logits = step(tokens[:, 0], cache) if width == 1 else step.verify(tokens, cache)
         mx.eval(logits)
         took = time.perf_counter() - start
         for layer in cache:
@@ -242,13 +245,14 @@ def forward_costs(model: Any, prompts: list[list[int]], rounds: int) -> None:
         cache = merge_caches(caches)
         times: dict[int, list[float]] = {}
         for r in range(rounds + 1):  # round 0 traces each shape
-            for width in (1, *widths):
-                took = timed(rows, width, cache)
+            for width in (1, *widths, -5):  # -5: mlx-lm's eager forward of 5
+                took = timed(rows, abs(width), cache, eager=width < 0)
                 if r:
                     times.setdefault(width, []).append(took)
         one = statistics.median(times[1])
         costs = "  ".join(f"{w}: {statistics.median(times[w]) / one:.2f}x" for w in widths)
-        print(f"  {rows} rows: 1 token {one * 1000:.1f} ms  {costs}")
+        eager = statistics.median(times[-5]) / one
+        print(f"  {rows} rows: 1 token {one * 1000:.1f} ms  {costs}  (5 eagerly: {eager:.2f}x)")
 
 
 def report(rates, stats, texts, tokenizer, args) -> None:
