@@ -1,8 +1,13 @@
-"""Speculative decoding (prompt lookup) on an edit workload: the built-in SmolLM2
-is given a ~250-token Python file and asked to return it with one change, greedy.
+"""Speculative decoding (prompt lookup, or a draft model) on an edit workload: the
+built-in SmolLM2 is given a ~250-token Python file and asked to return it with one
+change, greedy.
 
     .venv/bin/python benchmarks/bench_speculative.py [--rounds 3] [--draft 4] [--streams 8]
+        [--method ngram|draft] [--draft-model NAME]
     .venv/bin/python benchmarks/bench_speculative.py --forward-costs [--rounds 10]
+
+``--method draft`` drafts with ``--draft-model`` (a folder in ``--model-dir``; default:
+the model itself, which keeps nearly every draft but costs as much as the model).
 
 One process, one runner (the server's ``BatchRunner``, compiled steps proven as
 at model load). Per round, in alternating order: the edit request alone with
@@ -164,6 +169,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--only", choices=["single", "multi"], help="run one workload")
     parser.add_argument("--forward-costs", action="store_true", help="time the forwards only")
+    parser.add_argument("--method", choices=["ngram", "draft"], default="ngram")
+    parser.add_argument("--draft-model", help="--method draft: its folder (default: --model)")
     args = parser.parse_args()
 
     import mlx.core as mx
@@ -180,6 +187,9 @@ def main() -> None:
     eos.add(tokenizer.eos_token_id)
     runner = BatchRunner(model, prefill_step_size=512, stream=mx.new_stream(mx.default_device()))
     runner.prove_compiled()
+    if args.method == "draft":
+        draft = load(str(args.model_dir / (args.draft_model or args.model)))[0]
+        runner.set_draft(draft, model.args.vocab_size)
     if args.forward_costs:
         forward_costs(model, [edit_prompt(tokenizer, i) for i in range(8)], args.rounds)
         return
@@ -198,7 +208,7 @@ def main() -> None:
             run_mode(runner, prompts, k, args, eos, f"warm{name}{k}")
     for r in range(args.rounds):
         for name, prompts in workloads.items():
-            order = [("off", 0), ("ngram", args.draft)]
+            order = [("off", 0), (args.method, args.draft)]
             for mode, k in order if r % 2 == 0 else order[::-1]:
                 rate, tokens, delta = run_mode(runner, prompts, k, args, eos, f"{r}{name}{mode}")
                 rates.setdefault((name, mode), []).append(rate)
@@ -257,17 +267,18 @@ def forward_costs(model: Any, prompts: list[list[int]], rounds: int) -> None:
 
 def report(rates, stats, texts, tokenizer, args) -> None:
     print(
-        f"{args.model}, greedy, edit workload, --draft {args.draft}, "
+        f"{args.model}, greedy, edit workload, --method {args.method} "
+        f"{args.draft_model or ''} --draft {args.draft}, "
         f"median of {args.rounds} interleaved rounds"
     )
     for name in sorted({name for name, _ in rates}):
-        off, on = rates[(name, "off")], rates[(name, "ngram")]
+        off, on = rates[(name, "off")], rates[(name, args.method)]
         per_round = " ".join(f"{b / a:.2f}" for a, b in zip(off, on, strict=True))
         s = stats[name]
         acceptance = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
         per_step = s["tokens"] / s["row_steps"] if s["row_steps"] else 1.0
         print(
-            f"  {name:10} off {statistics.median(off):6.1f} tok/s  ngram "
+            f"  {name:10} off {statistics.median(off):6.1f} tok/s  {args.method} "
             f"{statistics.median(on):6.1f} tok/s  ratio "
             f"{statistics.median(on) / statistics.median(off):.2f} (per round: {per_round})  "
             f"acceptance {acceptance:.2f}  tokens/step {per_step:.2f}"

@@ -20,6 +20,7 @@ from omlx.api import protected_settings
 from omlx.api.anthropic_models import check_aliases
 from omlx.api.auth import ApiKeyAuth, require_admin
 from omlx.api.state import ServerState, state_of
+from omlx.engine.drafts import check_draft_setting
 from omlx.errors import (
     InvalidRequestError,
     NotFoundError,
@@ -146,6 +147,7 @@ async def put_model_settings(name: str, request: Request) -> dict[str, Any]:
     folder = _known_model(state, name)
     changes = await _json_object(request)
     pool = state.pool
+    check_draft_setting(folder, changes, pool.available())
     saved = pool.model_settings.update(folder, changes, available=list(pool.available()))
     pool.settings_changed(folder)
     return {"name": folder, "settings": saved.model_dump()}

@@ -24,6 +24,7 @@ from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
 
 from omlx.engine.compiled import CompiledBatchStep
+from omlx.engine.draft_model import DraftProposer
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
 from omlx.engine.ngram import NgramDrafter
 from omlx.engine.speculative import SpecStats, verify_rows
@@ -65,6 +66,8 @@ class Row:
     # Proposes the row's next tokens from its prompt and output (None: it never
     # speculates: opted out, or it wants logprobs).
     drafter: NgramDrafter | None = None
+    # The logits a draft model drew this step's drafts from (None: point masses).
+    draft_logits: mx.array | None = None
 
     @classmethod
     def make(
@@ -294,6 +297,8 @@ class DecodeBatch:
         self.spec_stats = SpecStats()
         # Set by the memory gate for the next step: verify no drafts (plain decode).
         self.hold_drafts = False
+        # A draft model proposes instead of prompt lookup (None: prompt lookup).
+        self.draft: DraftProposer | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -404,11 +409,12 @@ class DecodeBatch:
             return []
         context = self._cache[0]._idx if self._cache else 0
         width = verify_width(limit + 1)
+        drafting = self.draft.planned_positions(self.rows, limit) if self.draft and limit else []
         return [
             (row.request_id, width if row.drafter is not None else len(carry) + 1, context)
             for row, carry in zip(self.rows, self._carry, strict=True)
             if row.drafter is not None or carry
-        ]
+        ] + [(f"{rid} (draft model)", n, ctx) for rid, n, ctx in drafting]
 
     def draft_limit(self) -> int:
         """Tokens each row may draft this step: ``num_draft``, cut so that the
@@ -425,6 +431,16 @@ class DecodeBatch:
         limit = self.draft_limit()
         drafting = limit and not self.hold_drafts
         self.hold_drafts = False
+        if self.draft is not None:
+            budgets = [
+                limit - len(carry) if row.drafter is not None and drafting else 0
+                for row, carry in zip(self.rows, self._carry, strict=True)
+            ]
+            proposed = self.draft.propose(self.rows, budgets) if drafting else None
+            drafts = proposed.tokens if proposed else [[] for _ in self.rows]
+            for e, row in enumerate(self.rows):
+                row.draft_logits = proposed.logits[e] if proposed else None
+            return drafts if any(drafts) or any(self._carry) else None
         drafts = [
             row.drafter.propose(limit - len(carry)) if row.drafter is not None and drafting else []
             for row, carry in zip(self.rows, self._carry, strict=True)
@@ -451,6 +467,8 @@ class DecodeBatch:
         if logits is None:
             logits = self._model(fed, cache=self._cache)
         verdicts = verify_rows(self.rows, logits, seqs, starts)
+        if self.draft is not None:
+            self._draft_verified(verdicts)
         valid = [st + 1 + v.num_accepted for st, v in zip(starts, verdicts, strict=True)]
         keep = min(valid)
         if width > keep:
@@ -470,6 +488,15 @@ class DecodeBatch:
         self.spec_stats.add(drafts, verdicts)
         self._num_steps += 1
         return out
+
+    def _draft_verified(self, verdicts: list[Any]) -> None:
+        """The draft model's cache cut back to what the rows kept; its logits dropped."""
+        assert self.draft is not None
+        kept = {}
+        for row, verdict in zip(self.rows, verdicts, strict=True):
+            row.draft_logits = None
+            kept[row.request_id] = verdict.num_accepted
+        self.draft.commit(kept)
 
     def _process(self, logits: mx.array, feed: mx.array) -> mx.array:
         """Each row's logits processors (repetition penalty, grammar) on its row."""
@@ -506,6 +533,8 @@ class DecodeBatch:
         gone = [i for i, row in enumerate(self.rows) if row.request_id in request_ids]
         if not gone:
             return {}
+        if self.draft is not None:
+            self.draft.drop({self.rows[i].request_id for i in gone})
         out = {}
         if extract:
             out = {self.rows[i].request_id: [c.extract(i) for c in self._cache] for i in gone}

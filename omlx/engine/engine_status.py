@@ -48,4 +48,11 @@ def _speculative(engine: ModelEngine | EmbeddingEngine) -> dict[str, Any] | None
     """An LLM's speculative decoding: drafts per step now, and its counters."""
     if not isinstance(engine, ModelEngine):
         return None
-    return {"num_tokens": engine.num_draft, **engine.speculative_stats()}
+    draft = engine.draft
+    return {
+        "num_tokens": engine.num_draft,
+        # The draft model proposing tokens (None: prompt lookup), and its KV per token.
+        "draft_model": draft.name if draft is not None else None,
+        "draft_kv_bytes_per_token": draft.kv_bytes_per_token if draft is not None else 0,
+        **engine.speculative_stats(),
+    }

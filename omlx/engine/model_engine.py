@@ -56,6 +56,7 @@ class Runner(Protocol):
     def close(self) -> None: ...
     def speculative_stats(self) -> dict[str, int]: ...
     def speculation_plan(self) -> list[PrefillChunk]: ...
+    def set_draft(self, model: Any, target_vocab: int) -> None: ...
 
     num_draft: int
 
@@ -96,6 +97,8 @@ class ModelEngine:
         self.probe = probe
         self.prefix_cache = prefix_cache
         self._runner = runner
+        # The draft model proposing tokens (omlx.engine.drafts.AttachedDraft, or None).
+        self.draft: Any = None
         self._scheduler = scheduler
         self._worker = worker
         self._live: dict[str, _Live] = {}
@@ -229,6 +232,11 @@ class ModelEngine:
 
     def speculative_stats(self) -> dict[str, int]:
         return self._runner.speculative_stats()
+
+    def use_draft(self, model: Any) -> None:
+        """A draft model proposes this model's drafts from the next step (None:
+        prompt lookup). MLX thread."""
+        self._runner.set_draft(model, self.loaded.vocab_size)
 
     def _add_all(self, pairs: list[tuple[Request, RequestStream]]) -> None:
         for request, stream in pairs:

@@ -64,6 +64,11 @@ class NgramDrafter:
     def __len__(self) -> int:
         return len(self._tokens)
 
+    @property
+    def tokens(self) -> list[int]:
+        """The history so far (prompt and output; read-only: a draft model feeds it)."""
+        return self._tokens
+
     def extend(self, tokens: Iterable[int]) -> None:
         self._tokens.extend(tokens)
 

@@ -17,6 +17,7 @@ from typing import Any
 from omlx.cache.setup import make_hot_tier
 from omlx.embeddings.engine import EmbeddingEngine, make_embedding_engine
 from omlx.engine.assembly import EngineParts, build_engine
+from omlx.engine.drafts import attach_draft, configured_draft, weights_with_draft
 from omlx.engine.enforcer import Enforcer
 from omlx.engine.engine_status import engine_status
 from omlx.engine.model_engine import ModelEngine, unloaded_error
@@ -271,7 +272,7 @@ class EnginePool:
                     engine = await asyncio.wrap_future(future)
                 finally:
                     self._loading.discard(info.name)
-            resident = _Resident(engine, engine.loaded.weights_bytes(), self._clock())
+            resident = _Resident(engine, weights_with_draft(engine), self._clock())
             self._resident[info.name] = resident
             self.num_loads += 1
             self.publish_limits()
@@ -280,7 +281,8 @@ class EnginePool:
     async def _make_room(self, info: ModelInfo) -> None:
         """Evict LRU idle unpinned models until ``info`` fits the weights budget;
         wait for busy ones for up to ``busy_wait_s``; else 507 with the numbers."""
-        need = info.size_bytes
+        draft = self._draft_info(info.name)
+        need = info.size_bytes + (draft.size_bytes if draft is not None else 0)
         budget = self.model_budget_bytes
         if need > budget:
             raise InsufficientMemoryError(
@@ -467,6 +469,24 @@ class EnginePool:
                 engine.context_window = self.context_window_for(engine.loaded)
                 if isinstance(engine, ModelEngine):
                     engine.num_draft = self.model_settings.get(engine.name).num_draft_tokens
+                    draft = self._draft_info(engine.name)
+                    if (draft and draft.name) != (engine.draft and engine.draft.name):
+                        self._worker.post(self._redraft_on_worker, resident, draft)
+
+    def _draft_info(self, name: str) -> ModelInfo | None:
+        """The draft model ``name``'s settings give it (None: none, or distributed)."""
+        if self.cluster is not None:
+            return None
+        return configured_draft(self.model_settings.get(name).draft_model, name, self.available)
+
+    def _redraft_on_worker(self, resident: _Resident, draft: ModelInfo | None) -> None:
+        """Load (or drop) a loaded model's draft model; its weights join the model's."""
+        before = self.probe.reading(fresh=True)
+        engine = resident.engine
+        assert isinstance(engine, ModelEngine)
+        engine.draft = attach_draft(engine, draft)
+        resident.size_bytes = weights_with_draft(engine)
+        self._track_baseline(before)
 
     def publish_limits(self) -> None:
         for resident in self._resident.values():
@@ -538,6 +558,9 @@ class EnginePool:
         )
         self._load_facts[name] = facts
         engine.num_draft = self.model_settings.get(name).num_draft_tokens
+        draft = self._draft_info(name)
+        if draft is not None:
+            engine.draft = attach_draft(engine, draft)
         return engine
 
     async def close(self) -> None:

@@ -19,6 +19,7 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 from omlx.cache.prefix import CacheHit, PrefixCache
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
 from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
+from omlx.engine.draft_model import DraftProposer
 from omlx.engine.forks import ChoiceForks
 from omlx.engine.image_prefill import image_sequence
 from omlx.engine.ngram import drafter_for
@@ -79,6 +80,8 @@ class BatchRunner:
         self._decoder = CompiledDecode.for_model(model) if compiled else None
         self._batch_step = CompiledBatchStep.for_model(model) if compiled else None
         self._decode = DecodeBatch(model, pipelined=strategy.pipelined, compiled=self._batch_step)
+        # The draft model proposing tokens and the target's logit rows (None: prompt lookup).
+        self._draft: tuple[Any, int] | None = None
         # A request's choices (same prompt, started together) wait for one to prefill
         # it, when it is longer than the shared opening covers.
         self._forks = ChoiceForks(self._row, prefill_step_size + 3)
@@ -235,6 +238,16 @@ class BatchRunner:
     def num_draft(self, value: int) -> None:
         # A plain int swap: the MLX thread reads it at its next step.
         self._decode.num_draft = value
+
+    def set_draft(self, model: Any, target_vocab: int) -> None:
+        """A draft model proposes the drafts from now on (None: prompt lookup)."""
+        self._draft = (model, target_vocab) if model is not None else None
+        self._decode.draft = self._proposer()
+
+    def _proposer(self) -> DraftProposer | None:
+        if self._draft is None:
+            return None
+        return DraftProposer(*self._draft, chunk_tokens=self._prefill_step_size)
 
     def speculation_plan(self) -> list[PrefillChunk]:
         """The positions the next decode step may verify per request beyond one
@@ -519,6 +532,7 @@ class BatchRunner:
             self._model, pipelined=self.strategy.pipelined, compiled=self._batch_step
         )
         self._decode.num_draft, self._decode.spec_stats = old.num_draft, old.spec_stats
+        self._decode.draft = self._proposer()
         self._solo = self._solo_request = None
         self._side.clear()
         self._unreported.clear()

@@ -17,7 +17,11 @@ distribution:
   next key, its categorical) and a draft is kept while it equals the draw, so
   draft ``d`` is kept with probability ``p(d)`` (rejection sampling's rate for
   a point-mass draft) and every token follows ``p`` exactly: it is the plain
-  step's own draw, the same for a seed with or without drafts.
+  step's own draw, the same for a seed with or without drafts;
+- sampling with a draft model's distribution ``q`` (speculative sampling):
+  ``d`` is kept with probability ``min(1, p(d) / q(d))``; otherwise the token
+  is drawn from ``normalize(max(0, p - q))``: again exactly ``p`` (in
+  distribution: a seed's tokens differ from the plain step's).
 
 Logits processors (repetition penalty, the grammar mask) run on each judged
 position in order, with the context up to it, and only up to the position that
@@ -55,10 +59,15 @@ def draft_dist_logits(sampler: Any, logits: mx.array) -> mx.array | None:
 
 
 def verify_rows(
-    rows: Sequence[Any], logits: mx.array, seqs: Sequence[Sequence[int]], starts: Sequence[int]
+    rows: Sequence[Any],
+    logits: mx.array,
+    seqs: Sequence[Sequence[int]],
+    starts: Sequence[int],
 ) -> list[Verdict]:
     """Each row's verdict from the step's logits (rows, width, vocab). Greedy
-    rows without processors share one argmax; the others are judged one by one."""
+    rows without processors share one argmax; the others are judged one by one.
+    A row's ``draft_logits``: the logits a draft model drew its drafts from (one
+    row per draft, softmax is ``q``), or None for point-mass drafts (n-gram)."""
     plain = [
         e
         for e, row in enumerate(rows)
@@ -72,12 +81,13 @@ def verify_rows(
     verdicts = []
     for e, (row, seq, start) in enumerate(zip(rows, seqs, starts, strict=True)):
         drafts = seq[start + 1 :]
+        q = getattr(row, "draft_logits", None)
         if e in picks:
             verdicts.append(verify_greedy(picks[e], seq, start))
         elif row.processors:
-            verdicts.append(verify_processed(row, logits[e], seq, start, row.context))
+            verdicts.append(verify_processed(row, logits[e], seq, start, row.context, q))
         elif drafts:
-            verdicts.append(verify_sampled(row.sampler, logits[e, start:], drafts))
+            verdicts.append(verify_sampled(row.sampler, logits[e, start:], drafts, q))
         else:
             verdicts.append(verify_plain(row, logits[e], start))
     return verdicts
@@ -91,15 +101,21 @@ def verify_greedy(argmax: list[int], seq: Sequence[int], start: int) -> Verdict:
     return Verdict(j - start, argmax[j])
 
 
-def verify_sampled(sampler: Any, logits: mx.array, drafts: Sequence[int]) -> Verdict:
+def verify_sampled(
+    sampler: Any, logits: mx.array, drafts: Sequence[int], q: mx.array | None = None
+) -> Verdict:
     """``drafts`` judged against ``logits`` (m + 1, V), position ``j`` holding the
     distribution ``drafts[j]`` stands in for: each position is drawn exactly as
     the plain step would draw it there (its key, its categorical), and a draft is
     kept while it equals the draw. Kept with probability p(d), rejection
     sampling's rate for a point-mass draft, and every token handed out is the
     plain step's own draw: a seed gives the same tokens with or without drafts,
-    and a preempted request resumes with them (one key per token either way)."""
+    and a preempted request resumes with them (one key per token either way).
+    ``q`` (m, V): a draft model's logits the drafts were drawn from (then
+    ``verify_drafted``)."""
     m = len(drafts)
+    if q is not None and m:
+        return verify_drafted(sampler, logits, drafts, q)
     keys = sampler.keys_ahead(m + 1)
     draws = [sampler.draw(logits[j : j + 1], key) for j, key in enumerate(keys)]
     mx.eval(draws)
@@ -111,11 +127,44 @@ def verify_sampled(sampler: Any, logits: mx.array, drafts: Sequence[int]) -> Ver
     return Verdict(kept, tokens[kept])
 
 
+def verify_drafted(sampler: Any, logits: mx.array, drafts: Sequence[int], q: mx.array) -> Verdict:
+    """Speculative sampling: ``drafts[j]`` was drawn from softmax(``q[j]``);
+    kept with probability min(1, p/q), else the token comes from max(0, p - q)
+    renormalised; after all m kept, one more from ``p`` at position m."""
+    m = len(drafts)
+    scaled = sampler.scaled(logits)
+    k_accept, k_residual, k_bonus = mx.random.split(sampler.next_key(), 3)
+    p = mx.softmax(scaled.astype(mx.float32), axis=-1)
+    qp = mx.softmax(q.astype(mx.float32), axis=-1)
+    d = mx.array(list(drafts))[:, None]
+    p_draft = mx.take_along_axis(p[:m], d, axis=-1)[:, 0]
+    q_draft = mx.take_along_axis(qp, d, axis=-1)[:, 0]
+    uniform = mx.random.uniform(shape=(m,), key=k_accept)
+    residual = mx.maximum(p[:m] - qp, 0.0)
+    # p == q leaves nothing: then the draft was kept for sure (the fallback is unused).
+    empty = residual.sum(axis=-1, keepdims=True) <= 0
+    residual_logits = mx.where(empty, scaled[:m], mx.log(residual))
+    resampled = mx.random.categorical(residual_logits, key=k_residual)
+    bonus = mx.random.categorical(scaled[m:], key=k_bonus)
+    mx.eval(p_draft, q_draft, uniform, resampled, bonus)
+    kept = (uniform * q_draft < p_draft).tolist()
+    for j, ok in enumerate(kept):
+        if not ok:
+            return Verdict(j, int(resampled[j].item()))
+    return Verdict(m, int(bonus.item()))
+
+
 def verify_processed(
-    row: Any, logits: mx.array, seq: Sequence[int], start: int, context: mx.array | None
+    row: Any,
+    logits: mx.array,
+    seq: Sequence[int],
+    start: int,
+    context: mx.array | None,
+    q: mx.array | None = None,
 ) -> Verdict:
     """A row with logits processors: position by position from ``start``, each
-    position's logits processed with the context up to it, then judged."""
+    position's logits processed with the context up to it, then judged (``q``:
+    the draft model's logits per draft, see ``verify_sampled``)."""
     j = start
     while True:
         fed = mx.array(list(seq[: j + 1]))
@@ -123,6 +172,14 @@ def verify_processed(
         one = logits[j : j + 1]
         for processor in row.processors:
             one = processor(ctx, one)
+        if q is not None and not row.greedy and j + 1 < len(seq):
+            # A draft model's draft: speculative sampling against its q.
+            q_j = q[j - start : j - start + 1]
+            verdict = verify_drafted(row.sampler, mx.concatenate([one, one]), [seq[j + 1]], q_j)
+            if not verdict.num_accepted:
+                return Verdict(j - start, verdict.token, _logprobs(row, one, verdict.token))
+            j += 1
+            continue
         # Drawn as the plain step draws here (greedy: the argmax); a draft is kept
         # while it equals the draw.
         token = int(row.sampler(one).item())

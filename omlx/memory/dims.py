@@ -33,10 +33,13 @@ class ModelDims:
     num_attention_heads: int
     hidden_size: int
     kv_dtype_bytes: int = 2  # bf16/fp16 on Metal; callers pass 4 for float32
+    # A draft model's KV per token (speculative decoding): every request holds both.
+    draft_kv_bytes_per_token: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+        own = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+        return own + self.draft_kv_bytes_per_token
 
 
 def model_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int) -> ModelDims | None:

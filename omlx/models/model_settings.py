@@ -21,7 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from omlx.errors import SettingsError
 from omlx.settings import GenerationSettings, SamplingSettings, Settings, write_json_atomic
@@ -40,12 +50,34 @@ MAX_DRAFT_TOKENS = 16
 
 class SpeculativeSettings(BaseModel):
     """Speculative decoding for one model: ``ngram`` drafts by prompt lookup
-    (copying what followed the same tokens earlier in the prompt or output)."""
+    (copying what followed the same tokens earlier in the prompt or output);
+    ``draft`` has ``draft_model`` (a model folder with the same tokenizer) propose."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["ngram"]
+    method: Literal["ngram", "draft"]
     num_tokens: int = Field(4, ge=1, le=MAX_DRAFT_TOKENS)
+    draft_model: str | None = Field(None, min_length=1)
+
+    @model_serializer(mode="wrap")
+    def _without_unused_draft_model(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # Shown (and stored) only with "method": "draft".
+        data = handler(self)
+        if isinstance(data, dict) and data.get("draft_model") is None:
+            data.pop("draft_model", None)
+        return data
+
+    @model_validator(mode="after")
+    def _draft_model_with_draft_only(self) -> SpeculativeSettings:
+        if self.method == "draft" and self.draft_model is None:
+            raise PydanticCustomError(
+                "draft_model", 'speculative.draft_model is required with "method": "draft"'
+            )
+        if self.method != "draft" and self.draft_model is not None:
+            raise PydanticCustomError(
+                "draft_model", 'speculative.draft_model goes only with "method": "draft"'
+            )
+        return self
 
 
 class ModelSettings(BaseModel):
@@ -77,6 +109,11 @@ class ModelSettings(BaseModel):
     force_sampling: bool = False
     # Speculative decoding (None: off); requests opt out with "speculative": false.
     speculative: SpeculativeSettings | None = None
+
+    @property
+    def draft_model(self) -> str | None:
+        """The model folder proposing drafts (None: prompt lookup or no speculation)."""
+        return self.speculative.draft_model if self.speculative is not None else None
 
     @property
     def num_draft_tokens(self) -> int:

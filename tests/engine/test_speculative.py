@@ -12,6 +12,7 @@ from mlx_lm import load
 from omlx.engine.runner import BatchRunner
 from omlx.engine.strategy import ExecutionStrategy
 from omlx.scheduler import Request, SamplingParams
+from tests.fixtures.speculation import run_to_max_tokens
 from tests.fixtures.tiny_models import build_tiny_model
 
 # Prompts that repeat themselves: a random model's greedy output then repeats
@@ -41,16 +42,7 @@ def run(
     )
     runner.prove_compiled()
     runner.num_draft = num_draft
-    runner.add(requests)
-    want = {r.request_id: r.sampling.max_tokens for r in requests}
-    got: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    while any(len(got[rid]) < n for rid, n in want.items()):
-        for out in runner.step():
-            if len(got[out.request_id]) < want[out.request_id]:
-                got[out.request_id].append(out.token_id)
-    stats = runner.speculative_stats()
-    runner.close()
-    return got, stats
+    return run_to_max_tokens(runner, requests)
 
 
 def greedy(rid: str, prompt: list[int], n: int = 40, **kw) -> Request:

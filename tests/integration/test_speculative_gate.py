@@ -5,6 +5,7 @@ decodes without drafts (never ended): the same tokens, no drafts verified."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from omlx.engine.stream import RequestStream
 from omlx.memory.budget import Limits
@@ -47,26 +48,33 @@ async def _tokens(engine, rid: str, probe: RaisedProbe, extra_after_first: int) 
             return pieces
 
 
+async def roomy_then_tight(pool, model: str, speculative: dict) -> tuple[Any, int]:
+    """A request with room to speculate, then the same request once other work
+    took the room after its first token: the engine, and the drafts of the first.
+    The text is the same; the gate held drafts in the second."""
+    probe = pool.probe = RaisedProbe()
+    pool.model_settings.update(model, {"speculative": speculative})
+    engine = await pool.get_engine(model)
+    baseline = probe.reading(fresh=True).resident_bytes
+    pool.limits = Limits(baseline + MARGIN + ROOM, baseline + MARGIN + ROOM, MARGIN)
+    engine.guard.publish(pool.limits)
+
+    roomy = "".join(await _tokens(engine, "roomy", probe, 0))
+    drafted = engine.speculative_stats()["drafted"]
+    assert drafted > 0 and engine.gate.num_held_drafts == 0
+
+    # After the prompt is in, other work takes the room: the gate refuses every
+    # speculative step; the request still finishes with the same text.
+    tight = "".join(await _tokens(engine, "tight", probe, ROOM))
+    assert tight == roomy
+    assert engine.gate.num_held_drafts > 0
+    assert engine.guard_counters()["held_drafts"] == engine.gate.num_held_drafts
+    return engine, drafted
+
+
 def test_a_speculative_step_over_the_limit_decodes_without_drafts(make_pool) -> None:
     async def main() -> None:
-        pool = make_pool()
-        probe = pool.probe = RaisedProbe()
-        pool.model_settings.update("tiny-llama", {"speculative": {"method": "ngram"}})
-        engine = await pool.get_engine("tiny-llama")
-        baseline = probe.reading(fresh=True).resident_bytes
-        pool.limits = Limits(baseline + MARGIN + ROOM, baseline + MARGIN + ROOM, MARGIN)
-        engine.guard.publish(pool.limits)
-
-        roomy = "".join(await _tokens(engine, "roomy", probe, 0))
-        drafted = engine.speculative_stats()["drafted"]
-        assert drafted > 0 and engine.gate.num_held_drafts == 0
-
-        # After the prompt is in, other work takes the room: the gate refuses every
-        # speculative step; the request still finishes with the same text.
-        tight = "".join(await _tokens(engine, "tight", probe, ROOM))
-        assert tight == roomy
-        assert engine.gate.num_held_drafts > 0
-        assert engine.guard_counters()["held_drafts"] == engine.gate.num_held_drafts
+        engine, drafted = await roomy_then_tight(make_pool(), "tiny-llama", {"method": "ngram"})
         assert engine.speculative_stats()["drafted"] == drafted
 
     asyncio.run(main())
