@@ -4,6 +4,7 @@ change, greedy.
 
     .venv/bin/python benchmarks/bench_speculative.py [--rounds 3] [--draft 4] [--streams 8]
         [--method ngram|draft] [--draft-model NAME]
+    .venv/bin/python benchmarks/bench_speculative.py --forward-costs [--rounds 10]
 
 ``--method draft`` drafts with ``--draft-model`` (a folder in ``--model-dir``; default:
 the model itself, which keeps nearly every draft but costs as much as the model).
@@ -17,6 +18,13 @@ over the time from the first token out to the last (prefill excluded); the text
 with speculation on must be the text without it, token for token. Reported: the
 median tok/s per mode, the on/off ratio (of the medians, and round by round),
 the acceptance rate (drafts kept / drafted) and tokens per request and step.
+
+``--forward-costs``: what a speculative step pays instead. The edit prompts are
+prefilled as one batch of 1, 2, 4 and 8 rows; per round, interleaved, the
+compiled decode step (one token per row) and the compiled verification forward
+of 2, 3, 5 and 9 tokens per row, and mlx-lm's eager forward of 5 (cache
+trimmed back after each), each evaluated and timed alone; reported: the median
+time of each as a multiple of the one-token step's at the same rows.
 """
 
 from __future__ import annotations
@@ -160,6 +168,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--only", choices=["single", "multi"], help="run one workload")
+    parser.add_argument("--forward-costs", action="store_true", help="time the forwards only")
     parser.add_argument("--method", choices=["ngram", "draft"], default="ngram")
     parser.add_argument("--draft-model", help="--method draft: its folder (default: --model)")
     args = parser.parse_args()
@@ -181,6 +190,9 @@ def main() -> None:
     if args.method == "draft":
         draft = load(str(args.model_dir / (args.draft_model or args.model)))[0]
         runner.set_draft(draft, model.args.vocab_size)
+    if args.forward_costs:
+        forward_costs(model, [edit_prompt(tokenizer, i) for i in range(8)], args.rounds)
+        return
     workloads = {
         "1 stream": [edit_prompt(tokenizer, 0)],
         f"{args.streams} streams": [edit_prompt(tokenizer, i) for i in range(args.streams)],
@@ -208,6 +220,49 @@ def main() -> None:
                 same = texts.setdefault((name, "text"), plain)
                 assert same == plain, f"{name} {mode}: the text changed"
     report(rates, stats, texts, tokenizer, args)
+
+
+def forward_costs(model: Any, prompts: list[list[int]], rounds: int) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from omlx.engine.batch import merge_caches
+    from omlx.engine.compiled import CompiledBatchStep
+
+    step = CompiledBatchStep(model)
+    assert step.prove()
+    widths = (2, 3, 5, 9)
+
+    def timed(rows: int, width: int, cache: list[Any], eager: bool = False) -> float:
+        tokens = mx.array([prompts[r][-width:] for r in range(rows)])
+        start = time.perf_counter()
+        if eager:
+            logits = model(tokens, cache=cache)
+        else:
+            logits = step(tokens[:, 0], cache) if width == 1 else step.verify(tokens, cache)
+        mx.eval(logits)
+        took = time.perf_counter() - start
+        for layer in cache:
+            layer.trim(width)
+        return took
+
+    print(f"context ~{len(prompts[0])} tokens; time per forward / the 1-token step's, median")
+    for rows in (1, 2, 4, 8):
+        caches = []
+        for prompt in prompts[:rows]:
+            caches.append(make_prompt_cache(model))
+            mx.eval(model(mx.array(prompt)[None], cache=caches[-1]))
+        cache = merge_caches(caches)
+        times: dict[int, list[float]] = {}
+        for r in range(rounds + 1):  # round 0 traces each shape
+            for width in (1, *widths, -5):  # -5: mlx-lm's eager forward of 5
+                took = timed(rows, abs(width), cache, eager=width < 0)
+                if r:
+                    times.setdefault(width, []).append(took)
+        one = statistics.median(times[1])
+        costs = "  ".join(f"{w}: {statistics.median(times[w]) / one:.2f}x" for w in widths)
+        eager = statistics.median(times[-5]) / one
+        print(f"  {rows} rows: 1 token {one * 1000:.1f} ms  {costs}  (5 eagerly: {eager:.2f}x)")
 
 
 def report(rates, stats, texts, tokenizer, args) -> None:

@@ -462,7 +462,10 @@ class DecodeBatch:
         starts = [len(carry) for carry in self._carry]
         width = verify_width(max(len(seq) for seq in seqs))
         padded = [seq + [seq[-1]] * (width - len(seq)) for seq in seqs]
-        logits = self._model(mx.array(padded), cache=self._cache)
+        fed = mx.array(padded)
+        logits = self._compiled.verify(fed, self._cache) if self._compiled is not None else None
+        if logits is None:
+            logits = self._model(fed, cache=self._cache)
         verdicts = verify_rows(self.rows, logits, seqs, starts)
         if self.draft is not None:
             self._draft_verified(verdicts)

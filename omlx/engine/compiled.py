@@ -97,7 +97,7 @@ class _CompiledStep:
 
     def __init__(self, model: Any):
         self._model = model
-        self._sizes: set[int] = set()  # shapes traced (buffer sizes or batch sizes)
+        self._sizes: set[Any] = set()  # shapes traced (buffer sizes or token shapes)
         self._proven = False
         self.failed = False
         self.steps = 0  # steps run compiled
@@ -121,7 +121,7 @@ class _CompiledStep:
         """Compiled and eager logits on a scratch cache agree."""
         raise NotImplementedError
 
-    def _cap_traces(self, size: int) -> None:
+    def _cap_traces(self, size: Any) -> None:
         """Before a step of ``size``: start over if a new trace would pass the cap."""
         if size not in self._sizes and len(self._sizes) >= self.max_traces:
             self._compile()
@@ -285,11 +285,13 @@ def batch_qualifies(model: Any) -> bool:
 class CompiledBatchStep(_CompiledStep):
     """The decode step of a batch (one token per row, every layer a
     ``BatchKVCache``), with each layer's projections, norms, RoPE and MLP in two
-    compiled functions and the cache write and attention eager in between.
+    compiled functions and the cache write and attention eager in between; and
+    the same step over several tokens per row (``verify``: a speculative step's
+    drafts, the same arithmetic as mlx-lm's forward of them).
 
     Attention is left out of the traced functions because its shape grows every
-    step; the rest has the batch's shape only, so one trace per batch size serves
-    every layer (the layer's weights are inputs, not constants). What the step
+    step; the rest has the batch's shape only, so one trace per (rows, tokens
+    per row) serves every layer (the layer's weights are inputs, not constants). What the step
     saves is graph nodes, each of which costs a dispatch (on the CPU backend
     a few microseconds): the eager step evaluates ~2,500 per step for SmolLM2's
     30 layers, this one ~1,250.
@@ -311,7 +313,7 @@ class CompiledBatchStep(_CompiledStep):
     forward's logits, else the model's batch decodes eagerly.
     """
 
-    max_traces = 32  # batch sizes
+    max_traces = 32  # token shapes (rows, positions per row)
     name = "compiled batch step"
 
     def __init__(self, model: Any):
@@ -349,9 +351,22 @@ class CompiledBatchStep(_CompiledStep):
             return None
         if not (self._proven or (prove and self._prove())):
             return None
-        rows = tokens.shape[0]
-        self._cap_traces(rows)
-        self._sizes.add(rows)
+        return self._run(tokens[:, None], cache)
+
+    def verify(self, tokens: mx.array, cache: list[Any]) -> mx.array | None:
+        """Logits (rows, width, vocab) after feeding ``tokens`` (rows, width)
+        into the batch ``cache``: a speculative step's verification forward,
+        the decode step's arithmetic at every position. None (cache untouched)
+        unless the step is proven (it never proves here: the pool proves at load)."""
+        if self.failed or not self._proven or not self.accepts(cache):
+            return None
+        rows, width = tokens.shape
+        return self._run(tokens, cache).reshape(rows, width, -1)
+
+    def _run(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        shape = tokens.shape
+        self._cap_traces(shape)
+        self._sizes.add(shape)
         self.steps += 1
         return self._forward(tokens, cache)
 
@@ -363,17 +378,19 @@ class CompiledBatchStep(_CompiledStep):
         return self._weights
 
     def _forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        """Logits (rows * width, vocab) for ``tokens`` (rows, width)."""
         model = self._model
         inner = model.model
-        x = inner.embed_tokens(tokens)  # (rows, hidden)
-        mask = cache[0].make_mask(1)
+        width = tokens.shape[1]
+        x = inner.embed_tokens(tokens.reshape(-1))  # (rows * width, hidden)
+        mask = cache[0].make_mask(width)
         offset = cache[0].offset  # every layer's (the caches move in step)
-        cos, sin = _rotation_tables(self._rope, self._basis, offset)
+        cos, sin = _rotation_tables(self._rope, self._basis, offset, width)
         for (pre, post), c in zip(self._layer_weights(), cache, strict=True):
             q, k, v = self._pre(x, cos, sin, *pre)
             keys, values = c.update_and_fetch(k, v)
             x = self._post(x, _attend(q, keys, values, mask), *post)
-        # Every layer moved its offset on by one; all now hold layer 0's, which the
+        # Every layer moved its offset on by ``width``; all now hold layer 0's, which the
         # next step reads. One nobody reads would grow into an unevaluated chain,
         # a node per step and layer.
         offset = cache[0].offset
@@ -385,18 +402,21 @@ class CompiledBatchStep(_CompiledStep):
         return model.lm_head(x)
 
     def _check(self) -> bool:
-        """Feed one token to two copies of a two-row scratch batch (rows of
-        different lengths, so the left padding and the mask are in play), one
-        compiled and one eager, and compare the logits."""
+        """Feed one token, then three (a verification forward), to two copies of
+        a two-row scratch batch (rows of different lengths, so the left padding
+        and the mask are in play), one compiled and one eager, and compare the
+        logits."""
         model = self._model
-        tokens = mx.array([4, 5])
         cache = [BatchKVCache(left_padding=[0, 2]) for _ in model.layers]
         model(mx.array([[0, 1, 2], [0, 0, 3]]), cache=cache)
         copy = [_copy_batch_cache(c) for c in cache]
-        got = self._forward(tokens, cache)
-        want = model(tokens[:, None], cache=copy)[:, -1, :]
-        self._sizes.add(2)
-        return bool(mx.allclose(got, want, rtol=1e-3, atol=1e-3).item())
+        agree = True
+        for tokens in (mx.array([[4], [5]]), mx.array([[6, 7, 8], [9, 10, 11]])):
+            got = self._forward(tokens, cache).reshape(*tokens.shape, -1)
+            want = model(tokens, cache=copy)
+            self._sizes.add(tokens.shape)
+            agree = agree and bool(mx.allclose(got, want, rtol=1e-3, atol=1e-3).item())
+        return agree
 
 
 def _copy_batch_cache(cache: BatchKVCache) -> BatchKVCache:
@@ -421,17 +441,20 @@ def _rotation_basis(rope: Any, dtype: mx.Dtype) -> mx.array:
     return mx.array(pattern, dtype=dtype).reshape(1, 1, 1, rope.dims)
 
 
-def _rotation_tables(rope: Any, basis: mx.array, offset: mx.array) -> tuple[mx.array, mx.array]:
-    """Per row (shape (rows, 1, 1, head)): what each element of a head is
-    multiplied by, and what its swapped partner is, so that
-    ``x * cos + swap(x) * sin`` is the RoPE of ``x`` at the row's offset.
+def _rotation_tables(
+    rope: Any, basis: mx.array, offset: mx.array, width: int
+) -> tuple[mx.array, mx.array]:
+    """Per row and position (shape (rows, 1, width, head)): what each element
+    of a head is multiplied by, and what its swapped partner is, so that
+    ``x * cos + swap(x) * sin`` is the RoPE of ``x`` at the row's offset plus
+    the position.
 
     The RoPE of the basis is exactly the RoPE's own cosines and sines
     (1 * cos - 0 * sin, 1 * sin + 0 * cos). The partner's factor is -sin for a
     pair's first element (x1 * cos + x2 * -sin == x1 * cos - x2 * sin, bit for
     bit) and sin for its second."""
     rows = offset.shape[0]
-    turned = rope(mx.broadcast_to(basis, (rows, *basis.shape[1:])), offset=offset)
+    turned = rope(mx.broadcast_to(basis, (rows, 1, width, basis.shape[-1])), offset=offset)
     if rope.traditional:
         cos, sin = turned[..., 0::2], turned[..., 1::2]
         head = (*cos.shape[:-1], -1)
@@ -452,17 +475,29 @@ def _swap(x: mx.array, traditional: bool) -> mx.array:
 
 
 def _attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None) -> mx.array:
-    """mlx-lm's attention fallback for one new token, with each kv head's query
-    heads as one matrix: ``q`` (rows, kv heads, heads per kv head, head), already
-    scaled; keys and values (rows, kv heads, length, head)."""
+    """mlx-lm's attention fallback for ``width`` new tokens per row, with each kv
+    head's query heads as one matrix: ``q`` (rows, kv heads, heads per kv head *
+    width, head), already scaled; keys and values (rows, kv heads, length,
+    head); ``mask`` (rows, 1, width, length)."""
     scores = q @ keys.swapaxes(-1, -2)
     if mask is not None:
+        rows, kv_heads, queries, length = scores.shape
+        width = mask.shape[-2]
+        # (rows, kv heads, heads per kv head, width, length): the mask per position.
+        scores = scores.reshape(rows, kv_heads, queries // width, width, length)
+        mask = mask[:, :, None]
         if mask.dtype == mx.bool_:
             lowest = mx.array(mx.finfo(scores.dtype).min, scores.dtype)
             scores = mx.where(mask, scores, lowest)
         else:
             scores = scores + mask
+        scores = scores.reshape(rows, kv_heads, queries, length)
     return mx.softmax(scores, axis=-1, precise=True) @ values
+
+
+def _heads(x: mx.array, rows: int, width: int, heads: int) -> mx.array:
+    """(rows * width, heads * head) as (rows, heads, width, head), as mlx-lm lays them out."""
+    return x.reshape(rows, width, heads, -1).transpose(0, 2, 1, 3)
 
 
 def _linear(x: mx.array, weight_t: mx.array, bias: mx.array | None) -> mx.array:
@@ -533,11 +568,11 @@ def _compile_layer(model: Any) -> tuple[Any, Any]:
         q_norm: mx.array | None,
         k_norm: mx.array | None,
     ) -> tuple[mx.array, mx.array, mx.array]:
-        rows = x.shape[0]
+        rows, width = cos.shape[0], cos.shape[2]
         h = mx.fast.rms_norm(x, norm, eps)
-        q = _linear(h, wq, bq).reshape(rows, heads, 1, head_dim)
-        k = _linear(h, wk, bk).reshape(rows, kv_heads, 1, head_dim)
-        v = _linear(h, wv, bv).reshape(rows, kv_heads, 1, head_dim)
+        q = _heads(_linear(h, wq, bq), rows, width, heads)
+        k = _heads(_linear(h, wk, bk), rows, width, kv_heads)
+        v = _heads(_linear(h, wv, bv), rows, width, kv_heads)
         if q_norm is not None and k_norm is not None:
             q = mx.fast.rms_norm(q, q_norm, qk_eps)
             k = mx.fast.rms_norm(k, k_norm, qk_eps)
@@ -545,7 +580,7 @@ def _compile_layer(model: Any) -> tuple[Any, Any]:
         # the same product.
         q = scale * (q * cos + _swap(q, traditional) * sin)
         k = k * cos + _swap(k, traditional) * sin
-        return q.reshape(rows, kv_heads, heads // kv_heads, head_dim), k, v
+        return q.reshape(rows, kv_heads, heads // kv_heads * width, head_dim), k, v
 
     def post(
         x: mx.array,
@@ -560,6 +595,9 @@ def _compile_layer(model: Any) -> tuple[Any, Any]:
         wd: mx.array,
         bd: mx.array | None,
     ) -> mx.array:
+        rows, _, _, dim = attended.shape
+        # Back to (rows * width, heads * head), as mlx-lm's attention hands it to o_proj.
+        attended = attended.reshape(rows, heads, -1, dim).transpose(0, 2, 1, 3)
         h = x + _linear(attended.reshape(x.shape[0], -1), wo, bo)
         r = mx.fast.rms_norm(h, norm, post_eps)
         return h + _linear(nn.silu(_linear(r, wg, bg)) * _linear(r, wu, bu), wd, bd)

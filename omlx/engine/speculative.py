@@ -73,11 +73,11 @@ def verify_rows(
         for e, row in enumerate(rows)
         if row.greedy and not row.processors and row.logprobs is None
     ]
-    picks = (
-        dict(zip(plain, mx.argmax(logits[mx.array(plain)], axis=-1).tolist(), strict=True))
-        if plain
-        else {}
-    )
+    picks = {}
+    if plain:
+        # Every row plain (the usual greedy batch): no gather, one argmax, one sync.
+        picked = logits if len(plain) == len(rows) else logits[mx.array(plain)]
+        picks = dict(zip(plain, mx.argmax(picked, axis=-1).tolist(), strict=True))
     verdicts = []
     for e, (row, seq, start) in enumerate(zip(rows, seqs, starts, strict=True)):
         drafts = seq[start + 1 :]

@@ -130,6 +130,24 @@ def test_logits_and_caches_equal_mlx_lms_forward(model) -> None:
         assert mx.array_equal(c.values[..., : c._idx, :], e.values[..., : e._idx, :]).item()
 
 
+def test_a_verification_forward_equals_mlx_lms_forward_of_the_same_tokens(model) -> None:
+    """A speculative step feeds each row several tokens at once: the compiled
+    step's logits at every position and its caches are mlx-lm's, bit for bit,
+    at each width the batch uses, rows of different lengths."""
+    prompts = list(PROMPTS.values())
+    step = CompiledBatchStep(model)
+    assert step.prove()
+    compiled, eager = batch_of(model, prompts), batch_of(model, prompts)
+    for width in (2, 5, 3):
+        fed = mx.array([[(7 * r + j) % 100 + 1 for j in range(width)] for r in range(3)])
+        got = step.verify(fed, compiled)
+        assert got is not None
+        assert mx.array_equal(got, model(fed, cache=eager)).item()
+    for c, e in zip(compiled, eager, strict=True):
+        assert c._idx == e._idx
+        assert mx.array_equal(c.keys[..., : c._idx, :], e.keys[..., : e._idx, :]).item()
+
+
 def pending_ops(array: mx.array) -> int:
     """Operations still to run for ``array`` (0 once it is evaluated)."""
     dot = io.StringIO()
@@ -245,6 +263,25 @@ def test_the_checks_can_run_before_any_request(tiny_models_dir: Path) -> None:
     assert step.steps == 6
     for rid, prompt in PROMPTS.items():
         assert got[rid] == reference(model, prompt, 6), rid
+
+
+def test_speculative_steps_verify_on_the_compiled_step(tiny_models_dir: Path) -> None:
+    """With drafts on, every step of a batch runs compiled, the speculative ones
+    (several tokens per row) included, and the tokens are still mlx-lm's."""
+    model, _ = load(str(tiny_models_dir / "tiny-llama"))
+    runner = make_runner(model)
+    runner.prove_compiled()
+    runner.num_draft = 4
+    # Prompts that repeat themselves, so the n-gram drafter has guesses.
+    prompts = {"a": list(range(3, 40)) * 3, "b": list(range(50, 71)) * 2}
+    runner.add([request(rid, p, 24) for rid, p in prompts.items()])
+    got = collect(runner, dict.fromkeys(prompts, 24))
+    stats = runner.speculative_stats()
+    assert stats["steps"] > 0 and stats["accepted"] > 0
+    step = runner.compiled_batch_step
+    assert step is not None and step.steps == runner._decode._num_steps
+    for rid, prompt in prompts.items():
+        assert got[rid] == reference(model, prompt, 24), rid
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
