@@ -14,6 +14,7 @@ import asyncio
 import psutil
 import pytest
 
+from omlx.engine import profile as profile_module
 from omlx.errors import InsufficientMemoryError, PrefillMemoryExceededError
 from omlx.memory.budget import Limits, MemoryReading, canary_bytes, kv_capacity_tokens
 from omlx.memory.guard import MemoryGuard
@@ -120,13 +121,18 @@ def test_an_explicit_capacity_too_large_for_the_limit_fails_the_load(make_pool) 
     asyncio.run(main())
 
 
-def test_the_batched_prefill_is_stressed_at_max_concurrent_requests_rows(make_pool) -> None:
+def test_the_batched_prefill_is_stressed_at_max_concurrent_requests_rows(
+    make_pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Time out of the picture: how many rows the budget affords depends on the host's
+    # speed at that moment; this test is about what eight rows' pass is counted for.
+    monkeypatch.setattr(profile_module, "BATCH_STRESS_BUDGET_S", 60.0)
     pool = make_pool(max_concurrent_requests=8, prefill_step_size=256)
 
     async def main() -> None:
         engine = await pool.get_engine("tiny-llama")
         profile, kv = engine.guard.profile, engine.guard.dims.kv_bytes_per_token
-        assert profile.batch_rows == 8  # a tiny model: all rows fit the time budget
+        assert profile.batch_rows == 8  # max_concurrent_requests, all within the budget
         batch_over = profile.batch_peak_bytes - kv * 8 * 256
         solo_over = profile.prefill_peak_bytes - kv * 256
         # Eight rows' activations at once, not one: the capacity and margin count them.
