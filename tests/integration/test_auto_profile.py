@@ -248,3 +248,15 @@ def test_validation_failing_every_retry_fails_the_load(make_pool) -> None:
         assert pool.loaded() == []
 
     asyncio.run(main())
+
+
+def test_a_slow_row_stresses_fewer_rows_within_the_time_budget() -> None:
+    """The batched pass runs as many rows as the budget affords at the measured
+    one-row speed (none when two would not fit): the load stays quick."""
+    stress = profile_module._Stress(None, vocab_size=100, chunk_tokens=256, batch_size=8)
+    budget = profile_module.BATCH_STRESS_BUDGET_S
+    for row_seconds, rows in ((budget / 10, 8), (budget / 3, 3), (budget / 1.5, 0)):
+        stress.row_seconds = row_seconds
+        assert stress.batch_rows(stress.batch) == rows
+    stress.row_seconds = budget / 10
+    assert stress.batch_rows(5) == 5  # never more than the KV held affords
