@@ -70,6 +70,22 @@ TEARDOWN_TOLERANCE_BYTES = 32 * 1024**2
 TEARDOWN_TOLERANCE_FRACTION = 0.02
 
 
+@contextmanager
+def _no_collection_during_passes() -> Iterator[None]:
+    """Garbage from earlier work (arrays kept by reference cycles) collected in the
+    middle of a pass would free memory during its measurement and hide part of its
+    peak: collect it first, and none until the passes are done."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@_no_collection_during_passes()
 def auto_profile(
     model: Any,
     dims: ModelDims,
@@ -91,39 +107,6 @@ def auto_profile(
     Raises InsufficientMemoryError (507) when not even one prefill chunk fits,
     or the explicit capacity does not fit beside the worst step.
     """
-    with _no_collection_during_passes():
-        return _profile_now(
-            model, dims, probe, limits, chunk_tokens, batch_size, vocab_size,
-            explicit_tokens, max_tokens_in_flight,
-        )  # fmt: skip
-
-
-@contextmanager
-def _no_collection_during_passes() -> Iterator[None]:
-    """Garbage from earlier work (arrays kept by reference cycles) collected in the
-    middle of a pass would free memory during its measurement and hide part of its
-    peak: collect it first, and none until the passes are done."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _profile_now(
-    model: Any,
-    dims: ModelDims,
-    probe: MemoryProbe,
-    limits: Limits,
-    chunk_tokens: int,
-    batch_size: int,
-    vocab_size: int,
-    explicit_tokens: int | None,
-    max_tokens_in_flight: int | None,
-) -> KVProfile:
     started = time.monotonic()
     baseline = probe.reading(fresh=True).resident_bytes
     stress = _Stress(model, vocab_size, chunk_tokens, batch_size)
