@@ -27,6 +27,7 @@ from omlx.engine.compiled import CompiledBatchStep
 from omlx.engine.draft_model import DraftProposer
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
 from omlx.engine.ngram import NgramDrafter
+from omlx.engine.row_layout import RowLayouts
 from omlx.engine.speculative import SpecStats, verify_rows
 from omlx.scheduler import TokenLogprob, TokenOutput
 
@@ -287,13 +288,12 @@ class DecodeBatch:
         # Rows joined since the last step (whose first tokens it samples).
         self._joined = False
         # Speculative decoding: tokens each row may draft per step (0: off), and
-        # per row the committed tokens before ``_feed`` not in the cache yet (a
-        # speculative step keeps the cache at its rows' shortest acceptance).
+        # where each row's tokens sit after steps that rows accepted unevenly.
         self.num_draft = 0
         self._verify_positions = VERIFY_POSITIONS[
             "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
         ]
-        self._carry: list[list[int]] = []
+        self._layouts = RowLayouts()
         self.spec_stats = SpecStats()
         # Set by the memory gate for the next step: verify no drafts (plain decode).
         self.hold_drafts = False
@@ -325,14 +325,14 @@ class DecodeBatch:
             self._feed = mx.concatenate([self._feed, mx.array(feed, dtype=self._feed.dtype)])
         self.rows.extend(rows)
         self._fresh.extend([False] * len(rows))
-        self._carry.extend([] for _ in rows)
+        self._layouts.join(len(rows))
         self._joined = True
 
     def step(self) -> list[TokenOutput]:
         """One forward of every row; the tokens handed out."""
         if not self.rows:
             return []
-        if (self.draft_limit() and self._trimmable()) or any(self._carry):
+        if self.draft_limit() and self._trimmable():
             # Drafts need every token so far: pipelining stops while speculating.
             out = self._outputs_fresh()
             drafts = self._propose()
@@ -405,15 +405,13 @@ class DecodeBatch:
         verify more than one position of (for the memory gate; an upper bound:
         whether a row drafts is known only in the step)."""
         limit = self.draft_limit() if self._trimmable() else 0
-        if not self.rows or not (limit or any(self._carry)):
+        if not self.rows or not limit:
             return []
         context = self._cache[0]._idx if self._cache else 0
         width = verify_width(limit + 1)
-        drafting = self.draft.planned_positions(self.rows, limit) if self.draft and limit else []
+        drafting = self.draft.planned_positions(self.rows, limit) if self.draft else []
         return [
-            (row.request_id, width if row.drafter is not None else len(carry) + 1, context)
-            for row, carry in zip(self.rows, self._carry, strict=True)
-            if row.drafter is not None or carry
+            (row.request_id, width, context) for row in self.rows if row.drafter is not None
         ] + [(f"{rid} (draft model)", n, ctx) for rid, n, ctx in drafting]
 
     def draft_limit(self) -> int:
@@ -426,64 +424,53 @@ class DecodeBatch:
         return max(limit, 0)
 
     def _propose(self) -> list[list[int]] | None:
-        """Each row's drafts (its pending tokens and drafts fill at most
-        ``draft_limit() + 1`` positions), or None when no row drafts or carries."""
+        """Each row's drafts (at most ``draft_limit()``), or None when no row drafts."""
         limit = self.draft_limit()
         drafting = limit and not self.hold_drafts
         self.hold_drafts = False
-        if self.draft is not None:
-            budgets = [
-                limit - len(carry) if row.drafter is not None and drafting else 0
-                for row, carry in zip(self.rows, self._carry, strict=True)
-            ]
-            proposed = self.draft.propose(self.rows, budgets) if drafting else None
-            drafts = proposed.tokens if proposed else [[] for _ in self.rows]
-            for e, row in enumerate(self.rows):
-                row.draft_logits = proposed.logits[e] if proposed else None
-            return drafts if any(drafts) or any(self._carry) else None
-        drafts = [
-            row.drafter.propose(limit - len(carry)) if row.drafter is not None and drafting else []
-            for row, carry in zip(self.rows, self._carry, strict=True)
-        ]
-        if not any(drafts) and not any(self._carry):
+        if not drafting:
             return None
-        return drafts
+        if self.draft is not None:
+            budgets = [limit if row.drafter is not None else 0 for row in self.rows]
+            proposed = self.draft.propose(self.rows, budgets)
+            for e, row in enumerate(self.rows):
+                row.draft_logits = proposed.logits[e]
+            drafts = proposed.tokens
+        else:
+            drafts = [
+                row.drafter.propose(limit) if row.drafter is not None else [] for row in self.rows
+            ]
+        return drafts if any(drafts) else None
 
     def _speculate(self, drafts: list[list[int]]) -> list[TokenOutput]:
-        """One forward of every row's pending tokens and drafts (rows padded to
-        the widest); the drafts the model agrees with and one token after them
-        leave. The cache keeps what every row accepted (the shortest): a row's
-        other accepted tokens are fed again next step, before its new token."""
+        """One forward of every row's token and drafts (rows padded to the
+        widest); the drafts the model agrees with and one token after them leave.
+        Each row's cache keeps exactly what it accepted (row_layout.py)."""
         assert self._feed is not None
-        seqs = [
-            [*carry, token, *draft]
-            for carry, token, draft in zip(self._carry, self._feed.tolist(), drafts, strict=True)
-        ]
-        starts = [len(carry) for carry in self._carry]
+        seqs = [[token, *draft] for token, draft in zip(self._feed.tolist(), drafts, strict=True)]
         width = verify_width(max(len(seq) for seq in seqs))
         padded = [seq + [seq[-1]] * (width - len(seq)) for seq in seqs]
         fed = mx.array(padded)
         logits = self._compiled.verify(fed, self._cache) if self._compiled is not None else None
         if logits is None:
             logits = self._model(fed, cache=self._cache)
-        verdicts = verify_rows(self.rows, logits, seqs, starts)
+        verdicts = verify_rows(self.rows, logits, seqs)
         if self.draft is not None:
             self._draft_verified(verdicts)
-        valid = [st + 1 + v.num_accepted for st, v in zip(starts, verdicts, strict=True)]
-        keep = min(valid)
-        if width > keep:
+        valid = [1 + v.num_accepted for v in verdicts]
+        if width > max(valid):
             for layer in self._cache:
-                layer.trim(width - keep)
+                layer.trim(width - max(valid))
+        self._layouts.settle(self._cache, valid)
         out = []
-        for row, seq, st, v in zip(self.rows, seqs, starts, verdicts, strict=True):
+        for row, seq, n, v in zip(self.rows, seqs, valid, verdicts, strict=True):
             if row.processors:
-                row.remember(mx.array(seq[:keep]))
-            tokens = [*seq[st + 1 : st + 1 + v.num_accepted], v.token]
+                row.remember(mx.array(seq[:n]))
+            tokens = [*seq[1:n], v.token]
             if row.drafter is not None:
                 row.drafter.extend(tokens)
             out += [TokenOutput(row.request_id, t) for t in tokens[:-1]]
             out.append(TokenOutput(row.request_id, v.token, v.logprobs))
-        self._carry = [seq[keep:n] for seq, n in zip(seqs, valid, strict=True)]
         self._feed = mx.array([v.token for v in verdicts])
         self.spec_stats.add(drafts, verdicts)
         self._num_steps += 1
@@ -523,9 +510,10 @@ class DecodeBatch:
     def extract(self, request_id: str) -> list[Any] | None:
         """A row's cache as a plain prompt cache (a copy)."""
         i = self.index(request_id)
-        if i is None:
-            return None
-        return [layer.extract(i) for layer in self._cache]
+        return None if i is None else self._row_cache(i)
+
+    def _row_cache(self, i: int) -> list[Any]:
+        return self._layouts.in_order(i, [layer.extract(i) for layer in self._cache])
 
     def remove(self, request_ids: set[str], *, extract: bool) -> dict[str, list[Any]]:
         """Take rows out (their unsent sampled tokens are dropped); with
@@ -537,11 +525,12 @@ class DecodeBatch:
             self.draft.drop({self.rows[i].request_id for i in gone})
         out = {}
         if extract:
-            out = {self.rows[i].request_id: [c.extract(i) for c in self._cache] for i in gone}
+            out = {self.rows[i].request_id: self._row_cache(i) for i in gone}
         keep = _others(len(self.rows), gone)
         if not keep:
             self.rows, self._cache, self._feed, self._fresh = [], [], None, []
-            self._feed_logprobs, self._carry = None, []
+            self._feed_logprobs = None
+            self._layouts.clear()
             return out
         for layer in self._cache:
             layer.filter(keep)
@@ -549,5 +538,5 @@ class DecodeBatch:
         self._feed = self._feed[mx.array(keep)]
         self.rows = [self.rows[i] for i in keep]
         self._fresh = [self._fresh[i] for i in keep]
-        self._carry = [self._carry[i] for i in keep]
+        self._layouts.keep(keep)
         return out

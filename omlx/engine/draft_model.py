@@ -7,9 +7,8 @@ it first feeds what the row committed since (its accepted drafts and new
 token), then drafts ``n`` tokens one position at a time, every row in one
 forward per position. Rows are fed position by position, so rows that lag by
 different amounts never see padding between their tokens. After verification
-the cache is cut back to what every row kept (rows never share a padding
-position that is not theirs: what a row kept beyond the shortest is fed again
-next step, like the decode batch's carried tokens).
+each row's cache keeps exactly what the row kept (row_layout.py: the cache is cut
+to the longest, and shorter rows turn their rejected positions into padding).
 
 A new row first prefills its history (prompt and output so far) in its own
 cache, one chunk per step, and joins the batched cache when done: until then
@@ -26,6 +25,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+from omlx.engine.row_layout import settle_rows
 
 __all__ = ["DraftProposer", "Drafts", "plain_kv_model"]
 
@@ -133,8 +134,8 @@ class DraftProposer:
         )
 
     def commit(self, accepted: dict[str, int]) -> None:
-        """Cut the cache back to what every row kept of the last drafting
-        forwards (``accepted``: drafts kept per request)."""
+        """Keep what each row kept of the last drafting forwards
+        (``accepted``: drafts kept per request)."""
         fed, self._fed = self._fed, None
         if fed is None or fed.ids != self._ids:
             return
@@ -142,11 +143,11 @@ class DraftProposer:
             unseen + min(accepted.get(rid, 0), drafts)
             for rid, unseen, drafts in zip(fed.ids, fed.unseen, fed.fed_drafts, strict=True)
         ]
-        keep = min(valid)
-        if fed.positions > keep:
+        if fed.positions > max(valid):
             for layer in self._cache:
-                layer.trim(fed.positions - keep)
-        self._seen = [seen + keep for seen in self._seen]
+                layer.trim(fed.positions - max(valid))
+        settle_rows(self._cache, valid)
+        self._seen = [seen + n for seen, n in zip(self._seen, valid, strict=True)]
 
     def _prefill_new(self, by_id: dict[str, Any]) -> None:
         """One chunk of each new row's history (all but its last token); rows

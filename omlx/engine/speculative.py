@@ -62,7 +62,6 @@ def verify_rows(
     rows: Sequence[Any],
     logits: mx.array,
     seqs: Sequence[Sequence[int]],
-    starts: Sequence[int],
 ) -> list[Verdict]:
     """Each row's verdict from the step's logits (rows, width, vocab). Greedy
     rows without processors share one argmax; the others are judged one by one.
@@ -79,26 +78,26 @@ def verify_rows(
         picked = logits if len(plain) == len(rows) else logits[mx.array(plain)]
         picks = dict(zip(plain, mx.argmax(picked, axis=-1).tolist(), strict=True))
     verdicts = []
-    for e, (row, seq, start) in enumerate(zip(rows, seqs, starts, strict=True)):
-        drafts = seq[start + 1 :]
+    for e, (row, seq) in enumerate(zip(rows, seqs, strict=True)):
+        drafts = seq[1:]
         q = getattr(row, "draft_logits", None)
         if e in picks:
-            verdicts.append(verify_greedy(picks[e], seq, start))
+            verdicts.append(verify_greedy(picks[e], seq))
         elif row.processors:
-            verdicts.append(verify_processed(row, logits[e], seq, start, row.context, q))
+            verdicts.append(verify_processed(row, logits[e], seq, row.context, q))
         elif drafts:
-            verdicts.append(verify_sampled(row.sampler, logits[e, start:], drafts, q))
+            verdicts.append(verify_sampled(row.sampler, logits[e], drafts, q))
         else:
-            verdicts.append(verify_plain(row, logits[e], start))
+            verdicts.append(verify_plain(row, logits[e]))
     return verdicts
 
 
-def verify_greedy(argmax: list[int], seq: Sequence[int], start: int) -> Verdict:
+def verify_greedy(argmax: list[int], seq: Sequence[int]) -> Verdict:
     """Greedy, no processors: ``argmax[j]`` is the model's pick after ``seq[: j + 1]``."""
-    j = start
+    j = 0
     while j + 1 < len(seq) and argmax[j] == seq[j + 1]:
         j += 1
-    return Verdict(j - start, argmax[j])
+    return Verdict(j, argmax[j])
 
 
 def verify_sampled(
@@ -158,14 +157,13 @@ def verify_processed(
     row: Any,
     logits: mx.array,
     seq: Sequence[int],
-    start: int,
     context: mx.array | None,
     q: mx.array | None = None,
 ) -> Verdict:
-    """A row with logits processors: position by position from ``start``, each
-    position's logits processed with the context up to it, then judged (``q``:
-    the draft model's logits per draft, see ``verify_sampled``)."""
-    j = start
+    """A row with logits processors: position by position, each position's
+    logits processed with the context up to it, then judged (``q``: the draft
+    model's logits per draft, see ``verify_sampled``)."""
+    j = 0
     while True:
         fed = mx.array(list(seq[: j + 1]))
         ctx = fed if context is None else mx.concatenate([context, fed])
@@ -174,23 +172,23 @@ def verify_processed(
             one = processor(ctx, one)
         if q is not None and not row.greedy and j + 1 < len(seq):
             # A draft model's draft: speculative sampling against its q.
-            q_j = q[j - start : j - start + 1]
+            q_j = q[j : j + 1]
             verdict = verify_drafted(row.sampler, mx.concatenate([one, one]), [seq[j + 1]], q_j)
             if not verdict.num_accepted:
-                return Verdict(j - start, verdict.token, _logprobs(row, one, verdict.token))
+                return Verdict(j, verdict.token, _logprobs(row, one, verdict.token))
             j += 1
             continue
         # Drawn as the plain step draws here (greedy: the argmax); a draft is kept
         # while it equals the draw.
         token = int(row.sampler(one).item())
         if j + 1 == len(seq) or token != seq[j + 1]:
-            return Verdict(j - start, token, _logprobs(row, one, token))
+            return Verdict(j, token, _logprobs(row, one, token))
         j += 1
 
 
-def verify_plain(row: Any, logits: mx.array, start: int) -> Verdict:
-    """A row without drafts or processors: its own sampler at its last position."""
-    one = logits[start : start + 1]
+def verify_plain(row: Any, logits: mx.array) -> Verdict:
+    """A row without drafts or processors: its own sampler at its position."""
+    one = logits[0:1]
     token = int(row.sampler(one).item())
     return Verdict(0, token, _logprobs(row, one, token))
 

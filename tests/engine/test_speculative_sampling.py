@@ -94,7 +94,7 @@ def test_processors_shape_each_drafted_position_in_order() -> None:
         processors=[ban_last], sampler=make_request_sampler(params), greedy=False, logprobs=None
     )
     seq = [4, *DRAFTS]  # the fed token, then the drafts
-    verdicts = [verify_processed(row, LOGITS, seq, 0, mx.array([1, 2])) for _ in range(N)]
+    verdicts = [verify_processed(row, LOGITS, seq, mx.array([1, 2])) for _ in range(N)]
     assert seen[0] == [1, 2, 4]
     assert [1, 2, 4, 5] in seen  # position 1 ran with the first draft in its context
     first, second = first_two(verdicts)
