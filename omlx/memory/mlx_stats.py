@@ -7,6 +7,8 @@ HTTP path); the probe samples on that thread and publishes the numbers.
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from dataclasses import dataclass
 
 from omlx.memory.budget import Limits
@@ -28,14 +30,26 @@ class MlxStats:
 
 NO_STATS = MlxStats(0, 0, 0)
 
+# MLX's peak counter is one per process and every sample restarts it, so each
+# reader keeps its own running peak here: another reader's sample (another MLX
+# thread's probe) must never hide the peak of a pass this one is measuring.
+_peaks_lock = threading.Lock()
+_peak_since_sample: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
 
-def sample() -> MlxStats:
-    """MLX thread: read the counters and restart the peak."""
+
+def sample(reader: object) -> MlxStats:
+    """MLX thread: read the counters; the peak is the highest active bytes since
+    ``reader``'s previous sample, whoever restarted MLX's counter in between."""
     import mlx.core as mx
 
-    peak = int(mx.get_peak_memory())
-    mx.reset_peak_memory()
-    return MlxStats(int(mx.get_active_memory()), int(mx.get_cache_memory()), peak)
+    with _peaks_lock:
+        peak = int(mx.get_peak_memory())
+        mx.reset_peak_memory()
+        for other in list(_peak_since_sample):
+            _peak_since_sample[other] = max(_peak_since_sample[other], peak)
+        mine = max(_peak_since_sample.get(reader, 0), peak)
+        _peak_since_sample[reader] = 0
+    return MlxStats(int(mx.get_active_memory()), int(mx.get_cache_memory()), mine)
 
 
 def release_cache() -> None:

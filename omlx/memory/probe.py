@@ -91,7 +91,7 @@ class MemoryProbe:
         (cheap allocator counters; the footprint is read when a reading is taken)."""
         with self._lock:
             self._check_mlx_thread()
-            self._record_mlx(time.monotonic(), mlx_stats.sample())
+            self._record_mlx(time.monotonic(), mlx_stats.sample(self))
 
     def reading(self, *, fresh: bool = False) -> MemoryReading:
         """The cached reading, or a new one when it is older than ``max_age_s``.
@@ -140,7 +140,7 @@ class MemoryProbe:
 
     def _sample(self) -> tuple[int, int, int]:
         """(MLX active bytes, process footprint, MLX peak since the last sample)."""
-        stats = mlx_stats.sample()
+        stats = mlx_stats.sample(self)
         self._mlx_cache_bytes = stats.cache_bytes
         return stats.active_bytes, self._footprint_bytes(), stats.peak_bytes
 

@@ -27,7 +27,9 @@ def split_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
+# Package scope: the server stops when the distributed tests are done (an idle
+# server left running samples MLX's memory counters beside later tests).
+@pytest.fixture(scope="package")
 def single_server(
     split_models_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
@@ -41,7 +43,7 @@ def single_server(
         yield srv
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def single_client(single_server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=single_server.base_url + "/v1", api_key="unused", max_retries=0)
 
