@@ -25,6 +25,10 @@ compiled decode step (one token per row) and the compiled verification forward
 of 2, 3, 5 and 9 tokens per row, and mlx-lm's eager forward of 5 (cache
 trimmed back after each), each evaluated and timed alone; reported: the median
 time of each as a multiple of the one-token step's at the same rows.
+
+``--verify-positions 64``: the GPU's budget of verified positions on this CPU (8
+streams draft 4 each, as on a Mac): the runner steps each mode takes (reported
+beside tok/s) carry over to Metal, where such a step costs about one plain step.
 """
 
 from __future__ import annotations
@@ -122,8 +126,10 @@ def generate(runner: Any, prompts: list[list[int]], max_tokens: int, eos: set[in
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     stamps: dict[str, list[float]] = {rid: [] for rid in ids}
     live = set(ids)
+    steps = 0
     while live:
         outputs = runner.step()
+        steps += 1
         now = time.perf_counter()
         done = set()
         for out in outputs:
@@ -138,7 +144,7 @@ def generate(runner: Any, prompts: list[list[int]], max_tokens: int, eos: set[in
             runner.remove(done)
             live -= done
     runner.step()  # the deferred work of the removals
-    return tokens, {rid: (s[0], s[-1]) for rid, s in stamps.items()}
+    return tokens, {rid: (s[0], s[-1]) for rid, s in stamps.items()}, steps
 
 
 def decode_rate(tokens: dict[str, list[int]], spans: dict[str, tuple[float, float]]) -> float:
@@ -153,9 +159,10 @@ def decode_rate(tokens: dict[str, list[int]], spans: dict[str, tuple[float, floa
 def run_mode(runner: Any, prompts: list[list[int]], num_draft: int, args, eos, tag: str):
     runner.num_draft = num_draft
     before = runner.speculative_stats()
-    tokens, spans = generate(runner, prompts, args.max_tokens, eos, tag)
+    tokens, spans, steps = generate(runner, prompts, args.max_tokens, eos, tag)
     after = runner.speculative_stats()
     delta = {k: after[k] - before[k] for k in after}
+    delta["runner_steps"] = steps
     return decode_rate(tokens, spans), tokens, delta
 
 
@@ -171,12 +178,22 @@ def main() -> None:
     parser.add_argument("--forward-costs", action="store_true", help="time the forwards only")
     parser.add_argument("--method", choices=["ngram", "draft"], default="ngram")
     parser.add_argument("--draft-model", help="--method draft: its folder (default: --model)")
+    parser.add_argument(
+        "--verify-positions",
+        type=int,
+        help="positions a speculative forward may verify (default: the backend's; 64 is "
+        "the GPU's, to count the steps a Mac would take)",
+    )
     args = parser.parse_args()
 
     import mlx.core as mx
     from mlx_lm import load
 
+    from omlx.engine import batch
     from omlx.engine.runner import BatchRunner
+
+    if args.verify_positions:
+        batch.VERIFY_POSITIONS["cpu"] = batch.VERIFY_POSITIONS["gpu"] = args.verify_positions
 
     if not (args.model_dir / args.model).exists():
         from omlx.models.builtin import install_default_model
@@ -201,6 +218,7 @@ def main() -> None:
     if args.only:
         del workloads[f"{args.streams} streams" if args.only == "single" else "1 stream"]
     rates: dict[tuple[str, str], list[float]] = {}
+    steps: dict[tuple[str, str], list[int]] = {}
     stats: dict[str, dict[str, int]] = {}
     texts: dict[tuple[str, str], dict[str, list[int]]] = {}
     for name, prompts in workloads.items():  # traces and kernel builds: first-use costs
@@ -212,6 +230,7 @@ def main() -> None:
             for mode, k in order if r % 2 == 0 else order[::-1]:
                 rate, tokens, delta = run_mode(runner, prompts, k, args, eos, f"{r}{name}{mode}")
                 rates.setdefault((name, mode), []).append(rate)
+                steps.setdefault((name, mode), []).append(delta["runner_steps"])
                 if k:
                     acc = stats.setdefault(name, dict.fromkeys(delta, 0))
                     for key, v in delta.items():
@@ -219,7 +238,7 @@ def main() -> None:
                 plain = {rid.split("-")[-1]: t for rid, t in tokens.items()}
                 same = texts.setdefault((name, "text"), plain)
                 assert same == plain, f"{name} {mode}: the text changed"
-    report(rates, stats, texts, tokenizer, args)
+    report(rates, steps, stats, texts, args)
 
 
 def forward_costs(model: Any, prompts: list[list[int]], rounds: int) -> None:
@@ -265,7 +284,7 @@ def forward_costs(model: Any, prompts: list[list[int]], rounds: int) -> None:
         print(f"  {rows} rows: 1 token {one * 1000:.1f} ms  {costs}  (5 eagerly: {eager:.2f}x)")
 
 
-def report(rates, stats, texts, tokenizer, args) -> None:
+def report(rates, steps, stats, texts, args) -> None:
     print(
         f"{args.model}, greedy, edit workload, --method {args.method} "
         f"{args.draft_model or ''} --draft {args.draft}, "
@@ -281,7 +300,9 @@ def report(rates, stats, texts, tokenizer, args) -> None:
             f"  {name:10} off {statistics.median(off):6.1f} tok/s  {args.method} "
             f"{statistics.median(on):6.1f} tok/s  ratio "
             f"{statistics.median(on) / statistics.median(off):.2f} (per round: {per_round})  "
-            f"acceptance {acceptance:.2f}  tokens/step {per_step:.2f}"
+            f"acceptance {acceptance:.2f}  tokens/step {per_step:.2f}  runner steps "
+            f"{statistics.median(steps[(name, 'off')]):.0f} -> "
+            f"{statistics.median(steps[(name, args.method)]):.0f}"
         )
     n = sum(len(t) for (_, kind), v in texts.items() for t in v.values())
     print(f"  same text with and without drafts: yes ({n} tokens per mode and round)")
