@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+from omlx.engine.compiled import CompiledBatchStep
 from omlx.engine.row_layout import settle_rows
 
 __all__ = ["DraftProposer", "Drafts", "plain_kv_model"]
@@ -68,10 +69,19 @@ class DraftProposer:
     """The draft model's state for one decode batch (see the module docstring).
 
     ``target_vocab``: the target's logit rows, the vocabulary of ``q``;
-    ``chunk_tokens``: the most positions a row's catch-up feeds per step."""
+    ``chunk_tokens``: the most positions a row's catch-up feeds per step;
+    ``compiled``: the draft's proven compiled batch step (None: its forwards run eager)."""
 
-    def __init__(self, model: Any, target_vocab: int, chunk_tokens: int):
+    def __init__(
+        self,
+        model: Any,
+        target_vocab: int,
+        chunk_tokens: int,
+        *,
+        compiled: CompiledBatchStep | None = None,
+    ):
         self.model = model
+        self._compiled = compiled
         self._vocab = target_vocab
         self._chunk = max(chunk_tokens, 1)
         self._cache: list[Any] = []
@@ -185,8 +195,9 @@ class DraftProposer:
         common = min(len(h) - s for h, s in zip(histories, self._seen, strict=True)) - 1
         width = min(common, self._chunk)
         if width > 0:
-            feed = [h[s : s + width] for h, s in zip(histories, self._seen, strict=True)]
-            self.model(mx.array(feed), cache=self._cache)
+            feed = mx.array([h[s : s + width] for h, s in zip(histories, self._seen, strict=True)])
+            if self._compiled is None or self._compiled.verify(feed, self._cache) is None:
+                self.model(feed, cache=self._cache)
             self._seen = [s + width for s in self._seen]
         return common <= self._chunk
 
@@ -207,7 +218,7 @@ class DraftProposer:
             feed = mx.array([h[s + t] if t < u else 0 for h, s, u in fed])
             if columns:
                 feed = mx.where(mx.array([t >= u for u in unseen]), columns[-1], feed)
-            logits = self._fit_vocab(self.model(feed[:, None], cache=self._cache)[:, -1, :])
+            logits = self._fit_vocab(self._forward(feed))
             drafting = [0 <= t - f < n for f, n in zip(first, budgets, strict=True)]
             columns.append(_pick(rows, logits, drafting, scaled).astype(feed.dtype))
         dists = [mx.concatenate(s) if s else None for s in scaled]
@@ -217,6 +228,14 @@ class DraftProposer:
         fed_drafts = [max(0, min(n, positions - u)) for u, n in zip(unseen, budgets, strict=True)]
         self._fed = _Fed(list(self._ids), unseen, fed_drafts, positions)
         return tokens, dists
+
+    def _forward(self, feed: mx.array) -> mx.array:
+        """The logits (rows, vocab) after one token per row (compiled when proven)."""
+        if self._compiled is not None:
+            logits = self._compiled(feed, self._cache, prove=False)
+            if logits is not None:
+                return logits
+        return self.model(feed[:, None], cache=self._cache)[:, -1, :]
 
     def _fit_vocab(self, logits: mx.array) -> mx.array:
         """The draft's logits over the target's vocabulary (extra rows cut, missing

@@ -86,8 +86,9 @@ class BatchRunner:
         self._decoder = CompiledDecode.for_model(model) if compiled else None
         self._batch_step = CompiledBatchStep.for_model(model) if compiled else None
         self._decode = DecodeBatch(model, pipelined=strategy.pipelined, compiled=self._batch_step)
-        # The draft model proposing tokens and the target's logit rows (None: prompt lookup).
-        self._draft: tuple[Any, int] | None = None
+        # The draft model proposing tokens, the target's logit rows and the draft's
+        # compiled batch step (None: prompt lookup).
+        self._draft: tuple[Any, int, CompiledBatchStep | None] | None = None
         # A request's choices (same prompt, started together) wait for one to prefill
         # it, when it is longer than the shared opening covers.
         self._forks = ChoiceForks(self._row, prefill_step_size + 3)
@@ -120,6 +121,11 @@ class BatchRunner:
     def compiled_batch_step(self) -> CompiledBatchStep | None:
         """The batch's compiled decode step (None: the batch decodes eagerly)."""
         return self._batch_step
+
+    @property
+    def compiled_draft_step(self) -> CompiledBatchStep | None:
+        """The draft model's compiled step (None: no draft model, or it runs eager)."""
+        return self._draft[2] if self._draft is not None else None
 
     def prove_compiled(self) -> None:
         """Run the compiled steps' one-time checks now (the pool does at model
@@ -246,18 +252,27 @@ class BatchRunner:
         self._decode.num_draft = value
 
     def set_draft(self, model: Any, target_vocab: int) -> None:
-        """A draft model proposes the drafts from now on (None: prompt lookup)."""
-        self._draft = (model, target_vocab) if model is not None else None
+        """A draft model proposes the drafts from now on (None: prompt lookup). Its
+        forwards run compiled like the target's batch step when the strategy
+        compiles and the draft qualifies (proven here, once)."""
+        self._draft = None
+        if model is not None:
+            compiled = CompiledBatchStep.for_model(model) if self.strategy.compiled else None
+            if compiled is not None:
+                with mx.stream(self._stream):
+                    compiled.prove()
+            self._draft = (model, target_vocab, compiled)
         self._decode.draft = self._proposer()
 
     def _proposer(self) -> DraftProposer | None:
         if self._draft is None:
             return None
-        return DraftProposer(*self._draft, chunk_tokens=self._prefill_step_size)
+        model, vocab, compiled = self._draft
+        return DraftProposer(model, vocab, self._prefill_step_size, compiled=compiled)
 
     def speculation_plan(self) -> list[PrefillChunk]:
-        """The positions the next decode step may verify per request beyond one
-        (drafts and carried tokens), as chunks for the memory gate."""
+        """The positions the next decode step may verify per drafting request
+        (its token and drafts), as chunks for the memory gate."""
         return [
             PrefillChunk(rid, width, context + width, width)
             for rid, width, context in self._decode.speculation_plan()

@@ -80,6 +80,32 @@ def test_greedy_tokens_are_the_plain_tokens(target, small_draft, twin_draft, pip
         assert stats["accepted"] > 0.9 * stats["drafted"] > 0
 
 
+def test_the_draft_runs_compiled_and_drafts_what_it_drafts_eagerly(target, small_draft) -> None:
+    """With the compiled strategy the draft's forwards (catch-up and drafting) run
+    the compiled batch step: the same drafts as its eager forwards, so the same
+    acceptance, and the target's plain tokens."""
+    requests = [greedy(f"r{i}", p) for i, p in enumerate(PROMPTS)]
+    plain, _ = run(target, requests)
+    got = {}
+    for compiled in (False, True):
+        runner = BatchRunner(
+            target,
+            prefill_step_size=16,  # several catch-up chunks per prompt
+            stream=mx.new_stream(mx.cpu),
+            strategy=ExecutionStrategy.fast_paths(compiled=compiled),
+        )
+        runner.set_draft(small_draft, target.args.vocab_size)
+        runner.num_draft = 3
+        step = runner.compiled_draft_step
+        assert (step is not None and step.proven) == compiled
+        got[compiled] = run_to_max_tokens(runner, requests)
+        if compiled:
+            assert step.steps > 0
+    (eager, eager_stats), (fast, fast_stats) = got[False], got[True]
+    assert eager == fast == plain
+    assert fast_stats == eager_stats and fast_stats["drafted"] > 0
+
+
 def test_rows_that_opt_out_or_want_logprobs_or_penalties_ride_along(target, twin_draft) -> None:
     requests = [
         greedy("drafts", PROMPTS[0]),
