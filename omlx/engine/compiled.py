@@ -4,8 +4,8 @@ layer by layer (``CompiledBatchStep``, at the end of this module). MLX thread on
 Eagerly, every decode step rebuilds the model's graph in Python (hundreds of
 ops, one at a time) and MLX runs each elementwise op as its own kernel. Traced
 once with ``mx.compile``, the step replays without Python and with elementwise
-chains fused: SmolLM2 float32 on the CPU backend decodes ~10% faster (58 vs 65
-ms per token, same tokens; not measured on a GPU here).
+chains fused: faster on the CPU backend, same tokens (benchmarks/README.md,
+"Figures behind design choices"; not measured on a GPU here).
 
 A compiled graph needs fixed shapes, so the step runs on the layers' own
 ``KVCache`` buffers (allocated in steps of 256 tokens, like ``KVCache`` does):
