@@ -20,6 +20,7 @@ from omlx.api import protected_settings
 from omlx.api.anthropic_models import check_aliases
 from omlx.api.auth import ApiKeyAuth, require_admin
 from omlx.api.state import ServerState, state_of
+from omlx.cache.hot import ClearTier
 from omlx.engine.drafts import check_draft_setting
 from omlx.errors import (
     InvalidRequestError,
@@ -261,6 +262,15 @@ async def cache_stats(request: Request) -> dict[str, Any]:
     }
 
 
+async def _clear_every_rank(pool: Any, tier: ClearTier) -> None:
+    """A model split across ranks: its runner's call is replayed on every rank, each
+    clearing its own tiers (on the MLX thread, where the ranks' calls are ordered)."""
+    for engine in pool.loaded():
+        await asyncio.wrap_future(pool.worker.submit(engine.clear_prefix_cache, tier))
+    if pool.hot_cache is not None:
+        await asyncio.to_thread(pool.hot_cache.clear, tier=tier)  # a model not loaded now
+
+
 @router.post("/cache/clear")
 async def cache_clear(request: Request) -> dict[str, Any]:
     """Body: ``{"tier": "hot" | "ssd" | "both", "model": optional name}``."""
@@ -286,7 +296,10 @@ async def cache_clear(request: Request) -> dict[str, Any]:
             )
         identity = engine.prefix_cache.identity
     # Off the event loop: the SSD tier flushes its writer (up to seconds) and unlinks files.
-    clearing = asyncio.to_thread(hot.clear, identity, tier=tier)
+    if state.pool.cluster is not None:
+        clearing = _clear_every_rank(state.pool, tier)
+    else:
+        clearing = asyncio.to_thread(hot.clear, identity, tier=tier)
     try:
         await asyncio.wait_for(clearing, CACHE_CLEAR_TIMEOUT_S)
     except TimeoutError:

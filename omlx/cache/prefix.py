@@ -34,7 +34,7 @@ from typing import Any
 
 from omlx.cache import kv_codec
 from omlx.cache.blocks import block_keys, chain_key
-from omlx.cache.hot import HotTier
+from omlx.cache.hot import ClearTier, HotTier
 from omlx.cache.prefix_index import NO_HIT, HitSpan, PrefixIndex, PrefixMatch
 from omlx.cache.safetensors_io import BlockPayload
 from omlx.cache.ssd import PUT_TIMEOUT_S as SSD_PUT_TIMEOUT_S
@@ -329,6 +329,10 @@ class PrefixCache:
             out: dict[str, Any] = self._stats.as_dict()
         out["ssd"] = asdict(self._ssd.stats()) if self._ssd is not None else None
         return out
+
+    def clear(self, tier: ClearTier) -> None:
+        """Drop this model's blocks from its tiers (``HotTier.clear``)."""
+        self._hot.clear(self.identity, tier=tier)
 
     def close(self) -> None:
         """Detach from the hot tier (write-back flushes to the SSD) and close the store."""

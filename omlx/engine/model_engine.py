@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
+from omlx.cache.hot import ClearTier
 from omlx.cache.prefix import PrefixCache
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omlx.engine.memory_gate import StepGate
@@ -57,6 +58,7 @@ class Runner(Protocol):
     def speculative_stats(self) -> dict[str, int]: ...
     def speculation_plan(self) -> list[PrefillChunk]: ...
     def set_draft(self, model: Any, target_vocab: int) -> None: ...
+    def clear_prefix_cache(self, tier: ClearTier) -> None: ...
 
     num_draft: int
 
@@ -232,6 +234,10 @@ class ModelEngine:
 
     def speculative_stats(self) -> dict[str, int]:
         return self._runner.speculative_stats()
+
+    def clear_prefix_cache(self, tier: ClearTier) -> None:
+        """MLX thread: drop this model's cached blocks (on every rank of a split model)."""
+        self._runner.clear_prefix_cache(tier)
 
     def use_draft(self, model: Any) -> None:
         """A draft model proposes this model's drafts from the next step (None:

@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
+from omlx.cache.hot import ClearTier
 from omlx.cache.prefix import AgreeHits, CacheHit, PrefixCache
 from omlx.cache.prefix_index import NO_HIT
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
@@ -546,6 +547,12 @@ class BatchRunner:
             return
         extra = self._extra.get(request_id, ())
         self._prefix.store(request_id, tokens, layers, prompt_len - 1, tail=True, extra_keys=extra)
+
+    def clear_prefix_cache(self, tier: ClearTier) -> None:
+        """Drop this model's blocks from its prefix cache's tiers (a model split
+        across ranks: every rank's, since rank 0's runner calls are replayed)."""
+        if self._prefix is not None:
+            self._prefix.clear(tier)
 
     def reset(self) -> None:
         """Drop every sequence (after an MLX error left the batch unusable)."""

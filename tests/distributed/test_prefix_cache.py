@@ -88,6 +88,19 @@ def test_a_rank_that_lost_blocks_shrinks_the_hit_not_the_answer(cluster, single_
     assert BLOCK <= cached < num_prompt - 1 and cached % BLOCK == 0
 
 
+def test_clearing_the_cache_clears_every_ranks_tiers(cluster) -> None:
+    """The admin panel's clear reaches every rank: no rank keeps blocks (or files on
+    its own disk) after it, and the prompt is no longer served from any cache."""
+    client, root, url = cluster
+    ask(client, LONG_A)
+    assert settled(root)
+    cleared = httpx.post(url + "/admin/api/cache/clear", json={"tier": "both"}, timeout=60)
+    assert cleared.status_code == 200, cleared.text
+    assert rank_blocks(root, 0) == {} and rank_blocks(root, 1) == {}
+    _, _, cached = ask(client, LONG_A)
+    assert cached == 0
+
+
 def test_a_rank_keeping_no_cache_still_takes_part(
     split_models_dir: Path, tmp_path: Path, single_client
 ) -> None:
