@@ -262,13 +262,13 @@ async def cache_stats(request: Request) -> dict[str, Any]:
     }
 
 
-async def _clear_every_rank(pool: Any, tier: ClearTier) -> None:
+async def _clear_every_rank(pool: Any, identity: str | None, tier: ClearTier) -> None:
     """A model split across ranks: its runner's call is replayed on every rank, each
     clearing its own tiers (on the MLX thread, where the ranks' calls are ordered)."""
     for engine in pool.loaded():
         await asyncio.wrap_future(pool.worker.submit(engine.clear_prefix_cache, tier))
-    if pool.hot_cache is not None:
-        await asyncio.to_thread(pool.hot_cache.clear, tier=tier)  # a model not loaded now
+    # Rank 0's blocks of a model not loaded now (the loaded one's are gone already).
+    await asyncio.to_thread(pool.hot_cache.clear, identity, tier=tier)
 
 
 @router.post("/cache/clear")
@@ -297,7 +297,7 @@ async def cache_clear(request: Request) -> dict[str, Any]:
         identity = engine.prefix_cache.identity
     # Off the event loop: the SSD tier flushes its writer (up to seconds) and unlinks files.
     if state.pool.cluster is not None:
-        clearing = _clear_every_rank(state.pool, tier)
+        clearing = _clear_every_rank(state.pool, identity, tier)
     else:
         clearing = asyncio.to_thread(hot.clear, identity, tier=tier)
     try:
