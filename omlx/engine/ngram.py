@@ -31,12 +31,15 @@ MAX_CANDIDATES = 8
 MAX_MATCH = 16
 
 
+def speculates(request: Request) -> bool:
+    """Whether a request may draft: not when it opted out of speculation or wants
+    logprobs (those decode one token per step: see speculative.py)."""
+    return bool(request.sampling.speculative) and request.sampling.logprobs is None
+
+
 def drafter_for(request: Request, history: Sequence[int]) -> NgramDrafter | None:
-    """A drafter over ``history``, unless the request opted out of speculation
-    or wants logprobs (those decode one token per step: see speculative.py)."""
-    if not request.sampling.speculative or request.sampling.logprobs is not None:
-        return None
-    return NgramDrafter(history)
+    """A drafter over ``history`` for a request that may draft (else None)."""
+    return NgramDrafter(history) if speculates(request) else None
 
 
 class NgramDrafter:

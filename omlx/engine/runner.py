@@ -24,7 +24,7 @@ from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
 from omlx.engine.draft_model import DraftProposer
 from omlx.engine.forks import ChoiceForks
 from omlx.engine.image_prefill import image_sequence
-from omlx.engine.ngram import drafter_for
+from omlx.engine.ngram import drafter_for, speculates
 from omlx.engine.openings import share_openings, shares_openings
 from omlx.engine.sampling import make_request_processors, make_request_sampler
 from omlx.engine.solo import SoloSequence
@@ -351,17 +351,18 @@ class BatchRunner:
         token in the same forward (the time to first token). From then on the
         batch's compiled step (a batch of one) decodes faster than the lone
         sequence's own step on the CPU backend (measured by an interleaved A/B:
-        benchmarks/README.md, "Figures behind design choices"). It moves once the
-        batch step is proven (the pool proves it at load) and its cache is plain KV layers.
+        benchmarks/README.md, "Figures behind design choices"), and only the batch
+        speculates. It moves once the batch step is proven (the pool proves it at
+        load) or the request would draft, and its cache is plain KV layers.
         The move copies the cache once, as a second request's arrival always
         did; admission already holds a whole-context copy for a prompt's last
         prefill chunk, and the move comes right after it."""
-        solo, step = self._solo, self._batch_step
-        if solo is None or step is None or not step.proven or step.failed:
+        solo, step, request = self._solo, self._batch_step, self._solo_request
+        if solo is None or request is None or solo.num_pending or not solo.decoding:
             return False
-        if solo.num_pending or not solo.decoding:
-            return False
-        return all(type(layer) is KVCache for layer in solo.cache)
+        compiled = step is not None and step.proven and not step.failed
+        drafts = self.num_draft > 0 and speculates(request)
+        return (compiled or drafts) and all(type(layer) is KVCache for layer in solo.cache)
 
     def _solo_to_side(self) -> None:
         """A second request arrived: a solo sequence still prefilling finishes its

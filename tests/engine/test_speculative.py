@@ -31,6 +31,7 @@ def run(
     num_draft: int,
     prefill_step_size: int = 64,
     pipelined: bool = False,
+    compiled: bool = True,
 ) -> tuple[dict[str, list[int]], dict[str, int]]:
     """Every token each request got until it reached its max_tokens, and the
     runner's speculative counters."""
@@ -38,7 +39,7 @@ def run(
         model,
         prefill_step_size=prefill_step_size,
         stream=mx.new_stream(mx.cpu),
-        strategy=ExecutionStrategy.fast_paths(pipelined=bool(pipelined)),
+        strategy=ExecutionStrategy.fast_paths(compiled=compiled, pipelined=bool(pipelined)),
     )
     runner.prove_compiled()
     runner.num_draft = num_draft
@@ -56,6 +57,16 @@ def test_a_lone_request_gets_the_same_tokens_in_fewer_steps(model) -> None:
     assert fast == plain
     assert stats["accepted"] > 0
     assert stats["tokens"] > stats["row_steps"]  # more than one token per row and step
+
+
+def test_a_lone_request_speculates_without_compiled_steps(model) -> None:
+    """Without the compiled batch step, a lone request still leaves its solo
+    sequence after its first token for the batch, the path that drafts."""
+    requests = [greedy("a", PROMPTS[0])]
+    plain, _ = run(model, requests, num_draft=0, compiled=False)
+    fast, stats = run(model, requests, num_draft=4, compiled=False)
+    assert fast == plain
+    assert stats["accepted"] > 0 and stats["tokens"] > stats["row_steps"]
 
 
 def test_a_batch_gets_each_rows_own_tokens(model) -> None:
