@@ -246,7 +246,7 @@ def forward_costs(model: Any, prompts: list[list[int]], rounds: int) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from omlx.engine.batch import merge_caches
-    from omlx.engine.compiled import CompiledBatchStep
+    from omlx.engine.compiled_batch import CompiledBatchStep
 
     step = CompiledBatchStep(model)
     assert step.prove()

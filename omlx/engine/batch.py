@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
 
-from omlx.engine.compiled import CompiledBatchStep
+from omlx.engine.compiled_batch import CompiledBatchStep
 from omlx.engine.draft_model import DraftProposer
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
 from omlx.engine.ngram import NgramDrafter

@@ -20,7 +20,8 @@ from omlx.cache.hot import ClearTier
 from omlx.cache.prefix import AgreeHits, CacheHit, PrefixCache
 from omlx.cache.prefix_index import NO_HIT
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
-from omlx.engine.compiled import CompiledBatchStep, CompiledDecode
+from omlx.engine.compiled import CompiledDecode
+from omlx.engine.compiled_batch import CompiledBatchStep
 from omlx.engine.draft_model import DraftProposer
 from omlx.engine.forks import ChoiceForks
 from omlx.engine.image_prefill import image_sequence

@@ -1,5 +1,5 @@
 """The batch's decode step runs each layer's work around attention compiled
-(omlx/engine/compiled.py, ``CompiledBatchStep``), on real (tiny, random) mlx-lm
+(omlx/engine/compiled_batch.py, ``CompiledBatchStep``), on real (tiny, random) mlx-lm
 models: the same logits and caches as mlx-lm's forward, the same tokens as
 mlx-lm's own loop for every row, whatever the rows' lengths."""
 
@@ -16,7 +16,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from omlx.engine.batch import merge_caches
-from omlx.engine.compiled import CompiledBatchStep, batch_qualifies
+from omlx.engine.compiled_batch import CompiledBatchStep, batch_qualifies
 from omlx.engine.runner import BatchRunner
 from omlx.engine.strategy import ExecutionStrategy
 from omlx.scheduler import Request, SamplingParams
