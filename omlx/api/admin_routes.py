@@ -156,7 +156,7 @@ async def put_model_settings(name: str, request: Request) -> dict[str, Any]:
         )
     check_draft_setting(folder, changes, pool.available())
     saved = pool.model_settings.update(folder, changes, available=list(pool.available()))
-    pool.settings_changed(folder)
+    await pool.settings_changed(folder)
     return {"name": folder, "settings": saved.model_dump()}
 
 
@@ -165,7 +165,7 @@ async def reset_model_settings(name: str, request: Request) -> dict[str, Any]:
     state = state_of(request)
     folder = _known_model(state, name)
     state.pool.model_settings.reset(folder)
-    state.pool.settings_changed(folder)
+    await state.pool.settings_changed(folder)
     return {"name": folder, "settings": state.pool.model_settings.get(folder).model_dump()}
 
 
@@ -239,7 +239,7 @@ async def put_settings(request: Request) -> dict[str, Any]:
             applied.append(key)
         else:
             restart.append(key)
-    state.pool.settings_changed()
+    await state.pool.settings_changed()
     return {
         "applied": sorted(applied),
         "restart_required": sorted(restart),

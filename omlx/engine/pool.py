@@ -465,17 +465,20 @@ class EnginePool:
             loaded.native_context,
         )
 
-    def settings_changed(self, name: str | None = None) -> None:
-        """Apply changed model (or global) settings to loaded engines, without restart."""
+    async def settings_changed(self, name: str | None = None) -> None:
+        """Apply changed model (or global) settings to loaded engines, without restart.
+        Returns once a changed draft model is loaded (or dropped), so the caller's
+        next status read shows it."""
+        swaps = []
         for resident in self._resident.values():
             engine = resident.engine
             if name is None or engine.name == name:
                 engine.context_window = self.context_window_for(engine.loaded)
                 if isinstance(engine, ModelEngine):
                     engine.num_draft = self.model_settings.get(engine.name).num_draft_tokens
-                    draft = self._draft_info(engine.name)
-                    if (draft and draft.name) != (engine.draft and engine.draft.name):
-                        self._worker.post(self._redraft_on_worker, resident, draft)
+                    swaps.append(self._worker.submit(self._redraft_on_worker, resident))
+        for swap in swaps:
+            await asyncio.wrap_future(swap)
 
     def _draft_info(self, name: str) -> ModelInfo | None:
         """The draft model ``name``'s settings give it (None: none, or distributed)."""
@@ -483,11 +486,16 @@ class EnginePool:
             return None
         return configured_draft(self.model_settings.get(name).draft_model, name, self.available)
 
-    def _redraft_on_worker(self, resident: _Resident, draft: ModelInfo | None) -> None:
-        """Load (or drop) a loaded model's draft model; its weights join the model's."""
-        before = self.probe.reading(fresh=True)
+    def _redraft_on_worker(self, resident: _Resident) -> None:
+        """Load (or drop) a loaded model's draft model when its settings name another;
+        its weights join the model's. Read here, in submission order, so the last
+        settings change wins when several race."""
         engine = resident.engine
         assert isinstance(engine, ModelEngine)
+        draft = self._draft_info(engine.name)
+        if (draft and draft.name) == (engine.draft and engine.draft.name):
+            return
+        before = self.probe.reading(fresh=True)
         engine.draft = attach_draft(engine, draft)
         resident.size_bytes = weights_with_draft(engine)
         self._track_baseline(before)

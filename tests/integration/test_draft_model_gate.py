@@ -56,8 +56,7 @@ def test_the_front_door_prices_the_drafts_kv(make_pool, models_dir) -> None:
         with pytest.raises(PrefillMemoryExceededError):
             engine.guard.check_prefill(cap + 1)
         pool.model_settings.update(MODEL, {"speculative": None})
-        pool.settings_changed(MODEL)
-        await asyncio.wrap_future(pool._worker.submit(lambda: None))  # the drop ran
+        await pool.settings_changed(MODEL)  # returns once the draft is dropped
         assert engine.draft is None and engine.guard.dims.kv_bytes_per_token == own_kv
         engine.guard.check_prefill(cap + 1)
 
