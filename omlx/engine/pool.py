@@ -476,7 +476,8 @@ class EnginePool:
                 engine.context_window = self.context_window_for(engine.loaded)
                 if isinstance(engine, ModelEngine):
                     engine.num_draft = self.model_settings.get(engine.name).num_draft_tokens
-                    swaps.append(self._worker.submit(self._redraft_on_worker, resident))
+                    if self._draft_changed(engine):
+                        swaps.append(self._worker.submit(self._redraft_on_worker, resident))
         for swap in swaps:
             await asyncio.wrap_future(swap)
 
@@ -492,13 +493,17 @@ class EnginePool:
         settings change wins when several race."""
         engine = resident.engine
         assert isinstance(engine, ModelEngine)
-        draft = self._draft_info(engine.name)
-        if (draft and draft.name) == (engine.draft and engine.draft.name):
+        if not self._draft_changed(engine):
             return
         before = self.probe.reading(fresh=True)
-        engine.draft = attach_draft(engine, draft)
+        engine.draft = attach_draft(engine, self._draft_info(engine.name))
         resident.size_bytes = weights_with_draft(engine)
         self._track_baseline(before)
+
+    def _draft_changed(self, engine: ModelEngine) -> bool:
+        """Whether ``engine``'s settings name another draft model than it drafts with."""
+        draft = self._draft_info(engine.name)
+        return (draft and draft.name) != (engine.draft and engine.draft.name)
 
     def publish_limits(self) -> None:
         for resident in self._resident.values():
