@@ -299,6 +299,8 @@ async def cache_clear(request: Request) -> dict[str, Any]:
     if state.pool.cluster is not None:
         clearing = _clear_every_rank(state.pool, identity, tier)
     else:
+        # A request answered just before this call has its blocks stored first.
+        await state.pool.flush_cache_stores()
         clearing = asyncio.to_thread(hot.clear, identity, tier=tier)
     try:
         await asyncio.wait_for(clearing, CACHE_CLEAR_TIMEOUT_S)

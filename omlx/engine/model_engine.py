@@ -59,6 +59,7 @@ class Runner(Protocol):
     def speculation_plan(self) -> list[PrefillChunk]: ...
     def set_draft(self, model: Any, target_vocab: int) -> None: ...
     def clear_prefix_cache(self, tier: ClearTier) -> None: ...
+    def flush_cache_stores(self) -> None: ...
 
     num_draft: int
 
@@ -238,6 +239,10 @@ class ModelEngine:
     def clear_prefix_cache(self, tier: ClearTier) -> None:
         """MLX thread: drop this model's cached blocks (on every rank of a split model)."""
         self._runner.clear_prefix_cache(tier)
+
+    def flush_cache_stores(self) -> None:
+        """MLX thread: the prefix-cache stores of requests that ended, now."""
+        self._runner.flush_cache_stores()
 
     def use_draft(self, model: Any) -> None:
         """A draft model proposes this model's drafts from the next step (None:

@@ -19,6 +19,7 @@ from omlx.engine.assembly import EngineParts, build_engine
 from omlx.engine.drafts import attach_draft, configured_draft, weights_with_draft
 from omlx.engine.enforcer import Enforcer
 from omlx.engine.engine_status import engine_status
+from omlx.engine.live_baseline import LiveBaseline
 from omlx.engine.model_engine import ModelEngine, unloaded_error
 from omlx.engine.profile_cache import ProfileCache
 from omlx.engine.release import Releases
@@ -31,8 +32,7 @@ from omlx.errors import (
     OmlxError,
 )
 from omlx.memory import mlx_stats
-from omlx.memory.baseline import IdleBaseline
-from omlx.memory.budget import Limits, MemoryReading
+from omlx.memory.budget import Limits
 from omlx.memory.guard import memory_limits
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
 from omlx.models.discovery import (
@@ -107,9 +107,8 @@ class EnginePool:
         # published; readings on other threads (HTTP, enforcer) use that sample.
         self.probe = MemoryProbe(memory.poll_interval_s, on_mlx_thread=worker.on_thread)
         # What the process holds with nothing in flight, for every model's guard.
-        self.baseline = IdleBaseline()
-        self._went_busy = False
-        worker.after_every_turn(self._after_turn)
+        self.live_baseline = LiveBaseline(self.probe, worker)
+        self.baseline = self.live_baseline.baseline
         self._mlx_limits: Limits | None = None
         self._apply_mlx_limits()
         log.info(
@@ -495,15 +494,23 @@ class EnginePool:
         assert isinstance(engine, ModelEngine)
         if not self._draft_changed(engine):
             return
-        before = self.probe.reading(fresh=True)
-        engine.draft = attach_draft(engine, self._draft_info(engine.name))
+        with self.live_baseline.tracking():
+            engine.draft = attach_draft(engine, self._draft_info(engine.name))
         resident.size_bytes = weights_with_draft(engine)
-        self._track_baseline(before)
 
     def _draft_changed(self, engine: ModelEngine) -> bool:
         """Whether ``engine``'s settings name another draft model than it drafts with."""
         draft = self._draft_info(engine.name)
         return (draft and draft.name) != (engine.draft and engine.draft.name)
+
+    async def flush_cache_stores(self, engines: list[Engine] | None = None) -> None:
+        """Wait until the LLMs among ``engines`` (None: every loaded one) have stored
+        the blocks of the requests that ended, so a cache clear after this drops
+        them too (the stores run after the responses leave)."""
+        engines = self.loaded() if engines is None else engines
+        llms = [e for e in engines if isinstance(e, ModelEngine)]
+        if llms:
+            await asyncio.wrap_future(self._worker.submit(_flush_each, llms))
 
     def publish_limits(self) -> None:
         for resident in self._resident.values():
@@ -516,43 +523,19 @@ class EnginePool:
             self._mlx_limits = self.limits
             self._worker.post(mlx_stats.apply_limits, self.limits)
 
-    def _after_turn(self) -> None:
-        """MLX thread, after every turn: publish MLX's counters. With nothing in
-        flight the reading is also the live baseline; when the last request has
-        just ended, the memory it freed goes back to the machine first."""
-        if self._worker.has_work():
-            self._went_busy = True
-            self.probe.publish_mlx()
-            return
-        if self._went_busy:
-            self._went_busy = False
-            mlx_stats.release_cache()
-        self.baseline.observe_idle(self.probe.reading(fresh=True))
-
-    def _track_baseline(self, before: MemoryReading) -> None:
-        """MLX thread, after a load or unload: observe the baseline, or (work in
-        flight) move it by what the load or unload changed."""
-        after = self.probe.reading(fresh=True)
-        if self._worker.has_work():
-            self.baseline.moved(after.in_use_bytes - before.in_use_bytes)
-        else:
-            self.baseline.observe_idle(after)
-
-    def _live_baseline(self) -> int:
-        return self.baseline.bytes_now(self.probe.reading())
-
     def _load_on_worker(self, info: ModelInfo) -> Engine:
-        before = self.probe.reading(fresh=True)
         engine: Engine
-        if info.kind in ("embedding", "rerank"):
-            sched = self.settings.scheduler
-            capacity = sched.max_concurrent_requests + sched.max_queued_requests
-            engine = make_embedding_engine(info, self._worker, self.limits, self.probe, capacity)
-        else:
-            cluster = self.cluster
-            engine = self._make_engine(cluster.load(info) if cluster else load_model(info))
-        self._worker.attach(engine)
-        self._track_baseline(before)
+        with self.live_baseline.tracking():
+            if info.kind in ("embedding", "rerank"):
+                sched = self.settings.scheduler
+                capacity = sched.max_concurrent_requests + sched.max_queued_requests
+                engine = make_embedding_engine(
+                    info, self._worker, self.limits, self.probe, capacity
+                )
+            else:
+                cluster = self.cluster
+                engine = self._make_engine(cluster.load(info) if cluster else load_model(info))
+            self._worker.attach(engine)
         log.info(engine.guard.describe())
         return engine
 
@@ -565,7 +548,7 @@ class EnginePool:
             self.limits,
             self.probe,
             self.profile_cache,
-            self._live_baseline,
+            self.live_baseline.bytes_now,
             self.cluster,
         )
         name = loaded.info.name
@@ -591,19 +574,23 @@ class EnginePool:
     def _unload_on_worker(self, engines: list[Engine]) -> None:
         """Stop stepping and drop the engines (the list is emptied: the caller keeps
         no reference), then hand their memory back and track the baseline."""
-        before = self.probe.reading(fresh=True)
-        while engines:
-            engine = engines.pop()
-            self._worker.detach(engine)
-            engine.shutdown()
-            if engine.prefix_cache is not None:
-                engine.prefix_cache.close()
-            del engine
-        # Engines, runners and their batches reference each other: collect the
-        # cycles now so the weights go back to the system with this unload.
-        gc.collect()
-        mlx_stats.release_cache()
-        self._track_baseline(before)
+        with self.live_baseline.tracking():
+            while engines:
+                engine = engines.pop()
+                self._worker.detach(engine)
+                engine.shutdown()
+                if engine.prefix_cache is not None:
+                    engine.prefix_cache.close()
+                del engine
+            # Engines, runners and their batches reference each other: collect the
+            # cycles now so the weights go back to the system with this unload.
+            gc.collect()
+            mlx_stats.release_cache()
+
+
+def _flush_each(engines: list[ModelEngine]) -> None:
+    for engine in engines:
+        engine.flush_cache_stores()
 
 
 def _close_each(engines: list[Engine], why: str) -> None:

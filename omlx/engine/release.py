@@ -76,7 +76,7 @@ class Releases:
         ended = await self._quiesce(residents, timeout_s)
         failed: dict[str, str] = {}
         if "kv_cache" in tags:
-            self._drop_ram_cache(residents, every_model=scoped is None)
+            await self._drop_ram_cache(residents, every_model=scoped is None)
         if "weights" in tags:
             failed = await self._unload_each(names)
             gone = [n for n in names if n not in pool._resident]
@@ -118,16 +118,18 @@ class Releases:
                 ended += await asyncio.wrap_future(future)
         return ended
 
-    def _drop_ram_cache(self, residents: list[_Resident], *, every_model: bool) -> None:
-        hot = self._pool.hot_cache
-        if hot is None:
+    async def _drop_ram_cache(self, residents: list[_Resident], *, every_model: bool) -> None:
+        """The released models' RAM blocks, dropped on the MLX thread after the
+        stores of the requests that just ended (answered before the release, or
+        ended by it), on every rank of a split model; with ``every_model`` the
+        blocks of models not loaded too."""
+        pool = self._pool
+        if pool.hot_cache is None:
             return
+        cached = [r.engine for r in residents if r.engine.prefix_cache is not None]
+        await asyncio.wrap_future(pool._worker.submit(_clear_ram_tier, cached))
         if every_model:
-            hot.clear(tier="hot")
-            return
-        for resident in residents:  # only the named model's blocks
-            if resident.engine.prefix_cache is not None:
-                hot.clear(resident.engine.prefix_cache.identity, tier="hot")
+            pool.hot_cache.clear(tier="hot")
 
     async def _unload_each(self, names: list[str]) -> dict[str, str]:
         """Unload every model; one failing does not stop the others. Returns what failed."""
@@ -176,3 +178,8 @@ class Releases:
 
     def _by_model_report(self) -> dict[str, list[str]]:
         return {name: sorted(held) for name, held in sorted(self.by_model.items())}
+
+
+def _clear_ram_tier(engines: list[Any]) -> None:
+    for engine in engines:
+        engine.clear_prefix_cache("hot")

@@ -550,9 +550,17 @@ class BatchRunner:
         extra = self._extra.get(request_id, ())
         self._prefix.store(request_id, tokens, layers, prompt_len - 1, tail=True, extra_keys=extra)
 
+    def flush_cache_stores(self) -> None:
+        """Store now what ended requests left for the prefix cache. Those stores
+        wait for the next step, so the responses leave first; a clear or release
+        right after a response must find the blocks in the cache to drop them."""
+        self._run_deferred()
+
     def clear_prefix_cache(self, tier: ClearTier) -> None:
         """Drop this model's blocks from its prefix cache's tiers (a model split
-        across ranks: every rank's, since rank 0's runner calls are replayed)."""
+        across ranks: every rank's, since rank 0's runner calls are replayed),
+        the blocks of requests that just ended included."""
+        self._run_deferred()
         if self._prefix is not None:
             self._prefix.clear(tier)
 

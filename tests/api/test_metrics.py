@@ -41,6 +41,17 @@ def stats(server: Server, headers: dict[str, str] | None = None) -> dict:
     return resp.json()
 
 
+def settle(server: Server) -> None:
+    """Wait until the model's engine is idle: the last request's prefix-cache store
+    runs on the MLX thread after its response, so cache bytes read before that
+    differ between two reads."""
+    engine = server.pool.engine(MODEL)
+    deadline = time.monotonic() + 30
+    while engine is not None and engine.has_work:
+        assert time.monotonic() < deadline, "the engine never went idle"
+        time.sleep(0.02)
+
+
 def chat(client: openai.OpenAI, text: str, **kwargs: object) -> openai.types.CompletionUsage:
     reply = client.chat.completions.create(
         model=MODEL,
@@ -142,6 +153,7 @@ def test_prefix_cache_hits_show_in_tokens_saved_and_hit_rate(
     chat(client, text)
     before_stats, before = stats(server), scrape(server.base_url)
     usage = chat(client, text)
+    settle(server)
     after_stats, after = stats(server), scrape(server.base_url)
     cached = usage.prompt_tokens_details.cached_tokens
     assert cached >= 16
@@ -165,6 +177,7 @@ def test_prefix_cache_hits_show_in_tokens_saved_and_hit_rate(
 
 def test_stats_and_metrics_read_the_same_counters(server: Server, client: openai.OpenAI) -> None:
     chat(client, "One more request so every counter has something in it.")
+    settle(server)
     body, samples = stats(server), scrape(server.base_url)
     inference = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
     http = [s for s in samples if s.name == "omlx_http_requests_total"]

@@ -28,6 +28,9 @@ def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 def http(server: Server) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         yield client
+        # Whatever a test released, serve again for the next one (a failure
+        # must not leave the rest of the module released).
+        client.post("/resume_memory_occupation", json={"tags": ["weights", "kv_cache"]})
 
 
 def mlx_active(server: Server) -> int:

@@ -356,3 +356,29 @@ def test_a_burst_shares_its_opening_past_what_the_prefix_cache_holds(llama) -> N
     for rid, prompt in prompts.items():
         assert got[rid][:8] == reference(llama, prompt, 8), rid
     runner.close()
+
+
+def test_a_clear_right_after_a_request_ends_drops_its_blocks_too(llama) -> None:
+    """A request's blocks are stored at the step after it ends (its response leaves
+    first). A cache clear or memory release arriving in between must not find the
+    cache empty and then see those blocks land: the clear stores them first and drops
+    them with the rest, and a flush stores them at once."""
+    layout = tuple("kv" for _ in llama.layers)
+    hot = HotTier(1 << 26, mode="hot-only")
+    prefix = PrefixCache("tiny@0", layout, 16, hot, None)
+    runner = BatchRunner(
+        llama, prefill_step_size=64, stream=mx.new_stream(mx.cpu), prefix_cache=prefix
+    )
+    prompt = [(11 * i) % 180 + 4 for i in range(40)]
+    runner.add([request("done", prompt, 2)])
+    run(runner, 3)
+    runner.remove(["done"])
+    runner.flush_cache_stores()
+    assert hot.stats().hot_blocks > 0  # stored without another step
+    runner.add([request("next", [*prompt[:30], 7, 8, 9, 10], 2)])
+    run(runner, 3)
+    runner.remove(["next"])
+    runner.clear_prefix_cache("hot")
+    run(runner, 2)  # nothing left to land after the clear
+    assert hot.stats().hot_blocks == 0
+    runner.close()
