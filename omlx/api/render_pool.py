@@ -94,9 +94,11 @@ class RenderPool:
                 self._threads.append(thread)
 
     def _abandon(self, job: _Job) -> None:
-        if job.future.cancel():
-            return  # still queued: it will never start
+        # Under the lock _run starts a job in: a job is either still queued (the
+        # cancel wins) or has its thread recorded, never in between.
         with self._lock:
+            if job.future.cancel():
+                return  # still queued: it will never start
             if job.thread_id is None or job.interrupted:
                 return  # finished meanwhile, or already stopped
             job.interrupted = True
@@ -117,9 +119,9 @@ class RenderPool:
                 log.warning("stopped a render that ran past its deadline")
 
     def _run(self, job: _Job) -> None:
-        if not job.future.set_running_or_notify_cancel():
-            return
         with self._lock:
+            if not job.future.set_running_or_notify_cancel():
+                return
             job.thread_id = threading.get_ident()
             self._running.add(job)
         try:

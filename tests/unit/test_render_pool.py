@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -93,3 +94,36 @@ def test_many_renders_share_few_threads() -> None:
         return await asyncio.gather(*jobs)
 
     assert asyncio.run(scenario()) == [str(n) for n in range(50)]
+
+
+def test_a_render_abandoned_just_as_it_starts_is_still_stopped() -> None:
+    """The caller's deadline passes in the instant a pool thread takes the job: the
+    job is already running (too late to cancel) but its thread not yet known. The
+    stop must still reach it; a render that escaped it would hold the GIL unbounded."""
+    from concurrent.futures import Future
+
+    from omlx.api.render_pool import _Job
+
+    taken = threading.Event()
+
+    class TakenSlowly(Future):
+        def set_running_or_notify_cancel(self) -> bool:
+            started = super().set_running_or_notify_cancel()
+            taken.set()
+            time.sleep(0.3)  # widens the instant between "running" and "its thread"
+            return started
+
+    def spin_for_a_while() -> None:  # Python bytecode: interruptible, bounded anyway
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            pass
+
+    pool = RenderPool(threads=1)
+    pool._start_threads()
+    job = _Job(spin_for_a_while, TakenSlowly())
+    pool._queue.put(job)
+    assert taken.wait(5)
+    pool._abandon(job)
+    # Stopped: the pool's one thread serves the next render.
+    quick = ENV.from_string("{{ 6 * 7 }}").render
+    assert asyncio.run(pool.run(quick, timeout_s=3.0)) == "42"
