@@ -51,13 +51,18 @@ class Tray:
             pystray_menu(controller.menu(), controller),
         )
         self._last_message = ""
+        self._last_headline = ""
         controller.add_listener(self.refresh)
         controller.on_quit = self.icon.stop
 
     def refresh(self, status: Status, menu: tuple[MenuEntry, ...]) -> None:
         # pystray's gtk backend schedules these on the GTK main loop, so any thread may call.
-        self.icon.title = f"omlx: {status.headline()}"
+        headline = status.headline()
+        self.icon.title = f"omlx: {headline}"
         self.icon.menu = pystray_menu(menu, self.controller)
+        if headline != self._last_headline:  # the log says when the menu changed
+            self._last_headline = headline
+            log.info("tray menu: %s", headline)
         if status.message and status.message != self._last_message:
             self._last_message = status.message
             try:

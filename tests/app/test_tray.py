@@ -139,7 +139,9 @@ def test_tray_menu_starts_server_opens_admin_and_stops(tmp_path, tiny_models_dir
             _choose(display, icon, 1)  # stopped: the first enabled item is Start Server
             wait_for(lambda: _health(port) == 200, 90, "the server started from the menu")
             assert len(_children_with(app, "omlx.cli")) == 1
-            time.sleep(1.5)  # the monitor sees it running and rebuilds the menu
+            # The monitor sees it running and rebuilds the menu (then GTK shows it).
+            wait_for(lambda: "tray menu: Running" in _read(app_log), 30, "the running menu")
+            time.sleep(0.3)
 
             _choose(display, icon, 3)  # running: Stop, Restart, Open Admin
             wait_for(lambda: _children_with(app, "--omlx-window"), 30, "the admin window")

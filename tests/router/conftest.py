@@ -50,12 +50,12 @@ def start_router(specs: list[BackendSpec], **overrides: Any) -> RouterServer:
     return router
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def shared_dir(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir(tmp_path_factory.mktemp("shared-models"), tiny_models_dir, SHARED_MODELS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def fleet(
     shared_dir: Path, tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Fleet]:
