@@ -4,7 +4,7 @@ moved by what each load, unload or draft swap measured while work runs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from omlx.engine.worker import MLXWorker
@@ -14,24 +14,27 @@ from omlx.memory.probe import MemoryProbe
 
 
 class LiveBaseline:
-    def __init__(self, probe: MemoryProbe, worker: MLXWorker) -> None:
+    """``probe`` returns the pool's probe in force (the pool's attribute may be
+    swapped after this is made)."""
+
+    def __init__(self, probe: Callable[[], MemoryProbe], worker: MLXWorker) -> None:
         self.baseline = IdleBaseline()
-        self._probe = probe
+        self._probe_of = probe
         self._worker = worker
         self._went_busy = False
         worker.after_every_turn(self._after_turn)
 
     def bytes_now(self) -> int:
         """The baseline, never above what is in use right now."""
-        return self.baseline.bytes_now(self._probe.reading())
+        return self.baseline.bytes_now(self._probe_of().reading())
 
     @contextmanager
     def tracking(self) -> Iterator[None]:
         """MLX thread, around a load, unload or draft swap: observe the baseline
         after it, or (work in flight) move it by what the change measured."""
-        before = self._probe.reading(fresh=True)
+        before = self._probe_of().reading(fresh=True)
         yield
-        after = self._probe.reading(fresh=True)
+        after = self._probe_of().reading(fresh=True)
         if self._worker.has_work():
             self.baseline.moved(after.in_use_bytes - before.in_use_bytes)
         else:
@@ -43,9 +46,9 @@ class LiveBaseline:
         just ended, the memory it freed goes back to the machine first."""
         if self._worker.has_work():
             self._went_busy = True
-            self._probe.publish_mlx()
+            self._probe_of().publish_mlx()
             return
         if self._went_busy:
             self._went_busy = False
             mlx_stats.release_cache()
-        self.baseline.observe_idle(self._probe.reading(fresh=True))
+        self.baseline.observe_idle(self._probe_of().reading(fresh=True))

@@ -107,7 +107,7 @@ class EnginePool:
         # published; readings on other threads (HTTP, enforcer) use that sample.
         self.probe = MemoryProbe(memory.poll_interval_s, on_mlx_thread=worker.on_thread)
         # What the process holds with nothing in flight, for every model's guard.
-        self.live_baseline = LiveBaseline(self.probe, worker)
+        self.live_baseline = LiveBaseline(lambda: self.probe, worker)
         self.baseline = self.live_baseline.baseline
         self._mlx_limits: Limits | None = None
         self._apply_mlx_limits()
