@@ -351,9 +351,13 @@ def test_the_enforcer_hands_freed_memory_back_before_ending_anything(
 
     async def main() -> None:
         await run(pool, "slow-llama")
-        # The worker's turn after that request hands its memory back (trims the
-        # heap); let it run now, not in the middle of the measurement below.
-        await asyncio.wrap_future(pool.worker.submit(lambda: None))
+        # The worker's first idle turn after that request hands its memory back
+        # (trims the heap) and then observes the baseline: let it happen now, not
+        # in the middle of the measurement below (an observation after this
+        # point comes from that turn or a later one).
+        seen = pool.baseline.num_observations
+        while pool.baseline.num_observations <= seen:
+            await asyncio.sleep(0.01)
         engine = pool.engine("slow-llama")
         task = asyncio.create_task(run(pool, "slow-llama", max_tokens=300))
         while not engine.num_in_flight:
