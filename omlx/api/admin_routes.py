@@ -271,6 +271,20 @@ async def _clear_every_rank(pool: Any, identity: str | None, tier: ClearTier) ->
     await asyncio.to_thread(pool.hot_cache.clear, identity, tier=tier)
 
 
+async def _stored_first(pool: Any) -> None:
+    """Every engine stores the blocks of the requests that just ended (each does it
+    at its next step, after the response left), so a request answered just before
+    a clear is cleared with the rest."""
+    cached = [e for e in pool.loaded() if e.prefix_cache is not None]
+    if cached:
+        await asyncio.wrap_future(pool.worker.submit(_flush_each, cached))
+
+
+def _flush_each(engines: list[Any]) -> None:
+    for engine in engines:
+        engine.flush_cache_stores()
+
+
 @router.post("/cache/clear")
 async def cache_clear(request: Request) -> dict[str, Any]:
     """Body: ``{"tier": "hot" | "ssd" | "both", "model": optional name}``."""
@@ -299,8 +313,7 @@ async def cache_clear(request: Request) -> dict[str, Any]:
     if state.pool.cluster is not None:
         clearing = _clear_every_rank(state.pool, identity, tier)
     else:
-        # A request answered just before this call has its blocks stored first.
-        await state.pool.flush_cache_stores()
+        await _stored_first(state.pool)
         clearing = asyncio.to_thread(hot.clear, identity, tier=tier)
     try:
         await asyncio.wait_for(clearing, CACHE_CLEAR_TIMEOUT_S)

@@ -266,8 +266,9 @@ def _linear(x: mx.array, weight_t: mx.array, bias: mx.array | None) -> mx.array:
     return x @ weight_t if bias is None else mx.addmm(bias, x, weight_t)
 
 
-def _t(weight: mx.array | None) -> mx.array | None:
-    return None if weight is None else weight.T
+def _projection(proj: Any) -> tuple[mx.array, mx.array | None]:
+    """A projection's weight transposed (for ``_linear``) and its bias (None: none)."""
+    return proj.weight.T, proj.get("bias")
 
 
 def _pre_weights(layer: Any) -> tuple[Any, ...]:
@@ -275,12 +276,9 @@ def _pre_weights(layer: Any) -> tuple[Any, ...]:
     norms = (a.q_norm.weight, a.k_norm.weight) if hasattr(a, "q_norm") else (None, None)
     return (
         layer.input_layernorm.weight,
-        _t(a.q_proj.weight),
-        a.q_proj.get("bias"),
-        _t(a.k_proj.weight),
-        a.k_proj.get("bias"),
-        _t(a.v_proj.weight),
-        a.v_proj.get("bias"),
+        *_projection(a.q_proj),
+        *_projection(a.k_proj),
+        *_projection(a.v_proj),
         *norms,
     )
 
@@ -288,15 +286,11 @@ def _pre_weights(layer: Any) -> tuple[Any, ...]:
 def _post_weights(layer: Any) -> tuple[Any, ...]:
     a, m = layer.self_attn, layer.mlp
     return (
-        _t(a.o_proj.weight),
-        a.o_proj.get("bias"),
+        *_projection(a.o_proj),
         layer.post_attention_layernorm.weight,
-        _t(m.gate_proj.weight),
-        m.gate_proj.get("bias"),
-        _t(m.up_proj.weight),
-        m.up_proj.get("bias"),
-        _t(m.down_proj.weight),
-        m.down_proj.get("bias"),
+        *_projection(m.gate_proj),
+        *_projection(m.up_proj),
+        *_projection(m.down_proj),
     )
 
 

@@ -503,15 +503,6 @@ class EnginePool:
         draft = self._draft_info(engine.name)
         return (draft and draft.name) != (engine.draft and engine.draft.name)
 
-    async def flush_cache_stores(self, engines: list[Engine] | None = None) -> None:
-        """Wait until the LLMs among ``engines`` (None: every loaded one) have stored
-        the blocks of the requests that ended, so a cache clear after this drops
-        them too (the stores run after the responses leave)."""
-        engines = self.loaded() if engines is None else engines
-        llms = [e for e in engines if isinstance(e, ModelEngine)]
-        if llms:
-            await asyncio.wrap_future(self._worker.submit(_flush_each, llms))
-
     def publish_limits(self) -> None:
         for resident in self._resident.values():
             resident.engine.guard.publish(self.limits)
@@ -586,11 +577,6 @@ class EnginePool:
             # cycles now so the weights go back to the system with this unload.
             gc.collect()
             mlx_stats.release_cache()
-
-
-def _flush_each(engines: list[ModelEngine]) -> None:
-    for engine in engines:
-        engine.flush_cache_stores()
 
 
 def _close_each(engines: list[Engine], why: str) -> None:

@@ -551,9 +551,8 @@ class BatchRunner:
         self._prefix.store(request_id, tokens, layers, prompt_len - 1, tail=True, extra_keys=extra)
 
     def flush_cache_stores(self) -> None:
-        """Store now what ended requests left for the prefix cache. Those stores
-        wait for the next step, so the responses leave first; a clear or release
-        right after a response must find the blocks in the cache to drop them."""
+        """Store now what ended requests left for the prefix cache (stores wait for
+        the next step so responses leave first; a clear must find those blocks)."""
         self._run_deferred()
 
     def clear_prefix_cache(self, tier: ClearTier) -> None:
