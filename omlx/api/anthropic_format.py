@@ -8,28 +8,25 @@ the named stream events (message_start, content_block_*, message_delta...).
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from omlx.api.anthropic_schemas import CountTokensRequest, MessagesRequest
+from omlx.api.errors import anthropic_error_body
 from omlx.api.images import ImagePart, ImageSink, from_base64, from_data_url
 from omlx.api.output_parser import OutputParser, ParsedDelta, ToolCall
 from omlx.api.prompts import SamplingRequest
+from omlx.api.sse import SSE_HEADERS, sse_named
 from omlx.api.structured import extension_spec
 from omlx.api.tool_grammar import combined
 from omlx.api.tool_grammar import tool_constraint as tool_constraint_of
 from omlx.engine.stream import StreamEvent
-from omlx.errors import InvalidRequestError
+from omlx.errors import InvalidRequestError, OmlxError
 from omlx.grammar.spec import GrammarSpec
 from omlx.grammar.tools import Mode, ToolConstraint
 
 Frame = tuple[str, dict[str, Any]]  # (SSE event name, data)
 PING: Frame = ("ping", {"type": "ping"})
 _SCHEMA_PARAM = "tools[{i}].input_schema"
-
-
-def new_message_id() -> str:
-    return f"msg_{uuid.uuid4().hex}"
 
 
 # ---- request -> chat template input ------------------------------------------------
@@ -418,3 +415,48 @@ class MessageFormat:
 
     def _indexed(self, event_type: str, **fields: Any) -> dict[str, Any]:
         return {"type": event_type, "index": len(self.blocks) - 1, **fields}
+
+
+def sse_event(frame: Frame) -> str:
+    return sse_named(*frame)
+
+
+class MessageEncoder:
+    """A Messages response on the wire (the pipeline's Encoder): named SSE events,
+    message_start once the engine admitted the request (pings cover the wait, and
+    its usage has the real split between cached and new prompt tokens)."""
+
+    media_type = "text/event-stream"
+    headers = SSE_HEADERS
+
+    def __init__(self, fmt: MessageFormat):
+        self.fmt = fmt
+        self._started = False
+
+    def opening(self) -> list[str]:
+        return []
+
+    def frames(self, index: int, event: StreamEvent) -> list[str]:
+        frames = self.fmt.add(event)
+        if not self._started:
+            self._started, frames = True, self.fmt.start() + frames
+        return [sse_event(f) for f in frames]
+
+    def error_frames(self, error: OmlxError) -> list[str]:
+        body = anthropic_error_body(error.message, error.error_type, error.http_status)
+        return [sse_event(("error", body))]
+
+    def keepalive(self) -> str | None:
+        return sse_event(PING)  # Anthropic's keep-alive
+
+    def closing(self) -> list[str]:
+        return []
+
+    def body(self) -> dict[str, Any]:
+        return self.fmt.body()
+
+    async def finished(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -24,6 +24,7 @@ from omlx.api.embedding_routes import router as embedding_router
 from omlx.api.errors import install_error_handlers
 from omlx.api.fit_routes import router as fit_router
 from omlx.api.ollama_embed_routes import router as ollama_embed_router
+from omlx.api.ollama_model_routes import router as ollama_model_router
 from omlx.api.ollama_routes import router as ollama_router
 from omlx.api.openai_routes import router as openai_router
 from omlx.api.origin_guard import OriginGuardMiddleware, PathScopedCORS
@@ -61,6 +62,7 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
         await asyncio.to_thread(app.state.omlx.quant_tasks.shutdown)  # ends a running child
         await asyncio.to_thread(app.state.omlx.downloads.shutdown)  # kept to resume
         maintenance.cancel()
+        app.state.omlx.compile_pool.shutdown()
         await pool.close()
 
     # No /docs or /redoc: they load Swagger UI from a CDN into the admin origin.
@@ -98,6 +100,7 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
     app.include_router(anthropic_router, dependencies=api_key)
     app.include_router(responses_router, dependencies=api_key)
     app.include_router(ollama_router, dependencies=api_key)
+    app.include_router(ollama_model_router, dependencies=api_key)
     app.include_router(embedding_router, dependencies=api_key)
     app.include_router(ollama_embed_router, dependencies=api_key)
     app.include_router(login_router())

@@ -8,9 +8,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from omlx.api.errors import omlx_error_body
 from omlx.api.output_parser import OutputParser, ParsedDelta, ToolCall
+from omlx.api.sse import DONE, KEEPALIVE, SSE_HEADERS, sse_data
 from omlx.engine.stream import StreamEvent
 from omlx.engine.token_text import LogprobEntry
+from omlx.errors import OmlxError
 
 
 @dataclass(slots=True)
@@ -300,3 +303,41 @@ def _top_dict(entry: LogprobEntry) -> dict[str, float] | None:
     top = {t.token: t.logprob for t in entry.top if t.logprob is not None}
     top.setdefault(entry.token, entry.logprob)
     return top
+
+
+class OpenAIEncoder:
+    """Chat and text completions on the wire (the pipeline's Encoder): SSE ``data:``
+    chunks ending in ``[DONE]`` (after the usage chunk when asked), or the whole body."""
+
+    media_type = "text/event-stream"
+    headers = SSE_HEADERS
+
+    def __init__(self, fmt: _Format, *, include_usage: bool = False):
+        self.fmt = fmt
+        self.include_usage = include_usage
+
+    def opening(self) -> list[str]:
+        return []
+
+    def frames(self, index: int, event: StreamEvent) -> list[str]:
+        chunk = self.fmt.chunk(index, event)
+        return [sse_data(chunk)] if chunk is not None else []
+
+    def error_frames(self, error: OmlxError) -> list[str]:
+        return [sse_data(omlx_error_body(error)), DONE]
+
+    def keepalive(self) -> str | None:
+        return KEEPALIVE
+
+    def closing(self) -> list[str]:
+        usage = [sse_data(self.fmt.usage_chunk())] if self.include_usage else []
+        return [*usage, DONE]
+
+    def body(self) -> dict[str, Any]:
+        return self.fmt.body()
+
+    async def finished(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

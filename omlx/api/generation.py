@@ -8,13 +8,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from starlette.requests import Request as HttpRequest
 
-from omlx.api.errors import omlx_error_body
 from omlx.api.metrics import GenerationObserver
-from omlx.api.sse import DONE, KEEPALIVE, sse_data
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.stream import RequestStream, StreamEvent
 from omlx.scheduler import Request
@@ -141,33 +139,3 @@ async def unless_disconnected(
     task.cancel()
     on_gone()
     raise ClientGone
-
-
-async def sse_stream(
-    gen: Generation,
-    keepalive_s: float,
-    chunk: Callable[[int, StreamEvent], dict[str, Any] | None],
-    tail: Callable[[], list[dict[str, Any]]],
-) -> AsyncIterator[str]:
-    """SSE frames for a generation; the client going away aborts its requests."""
-    try:
-        # aclosing: a disconnect cancels us mid-iteration; close the inner
-        # generator (and its pump tasks) now rather than at garbage collection.
-        async with aclosing(gen.events(keepalive_s)) as events:
-            async for item in events:
-                if item is None:
-                    yield KEEPALIVE
-                    continue
-                index, event = item
-                if event.error is not None:
-                    yield sse_data(omlx_error_body(event.error))
-                    break
-                payload = chunk(index, event)
-                if payload is not None:
-                    yield sse_data(payload)
-            else:
-                for payload in tail():
-                    yield sse_data(payload)
-        yield DONE
-    finally:
-        gen.abort_unfinished()

@@ -12,9 +12,10 @@ import json
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from omlx.api.images import ImageSink, from_base64
 from omlx.api.ollama_schemas import GenerateRequest, Message, Options, Think
@@ -22,7 +23,7 @@ from omlx.api.output_parser import OutputParser, ParsedDelta
 from omlx.api.prompts import SamplingRequest
 from omlx.api.tool_grammar import combined, openai_tool_constraint
 from omlx.engine.stream import StreamEvent
-from omlx.errors import ContextLengthExceededError, InvalidRequestError
+from omlx.errors import ContextLengthExceededError, InvalidRequestError, OmlxError
 from omlx.grammar.spec import GrammarSpec
 from omlx.grammar.tools import ToolConstraint
 
@@ -348,3 +349,43 @@ def loaded_reply(model: str, timings: Timings, *, chat: bool, reason: str) -> di
     reply = OllamaReply(model, OutputParser(think=None), timings, chat=chat)
     timings.done_s = time.perf_counter()
     return {**reply.body(), "done_reason": reason}
+
+
+def ndjson_line(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n"
+
+
+class OllamaEncoder:
+    """An Ollama answer on the wire (the pipeline's Encoder): one JSON object a line,
+    an error mid-stream as an {"error"} line, nothing while waiting, as Ollama's."""
+
+    media_type = "application/x-ndjson"
+    headers: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, reply: OllamaReply, on_close: Callable[[], None]):
+        self.reply = reply
+        self.on_close = on_close  # keep_alive counts from the end of the request
+
+    def opening(self) -> list[str]:
+        return []
+
+    def frames(self, index: int, event: StreamEvent) -> list[str]:
+        return [ndjson_line(obj) for obj in self.reply.add(event)]
+
+    def error_frames(self, error: OmlxError) -> list[str]:
+        return [ndjson_line({"error": error.message})]
+
+    def keepalive(self) -> str | None:
+        return None
+
+    def closing(self) -> list[str]:
+        return []
+
+    def body(self) -> dict[str, Any]:
+        return self.reply.body()
+
+    async def finished(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.on_close()

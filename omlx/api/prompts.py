@@ -10,8 +10,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -19,7 +17,7 @@ from typing import Any
 from omlx.api.image_fetch import fetch_images
 from omlx.api.images import ImageSink, PromptImages, from_data_url, process
 from omlx.api.output_parser import HERMES_FORMATS, tool_format
-from omlx.api.render_pool import RENDER_POOL
+from omlx.api.render_pool import RenderPool
 from omlx.api.schemas import ChatCompletionRequest, CompletionRequest, PromptField
 from omlx.engine.model_engine import ModelEngine
 from omlx.errors import ContextLengthExceededError, InvalidRequestError
@@ -27,10 +25,6 @@ from omlx.scheduler import Request, SamplingParams
 from omlx.settings import GenerationSettings, SamplingSettings
 
 log = logging.getLogger(__name__)
-
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def _message_text(content: Any, index: int, images: ImageSink | None = None) -> str:
@@ -77,27 +71,6 @@ def chat_messages(
     return messages
 
 
-async def chat_prompt(
-    engine: ModelEngine,
-    body: ChatCompletionRequest,
-    template_kwargs: dict[str, Any] | None,
-    timeout_s: float,
-    image_url_allowlist: Sequence[str] = (),
-) -> RenderedPrompt:
-    tools = body.tools if body.tool_choice != "none" else None
-    # A text model keeps refusing image parts where they are parsed.
-    vision = engine.loaded.vision is not None
-    images = ImageSink(image_url_allowlist) if vision else None
-    return await render_chat(
-        engine,
-        chat_messages(body, images),
-        tools=tools,
-        template_kwargs=template_kwargs,
-        timeout_s=timeout_s,
-        images=images,
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class RenderedPrompt:
     text: str
@@ -109,6 +82,7 @@ async def render_chat(
     engine: ModelEngine,
     messages: list[dict[str, Any]],
     *,
+    renderer: RenderPool,
     timeout_s: float,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
@@ -119,7 +93,7 @@ async def render_chat(
     tokenizer = engine.tokenizer
     render = partial(_chat_text, tokenizer, messages, tools, template_kwargs or {})
     try:
-        text, templated = await RENDER_POOL.run(render, timeout_s)
+        text, templated = await renderer.run(render, timeout_s)
     except TimeoutError:
         raise InvalidRequestError(
             f"the chat template took longer than {timeout_s:g} s to render; the template of "
@@ -129,16 +103,18 @@ async def render_chat(
             code="chat_template_timeout",
         ) from None
     if images is not None and images.parts:
-        return await _with_images(engine, text, images)
+        return await _with_images(engine, text, images, renderer)
     # Native code that ends on its own; the body size limit bounds it.
     if templated:  # the template wrote the special tokens already
         encode = partial(tokenizer.encode, text, add_special_tokens=False)
     else:
         encode = partial(tokenizer.encode, text)
-    return RenderedPrompt(text, list(await RENDER_POOL.run(encode)))
+    return RenderedPrompt(text, list(await renderer.run(encode)))
 
 
-async def _with_images(engine: ModelEngine, text: str, images: ImageSink) -> RenderedPrompt:
+async def _with_images(
+    engine: ModelEngine, text: str, images: ImageSink, renderer: RenderPool
+) -> RenderedPrompt:
     """A prompt with images: each stands in the text as the model's image token, and
     the model's processor expands it to the image's tokens."""
     vision = engine.loaded.vision
@@ -152,7 +128,7 @@ async def _with_images(engine: ModelEngine, text: str, images: ImageSink) -> Ren
     await fetch_images(images)
     text = text.replace(images.marker, vision.image_text)
     run = partial(process, vision.processor, text, images.parts, vision.image_token_id)
-    ids, pixels = await RENDER_POOL.run(run)
+    ids, pixels = await renderer.run(run)
     return RenderedPrompt(text, ids, pixels)
 
 
@@ -224,10 +200,12 @@ def _hermes_call(call: dict[str, Any]) -> str:
     return f"<tool_call>\n{body}\n</tool_call>"
 
 
-async def completion_prompt_ids(engine: ModelEngine, body: CompletionRequest) -> list[list[int]]:
+async def completion_prompt_ids(
+    engine: ModelEngine, body: CompletionRequest, renderer: RenderPool
+) -> list[list[int]]:
     """The prompts' token ids, on the render pool: a prompt can be 32 MiB of text or ids."""
     vocab = engine.loaded.vocab_size
-    return await RENDER_POOL.run(partial(_prompt_ids, engine.tokenizer, vocab, body.prompt))
+    return await renderer.run(partial(_prompt_ids, engine.tokenizer, vocab, body.prompt))
 
 
 def _prompt_ids(tokenizer: Any, vocab: int, prompt: PromptField) -> list[list[int]]:
@@ -253,41 +231,29 @@ def _prompt_ids(tokenizer: Any, vocab: int, prompt: PromptField) -> list[list[in
     return prompts
 
 
-async def decoded_prompts(engine: ModelEngine, prompts: list[list[int]]) -> list[str]:
+async def decoded_prompts(
+    engine: ModelEngine, prompts: list[list[int]], renderer: RenderPool
+) -> list[str]:
     """The prompts as text (for ``echo``), decoded on the render pool."""
     decode = engine.tokenizer.decode
-    return await RENDER_POOL.run(lambda: [decode(ids) for ids in prompts])
+    return await renderer.run(lambda: [decode(ids) for ids in prompts])
 
 
-def sampling_params(
-    body: ChatCompletionRequest | CompletionRequest,
-    num_prompt_tokens: int,
-    engine: ModelEngine,
-    defaults: SamplingSettings,
-    generation: GenerationSettings,
-    forced: frozenset[str] = frozenset(),
-) -> SamplingParams:
-    """Request values over defaults; checks the context window."""
-    return build_sampling(
-        engine,
-        num_prompt_tokens,
-        SamplingRequest(
-            max_tokens=body.requested_max_tokens(),
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty,
-            seed=body.seed,
-            stop=body.stop_strings(),
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            ignore_eos=body.ignore_eos,
-            logprobs=body.logprobs_wanted(),
-            speculative=body.speculative,
-        ),
-        defaults,
-        generation,
-        forced,
+def openai_sampling(body: ChatCompletionRequest | CompletionRequest) -> SamplingRequest:
+    """What an OpenAI body says about sampling."""
+    return SamplingRequest(
+        max_tokens=body.requested_max_tokens(),
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        seed=body.seed,
+        stop=body.stop_strings(),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs_wanted(),
+        speculative=body.speculative,
     )
 
 
@@ -309,6 +275,9 @@ class SamplingRequest:
     logprobs: int | None = None
     # The name of the max-tokens field in this API, for error messages.
     max_tokens_param: str = "max_tokens"
+    # The field holding the prompt, and what else would help, for error messages.
+    prompt_param: str = "messages"
+    hint: str = ""
     # False: the request opted out of speculative decoding.
     speculative: bool = True
 
@@ -327,15 +296,15 @@ def build_sampling(
     if num_prompt_tokens >= window:
         raise ContextLengthExceededError(
             f"the prompt is {num_prompt_tokens} tokens but the context window of "
-            f"'{engine.name}' is {window}; shorten the prompt",
-            param="messages",
+            f"'{engine.name}' is {window}; shorten the prompt{req.hint}",
+            param=req.prompt_param,
         )
     room = window - num_prompt_tokens
     if req.max_tokens is not None and req.max_tokens > room:
         raise ContextLengthExceededError(
             f"prompt ({num_prompt_tokens} tokens) + {req.max_tokens_param} ({req.max_tokens}) "
             f"exceeds the context window of {window}; set {req.max_tokens_param} to at most "
-            f"{room}",
+            f"{room}{req.hint}",
             param=req.max_tokens_param,
         )
     max_tokens = req.max_tokens if req.max_tokens is not None else min(generation.max_tokens, room)

@@ -147,7 +147,3 @@ def _raise_in_thread(thread_id: int, exc_type: type[BaseException] | None) -> No
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(thread_id), ctypes.py_object(exc_type) if exc_type else None
     )
-
-
-# One pool for the process: renders and tokenizing of every model and server.
-RENDER_POOL = RenderPool()

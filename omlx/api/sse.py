@@ -14,3 +14,9 @@ KEEPALIVE = ": keep-alive\n\n"
 def sse_data(payload: dict[str, Any]) -> str:
     """One ``data:`` event; compact JSON never contains a raw newline."""
     return "data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False) + "\n\n"
+
+
+def sse_named(name: str, payload: dict[str, Any]) -> str:
+    """One named event (Anthropic's and the Responses API's streams)."""
+    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {name}\ndata: {data}\n\n"

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
+from omlx.api.render_pool import RenderPool
 from omlx.engine.pool import EnginePool
+from omlx.grammar.compile_pool import CompilePool
 from omlx.models.download_tasks import DownloadManager
 from omlx.quant.tasks import TaskManager
 from omlx.settings import Settings
@@ -18,6 +20,10 @@ class ServerState:
     settings: Settings
     pool: EnginePool
     started_s: float = field(default_factory=time.time)
+    # The app's threads for chat templates and tokenizing, and for grammar compiles:
+    # every model's requests share them.
+    render_pool: RenderPool = field(default_factory=RenderPool)
+    compile_pool: CompilePool = field(default_factory=CompilePool)
     # oQ tasks write into the first model dir, where discovery finds the result.
     quant_tasks: TaskManager = field(init=False)
     # Hub downloads, likewise into the first model dir (started by the app's lifespan).

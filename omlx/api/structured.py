@@ -13,7 +13,7 @@ from omlx.api.schemas import ChatCompletionRequest, CompletionRequest
 from omlx.api.tool_grammar import tool_grammar_spec
 from omlx.engine.model_engine import ModelEngine
 from omlx.errors import InvalidRequestError
-from omlx.grammar.compile_pool import COMPILE_POOL
+from omlx.grammar.compile_pool import CompilePool
 from omlx.grammar.schema_review import UNENFORCED_HEADER
 from omlx.grammar.spec import GrammarSpec
 from omlx.grammar.tools import ToolConstraint
@@ -92,7 +92,9 @@ def extension_spec(ext: dict[str, Any] | None) -> GrammarSpec | None:
     return GrammarSpec.regex(value, param) if kind == "regex" else GrammarSpec.ebnf(value, param)
 
 
-async def bind_grammar(engine: ModelEngine, spec: GrammarSpec | ToolConstraint | None) -> Any:
+async def bind_grammar(
+    engine: ModelEngine, spec: GrammarSpec | ToolConstraint | None, pool: CompilePool
+) -> Any:
     """Compile ``spec`` for the engine's tokenizer on the grammar pool, within its
     time bound (cached); a tool constraint is first written in the model's
     tool-call syntax."""
@@ -111,7 +113,7 @@ async def bind_grammar(engine: ModelEngine, spec: GrammarSpec | ToolConstraint |
             return compiler.compile(grammar)
 
         what = "tool-call grammar" if isinstance(spec, ToolConstraint) else spec.what
-        compiled = await COMPILE_POOL.run((compiler, spec), work, what=what, param=spec.param)
+        compiled = await pool.run((compiler, spec), work, what=what, param=spec.param)
     return BoundGrammar(compiled, compiler)
 
 

@@ -62,6 +62,10 @@ class CompilePool:
         finally:
             self._leave(job)
 
+    def shutdown(self) -> None:
+        """Stop taking compiles; queued ones are dropped, a running one ends on its own."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
     def _join(self, key: Hashable, work: Callable[[], Any]) -> _Job:
         with self._lock:
             job = self._jobs.get(key)
@@ -83,7 +87,3 @@ class CompilePool:
         with self._lock:
             if self._jobs.get(key) is job:
                 del self._jobs[key]
-
-
-# The process's pool: every model's compiles share its threads.
-COMPILE_POOL = CompilePool()

@@ -16,7 +16,6 @@ import openai
 import pytest
 
 from omlx.api.server import Server
-from omlx.grammar.compile_pool import COMPILE_POOL
 from tests.fixtures.servers import live_server
 
 MSG = [{"role": "user", "content": "Answer please."}]
@@ -169,10 +168,10 @@ def free(client: openai.OpenAI, max_tokens: int = 40) -> tuple[str | None, str]:
 
 
 def test_a_compile_past_its_time_bound_is_400_and_the_server_keeps_serving(
-    client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+    server: Server, client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     alone = free(client)
-    monkeypatch.setattr(COMPILE_POOL, "timeout_s", 0.02)
+    monkeypatch.setattr(server.app.state.omlx.compile_pool, "timeout_s", 0.02)
     schema = slow_schema()
     start = time.monotonic()
     with pytest.raises(openai.BadRequestError) as info:

@@ -17,8 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-import omlx.api.anthropic_routes as anthropic_routes
-import omlx.api.openai_routes as openai_routes
+import omlx.api.pipeline as pipeline
 import omlx.engine.pool as pool_module
 from omlx.api.server import Server
 from tests.fixtures.servers import live_server
@@ -77,14 +76,14 @@ class Gate:
 @pytest.fixture
 def held_grammar(monkeypatch: pytest.MonkeyPatch) -> Gate:
     """The route's grammar compile waits for the gate (a slow compile, on demand)."""
-    gate, compile_grammar = Gate(), openai_routes.bind_grammar
+    gate, compile_grammar = Gate(), pipeline.bind_grammar
 
-    async def slow_bind_grammar(engine: Any, spec: Any) -> Any:
+    async def slow_bind_grammar(engine: Any, spec: Any, pool: Any) -> Any:
         await asyncio.to_thread(gate.hold)
-        return await compile_grammar(engine, spec)
+        return await compile_grammar(engine, spec, pool)
 
-    for routes in (openai_routes, anthropic_routes):
-        monkeypatch.setattr(routes, "bind_grammar", slow_bind_grammar)
+    # Every API binds its grammar in the pipeline.
+    monkeypatch.setattr(pipeline, "bind_grammar", slow_bind_grammar)
     return gate
 
 

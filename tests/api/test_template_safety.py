@@ -15,7 +15,6 @@ import httpx
 import openai
 import pytest
 
-from omlx.api.render_pool import RENDER_POOL
 from omlx.api.server import Server
 from tests.fixtures.servers import live_server
 from tests.fixtures.tiny_models import CHATML, build_tiny_model
@@ -112,10 +111,10 @@ def test_template_variables_still_reach_the_template(client: openai.OpenAI) -> N
     assert noted.usage.prompt_tokens > plain.usage.prompt_tokens
 
 
-def renders_stop_running(within_s: float) -> bool:
+def renders_stop_running(server: Server, within_s: float) -> bool:
     """Whether no template render is left running in the (in-process) server soon."""
     deadline = time.monotonic() + within_s
-    while RENDER_POOL.running():
+    while server.app.state.omlx.render_pool.running():
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
@@ -164,7 +163,7 @@ def test_health_answers_while_a_slow_template_renders_and_the_render_stops(
     )
     assert TIMEOUT_S <= seconds < TIMEOUT_S + 2.0
     # The runaway render was stopped, not left burning a core in the background.
-    assert renders_stop_running(within_s=1.0)
+    assert renders_stop_running(server, within_s=1.0)
     # And the server goes on: other models and the same one render normally.
     assert chat(client).choices[0].finish_reason in ("stop", "length")
     assert chat(client, "slow-template").choices[0].finish_reason in ("stop", "length")
@@ -180,7 +179,7 @@ def test_several_slow_renders_each_end_on_time(server: Server) -> None:
 
     assert [status for status, _, _ in results] == [400] * 5
     assert max(seconds for _, _, seconds in results) < TIMEOUT_S + 2.0
-    assert renders_stop_running(within_s=1.0)
+    assert renders_stop_running(server, within_s=1.0)
 
 
 def test_the_render_bound_changes_live_from_the_admin_api(server: Server) -> None:
@@ -234,7 +233,7 @@ def test_an_imported_gguf_template_gets_the_same_bound(
     assert status == 400
     assert "took longer than" in body["error"]["message"]
     assert seconds < TIMEOUT_S + 2.0
-    assert renders_stop_running(within_s=1.0)
+    assert renders_stop_running(server, within_s=1.0)
 
 
 def test_anthropic_route_has_the_same_render_bound(server: Server) -> None:
