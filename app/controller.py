@@ -161,8 +161,7 @@ class Controller:
             target=self._monitor_loop, name="omlx-monitor", daemon=True
         )
         self._monitor.start()
-        if self.updater.feed_url:
-            threading.Thread(target=self._update_loop, name="omlx-updates", daemon=True).start()
+        threading.Thread(target=self._update_loop, name="omlx-updates", daemon=True).start()
 
     def _monitor_loop(self) -> None:
         last_stats = 0.0
@@ -318,6 +317,9 @@ class Controller:
         self._publish()
 
     def _update_loop(self) -> None:
+        self.updater.remove_leftovers()  # the app an update replaced, once we run
+        if not self.updater.feed_url:
+            return
         wait_s = self.config.first_update_check_s
         while not self._stop_monitor.wait(wait_s):
             wait_s = self.config.update_interval_s

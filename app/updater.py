@@ -3,14 +3,15 @@
 `check` makes no network call when the feed is unset, or when the machine is offline
 and the feed is not on this machine. `prepare` downloads and verifies while the server
 still runs and touches nothing of the installed app: a refused or failed update leaves
-it as it was. `swap` (after the caller stopped the server) renames the old app aside,
-moves the new one in and deletes the old only once that worked; on failure the old one
-is put back. The system tools are behind `app.platform_calls`, so the tests run these
-same steps on Linux.
+it as it was. `swap` (after the caller stopped the server) renames the old app aside and
+moves the new one in; on failure the old one is put back. The old one is deleted by
+`remove_leftovers` once the new app runs. The system tools are behind
+`app.platform_calls`, so the tests run these same steps on Linux.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import ipaddress
@@ -266,12 +267,27 @@ class Updater:
             os.rename(aside, installed)
             remove_tree(staged.parent)
             raise UpdateError(f"cannot move the new app into place ({exc.strerror})") from None
-        for leftover in (aside, staged.parent):
+        with contextlib.suppress(OSError):  # empty now; remove_leftovers retries
+            staged.parent.rmdir()
+        # The old app stays aside until the new one starts: this process still runs from
+        # it and may import a module or two before it quits.
+        return installed
+
+    def remove_leftovers(self) -> list[Path]:
+        """Delete old apps and staging folders earlier updates left; returns them."""
+        if self.installed_app is None:
+            return []
+        name = self.installed_app.name
+        found = [
+            *self.installed_app.parent.glob(f".{name}.old-*"),
+            *self.installed_app.parent.glob(".omlx-update-*"),
+        ]
+        for leftover in found:
             try:
                 remove_tree(leftover)
             except OSError as exc:  # the update is in place; a leftover only costs space
                 log.warning("update: could not remove %s: %s", leftover, exc)
-        return installed
+        return found
 
     def relaunch(self) -> None:
         self.calls.relaunch(self._installed())

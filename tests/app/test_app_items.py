@@ -177,8 +177,7 @@ def test_uninstall_removes_the_login_item_then_the_data_after_a_yes(make_control
     controller.dispatch("uninstall").result()
     assert not controller.login.is_enabled()
     assert _message(controller) == (
-        f"Launch at Login is off. Delete {base} too? "
-        "models 3 MB, cache 2 KB, logs 500 B, other 0 B"
+        f"Launch at Login is off. Delete {base} too? models 3 MB, cache 2 KB, logs 500 B, other 0 B"
     )
     confirm = find(controller.menu(), "Delete All omlx Data (3 MB)")
     controller.dispatch("uninstall_cancel").result()

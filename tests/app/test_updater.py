@@ -72,12 +72,17 @@ def test_an_update_from_a_local_feed_is_verified_swapped_in_and_relaunched(
     assert up.swap(staged) == installed
     info = plistlib.loads((installed / "Contents" / "Info.plist").read_bytes())
     assert info["CFBundleShortVersionString"] == "0.2.0"
-    assert sorted(p.name for p in installed.parent.iterdir()) == ["omlx.app"]  # no leftovers
+    # The old app waits aside (the running process may still read it) ...
+    names = sorted(p.name for p in installed.parent.iterdir())
+    assert names[0].startswith(".omlx.app.old-") and names[1:] == ["omlx.app"]
 
     up.relaunch()
     wait_for(lambda: marker.exists(), 10, "the new app to start")
     assert marker.read_text() == "relaunched 0.2.0\n"
     assert not (tmp_path / "old-relaunched").exists()
+    # ... until the new one starts and clears it.
+    assert updater(server.url("omlx-update.json"), installed).remove_leftovers()
+    assert sorted(p.name for p in installed.parent.iterdir()) == ["omlx.app"]
 
 
 def test_a_tampered_disk_image_is_refused_and_the_old_app_is_untouched(tmp_path, site, installed):
