@@ -138,6 +138,13 @@ def test_up_to_date_and_unreachable_say_so(make_controller, site, tmp_path):
     assert "answered HTTP 404" in _message(controller)
 
 
+def test_with_no_feed_set_checking_asks_no_one(make_controller):
+    controller, _ = make_controller()  # AppConfig's update_feed is empty
+    assert controller.updater.feed_url == ""
+    controller.dispatch("check_updates").result()
+    assert _message(controller) == "Update checks are off (the app.update_feed setting is empty)"
+
+
 def test_about_names_the_version_and_build(make_controller):
     controller, _ = make_controller()
     controller.dispatch("about").result()
