@@ -273,7 +273,8 @@ class Controller:
             result = self.updater.check()
         finally:
             self._updating = False
-        self._update = result.release if result.outcome is Outcome.AVAILABLE else None
+        if result.outcome in (Outcome.AVAILABLE, Outcome.UP_TO_DATE):  # else: keep what we knew
+            self._update = result.release if result.outcome is Outcome.AVAILABLE else None
         self._notice = result.message(omlx.__version__)
 
     def do_install_update(self) -> None:
@@ -352,7 +353,9 @@ class Controller:
         sizes, self._uninstall = self._uninstall, None
         if sizes is None:
             return
-        self.shutdown()  # the server and the window write into the data folder
+        self.window.close()  # the server and the window write into the data folder
+        if not self.supervisor.status.adopted:
+            self.supervisor.stop()
         try:
             remove_data(sizes.base_path)
         except UninstallError as exc:

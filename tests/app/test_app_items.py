@@ -127,15 +127,26 @@ def test_the_daily_check_announces_an_update_without_being_asked(make_controller
 
 def test_up_to_date_and_unreachable_say_so(make_controller, site, tmp_path):
     root, server = site
-    publish(root, tmp_path / "same.dmg", __version__, None)
-    up_to_date = Updater(server.url("omlx-update.json"), __version__, None, LinuxCalls())
-    controller, _ = make_controller(updater=up_to_date)
+    newer = _next_version(__version__)
+    publish(root, tmp_path / "new.dmg", newer, None)
+    feed = server.url("omlx-update.json")
+    controller, _ = make_controller(updater=Updater(feed, __version__, None, LinuxCalls()))
     controller.dispatch("check_updates").result()
-    assert _message(controller).startswith("You're up to date")
+    assert find(controller.menu(), f"Install omlx {newer}…")
+
     controller.updater = Updater(server.url("gone.json"), __version__, None, LinuxCalls())
     controller.dispatch("check_updates").result()
-    assert _message(controller).startswith("Can't reach the update server: ")
-    assert "answered HTTP 404" in _message(controller)
+    assert _message(controller) == (
+        f"Can't reach the update server: {server.url('gone.json')} answered HTTP 404"
+    )
+    assert find(controller.menu(), f"Install omlx {newer}…")  # what we knew still holds
+
+    publish(root, tmp_path / "same.dmg", __version__, None)
+    controller.updater = Updater(feed, __version__, None, LinuxCalls())
+    controller.dispatch("check_updates").result()
+    assert _message(controller) == (f"You're up to date: omlx {__version__} is the newest version")
+    with pytest.raises(KeyError):
+        find(controller.menu(), f"Install omlx {newer}…")
 
 
 def test_with_no_feed_set_checking_asks_no_one(make_controller):
