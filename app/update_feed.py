@@ -8,13 +8,17 @@ The feed is one JSON object, published next to each release's disk image::
 ``url`` may be relative to the feed's own URL. ``sha256`` is required to install an
 ad-hoc-signed build (nothing else vouches for it); a Developer ID build is checked by its
 signature's team identifier and notarization staple, and by ``sha256`` too when given.
+A release writes its feed with ``python -m app.update_feed DMG VERSION [NOTES] > FEED``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin, urlparse
 
@@ -78,3 +82,23 @@ def is_newer(release: Release, current: str) -> bool:
     except InvalidVersion:
         return True  # a running version we cannot read is never "up to date"
     return _parse_version(release.version, "the release") > running
+
+
+def feed_json(dmg: Path, version: str, notes: str = "") -> str:
+    """The feed for ``dmg`` published beside it (its url relative, its SHA-256)."""
+    _parse_version(version, f"version {version!r}")
+    digest = hashlib.sha256()
+    with dmg.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    feed = {"version": version, "url": dmg.name, "sha256": digest.hexdigest(), "notes": notes}
+    return json.dumps(feed, indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (3, 4):
+        sys.exit("usage: python -m app.update_feed DMG VERSION [NOTES] > omlx-update.json")
+    try:
+        sys.stdout.write(feed_json(Path(sys.argv[1]), sys.argv[2], *sys.argv[3:]))
+    except (FeedError, OSError) as exc:
+        sys.exit(f"update feed: {exc}")

@@ -37,6 +37,7 @@ log = logging.getLogger("omlx.app")
 
 MAX_FEED_BYTES = 1 << 20
 CHUNK_BYTES = 1 << 20
+MAX_DMG_BYTES = 8 << 30  # the app's DMG is ~200 MB; a feed must not fill the disk
 
 
 class UpdateError(Exception):
@@ -214,6 +215,8 @@ class Updater:
                 for chunk in resp.iter_bytes(CHUNK_BYTES):
                     digest.update(chunk)
                     out.write(chunk)
+                    if out.tell() > MAX_DMG_BYTES:
+                        raise UpdateError(f"the download is over {MAX_DMG_BYTES >> 30} GiB")
         except httpx.HTTPError as exc:
             raise UpdateError(f"the download failed: {_describe(exc, release.dmg_url)}") from None
         got = digest.hexdigest()

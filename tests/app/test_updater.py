@@ -14,6 +14,8 @@ from __future__ import annotations
 import plistlib
 import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -32,6 +34,8 @@ from tests.app.fake_release import (
     sha256_of,
     tree_digest,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(shutil.which("xorriso") is None, reason="needs xorriso")
 
@@ -54,7 +58,12 @@ def test_an_update_from_a_local_feed_is_verified_swapped_in_and_relaunched(
     root, server = site
     marker = tmp_path / "relaunched"
     image = make_dmg(tmp_path, "0.2.0", marker, root / "omlx-0.2.0.dmg")
-    publish(root, image, "0.2.0", sha256_of(image))
+    # The feed as a release writes it.
+    feed = subprocess.run(
+        [sys.executable, "-m", "app.update_feed", str(image), "0.2.0", "Faster."],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    (root / "omlx-update.json").write_text(feed)
     before = tree_digest(installed)
     up = updater(server.url("omlx-update.json"), installed)
 
