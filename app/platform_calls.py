@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import plistlib
 import shutil
 import stat
@@ -54,6 +55,8 @@ class PlatformCalls(Protocol):
     def relaunch(self, app: Path) -> None: ...
 
     def reveal(self, folder: Path) -> None: ...
+
+    def macos_version(self) -> str | None: ...
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
@@ -120,6 +123,9 @@ class MacCalls:
     def reveal(self, folder: Path) -> None:
         _check(["open", str(folder)])
 
+    def macos_version(self) -> str | None:
+        return platform.mac_ver()[0] or None
+
 
 class LinuxCalls:
     @contextmanager
@@ -143,6 +149,9 @@ class LinuxCalls:
 
     def reveal(self, folder: Path) -> None:
         _check(["xdg-open", str(folder)])
+
+    def macos_version(self) -> str | None:
+        return None  # not a Mac: an app's minimum macOS does not apply
 
 
 def bundle_executable(app: Path) -> Path:

@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 
 import httpx
 import psutil
+from packaging.version import InvalidVersion, Version
 
 from app.login_item import refusal
 from app.platform_calls import PlatformCallError, PlatformCalls, Signature, remove_tree
@@ -112,6 +113,17 @@ def signature_problem(running: Signature, new: Signature) -> str | None:
     if running.notarized and not new.notarized:
         return "it carries no notarization ticket"
     return None
+
+
+def macos_problem(needed: str, have: str | None) -> str | None:
+    """Why an app that needs macOS ``needed`` cannot run on ``have`` (None: it can)."""
+    if not needed or have is None:
+        return None
+    try:
+        too_old = Version(have) < Version(needed)
+    except InvalidVersion:
+        return None
+    return f"needs macOS {needed}; this Mac has {have}" if too_old else None
 
 
 def bundle_info(app: Path) -> dict[str, object]:
@@ -249,6 +261,10 @@ class Updater:
         version = new_info.get("CFBundleShortVersionString")
         if version != release.version:
             raise UpdateError(f"the disk image holds omlx {version}, not {release.version}")
+        needed = str(new_info.get("LSMinimumSystemVersion") or "")
+        problem = macos_problem(needed, self.calls.macos_version())
+        if problem:
+            raise UpdateError(f"omlx {version} {problem}")
         problem = signature_problem(running, self.calls.signature(staged))
         if problem:
             raise UpdateError(f"the new app was refused: {problem}")

@@ -24,7 +24,7 @@ import pytest
 from app.platform_calls import LinuxCalls, Signature, team_identifier
 from app.ports import free_port
 from app.update_feed import FeedError, Release, is_newer, parse_feed
-from app.updater import Outcome, UpdateError, Updater, signature_problem
+from app.updater import Outcome, UpdateError, Updater, macos_problem, signature_problem
 from tests.app.conftest import wait_for
 from tests.app.fake_release import (
     FeedServer,
@@ -274,3 +274,10 @@ def test_the_team_identifier_is_read_from_codesign_and_must_match():
     )
     # An ad-hoc running app leaves the decision to the published SHA-256.
     assert signature_problem(Signature(True, None, False), Signature(True, None, False)) is None
+
+
+def test_an_app_needing_a_newer_macos_is_refused():
+    assert macos_problem("15.0", "14.7.1") == "needs macOS 15.0; this Mac has 14.7.1"
+    assert macos_problem("14.0", "26.1") is None
+    assert macos_problem("14.0", None) is None  # not a Mac
+    assert macos_problem("", "14.0") is None  # the app names no minimum
