@@ -96,7 +96,7 @@ def _app_items(app: AppItems) -> list[MenuEntry]:
         MenuEntry("About omlx", "about", key="about"),
         MenuEntry("Check for Updates…", "check_updates", enabled=not app.updating, key="check"),
         MenuEntry(
-            f"Install omlx {version}…" if version else "Install Update…",
+            f"Install omlx {version} and Relaunch" if version else "Install Update",
             "install_update",
             enabled=not app.updating,
             key="install_update",

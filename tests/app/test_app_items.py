@@ -56,7 +56,7 @@ def test_every_app_item_state_keeps_the_layout_and_the_items_show_what_applies()
     assert "Delete All omlx Data" not in " ".join(titles) and "Keep Data" not in titles
     assert not any(t.startswith("Install omlx") for t in titles)
     menu = build_menu(Status(), None, False, offered)
-    assert find(menu, "Install omlx 0.2.0…").action == "install_update"
+    assert find(menu, "Install omlx 0.2.0 and Relaunch").action == "install_update"
     assert find(menu, "Delete All omlx Data (1.5 GB)").action == "uninstall_confirm"
     assert find(menu, "Keep Data").action == "uninstall_cancel"
     busy = build_menu(Status(), None, False, AppItems(updating=True))
@@ -84,7 +84,7 @@ def test_check_then_install_stops_the_server_swaps_the_app_and_relaunches(
 
     controller.dispatch("check_updates").result()
     assert _message(controller) == f"omlx {newer} is available (you have {__version__})"
-    assert find(controller.menu(), f"Install omlx {newer}…").enabled
+    assert find(controller.menu(), f"Install omlx {newer} and Relaunch").enabled
 
     controller.dispatch("install_update").result()
     wait_for(marker.exists, 10, "the new app to start")
@@ -122,7 +122,7 @@ def test_the_daily_check_announces_an_update_without_being_asked(make_controller
     controller, _ = make_controller(updater=updater, first_update_check_s=0.2)
     wait_for(lambda: "/omlx-update.json" in server.requests, 10, "the background check")
     wait_for(lambda: _message(controller).startswith(f"omlx {newer} is available"), 10, "news")
-    assert find(controller.menu(), f"Install omlx {newer}…")
+    assert find(controller.menu(), f"Install omlx {newer} and Relaunch")
 
 
 def test_up_to_date_and_unreachable_say_so(make_controller, site, tmp_path):
@@ -132,21 +132,21 @@ def test_up_to_date_and_unreachable_say_so(make_controller, site, tmp_path):
     feed = server.url("omlx-update.json")
     controller, _ = make_controller(updater=Updater(feed, __version__, None, LinuxCalls()))
     controller.dispatch("check_updates").result()
-    assert find(controller.menu(), f"Install omlx {newer}…")
+    assert find(controller.menu(), f"Install omlx {newer} and Relaunch")
 
     controller.updater = Updater(server.url("gone.json"), __version__, None, LinuxCalls())
     controller.dispatch("check_updates").result()
     assert _message(controller) == (
         f"Can't reach the update server: {server.url('gone.json')} answered HTTP 404"
     )
-    assert find(controller.menu(), f"Install omlx {newer}…")  # what we knew still holds
+    assert find(controller.menu(), f"Install omlx {newer} and Relaunch")  # what we knew still holds
 
     publish(root, tmp_path / "same.dmg", __version__, None)
     controller.updater = Updater(feed, __version__, None, LinuxCalls())
     controller.dispatch("check_updates").result()
     assert _message(controller) == (f"You're up to date: omlx {__version__} is the newest version")
     with pytest.raises(KeyError):
-        find(controller.menu(), f"Install omlx {newer}…")
+        find(controller.menu(), f"Install omlx {newer} and Relaunch")
 
 
 def test_with_no_feed_set_checking_asks_no_one(make_controller):
