@@ -326,7 +326,11 @@ class Controller:
             wait_s = self.config.update_interval_s
             if self._updating:
                 continue
-            result = self.updater.check()
+            try:
+                result = self.updater.check()
+            except Exception:  # a bug here must not end the daily checks
+                log.exception("daily update check failed")
+                continue
             log.info("daily update check: %s", result.message(omlx.__version__))
             if result.outcome is Outcome.AVAILABLE and result.release != self._update:
                 self._update = result.release

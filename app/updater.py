@@ -163,7 +163,7 @@ class Updater:
             return CheckResult(Outcome.OFFLINE)
         try:
             release = parse_feed(self._fetch_feed(), self.feed_url)
-        except (httpx.HTTPError, FeedError) as exc:
+        except (httpx.HTTPError, httpx.InvalidURL, FeedError) as exc:
             log.info("update check: %s", exc)
             return CheckResult(Outcome.UNREACHABLE, detail=_describe(exc, self.feed_url))
         if is_newer(release, self.current_version):
