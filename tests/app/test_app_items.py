@@ -7,6 +7,7 @@ updater runs with `LinuxCalls` (see app/platform_calls.py for what stands in for
 
 from __future__ import annotations
 
+import json
 import os
 import plistlib
 import re
@@ -15,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from app.controller import AppConfig
 from app.login_item import login_item
 from app.menu import AppItems, build_menu, find, visible, walk
 from app.platform_calls import LinuxCalls
@@ -22,6 +24,7 @@ from app.status import ServerState, Status
 from app.uninstall import UninstallError, check_removable
 from app.updater import Updater
 from omlx import __version__
+from omlx.settings import DEFAULT_UPDATE_FEED
 from tests.app.conftest import wait_for
 from tests.app.fake_release import make_app, make_dmg, publish, sha256_of, tree_digest
 
@@ -222,3 +225,11 @@ def test_uninstall_refuses_to_delete_a_home_folder():
 def _next_version(version: str) -> str:
     major, minor, *_ = (int(p) for p in [*re.findall(r"\d+", version), "0", "0"])
     return f"{major}.{minor + 1}.0"
+
+
+def test_the_feed_comes_from_settings_and_defaults_to_the_releases(tmp_path):
+    base = tmp_path / "base"
+    assert AppConfig.from_settings(base).update_feed == DEFAULT_UPDATE_FEED
+    base.mkdir()
+    (base / "settings.json").write_text(json.dumps({"app": {"update_feed": ""}}))
+    assert AppConfig.from_settings(base).update_feed == ""
