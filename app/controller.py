@@ -15,14 +15,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import omlx
 from app import paths
 from app.login_item import LoginItem, LoginItemError, login_item
-from app.menu import MenuEntry, build_menu
+from app.menu import AppItems, MenuEntry, build_menu
+from app.platform_calls import PlatformCallError, PlatformCalls, platform_calls
 from app.ports import PortUse, free_port, probe_port
 from app.stats import Stats, fetch_stats
 from app.status import PortOffer, ServerState, Status
 from app.supervisor import ServeConfig, Supervisor, SupervisorPolicy
+from app.uninstall import DataSizes, UninstallError, measure, remove_data
+from app.update_feed import Release
+from app.updater import Outcome, UpdateError, Updater
 from app.window import AdminWindow
+from omlx.sizes import format_bytes
 
 log = logging.getLogger("omlx.app")
 
@@ -45,6 +51,10 @@ class AppConfig:
     extra_args: tuple[str, ...] = ()
     policy: SupervisorPolicy = field(default_factory=SupervisorPolicy)
     stats_interval_s: float = 2.0
+    # The release feed (settings app.update_feed); empty: no update check, no network.
+    update_feed: str = ""
+    first_update_check_s: float = 60.0  # after start: the start itself is not slowed
+    update_interval_s: float = 24 * 3600.0
 
     @classmethod
     def from_settings(cls, base_path: Path, **overrides: object) -> AppConfig:
@@ -57,6 +67,7 @@ class AppConfig:
             "host": settings.server.host,
             "port": settings.server.port,
             "api_key": settings.server.api_key,
+            "update_feed": settings.app.update_feed,
         }
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
@@ -70,6 +81,8 @@ class Controller:
         window: AdminWindow | None = None,
         login: LoginItem | None = None,
         open_url: Callable[[str], object] = webbrowser.open,
+        calls: PlatformCalls | None = None,
+        updater: Updater | None = None,
     ):
         self.config = config
         self.supervisor = Supervisor(
@@ -78,11 +91,18 @@ class Controller:
         self.window = window or AdminWindow(config.base_path, on_action=self.dispatch)
         self.login = login or login_item(paths.app_command(), frozen=paths.is_frozen())
         self._open_url = open_url
+        self.calls = calls or platform_calls()
+        self.updater = updater or Updater(
+            config.update_feed, omlx.__version__, paths.app_bundle(), self.calls
+        )
+        self._update: Release | None = None  # newer release the feed announced
+        self._updating = False
+        self._uninstall: DataSizes | None = None  # awaiting the user's yes
         self._offer: PortOffer | None = None
         self._notice = ""  # from the last action (e.g. why Launch at Login was refused)
         self._stats: Stats | None = None
         self._listeners: list[Listener] = []
-        self._published: tuple[Status, Stats | None, bool] | None = None
+        self._published: tuple[Status, Stats | None, bool, AppItems] | None = None
         self._publish_lock = threading.Lock()
         self._actions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omlx-action")
         self._stop_monitor = threading.Event()
@@ -105,14 +125,22 @@ class Controller:
         return self.supervisor.base_url
 
     def menu(self) -> tuple[MenuEntry, ...]:
-        return build_menu(self.status, self._stats, self.login.is_enabled())
+        return build_menu(self.status, self._stats, self.login.is_enabled(), self._app_items())
+
+    def _app_items(self) -> AppItems:
+        total = self._uninstall.total_bytes if self._uninstall else None
+        return AppItems(
+            update_version=self._update.version if self._update else None,
+            updating=self._updating,
+            uninstall_total=format_bytes(total) if total is not None else None,
+        )
 
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
     def _publish(self) -> None:
         with self._publish_lock:  # monitor and action threads: keep the order they saw
-            current = (self.status, self._stats, self.login.is_enabled())
+            current = (self.status, self._stats, self.login.is_enabled(), self._app_items())
             if current == self._published:
                 return
             self._published = current
@@ -133,6 +161,7 @@ class Controller:
             target=self._monitor_loop, name="omlx-monitor", daemon=True
         )
         self._monitor.start()
+        threading.Thread(target=self._update_loop, name="omlx-updates", daemon=True).start()
 
     def _monitor_loop(self) -> None:
         last_stats = 0.0
@@ -222,6 +251,125 @@ class Controller:
         except LoginItemError as exc:
             self._notice = str(exc)
             log.warning("Launch at Login: %s", exc)
+
+    def do_reveal_data(self) -> None:
+        base = self.config.base_path
+        base.mkdir(parents=True, exist_ok=True)
+        try:
+            self.calls.reveal(base)
+        except PlatformCallError as exc:
+            self._notice = f"Cannot show {base}: {exc}"
+
+    def do_about(self) -> None:
+        self._notice = (
+            f"omlx {omlx.__version__} (build {paths.build_id()}), data in {self.config.base_path}"
+        )
+
+    # -- updates ------------------------------------------------------------------------
+
+    def do_check_updates(self) -> None:
+        self._set_updating(True)
+        try:
+            result = self.updater.check()
+        finally:
+            self._updating = False
+        if result.outcome in (Outcome.AVAILABLE, Outcome.UP_TO_DATE):  # else: keep what we knew
+            self._update = result.release if result.outcome is Outcome.AVAILABLE else None
+        self._notice = result.message(omlx.__version__)
+
+    def do_install_update(self) -> None:
+        release = self._update
+        if release is None:
+            return
+        self._set_updating(True, f"Downloading omlx {release.version}…")
+        try:
+            staged = self.updater.prepare(release)
+        except (UpdateError, PlatformCallError, OSError) as exc:
+            self._updating = False
+            self._notice = f"Update not installed: {exc}"
+            log.warning("update %s refused: %s", release.version, exc)
+            return
+        was_up = self.supervisor.status.state in _UP and not self.supervisor.status.adopted
+        self._set_updating(True, f"Installing omlx {release.version}: stopping the server…")
+        self.shutdown()  # the server stops before its app is replaced
+        try:
+            self.updater.swap(staged)
+        except UpdateError as exc:
+            self._updating = False
+            self._notice = f"Update not installed: {exc}"
+            self.start_monitor()
+            if was_up:
+                self.do_start()
+            return
+        log.info("updated to omlx %s; relaunching", release.version)
+        self._relaunch_and_quit(release)
+
+    def _relaunch_and_quit(self, release: Release) -> None:
+        try:
+            self.updater.relaunch()
+        except (UpdateError, PlatformCallError) as exc:
+            self._notice = f"omlx {release.version} is installed; open it again ({exc})"
+            return
+        self.on_quit()
+
+    def _set_updating(self, updating: bool, notice: str = "") -> None:
+        self._updating = updating
+        self._notice = notice
+        self._publish()
+
+    def _update_loop(self) -> None:
+        self.updater.remove_leftovers()  # the app an update replaced, once we run
+        if not self.updater.feed_url:
+            return
+        wait_s = self.config.first_update_check_s
+        while not self._stop_monitor.wait(wait_s):
+            wait_s = self.config.update_interval_s
+            if self._updating:
+                continue
+            try:
+                result = self.updater.check()
+            except Exception:  # a bug here must not end the daily checks
+                log.exception("daily update check failed")
+                continue
+            log.info("daily update check: %s", result.message(omlx.__version__))
+            if result.outcome is Outcome.AVAILABLE and result.release != self._update:
+                self._update = result.release
+                self._notice = result.message(omlx.__version__)
+                self._publish()
+
+    # -- uninstall ----------------------------------------------------------------------
+
+    def do_uninstall(self) -> None:
+        """Remove the login item now; ask before the data (the menu shows its sizes)."""
+        try:
+            self.login.set_enabled(False)
+        except LoginItemError as exc:
+            self._notice = str(exc)
+            return
+        base = self.config.base_path
+        self._uninstall = measure(base) if base.is_dir() else None
+        if self._uninstall is None:
+            self._notice = "Launch at Login is off and there is no data; move omlx to the Trash"
+            return
+        self._notice = f"Launch at Login is off. Delete {base} too? {self._uninstall.summary()}"
+
+    def do_uninstall_confirm(self) -> None:
+        sizes, self._uninstall = self._uninstall, None
+        if sizes is None:
+            return
+        self.window.close()  # the server and the window write into the data folder
+        if not self.supervisor.status.adopted:
+            self.supervisor.stop()
+        try:
+            remove_data(sizes.base_path)
+        except UninstallError as exc:
+            self._notice = str(exc)
+            return
+        total = format_bytes(sizes.total_bytes)
+        self._notice = f"Deleted {sizes.base_path} ({total}); quit and move omlx to the Trash"
+
+    def do_uninstall_cancel(self) -> None:
+        self._uninstall = None
 
     def do_quit(self) -> None:
         self.shutdown()

@@ -29,6 +29,15 @@ class MenuEntry:
     shortcut: str = ""  # key equivalent with the platform's command key, e.g. "q"
 
 
+@dataclass(frozen=True, slots=True)
+class AppItems:
+    """The app's own state the menu shows: an update to install, an uninstall to confirm."""
+
+    update_version: str | None = None  # a newer release the feed announced
+    updating: bool = False  # a check or an install is running
+    uninstall_total: str | None = None  # the data's size, while deleting it awaits a yes
+
+
 # The Stats submenu has this many line slots (Stats.lines() gives at most five).
 STATS_SLOTS = 5
 
@@ -81,7 +90,32 @@ def _stats_entry(status: Status, stats: Stats | None) -> MenuEntry:
     return MenuEntry("Stats", children=slots, key="stats")
 
 
-def build_menu(status: Status, stats: Stats | None, login_enabled: bool) -> tuple[MenuEntry, ...]:
+def _app_items(app: AppItems) -> list[MenuEntry]:
+    version, confirm = app.update_version, app.uninstall_total
+    return [
+        MenuEntry("About omlx", "about", key="about"),
+        MenuEntry("Check for Updates…", "check_updates", enabled=not app.updating, key="check"),
+        MenuEntry(
+            f"Install omlx {version} and Relaunch" if version else "Install Update",
+            "install_update",
+            enabled=not app.updating,
+            key="install_update",
+            hidden=version is None,
+        ),
+        MenuEntry("Uninstall omlx…", "uninstall", key="uninstall"),
+        MenuEntry(
+            f"Delete All omlx Data ({confirm})" if confirm else "Delete All omlx Data",
+            "uninstall_confirm",
+            key="uninstall_confirm",
+            hidden=confirm is None,
+        ),
+        MenuEntry("Keep Data", "uninstall_cancel", key="uninstall_cancel", hidden=confirm is None),
+    ]
+
+
+def build_menu(
+    status: Status, stats: Stats | None, login_enabled: bool, app: AppItems | None = None
+) -> tuple[MenuEntry, ...]:
     running = status.state is ServerState.RUNNING
     restarts = f"Restarted {status.num_restarts}× after a crash" if status.num_restarts else ""
     return (
@@ -98,7 +132,10 @@ def build_menu(status: Status, stats: Stats | None, login_enabled: bool) -> tupl
         _stats_entry(status, stats),
         _separator("sep.app"),
         MenuEntry("Open Logs Folder", "open_logs", key="open_logs"),
+        MenuEntry("Reveal Data Folder", "reveal_data", key="reveal_data"),
         MenuEntry("Launch at Login", "toggle_login", checked=login_enabled, key="toggle_login"),
+        _separator("sep.about"),
+        *_app_items(app or AppItems()),
         _separator("sep.quit"),
         MenuEntry("Quit omlx", "quit", key="quit", shortcut="q"),
     )

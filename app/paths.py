@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import plistlib
+import subprocess
 import sys
 from pathlib import Path
 
@@ -46,6 +48,35 @@ def app_command() -> list[str]:
         # sys.executable is the bundle's bare interpreter (Contents/MacOS/python), not us.
         return [os.environ.get("EXECUTABLEPATH", str(Path(sys.executable).with_name("omlx")))]
     return [sys.executable, "-m", "app"]
+
+
+def app_bundle() -> Path | None:
+    """The running omlx.app (None from source): what an update replaces."""
+    if not is_frozen():
+        return None
+    from app.login_item import app_bundle_of
+
+    return app_bundle_of(app_command()[0])
+
+
+def build_id() -> str:
+    """The bundle's CFBundleVersion; from source, the git commit (or "dev")."""
+    bundle = app_bundle()
+    if bundle is not None:
+        try:
+            info = plistlib.loads((bundle / "Contents" / "Info.plist").read_bytes())
+            return str(info.get("CFBundleVersion", "unknown"))
+        except (OSError, plistlib.InvalidFileException):
+            return "unknown"
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=5,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return "dev"
+    commit = done.stdout.strip()
+    return f"dev {commit}" if done.returncode == 0 and commit else "dev"
 
 
 def omlx_command(*args: str) -> list[str]:

@@ -256,6 +256,29 @@ class CacheSettings(_Group):
         return _check_size(value, "ssd_cache_max_size", allow_auto=True)
 
 
+# Where the desktop app looks for a newer release (a JSON feed, see app/update_feed.py):
+# a file published with each GitHub release, so ".../latest/download/" is the newest one.
+DEFAULT_UPDATE_FEED = "https://github.com/omlx/omlx/releases/latest/download/omlx-update.json"
+
+
+class AppSettings(_Group):
+    """The desktop app (app/): the server ignores this group."""
+
+    # Empty: never check for updates (no network call).
+    update_feed: str = DEFAULT_UPDATE_FEED
+
+    @field_validator("update_feed")
+    @classmethod
+    def _feed(cls, value: str) -> str:
+        url = value.strip()
+        if url and not re.match(r"^https?://[^/?#\s]+(/[^\s]*)?$", url):
+            raise ValueError(
+                f"{value!r} is not a feed URL: give http(s)://host/path, e.g. "
+                "'https://example.com/omlx-update.json', or '' to never check"
+            )
+        return url
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -272,6 +295,7 @@ class Settings(BaseSettings):
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     memory: MemorySettings = Field(default_factory=MemorySettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)
+    app: AppSettings = Field(default_factory=AppSettings)
 
     @model_validator(mode="after")
     def _expand_paths(self) -> Settings:

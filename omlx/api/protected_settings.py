@@ -30,6 +30,9 @@ PROTECTED_SETTINGS = (
     # Hosts the server fetches image URLs from on a request's word: a page must not add any.
     "models.image_url_allowlist",
     "cache.ssd_cache_dir",
+    # Where the app downloads its own updates from: for an ad-hoc build the feed's
+    # SHA-256 is the only check, so a page must not point it elsewhere.
+    "app.update_feed",
 )
 # Opening the server to the network without a key is a decision for the machine's owner.
 NEVER_OVER_HTTP = frozenset({"server.allow_unauthenticated_remote"})

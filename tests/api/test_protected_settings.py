@@ -34,6 +34,7 @@ ATTACKS: dict[str, Any] = {
     "models.hf_endpoint": "http://evil.example",  # would receive models.hf_token
     "models.image_url_allowlist": ["*"],  # the server would fetch any URL a page names
     "cache.ssd_cache_dir": "/tmp/evil-cache",
+    "app.update_feed": "http://evil.example/omlx-update.json",  # the app would install it
 }
 
 

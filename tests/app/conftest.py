@@ -13,6 +13,8 @@ from app.login_item import login_item
 from app.ports import free_port
 from app.status import ServerState, Status
 from app.supervisor import SupervisorPolicy
+from app.updater import Updater
+from tests.app.fake_release import FeedServer
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 
@@ -58,15 +60,23 @@ def make_controller(
 ) -> Iterator[Callable[..., tuple[Controller, Recorder]]]:
     made: list[Controller] = []
 
-    def make(port: int | None = None, policy: SupervisorPolicy = FAST, extra: tuple = ()):
+    def make(
+        port: int | None = None,
+        policy: SupervisorPolicy = FAST,
+        extra: tuple = (),
+        updater: Updater | None = None,
+        **config_fields: object,
+    ):
         config = AppConfig(
             base_path=tmp_path / "base",
             port=port or free_port(),
             extra_args=("--model-dir", str(tiny_models_dir), "--no-install-default", *extra),
             policy=policy,
             stats_interval_s=0.2,
+            **config_fields,  # type: ignore[arg-type]
         )
-        controller = Controller(config, login=login_item(["omlx-app"], home=tmp_path / "home"))
+        login = login_item(["omlx-app"], home=tmp_path / "home")
+        controller = Controller(config, login=login, updater=updater)
         recorder = Recorder()
         controller.add_listener(recorder)
         controller.start_monitor()
@@ -76,3 +86,12 @@ def make_controller(
     yield make
     for controller in made:
         controller.shutdown()
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Iterator[tuple[Path, FeedServer]]:
+    root = tmp_path / "site"
+    root.mkdir()
+    server = FeedServer(root)
+    yield root, server
+    server.close()
