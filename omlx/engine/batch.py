@@ -23,12 +23,14 @@ import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
 
+from omlx.engine.batch_cache import columns
 from omlx.engine.compiled_batch import CompiledBatchStep
 from omlx.engine.draft_model import DraftProposer
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
 from omlx.engine.ngram import NgramDrafter
 from omlx.engine.row_layout import RowLayouts
 from omlx.engine.speculative import SpecStats, verify_rows
+from omlx.engine.strategy import ExecutionStrategy
 from omlx.scheduler import TokenLogprob, TokenOutput
 
 Sampler = Callable[[mx.array], mx.array]
@@ -268,15 +270,12 @@ class DecodeBatch:
     def __init__(
         self,
         model: Any,
-        *,
-        pipelined: bool | None = None,
+        strategy: ExecutionStrategy,
         compiled: CompiledBatchStep | None = None,
     ):
         self._model = model
         self._compiled = compiled
-        if pipelined is None:
-            pipelined = mx.default_device().type == mx.DeviceType.gpu
-        self._pipelined = pipelined
+        self._pipelined = strategy.pipelined
         self.rows: list[Row] = []
         self._cache: list[Any] = []
         # What each row feeds next, and whether it is a sampled token not handed out.
@@ -290,9 +289,7 @@ class DecodeBatch:
         # Speculative decoding: tokens each row may draft per step (0: off), and
         # where each row's tokens sit after steps that rows accepted unevenly.
         self.num_draft = 0
-        self._verify_positions = VERIFY_POSITIONS[
-            "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
-        ]
+        self._verify_positions = VERIFY_POSITIONS[strategy.device]
         self._layouts = RowLayouts()
         self.spec_stats = SpecStats()
         # Set by the memory gate for the next step: verify no drafts (plain decode).
@@ -302,6 +299,11 @@ class DecodeBatch:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def num_steps(self) -> int:
+        """Forwards run so far (plain and speculative)."""
+        return self._num_steps
 
     def index(self, request_id: str) -> int | None:
         for i, row in enumerate(self.rows):
@@ -407,7 +409,7 @@ class DecodeBatch:
         limit = self.draft_limit() if self._trimmable() else 0
         if not self.rows or not limit:
             return []
-        context = self._cache[0]._idx if self._cache else 0
+        context = columns(self._cache[0]) if self._cache else 0
         width = verify_width(limit + 1)
         drafting = self.draft.planned_positions(self.rows, limit) if self.draft else []
         return [

@@ -5,6 +5,7 @@ thread only. Qualified models and the proof against the eager forward: compiled.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -12,7 +13,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from omlx.engine.compiled import CompiledStep, qualifies
+from omlx.engine.batch_cache import columns, set_columns
+from omlx.engine.compiled import CompiledDecode, CompiledStep, qualifies
+from omlx.engine.strategy import ExecutionStrategy
 
 
 def batch_qualifies(model: Any) -> bool:
@@ -97,8 +100,8 @@ class CompiledBatchStep(CompiledStep):
     def accepts(cache: list[Any]) -> bool:
         if not cache or any(type(c) is not BatchKVCache for c in cache):
             return False
-        idx = cache[0]._idx
-        return all(c._idx == idx for c in cache)
+        num = columns(cache[0])
+        return all(columns(c) == num for c in cache)
 
     def __call__(
         self, tokens: mx.array, cache: list[Any], *, prove: bool = True
@@ -184,7 +187,7 @@ def _copy_batch_cache(cache: BatchKVCache) -> BatchKVCache:
     out = BatchKVCache(left_padding=[0] * cache.left_padding.shape[0])
     out.keys, out.values = mx.array(cache.keys), mx.array(cache.values)
     out.left_padding, out.offset = mx.array(cache.left_padding), mx.array(cache.offset)
-    out._idx = cache._idx
+    set_columns(out, columns(cache))
     return out
 
 
@@ -358,3 +361,19 @@ def _compile_layer(model: Any) -> tuple[Any, Any]:
         return h + _linear(nn.silu(_linear(r, wg, bg)) * _linear(r, wu, bu), wd, bd)
 
     return mx.compile(pre), mx.compile(post)
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledSteps:
+    """The compiled steps a runner decodes with: a lone sequence's and the batch's
+    (None: that one runs eagerly)."""
+
+    solo: CompiledDecode | None = None
+    batch: CompiledBatchStep | None = None
+
+    @classmethod
+    def for_model(cls, model: Any, strategy: ExecutionStrategy) -> CompiledSteps:
+        """Those ``model`` qualifies for, when ``strategy`` compiles."""
+        if not strategy.compiled:
+            return cls()
+        return cls(CompiledDecode.for_model(model), CompiledBatchStep.for_model(model))

@@ -22,6 +22,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from omlx.engine.batch_cache import columns, set_columns
+
 # Left padding every row shares is dropped once it reaches this many positions
 # (each drop copies the cache once; the attention skips it in the meantime).
 SHARED_PADDING_DROP = 256
@@ -82,7 +84,7 @@ def settle_rows(cache: list[Any], valid: list[int]) -> list[tuple[int, int, int]
     keep = max(valid)
     lengths = cache[0].offset.tolist()  # tokens per row, rejected tail included
     padding = cache[0].left_padding.tolist()
-    end = cache[0]._idx
+    end = columns(cache[0])
     moves = []  # (row, rejected positions, tokens moved)
     for i, (kept, length) in enumerate(zip(valid, lengths, strict=True)):
         if rejected := keep - kept:
@@ -109,7 +111,7 @@ def _move_tails(cache: list[Any], source: mx.array, start: int, widen: mx.array)
     for layer in cache:
         for name in ("keys", "values"):
             array = getattr(layer, name)
-            array[:, :, start : layer._idx, :] = mx.take_along_axis(array, index, axis=2)
+            array[:, :, start : columns(layer), :] = mx.take_along_axis(array, index, axis=2)
         layer.left_padding = layer.left_padding + widen
         layer.offset = layer.offset - widen
 
@@ -120,4 +122,4 @@ def _drop_shared_padding(cache: list[Any], shared: int) -> None:
         layer.keys = mx.contiguous(layer.keys[:, :, shared:, :])
         layer.values = mx.contiguous(layer.values[:, :, shared:, :])
         layer.left_padding = layer.left_padding - shared
-        layer._idx -= shared
+        set_columns(layer, columns(layer) - shared)

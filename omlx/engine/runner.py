@@ -8,7 +8,7 @@ decides those and the engine removes finished requests.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -21,12 +21,13 @@ from omlx.cache.prefix import AgreeHits, CacheHit, PrefixCache
 from omlx.cache.prefix_index import NO_HIT
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
 from omlx.engine.compiled import CompiledDecode
-from omlx.engine.compiled_batch import CompiledBatchStep
+from omlx.engine.compiled_batch import CompiledBatchStep, CompiledSteps
 from omlx.engine.draft_model import DraftProposer
 from omlx.engine.forks import ChoiceForks
 from omlx.engine.image_prefill import image_sequence
 from omlx.engine.ngram import drafter_for, speculates
 from omlx.engine.openings import share_openings, shares_openings
+from omlx.engine.prompt_stores import PromptStores
 from omlx.engine.sampling import make_request_processors, make_request_sampler
 from omlx.engine.solo import SoloSequence
 from omlx.engine.strategy import ExecutionStrategy
@@ -64,6 +65,7 @@ class BatchRunner:
         strategy: ExecutionStrategy | None = None,
         vision: Any = None,
         shared_hits: AgreeHits | None = None,
+        compiled: CompiledSteps | None = None,
     ):
         if strategy is None:
             strategy = ExecutionStrategy.choose("auto", mx.default_device().type.name)
@@ -84,10 +86,10 @@ class BatchRunner:
         self._prefill = PrefillBatch(model, prefill_step_size)
         # A lone sequence's decode step and the batch's, compiled (None when the
         # model does not qualify or the strategy runs eager).
-        compiled = strategy.compiled
-        self._decoder = CompiledDecode.for_model(model) if compiled else None
-        self._batch_step = CompiledBatchStep.for_model(model) if compiled else None
-        self._decode = DecodeBatch(model, pipelined=strategy.pipelined, compiled=self._batch_step)
+        if compiled is None:
+            compiled = CompiledSteps.for_model(model, strategy)
+        self._decoder, self._batch_step = compiled.solo, compiled.batch
+        self._decode = DecodeBatch(model, strategy, self._batch_step)
         # The draft model proposing tokens, the target's logit rows and the draft's
         # compiled batch step (None: prompt lookup).
         self._draft: tuple[Any, int, CompiledBatchStep | None] | None = None
@@ -105,14 +107,8 @@ class BatchRunner:
         # requests that join a batch here, a chunk per step with a snapshot at
         # each block boundary, then move into the batch at their last token.
         self._side: dict[str, tuple[SoloSequence, Request]] = {}
-        # Prompt + produced tokens of each request (what its cache holds), for storing.
-        self._tokens: dict[str, list[int]] = {}
-        self._prompt_len: dict[str, int] = {}
-        # A prompt's images' hashes: its blocks' extra keys.
-        self._extra: dict[str, tuple[str, ...]] = {}
-        # Cache stores run at the start of the next step, after the events of
-        # this one went out (never on a request's time to first token).
-        self._deferred: list[Callable[[], None]] = []
+        # What the prefix cache gets from each request, at the start of the next step.
+        self._stores = PromptStores(prefix_cache, self._layers_of)
 
     @property
     def compiled_decoder(self) -> CompiledDecode | None:
@@ -123,6 +119,11 @@ class BatchRunner:
     def compiled_batch_step(self) -> CompiledBatchStep | None:
         """The batch's compiled decode step (None: the batch decodes eagerly)."""
         return self._batch_step
+
+    @property
+    def num_decode_steps(self) -> int:
+        """The batch's forwards so far (plain and speculative)."""
+        return self._decode.num_steps
 
     @property
     def compiled_draft_step(self) -> CompiledBatchStep | None:
@@ -146,7 +147,7 @@ class BatchRunner:
             or self._solo
             or self._side
             or self._unreported
-            or self._deferred
+            or self._stores.pending
         )
 
     def add(
@@ -157,7 +158,7 @@ class BatchRunner:
         requests = list(requests)
         if any(r.num_resumed_tokens for r in requests):
             # A preempted request's blocks were stored on its way out: now, so it hits.
-            self._run_deferred()
+            self._stores.run()
         with_images = {r.request_id: self._start_with_images(r) for r in requests if r.images}
         cached = {rid: n for rid, n in with_images.items() if n}
         requests = [r for r in requests if not r.images]
@@ -171,10 +172,8 @@ class BatchRunner:
         # copy); a batched one is merged into the batch's cache (a copy anyway).
         room = solo or (self._prefix is not None and self._prefix.needs_snapshots)
         hits = self._lookup(requests, room)
-        if self._prefix is not None:
-            for r in requests:
-                self._tokens[r.request_id] = list(r.prompt_ids)
-                self._prompt_len[r.request_id] = len(r.prompt_ids)
+        for r in requests:
+            self._stores.track(r)
         if solo:
             first = requests[0]
             self._solo = self._sequence(first, hits[first.request_id])
@@ -212,10 +211,8 @@ class BatchRunner:
         assert self._vision is not None, "images reached a text-only model"
         rid, keys = request.request_id, request.images.keys
         hit = None
+        self._stores.track(request, keys)
         if self._prefix is not None:
-            self._extra[rid] = keys
-            self._tokens[rid] = list(request.prompt_ids)
-            self._prompt_len[rid] = request.num_prompt_tokens
             template = make_prompt_cache(self._model)
             hit = self._prefix.lookup(request.prompt_ids, template, extra_keys=keys)
         with mx.stream(self._stream):
@@ -432,30 +429,7 @@ class BatchRunner:
             for rid, layers in self._decode.remove(request_ids, extract=keep_caches).items():
                 leaving[rid] = (layers, _cache_length(layers))
         for rid, held in leaving.items():
-            tokens = self._tokens.pop(rid, None)
-            self._prompt_len.pop(rid, None)
-            extra = self._extra.pop(rid, ())
-            if self._prefix is not None:
-                self._deferred.append(partial(self._store_and_forget, rid, tokens, held, extra))
-
-    def _store_and_forget(
-        self,
-        request_id: str,
-        tokens: list[int] | None,
-        held: tuple[list[Any], int] | None,
-        extra_keys: tuple[str, ...] = (),
-    ) -> None:
-        assert self._prefix is not None
-        try:
-            if tokens is not None and held is not None:
-                layers, num_cached = held
-                num = min(num_cached, len(tokens)) if num_cached >= 0 else len(tokens)
-                # With the partial tail: a next turn reuses the answer's last tokens too.
-                self._prefix.store(
-                    request_id, tokens, layers, num, tail=True, extra_keys=extra_keys
-                )
-        finally:
-            self._prefix.forget(request_id)
+            self._stores.leave(rid, held)
 
     def prefill_plan(self) -> list[PrefillChunk]:
         """The prefill work the next ``step`` will do, per request (for the memory
@@ -484,7 +458,7 @@ class BatchRunner:
         """One step: the solo sequence's, or a prefill chunk of the new prompts
         and one decode step of every sequence past its prompt (those whose
         prompt just ended included: their first token leaves in this step)."""
-        self._run_deferred()
+        self._stores.run()
         if self._solo_decodes_faster_batched():
             self._solo_to_batch()
         outputs, self._unreported = self._unreported, []
@@ -500,8 +474,7 @@ class BatchRunner:
                 rows, feed = [r for r, _ in done], [t for _, t in done]
                 self._decode.join(*self._forks.fork(rows, feed, cache))
             outputs.extend(self._decode.step())
-        if self._prefix is not None:
-            self._note_tokens(outputs)
+        self._stores.note(outputs)
         return outputs
 
     def _step_side(self) -> None:
@@ -518,65 +491,30 @@ class BatchRunner:
 
     # -- prefix cache ------------------------------------------------------
 
-    def _note_tokens(self, outputs: list[TokenOutput]) -> None:
-        """Record produced tokens; a request's first one means its prompt is cached."""
-        for out in outputs:
-            tokens = self._tokens.get(out.request_id)
-            if tokens is None:
-                continue
-            if len(tokens) == self._prompt_len.get(out.request_id):
-                self._deferred.append(partial(self._store_prompt, out.request_id, len(tokens)))
-            tokens.append(out.token_id)
-
-    def _run_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, []
-        for fn in deferred:
-            try:
-                fn()
-            except Exception:  # the cache is an optimisation: never fail a request over it
-                log.exception("prefix cache store failed")
-
-    def _store_prompt(self, request_id: str, prompt_len: int) -> None:
-        """The request's prompt blocks, including the partial tail before its last token."""
-        layers = None
+    def _layers_of(self, request_id: str) -> list[Any] | None:
+        """A running request's cache layers (None: it has none now)."""
         if self._solo is not None and self._solo.request_id == request_id:
-            layers = self._solo.cache
-        else:
-            with mx.stream(self._stream):
-                layers = self._decode.extract(request_id)
-        tokens = self._tokens.get(request_id)
-        if layers is None or tokens is None or self._prefix is None:
-            return
-        extra = self._extra.get(request_id, ())
-        self._prefix.store(request_id, tokens, layers, prompt_len - 1, tail=True, extra_keys=extra)
+            return self._solo.cache
+        with mx.stream(self._stream):
+            return self._decode.extract(request_id)
 
     def flush_cache_stores(self) -> None:
         """Store now what ended requests left for the prefix cache (stores wait for
         the next step so responses leave first; a clear must find those blocks)."""
-        self._run_deferred()
+        self._stores.run()
 
     def clear_prefix_cache(self, tier: ClearTier) -> None:
         """Drop this model's blocks from its prefix cache's tiers (a model split
         across ranks: every rank's, since rank 0's runner calls are replayed),
         the blocks of requests that just ended included."""
-        self._run_deferred()
-        if self._prefix is not None:
-            self._prefix.clear(tier)
+        self._stores.clear(tier)
 
     def reset(self) -> None:
         """Drop every sequence (after an MLX error left the batch unusable)."""
-        for rid in self._tokens:
-            if self._prefix is not None:
-                self._prefix.forget(rid)
-        self._tokens.clear()
-        self._prompt_len.clear()
-        self._extra.clear()
-        self._deferred.clear()
+        self._stores.reset()
         self._prefill = PrefillBatch(self._model, self._prefill_step_size)
         old = self._decode
-        self._decode = DecodeBatch(
-            self._model, pipelined=self.strategy.pipelined, compiled=self._batch_step
-        )
+        self._decode = DecodeBatch(self._model, self.strategy, self._batch_step)
         self._decode.num_draft, self._decode.spec_stats = old.num_draft, old.spec_stats
         self._decode.draft = self._proposer()
         self._solo = self._solo_request = None
@@ -585,7 +523,7 @@ class BatchRunner:
         self._forks.clear()
 
     def close(self) -> None:
-        self._run_deferred()
+        self._stores.run()
         if self._old_wired_limit is not None:
             mx.synchronize(self._stream)
             mx.set_wired_limit(self._old_wired_limit)

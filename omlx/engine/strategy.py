@@ -28,6 +28,8 @@ class ExecutionStrategy:
     # Queue the next forward before handing out this step's tokens: free on a GPU,
     # a step of delay on the CPU backend (batch.py).
     pipelined: bool
+    # The backend the model runs on ("cpu" or "gpu"): what the batch's budgets follow.
+    device: str = "cpu"
 
     @classmethod
     def choose(cls, setting: StrategyName, device_type: str) -> ExecutionStrategy:
@@ -36,7 +38,9 @@ class ExecutionStrategy:
         if setting == "auto":
             setting = "plain" if device_type == "gpu" else "fast_paths"
         fast = setting == "fast_paths"
-        return cls(setting, solo_prefill=fast, compiled=fast, pipelined=pipelined)
+        return cls(
+            setting, solo_prefill=fast, compiled=fast, pipelined=pipelined, device=device_type
+        )
 
     @classmethod
     def fast_paths(cls, *, compiled: bool = True, pipelined: bool = False) -> ExecutionStrategy:
@@ -46,7 +50,9 @@ class ExecutionStrategy:
     def split(self) -> ExecutionStrategy:
         """This strategy for a model split across ranks (omlx serve --distributed):
         eager, since the compiled steps assume whole layers."""
-        return ExecutionStrategy(self.name, self.solo_prefill, False, self.pipelined)
+        return ExecutionStrategy(
+            self.name, self.solo_prefill, False, self.pipelined, device=self.device
+        )
 
     def describe(self) -> dict[str, object]:
         """For /health: which strategy each model runs."""

@@ -16,7 +16,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from omlx.engine.batch import merge_caches
-from omlx.engine.compiled_batch import CompiledBatchStep, batch_qualifies
+from omlx.engine.compiled import CompiledDecode
+from omlx.engine.compiled_batch import CompiledBatchStep, CompiledSteps, batch_qualifies
 from omlx.engine.runner import BatchRunner
 from omlx.engine.strategy import ExecutionStrategy
 from omlx.scheduler import Request, SamplingParams
@@ -37,12 +38,13 @@ def request(rid: str, prompt: list[int], n: int) -> Request:
     return Request(rid, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=n))
 
 
-def make_runner(model, compiled: bool = True) -> BatchRunner:
+def make_runner(model, compiled: bool = True, steps: CompiledSteps | None = None) -> BatchRunner:
     return BatchRunner(
         model,
         prefill_step_size=64,
         stream=mx.new_stream(mx.cpu),
         strategy=ExecutionStrategy.fast_paths(compiled=compiled),
+        compiled=steps,
     )
 
 
@@ -237,9 +239,8 @@ def test_a_step_that_disagrees_with_the_eager_forward_leaves_the_batch_eager(
     model, _ = load(str(path))
     assert not batch_qualifies(model)
     step = CompiledBatchStep(model)
-    runner = make_runner(model)
-    runner._batch_step = step  # what the runner would hold had the model qualified
-    runner._decode = type(runner._decode)(model, pipelined=False, compiled=step)
+    # What the runner would hold had the model qualified.
+    runner = make_runner(model, steps=CompiledSteps(CompiledDecode.for_model(model), step))
     runner.add([request(rid, p, 8) for rid, p in PROMPTS.items()])
     got = collect(runner, dict.fromkeys(PROMPTS, 8))
     assert step.failed and not step.proven and step.steps == 0
@@ -279,7 +280,7 @@ def test_speculative_steps_verify_on_the_compiled_step(tiny_models_dir: Path) ->
     stats = runner.speculative_stats()
     assert stats["steps"] > 0 and stats["accepted"] > 0
     step = runner.compiled_batch_step
-    assert step is not None and step.steps == runner._decode._num_steps
+    assert step is not None and step.steps == runner.num_decode_steps
     for rid, prompt in prompts.items():
         assert got[rid] == reference(model, prompt, 24), rid
 

@@ -5,6 +5,7 @@ request arriving mid-decode, on real tiny llama and qwen3 models."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import mlx.core as mx
@@ -32,7 +33,9 @@ def test_auto_picks_the_measured_fast_paths_on_the_cpu_and_the_plain_path_on_met
         True,
         False,
     )
-    assert gpu == PLAIN_GPU_SHAPE
+    # The GPU's shape, on the GPU (whose budgets the batch follows).
+    assert gpu == dataclasses.replace(PLAIN_GPU_SHAPE, device="gpu")
+    assert cpu.device == "cpu"
     # Forcing one to measure it keeps the device's pipelining.
     assert ExecutionStrategy.choose("fast_paths", "gpu").pipelined
 

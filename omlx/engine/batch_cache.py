@@ -1,0 +1,17 @@
+"""mlx-lm's ``BatchKVCache`` through its public ``state``: how many token columns a
+layer holds (padding included) and setting them, without its private ``_idx``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def columns(layer: Any) -> int:
+    """Token columns ``layer`` holds: the attention's width, left padding included."""
+    *_, num_columns = layer.state
+    return int(num_columns)
+
+
+def set_columns(layer: Any, num_columns: int) -> None:
+    keys, values, offset, left_padding, _ = layer.state
+    layer.state = (keys, values, offset, left_padding, num_columns)
