@@ -67,10 +67,15 @@ class AppConfig:
             "host": settings.server.host,
             "port": settings.server.port,
             "api_key": settings.server.api_key,
-            "update_feed": settings.app.update_feed,
+            "update_feed": _update_feed(settings.app.update_feed),
         }
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _update_feed(setting: str | None) -> str:
+    """The setting, or (unset) the feed of the project's releases the app was built with."""
+    return setting if setting is not None else paths.update_feed_of(paths.app_bundle())
 
 
 class Controller:

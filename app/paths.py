@@ -59,15 +59,27 @@ def app_bundle() -> Path | None:
     return app_bundle_of(app_command()[0])
 
 
+def update_feed_of(bundle: Path | None) -> str:
+    """The release feed ``bundle`` was built with (Info.plist OMLXUpdateFeed: the
+    project's releases); "" from source or a build without one (no update checks)."""
+    info = _info_plist(bundle) if bundle is not None else {}
+    feed = info.get("OMLXUpdateFeed", "")
+    return feed if isinstance(feed, str) else ""
+
+
+def _info_plist(bundle: Path) -> dict[str, object]:
+    try:
+        info = plistlib.loads((bundle / "Contents" / "Info.plist").read_bytes())
+    except (OSError, plistlib.InvalidFileException):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def build_id() -> str:
     """The bundle's CFBundleVersion; from source, the git commit (or "dev")."""
     bundle = app_bundle()
     if bundle is not None:
-        try:
-            info = plistlib.loads((bundle / "Contents" / "Info.plist").read_bytes())
-            return str(info.get("CFBundleVersion", "unknown"))
-        except (OSError, plistlib.InvalidFileException):
-            return "unknown"
+        return str(_info_plist(bundle).get("CFBundleVersion", "unknown"))
     try:
         done = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

@@ -256,20 +256,19 @@ class CacheSettings(_Group):
         return _check_size(value, "ssd_cache_max_size", allow_auto=True)
 
 
-# Where the desktop app looks for a newer release (a JSON feed, see app/update_feed.py):
-# a file published with each GitHub release, so ".../latest/download/" is the newest one.
-DEFAULT_UPDATE_FEED = "https://github.com/omlx/omlx/releases/latest/download/omlx-update.json"
-
-
 class AppSettings(_Group):
     """The desktop app (app/): the server ignores this group."""
 
-    # Empty: never check for updates (no network call).
-    update_feed: str = DEFAULT_UPDATE_FEED
+    # Where the app looks for a newer release (a JSON feed, app/update_feed.py). None: the
+    # project's releases, as the app was built with (Info.plist OMLXUpdateFeed); empty:
+    # never check (no network call).
+    update_feed: str | None = None
 
     @field_validator("update_feed")
     @classmethod
-    def _feed(cls, value: str) -> str:
+    def _feed(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         url = value.strip()
         if url and not re.match(r"^https?://[^/?#\s]+(/[^\s]*)?$", url):
             raise ValueError(

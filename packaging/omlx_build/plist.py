@@ -24,7 +24,9 @@ REQUIRED = (
 
 
 def info_plist(config: BundleConfig) -> dict[str, Any]:
+    feed = {"OMLXUpdateFeed": config.update_feed} if config.update_feed else {}
     return {
+        **feed,
         "CFBundleName": config.name,
         "CFBundleDisplayName": config.name,
         "CFBundleIdentifier": config.bundle_id,

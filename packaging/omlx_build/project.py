@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from dataclasses import dataclass
@@ -38,6 +39,10 @@ class BundleConfig:
     python: str
     # Packages with no macOS wheel that `build.py verify` accepts as pure-Python sdists.
     sdist_ok: tuple[str, ...]
+    # The release feed the app checks unless the user sets another (Info.plist
+    # OMLXUpdateFeed): the release workflow passes the repository's own releases in
+    # OMLX_UPDATE_FEED; a local build has none, so it never checks on its own.
+    update_feed: str = ""
 
 
 def project_version(root: Path = ROOT) -> str:
@@ -79,4 +84,5 @@ def load_config(root: Path = ROOT) -> BundleConfig:
         strip=tuple(data["strip"]["packages"]),
         python=python,
         sdist_ok=tuple(data.get("verify", {}).get("sdist_ok", ())),
+        update_feed=os.environ.get("OMLX_UPDATE_FEED", "").strip(),
     )

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from omlx_build.plist import info_plist
 
+from app import paths
 from app.controller import AppConfig
 from app.login_item import login_item
 from app.menu import AppItems, build_menu, find, visible, walk
@@ -24,9 +26,8 @@ from app.status import ServerState, Status
 from app.uninstall import UninstallError, check_removable
 from app.updater import Updater
 from omlx import __version__
-from omlx.settings import DEFAULT_UPDATE_FEED
 from tests.app.conftest import wait_for
-from tests.app.fake_release import make_app, make_dmg, publish, sha256_of, tree_digest
+from tests.app.fake_release import load_config, make_app, make_dmg, publish, sha256_of, tree_digest
 
 # Records whether the server of the old app was still running when the new one started.
 LAUNCHER_CHECKING_SERVER = """#!/bin/sh
@@ -227,9 +228,18 @@ def _next_version(version: str) -> str:
     return f"{major}.{minor + 1}.0"
 
 
-def test_the_feed_comes_from_settings_and_defaults_to_the_releases(tmp_path):
+def test_the_feed_comes_from_settings_and_defaults_to_the_releases(tmp_path, monkeypatch):
+    """Unset, the feed is the one the app was built with (the release workflow's own
+    releases, in Info.plist as the build writes it); from source there is none."""
     base = tmp_path / "base"
-    assert AppConfig.from_settings(base).update_feed == DEFAULT_UPDATE_FEED
+    assert AppConfig.from_settings(base).update_feed == ""  # from source: no checks
+    releases = "https://github.com/someone/omlx/releases/latest/download/omlx-update.json"
+    monkeypatch.setenv("OMLX_UPDATE_FEED", releases)
+    bundle = tmp_path / "omlx.app"
+    (bundle / "Contents").mkdir(parents=True)
+    plist = info_plist(load_config())
+    (bundle / "Contents" / "Info.plist").write_bytes(plistlib.dumps(plist))
+    assert paths.update_feed_of(bundle) == releases
     base.mkdir()
     (base / "settings.json").write_text(json.dumps({"app": {"update_feed": ""}}))
-    assert AppConfig.from_settings(base).update_feed == ""
+    assert AppConfig.from_settings(base).update_feed == ""  # the user turned checks off
