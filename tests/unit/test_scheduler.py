@@ -4,7 +4,7 @@ the real plan, executed by a runner without MLX, and the real update."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import pytest
 
@@ -49,8 +49,8 @@ def protocol_members(protocol: type) -> set[str]:
     return {n for n in vars(protocol) if not n.startswith("_")} | set(protocol.__annotations__)
 
 
-def parameter_names(member: object) -> list[str]:
-    return list(inspect.signature(member).parameters)  # type: ignore[arg-type]
+def parameter_names(member: Callable[..., object]) -> list[str]:
+    return list(inspect.signature(member).parameters)
 
 
 @pytest.mark.parametrize("implementation", [FakeRunner, BatchRunner])
