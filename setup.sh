@@ -3,6 +3,8 @@
 #
 #   ./setup.sh serve [omlx serve flags]   set up, install the built-in model, start the server
 #   ./setup.sh test  [pytest args]        set up, then lint, type-check and run the whole test suite
+#   ./setup.sh test --fast [pytest args]  the same with only the fast lane (unit and in-process
+#                                         tests; no servers, browsers or child processes)
 #
 # Idempotent: a stamp keyed on this script and pyproject.toml skips the pip step
 # when nothing changed. OMLX_VENV overrides the virtual environment's folder.
@@ -87,20 +89,26 @@ serve)
     exec "$VENV/bin/omlx" serve "$@"
     ;;
 test)
-    system_packages test
+    fast=
+    [ "${1:-}" = --fast ] && { fast=--fast; shift; }
+    # The fast lane needs no browser, Xvfb or Qt: the base packages do.
+    system_packages "${fast:-test}"
     python_env
     log "ruff"
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .
     log "mypy (pure layers)"
     "$VENV/bin/mypy"
-    log "build.py verify (the Mac app's rules on its real macOS wheels, cached)"
-    "$PY" build.py verify
-    log "pytest"
-    exec "$PY" -m pytest "$@"
+    if [ -z "$fast" ]; then
+        # Left out of the fast lane: cold, it downloads the macOS wheel set (~560 MB).
+        log "build.py verify (the Mac app's rules on its real macOS wheels, cached)"
+        "$PY" build.py verify
+    fi
+    log "pytest ${fast:-(the whole suite)}"
+    exec "$PY" -m pytest ${fast:+"$fast"} "$@"
     ;;
 *)
-    echo "usage: ./setup.sh serve [omlx serve flags] | ./setup.sh test [pytest args]" >&2
+    echo "usage: ./setup.sh serve [omlx serve flags] | ./setup.sh test [--fast] [pytest args]" >&2
     exit 2
     ;;
 esac

@@ -9,6 +9,13 @@ import pytest
 from omlx.embeddings.builtin import builtin_zip_path, install_default_embedding_model
 from omlx.grammar import torch_stub
 from omlx.models.builtin import INSTALL_HINT, builtin_gguf_path, install_default_model
+from tests.fixtures.fast_lane import (  # noqa: F401 (hooks and fixture pytest finds by name)
+    fast_lane_guard,
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_ignore_collect,
+)
 from tests.fixtures.tiny_models import build_tiny_model
 
 # Before anything imports xgrammar (as the server does): it needs torch at import.

@@ -1,8 +1,9 @@
 """One loaded model: tokenizer, scheduler and runner.
 
 The event loop calls ``submit`` / ``abort`` and the tokenizing helpers; the MLX
-worker thread calls ``step``. Events flow back through ``RequestStream``s, one
-``call_soon_threadsafe`` per step and event loop.
+worker thread calls ``step``. Events flow back through ``RequestStream``s: per step and
+event loop one ``call_soon_threadsafe`` for the step's events, after one for admission
+notices when a stream asked for them.
 """
 
 from __future__ import annotations

@@ -204,6 +204,7 @@ def sharpened(tiny_models_dir: Path):
     return draft
 
 
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_models_distribution(
     target, tiny_models_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -226,6 +227,7 @@ def test_sampled_tokens_follow_the_models_distribution(
     assert chi_square(second, p_second) < CHI2_3_999
 
 
+@pytest.mark.slow
 def test_smollm2_drafting_for_itself_keeps_its_drafts(smollm2_path: Path) -> None:
     """A draft equal to the target (the built-in SmolLM2, real weights): the
     same text, and nearly every draft kept."""

@@ -141,6 +141,7 @@ CODE = """class Counter:
 """
 
 
+@pytest.mark.slow
 def test_smollm2_returns_an_edited_file_token_for_token(smollm2_path: Path) -> None:
     model, tokenizer = load(str(smollm2_path))
     messages = [

@@ -3,6 +3,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from omlx.cache.blocks import block_keys
 
 BS = 4
@@ -36,6 +38,7 @@ def test_key_depends_on_parent_model_and_extras() -> None:
     )
 
 
+@pytest.mark.spawns
 def test_keys_stable_across_processes() -> None:
     code = (
         "from omlx.cache.blocks import block_keys;"

@@ -12,6 +12,7 @@ import pytest
 from omlx.cache.hot import HotTier
 from omlx.cache.ssd import MARKER_NAME, BlockPayload, SSDStore
 from tests.fixtures.ssd_gate import Gate
+from tests.fixtures.waiting import wait_until
 
 MODEL_A = "model-a@1"
 MODEL_B = "model-b@1"
@@ -58,13 +59,6 @@ def hot_with_stores(stores: Stores, max_blocks: int, mode: str) -> tuple[HotTier
     ssd = stores.open(MODEL_A)
     hot.attach(MODEL_A, ssd)
     return hot, ssd
-
-
-def wait_for(condition: object, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 # -- RAM only ---------------------------------------------------------------
@@ -308,7 +302,7 @@ def test_a_blocked_write_back_does_not_hold_the_lock(stores: Stores) -> None:
 
     evicting = threading.Thread(target=hot.put, args=(make_payload(2),))
     evicting.start()
-    wait_for(lambda: hot.stats().evictions == 1)  # p0 chosen; its ssd.put now waits
+    wait_until(lambda: hot.stats().evictions == 1)  # p0 chosen; its ssd.put now waits
     time.sleep(0.05)
     started = time.monotonic()
     assert hot.get(MODEL_A, p1.key) == p1

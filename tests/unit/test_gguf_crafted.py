@@ -187,6 +187,7 @@ def test_every_truncation_of_a_valid_file_is_a_clear_error(tmp_path: Path) -> No
             read_header(path)
 
 
+@pytest.mark.spawns
 def test_cli_import_of_an_attack_exits_with_the_reason(
     tmp_path: Path, tiny_llama_gguf: tuple[bytes, int]
 ) -> None:
@@ -300,6 +301,7 @@ def model_attacks(data: bytes) -> list[tuple[str, bytes, str]]:
     ]  # fmt: skip
 
 
+@pytest.mark.spawns
 def test_attacks_on_a_complete_model_fail_the_whole_import_without_crashing(
     tmp_path: Path, tiny_llama_gguf: tuple[bytes, int]
 ) -> None:
@@ -359,6 +361,7 @@ def test_mutated_headers_parse_or_fail_clearly(
     check()
 
 
+@pytest.mark.spawns
 def test_mutated_files_never_crash_the_full_import(
     tmp_path: Path, tiny_llama_gguf: tuple[bytes, int]
 ) -> None:
@@ -382,27 +385,32 @@ def run_child(fn: Callable[..., object], *args: object, limit: int = 1 << 30, tr
     return run_in_child(fn, *args, memory_limit_bytes=limit, tracker=tracker)
 
 
+@pytest.mark.spawns
 def test_child_returns_its_result() -> None:
     assert run_child(allocate, 1 << 20) == 1 << 20
 
 
+@pytest.mark.spawns
 def test_child_over_its_memory_limit_is_a_clear_error() -> None:
     # 4 GiB against a 1 GiB limit: refused at once, not swapped in.
     with pytest.raises(ImportFailedError, match="the import ran out of memory: it may use 1"):
         run_child(allocate, 4 << 30)
 
 
+@pytest.mark.spawns
 def test_child_errors_keep_their_message_and_field() -> None:
     with pytest.raises(ImportFailedError, match=r"^bad header$") as raised:
         run_child(refuse, "bad header")
     assert raised.value.param == "path"
 
 
+@pytest.mark.spawns
 def test_a_killed_child_is_a_clear_error() -> None:
     with pytest.raises(ImportFailedError, match=r"stopped by SIGKILL.*server itself is unaffected"):
         run_child(die)
 
 
+@pytest.mark.spawns
 def test_child_memory_counts_in_the_probe_while_it_runs() -> None:
     probe = MemoryProbe(max_age_s=0.0)
     alone = probe.reading(fresh=True).process_footprint_bytes

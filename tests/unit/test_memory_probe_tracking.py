@@ -10,6 +10,8 @@ import pytest
 
 from omlx.memory.probe import MemoryProbe
 
+pytestmark = pytest.mark.spawns  # each test runs a child process
+
 CHILD_BYTES = 256 * 1024 * 1024
 # Writes every page (a zeroed allocation would not be resident), then waits.
 CHILD = f"import sys; b = b'x' * {CHILD_BYTES}; print('ready', flush=True); sys.stdin.read()"

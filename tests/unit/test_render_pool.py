@@ -11,6 +11,7 @@ from jinja2.exceptions import UndefinedError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from omlx.api.render_pool import RenderPool
+from tests.fixtures.waiting import wait_until_async
 
 # The environment transformers renders chat templates in.
 ENV = ImmutableSandboxedEnvironment()
@@ -19,13 +20,8 @@ BOMB = ENV.from_string(
 )
 
 
-async def stopped_soon(pool: RenderPool, within_s: float = 1.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while pool.running():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
+async def stopped_soon(pool: RenderPool, within_s: float = 1.0) -> None:
+    await wait_until_async(lambda: not pool.running(), within_s, "the render stopped")
 
 
 def test_a_runaway_render_is_stopped_and_its_thread_serves_the_next_render() -> None:
@@ -35,7 +31,7 @@ def test_a_runaway_render_is_stopped_and_its_thread_serves_the_next_render() -> 
         with pytest.raises(TimeoutError):
             await pool.run(BOMB.render, timeout_s=0.3)
         assert time.perf_counter() - start < 1.0
-        assert await stopped_soon(pool)
+        await stopped_soon(pool)
         # The one thread is free again: a quick render does not wait behind the bomb.
         start = time.perf_counter()
         assert await pool.run(ENV.from_string("{{ 6 * 7 }}").render, timeout_s=1.0) == "42"
@@ -48,12 +44,11 @@ def test_a_cancelled_caller_stops_its_render() -> None:
     async def scenario() -> None:
         pool = RenderPool(threads=1)
         task = asyncio.ensure_future(pool.run(BOMB.render, timeout_s=60))
-        await asyncio.sleep(0.2)
-        assert pool.running() == 1
+        await wait_until_async(lambda: pool.running() == 1, what="the bomb renders")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert await stopped_soon(pool)
+        await stopped_soon(pool)
 
     asyncio.run(scenario())
 
@@ -64,7 +59,7 @@ def test_a_job_whose_caller_gave_up_while_queued_never_runs() -> None:
     async def scenario() -> None:
         pool = RenderPool(threads=1)
         slow = asyncio.ensure_future(pool.run(lambda: time.sleep(0.5)))
-        await asyncio.sleep(0.05)
+        await wait_until_async(lambda: pool.running() == 1, what="the slow job runs")
         with pytest.raises(TimeoutError):
             await pool.run(lambda: ran.append("queued"), timeout_s=0.1)
         await slow

@@ -1,78 +1,31 @@
-"""Scheduler admission, capacity, abort and finish reasons, driven like ModelEngine.step."""
+"""Scheduler admission, capacity, abort and finish reasons, driven like ModelEngine.step:
+the real plan, executed by a runner without MLX, and the real update."""
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Iterable, Sequence
+import inspect
+from collections.abc import Callable, Iterable
 
 import pytest
 
+from omlx.engine.model_engine import Runner
+from omlx.engine.runner import BatchRunner
 from omlx.errors import QueueFullError
 from omlx.scheduler import (
     Request,
     RequestStatus,
-    RequestUpdate,
     SamplingParams,
     Scheduler,
     TokenOutput,
 )
-
-
-class FakeRunner:
-    """Same interface as ``omlx.engine.runner.BatchRunner``, without MLX.
-
-    Every sequence it holds produces one token per ``step``: the next token of
-    its script if one was given, otherwise a deterministic function of
-    (request id, position).
-    """
-
-    def __init__(self, scripts: dict[str, Sequence[int]] | None = None):
-        self._scripts = dict(scripts or {})
-        self._positions: dict[str, int] = {}
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self._positions)
-
-    def add(self, requests: Iterable[Request]) -> None:
-        for request in requests:
-            self._positions[request.request_id] = 0
-
-    def remove(self, request_ids: Iterable[str]) -> None:
-        for rid in request_ids:
-            self._positions.pop(rid, None)
-
-    def step(self) -> list[TokenOutput]:
-        outputs = []
-        for rid, pos in self._positions.items():
-            outputs.append(TokenOutput(rid, self._token(rid, pos)))
-            self._positions[rid] = pos + 1
-        return outputs
-
-    def _token(self, rid: str, pos: int) -> int:
-        script = self._scripts.get(rid)
-        if script is not None and pos < len(script):
-            return script[pos]
-        # crc32, not hash(): str hashes change with PYTHONHASHSEED.
-        return zlib.crc32(f"{rid}:{pos}".encode()) % 100
-
-
-Step = tuple[list[Request], list[TokenOutput], list[RequestUpdate]]
+from omlx.scheduler.plan import SchedulerOutput
+from tests.fixtures.budget_view import BudgetView
+from tests.fixtures.fake_runner import FakeRunner, Step, engine_step
 
 
 def make_request(rid: str, max_tokens: int = 4, stop_token_ids: Iterable[int] = ()) -> Request:
     sampling = SamplingParams(max_tokens=max_tokens, stop_token_ids=frozenset(stop_token_ids))
     return Request(rid, prompt_ids=(1, 2, 3), sampling=sampling)
-
-
-def engine_step(scheduler: Scheduler, runner: FakeRunner) -> Step:
-    """What ModelEngine.step does, minus detokenizing and streams."""
-    admitted = scheduler.admit()
-    runner.add(admitted)
-    outputs = runner.step()
-    updates = scheduler.update_from_output(outputs)
-    runner.remove([u.request_id for u in updates if u.status.is_finished])
-    return admitted, outputs, updates
 
 
 def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 200) -> list[Step]:
@@ -86,6 +39,54 @@ def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int =
 def steps_producing(steps: list[Step], rid: str) -> list[int]:
     return [
         i for i, (_, outputs, _) in enumerate(steps) if any(o.request_id == rid for o in outputs)
+    ]
+
+
+# ---- the runner protocol ----------------------------------------------------
+
+
+def protocol_members(protocol: type) -> set[str]:
+    return {n for n in vars(protocol) if not n.startswith("_")} | set(protocol.__annotations__)
+
+
+def parameter_names(member: Callable[..., object]) -> list[str]:
+    return list(inspect.signature(member).parameters)
+
+
+@pytest.mark.parametrize("implementation", [FakeRunner, BatchRunner])
+def test_the_fake_and_the_real_runner_have_the_engine_runner_shape(implementation: type) -> None:
+    """What ModelEngine asks of a runner (model_engine.Runner): the fake offers the
+    same members with the same parameters as BatchRunner, so the loop below is the
+    engine's loop."""
+    for name in protocol_members(Runner):
+        assert hasattr(implementation, name), name
+        wanted = getattr(Runner, name, None)
+        if callable(wanted):  # the methods (has_work is a property, num_draft an int)
+            assert parameter_names(getattr(implementation, name)) == parameter_names(wanted), name
+
+
+def test_the_plan_s_prefill_cap_is_what_the_runner_runs() -> None:
+    """Two 129-token prompts, 64-token chunks: with room for both chunks a step, the
+    first tokens come in the second step; with room for 64 tokens a step the gate
+    caps each chunk to 32 and they come in the fourth. A prompt the prefix index
+    holds all but its last token of starts decoding in the step it is admitted."""
+    for budget, first_token_step in ((10**6, 1), (64, 3)):
+        scheduler = Scheduler(max_running=2, max_waiting=2, prefill_step_size=64)
+        runner = FakeRunner(prefill_step_size=64)
+        view = BudgetView(budget=budget)
+        for rid in ("a", "b"):
+            scheduler.add(Request(rid, tuple(range(129)), SamplingParams(max_tokens=2)))
+        steps = [engine_step(scheduler, runner, view) for _ in range(first_token_step + 1)]
+        assert steps_producing(steps, "a") == steps_producing(steps, "b") == [first_token_step]
+        assert [shape.cap for shape, _ in view.settled][:1] == [None if budget > 128 else 32]
+
+    scheduler = Scheduler(max_running=1, max_waiting=1, prefill_step_size=64)
+    scheduler.add(Request("hit", tuple(range(129)), SamplingParams(max_tokens=2)))
+    admitted, outputs, _ = engine_step(
+        scheduler, FakeRunner(prefill_step_size=64), BudgetView(budget=64, cached={"hit": 128})
+    )
+    assert [r.request_id for r in admitted] == ["hit"] and [o.request_id for o in outputs] == [
+        "hit"
     ]
 
 
@@ -309,7 +310,7 @@ def test_aborted_request_gets_no_update_for_a_token_already_produced():
     scheduler.add(make_request("b", max_tokens=10))
     engine_step(scheduler, runner)
 
-    outputs = runner.step()  # the runner already made a token for "a" ...
+    outputs = runner.execute(SchedulerOutput()).tokens  # a token for "a" is made ...
     scheduler.finish("a", RequestStatus.FINISHED_ABORTED)  # ... when the abort lands
     updates = scheduler.update_from_output(outputs)
 

@@ -17,6 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV_VAR = "TVM_FFI_DISABLE_TORCH_C_DLPACK"
+pytestmark = pytest.mark.spawns  # each test runs a child interpreter
+
 STUB_MODULES = ["torch", "torch.cuda", "torch.version", "torch.nn", "torch.utils",
                 "torch.utils.dlpack"]  # fmt: skip
 
