@@ -63,7 +63,7 @@ class AdminWindow:
             if welcome:
                 url = self._server_url or url
             if self.is_open():
-                self._send("focus" if not welcome else f"navigate {url}")
+                self._send(f"navigate {url}" if welcome and url else "focus")
                 return False
             self._loaded.clear()
             self.page_title = None
