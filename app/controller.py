@@ -113,6 +113,8 @@ class Controller:
         self._stop_monitor = threading.Event()
         self._monitor: threading.Thread | None = None
         self.on_quit: Callable[[], None] = lambda: None
+        # The window (its welcome page) hears where the server runs after every change.
+        self.add_listener(lambda _status, _menu: self.window.show_server(self._admin_url()))
 
     # -- state --------------------------------------------------------------------------
 
@@ -409,6 +411,9 @@ class Controller:
 
     # -- first run ----------------------------------------------------------------------
 
+    def _admin_url(self) -> str | None:
+        return self.base_url + ADMIN_PATH if self.base_url else None
+
     def first_run(self) -> bool:
         """Show the welcome page once per data folder; True if it was shown now."""
         state_path = self.config.base_path / STATE_FILE
@@ -418,8 +423,10 @@ class Controller:
             state = {}
         if state.get("welcomed"):
             return False
-        url = f"http://{self.config.host}:{self.config.port}{ADMIN_PATH}"
-        self.window.open(url, welcome=True)
+        # The port the server really uses, not the configured one (another program may
+        # hold that); none yet before a start, and the page waits until it hears of one.
+        self.window.show_server(self._admin_url())
+        self.window.open_welcome()
         state["welcomed"] = True
         state_path.parent.mkdir(parents=True, exist_ok=True)
         state_path.write_text(json.dumps(state))

@@ -1,6 +1,7 @@
 """The admin-window process: a pywebview window driven by lines on stdin.
 
-stdin: ``focus`` | ``navigate URL`` | ``quit``; EOF (the shell went away) closes it.
+stdin: ``focus`` | ``navigate URL`` | ``server [URL]`` (where the shell's server is now; the
+welcome page waits on it) | ``quit``; EOF (the shell went away) closes it.
 stdout: ``loaded TITLE`` after each page load, ``action NAME`` from the welcome page.
 """
 
@@ -25,9 +26,33 @@ def _emit(kind: str, text: str = "") -> None:
 class WelcomeApi:
     """What the first-run page may ask for (pywebview's js_api, called off the GUI thread)."""
 
-    def __init__(self, base_path: Path):
+    def __init__(self, base_path: Path, server_url: str = ""):
         self._base_path = base_path
-        self.window = None
+        # The admin page of the shell's server: "" until the shell has chosen its port.
+        self.server_url = server_url
+        # Private: pywebview hands the page the methods of every public attribute too,
+        # and the page has no business calling the Window's (destroy, load_url, ...).
+        self._window = None
+
+    def bind(self, window) -> None:
+        """The window this API serves (it exists only after create_window took the API)."""
+        self._window = window
+
+    def open_admin(self) -> bool:
+        """Load the shell's admin page once its server answers there; False until then.
+        Loaded from here, not by the page: Qt WebEngine refuses a file:// page's fetch of,
+        or navigation to, an http:// address (ERR_NETWORK_ACCESS_DENIED)."""
+        import httpx
+
+        url = self.server_url
+        if not url or self._window is None:
+            return False
+        try:
+            httpx.get(url, timeout=2.0, trust_env=False)
+        except httpx.HTTPError:
+            return False
+        self._window.load_url(url)
+        return True
 
     def info(self) -> dict[str, str]:
         from omlx.settings import load_settings
@@ -38,7 +63,8 @@ class WelcomeApi:
     def choose_model_dir(self) -> str | None:
         import webview
 
-        picked = self.window.create_file_dialog(webview.FileDialog.FOLDER) if self.window else None
+        window = self._window
+        picked = window.create_file_dialog(webview.FileDialog.FOLDER) if window else None
         if not picked:
             return None
         from omlx.settings import set_file_value
@@ -56,7 +82,7 @@ class WelcomeApi:
         return (done.stdout + done.stderr).strip()
 
 
-def _commands(window) -> None:
+def _commands(window, api: WelcomeApi | None) -> None:
     for raw in sys.stdin:
         cmd, _, arg = raw.strip().partition(" ")
         if cmd == "focus":
@@ -66,6 +92,8 @@ def _commands(window) -> None:
             window.show()
         elif cmd == "navigate":
             window.load_url(arg)
+        elif cmd == "server" and api is not None:
+            api.server_url = arg
         elif cmd == "quit":
             break
     window.destroy()
@@ -112,11 +140,11 @@ def run(argv: list[str]) -> int:
         os.environ.setdefault("QTWEBENGINE_CHROMIUM_FLAGS", "--no-sandbox")
     import webview
 
-    api = WelcomeApi(args.base_path) if args.welcome else None
-    url = paths.welcome_page().as_uri() + f"#{args.url}" if args.welcome else args.url
+    api = WelcomeApi(args.base_path, args.url) if args.welcome else None
+    url = paths.welcome_page().as_uri() if args.welcome else args.url
     window = webview.create_window(TITLE, url, width=1180, height=800, js_api=api)
     if api is not None:
-        api.window = window
+        api.bind(window)
 
     def loaded() -> None:
         # run_js, not evaluate_js: that wraps the script in eval(), which the admin
@@ -126,7 +154,7 @@ def run(argv: list[str]) -> int:
     window.events.loaded += loaded
     if sys.platform == "darwin":
         _dock_entry_while_open(window)
-    threading.Thread(target=_commands, args=(window,), daemon=True).start()
+    threading.Thread(target=_commands, args=(window, api), daemon=True).start()
     webview.start(gui="cocoa" if sys.platform == "darwin" else "qt")
     _emit("closed")
     return 0

@@ -26,6 +26,7 @@ class AdminWindow:
         self._proc: subprocess.Popen[str] | None = None
         self._loaded = threading.Event()
         self._console: ConsoleLog | None = None
+        self._server_url: str | None = None
         self.page_title: str | None = None
         self.num_opened = 0
 
@@ -36,11 +37,33 @@ class AdminWindow:
     def pid(self) -> int | None:
         return self._proc.pid if self.is_open() and self._proc is not None else None
 
-    def open(self, url: str, *, welcome: bool = False) -> bool:
-        """Show ``url``; True if a new window opened, False if the open one was focused."""
+    @property
+    def server_url(self) -> str | None:
+        """The admin page of the server the shell runs now, as last told by show_server."""
+        return self._server_url
+
+    def show_server(self, admin_url: str | None) -> None:
+        """Where the shell's server is (None: no port chosen yet). The welcome page waits on
+        this address, never on the configured port: the shell may have picked another."""
         with self._lock:
+            if admin_url == self._server_url:
+                return
+            self._server_url = admin_url
             if self.is_open():
-                self._send("focus" if not welcome else f"navigate {url}")
+                self._send(f"server {admin_url or ''}".rstrip())
+
+    def open_welcome(self) -> bool:
+        """The first-run page, told where the server is now and of every change after."""
+        return self.open("", welcome=True)
+
+    def open(self, url: str, *, welcome: bool = False) -> bool:
+        """Show ``url``; True if a new window opened, False if the open one was focused.
+        With ``welcome``, the first-run page on the server show_server named (else ``url``)."""
+        with self._lock:
+            if welcome:
+                url = self._server_url or url
+            if self.is_open():
+                self._send(f"navigate {url}" if welcome and url else "focus")
                 return False
             self._loaded.clear()
             self.page_title = None

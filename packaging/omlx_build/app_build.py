@@ -12,10 +12,12 @@ from omlx_build.app_check import app_problems
 from omlx_build.bundle_layout import bake_version, bundle_site_packages
 from omlx_build.copy_whole import copy_whole
 from omlx_build.grammar import Installer, install_grammar, pip_installer
+from omlx_build.install import verified_grammar_installer
 from omlx_build.plist import info_plist
 from omlx_build.project import ROOT, BuildError, BundleConfig, grammar_pins
 from omlx_build.signing import ADHOC, sign_app
 from omlx_build.strip import strip_debug_symbols, strip_packages
+from omlx_build.wheelset import wheel_set
 
 
 def py2app_options(config: BundleConfig) -> dict[str, Any]:
@@ -60,7 +62,8 @@ def build_app(config: BundleConfig, dist: Path, work: Path, sign: str | None = N
     finally:
         os.chdir(cwd)
     app = dist / f"{config.name}.app"
-    finish_bundle(app, config)
+    # The grammar wheels `build.py verify` checked (cached), not whatever suits this Mac.
+    finish_bundle(app, config, installer=verified_grammar_installer(wheel_set(config, ROOT)))
     # py2app signed ad hoc before the steps above changed Contents/Resources, which
     # broke that signature: sign again (ad hoc when no identity is given) after the last
     # change.

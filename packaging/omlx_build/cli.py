@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     grammar.add_argument("--target", type=Path, required=True)
     sub.add_parser("lock", help="resolve the app's macOS package set with uv")
     sub.add_parser("verify", help="check the bundle's rules on the real macOS wheels (any OS)")
+    sub.add_parser(
+        "install-verified", help="verify, then install exactly the verified wheels (the Mac build)"
+    )
     check_app = sub.add_parser("check-app", help="check a built omlx.app (signatures: macOS)")
     check_app.add_argument("app", type=Path)
     check_dmg = sub.add_parser("check-dmg", help="mount a DMG and check its layout (macOS)")
@@ -62,7 +65,7 @@ def _lock() -> int:
     return 0
 
 
-def _verify() -> int:
+def _verify(install: bool = False) -> int:
     from omlx_build.verify import run_verify
 
     started = time.monotonic()
@@ -74,9 +77,15 @@ def _verify() -> int:
     print(f"  {total / 1e6:9.1f} MB  total, {len(result.sizes)} packages")
     for problem in result.problems:
         print(f"verify: {problem}", file=sys.stderr)
-    if not result.problems:
-        print(f"verify: ok ({time.monotonic() - started:.1f} s)")
-    return 1 if result.problems else 0
+    if result.problems:
+        return 1
+    print(f"verify: ok ({time.monotonic() - started:.1f} s)")
+    if install:
+        from omlx_build.install import install_verified
+
+        # The files just checked, and only them: pip would pick newer-macOS wheels itself.
+        install_verified(result.wheels, ROOT)
+    return 0
 
 
 def _report(what: str, problems: list[str]) -> int:
@@ -160,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "dmg-layout": lambda: _dmg_layout(args.out),
         "lock": lambda: _lock(),
         "verify": lambda: _verify(),
+        "install-verified": lambda: _verify(install=True),
         "grammar": lambda: _grammar(args),
         "check-app": lambda: _check_app(args.app),
         "check-dmg": lambda: _check_dmg(args.image),

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from omlx_build.plist import info_plist
 from omlx_build.project import BuildError, BundleConfig
+from omlx_build.retry import TOOL_RETRY, Retry
 
 LAYOUT_LAUNCHER = """#!/bin/sh
 echo "This omlx.app was assembled on Linux to check the disk-image layout; build the" >&2
@@ -65,10 +66,15 @@ def _run(cmd: list[str]) -> None:
         raise BuildError(f"{cmd[0]} failed ({done.returncode}): {done.stderr.strip()[-800:]}")
 
 
-def hdiutil_image(stage_dir: Path, out: Path, volume: str) -> Path:
-    out.unlink(missing_ok=True)
-    _run(["hdiutil", "create", "-volname", volume, "-srcfolder", str(stage_dir), "-ov",
-          "-format", "UDZO", "-imagekey", "zlib-level=9", str(out)])  # fmt: skip
+def hdiutil_image(stage_dir: Path, out: Path, volume: str, retry: Retry = TOOL_RETRY) -> Path:
+    """The compressed image; retried, as hosted runners answer "Resource busy" at times."""
+
+    def create() -> None:
+        out.unlink(missing_ok=True)  # a failed try may leave part of an image behind
+        _run(["hdiutil", "create", "-volname", volume, "-srcfolder", str(stage_dir), "-ov",
+              "-format", "UDZO", "-imagekey", "zlib-level=9", str(out)])  # fmt: skip
+
+    retry.run(create, "hdiutil create")
     return out
 
 

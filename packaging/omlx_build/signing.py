@@ -20,6 +20,7 @@ from pathlib import Path
 
 from omlx_build.macho import macho_files
 from omlx_build.project import ROOT, BuildError
+from omlx_build.retry import TOOL_RETRY, Retry
 
 ADHOC = "-"
 ENTITLEMENTS = ROOT / "packaging" / "entitlements.plist"
@@ -72,20 +73,31 @@ def _run(cmd: Sequence[str]) -> None:
         raise BuildError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-600:]}")
 
 
-def sign_app(app: Path, identity: str = ADHOC, run: Runner = _run) -> int:
+def _sign(cmd: list[str], run: Runner, retry: Retry) -> None:
+    """One codesign call; a timestamped one is retried (Apple's timestamp server may not
+    answer), an ad-hoc one would only fail the same way again."""
+    if "--timestamp" in cmd:
+        retry.run(lambda: run(cmd), f"codesign {Path(cmd[-1]).name}")
+    else:
+        run(cmd)
+
+
+def sign_app(
+    app: Path, identity: str = ADHOC, run: Runner = _run, retry: Retry = TOOL_RETRY
+) -> int:
     """Sign ``app`` inside out and verify it; the number of codesign calls made."""
     if shutil.which("codesign") is None and run is _run:
         raise BuildError("codesign is not installed (signing needs macOS and Xcode's tools)")
     plan = signing_plan(app, identity)
     for cmd in plan:
-        run(cmd)
+        _sign(cmd, run, retry)
     run(["codesign", "--verify", "--deep", "--strict", str(app)])
     return len(plan)
 
 
-def sign_image(image: Path, identity: str, run: Runner = _run) -> None:
+def sign_image(image: Path, identity: str, run: Runner = _run, retry: Retry = TOOL_RETRY) -> None:
     """Sign the DMG itself (notarization wants the container signed too)."""
-    run(["codesign", "--force", "--timestamp", "--sign", identity, str(image)])
+    _sign(["codesign", "--force", "--timestamp", "--sign", identity, str(image)], run, retry)
     run(["codesign", "--verify", "--strict", str(image)])
 
 

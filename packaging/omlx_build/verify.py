@@ -6,6 +6,7 @@ means the rule holds for the files the app will contain.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from importlib import metadata
 from importlib.machinery import PathFinder
@@ -19,6 +20,7 @@ from packaging.version import Version
 from omlx_build import macho
 from omlx_build.check import WORKFLOW
 from omlx_build.grammar import root_problems
+from omlx_build.plist import info_plist
 from omlx_build.project import ROOT, BundleConfig, grammar_pins, load_config
 from omlx_build.wheelset import (
     LOCK_FILE,
@@ -207,8 +209,11 @@ def signing_problems(staging: Path) -> list[str]:
 
 
 def minos_problems(config: BundleConfig, staging: Path) -> list[str]:
-    """(g) No arm64 slice needs a newer macOS than the bundle's minimum."""
-    limit = Version(config.minimum_macos)
+    """(g) No arm64 slice needs a newer macOS than the bundle's Info.plist promises
+    (LSMinimumSystemVersion, from bundle.toml minimum_macos). The Mac build installs these
+    very files (`build.py install-verified`), so the promise holds by construction."""
+    promised = str(info_plist(config)["LSMinimumSystemVersion"])
+    limit = Version(promised)
     too_new, no_arm64 = [], []
     for path in macho.macho_files(staging):
         minos = macho.min_macos(path)
@@ -222,28 +227,40 @@ def minos_problems(config: BundleConfig, staging: Path) -> list[str]:
         names = [text for _version, text in sorted(too_new, reverse=True)]
         problems.append(
             f"{len(names)} Mach-O file(s) need a newer macOS than bundle.toml minimum_macos "
-            f"{config.minimum_macos}: {_listed(names)}; lock a wheel built for "
-            f"{config.minimum_macos} or raise minimum_macos"
+            f"{promised} (Info.plist LSMinimumSystemVersion): {_listed(names)}; lock a wheel "
+            f"built for {promised} or raise minimum_macos"
         )
     if no_arm64:
         problems.append(f"Mach-O file(s) without an arm64 macOS slice: {_listed(no_arm64)}")
     return problems
 
 
+# How the workflow must install the bundle's packages, and the way it must not: pip
+# resolving the lock itself picks wheels for the runner's macOS, newer than the bundle's.
+INSTALL_VERIFIED = "build.py install-verified"
+_PIP_FROM_LOCK = re.compile(r"pip install[^\n]*-r\s+" + re.escape(str(LOCK_FILE)))
+
+
 def workflow_problems(config: BundleConfig, root: Path) -> list[str]:
-    """(h) The macOS workflow builds with the Python, build tools and package set that
-    were verified."""
+    """(h) The macOS workflow builds with the Python and build tools that were verified,
+    and installs the verified wheel files, not a fresh resolution of the lock."""
     try:
         text = (root / WORKFLOW).read_text()
     except OSError as exc:
         return [f"cannot read {WORKFLOW}: {exc}"]
     wanted = [f"{tool}=={version}" for tool, version in config.build_tools.items()]
-    wanted += [str(LOCK_FILE), f'python-version: "{config.python}"']
-    return [
-        f"{WORKFLOW} should contain {item!r} (bundle.toml [build], the locked set)"
+    wanted += [f'python-version: "{config.python}"', INSTALL_VERIFIED]
+    problems = [
+        f"{WORKFLOW} should contain {item!r} (bundle.toml [build], the verified set)"
         for item in wanted
         if item not in text
     ]
+    if _PIP_FROM_LOCK.search(text):
+        problems.append(
+            f"{WORKFLOW} installs {LOCK_FILE} with pip, which picks wheels for the runner's "
+            f"macOS (newer than {config.minimum_macos}): use `python {INSTALL_VERIFIED}`"
+        )
+    return problems
 
 
 def staging_problems(config: BundleConfig, root: Path, staging: Path) -> list[str]:

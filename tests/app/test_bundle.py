@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "packaging"))
 from omlx_build.app_build import finish_bundle  # noqa: E402
 from omlx_build.app_check import app_problems  # noqa: E402
 from omlx_build.copy_whole import copy_whole  # noqa: E402
-from omlx_build.grammar import pip_installer  # noqa: E402
+from omlx_build.install import verified_grammar_installer  # noqa: E402
 from omlx_build.macho import parses_as_macho  # noqa: E402
 from omlx_build.plist import info_plist  # noqa: E402
 from omlx_build.project import BuildError, load_config  # noqa: E402
@@ -71,8 +71,9 @@ def py2app_output(parent: Path, config, macos_site: Path) -> Path:
 @pytest.fixture(scope="session")
 def finished_app(tmp_path_factory, config, macos_site) -> Path:
     app = py2app_output(tmp_path_factory.mktemp("bundle"), config, macos_site)
-    macos_pip = pip_installer(extra_args=pip_target_args(config))
-    finish_bundle(app, config, search_path=[str(macos_site)], installer=macos_pip)
+    # The grammar wheels as `build.py app` installs them: the verified files, no index.
+    verified = verified_grammar_installer(wheel_set(config, ROOT), pip_target_args(config))
+    finish_bundle(app, config, search_path=[str(macos_site)], installer=verified)
     return app
 
 
@@ -133,7 +134,7 @@ def test_finish_bundle_refuses_a_bundle_that_breaks_the_rules(tmp_path, config, 
     # A build machine newer than the bundle's minimum: its wheels need a newer macOS.
     plist = info_plist(config) | {"LSMinimumSystemVersion": "13.0"}
     (app / "Contents" / "Info.plist").write_bytes(plistlib.dumps(plist))
-    macos_pip = pip_installer(extra_args=pip_target_args(config))
+    macos_pip = verified_grammar_installer(wheel_set(config, ROOT), pip_target_args(config))
     with pytest.raises(BuildError, match=r"needs macOS 14.0 but LSMinimumSystemVersion is 13.0"):
         finish_bundle(app, config, search_path=[str(macos_site)], installer=macos_pip)
 

@@ -187,9 +187,19 @@ def test_workflow_without_the_build_pins_is_reported(config, tmp_path):
     )
     problems = workflow_problems(config, tmp_path)
     assert problems == [
-        f".github/workflows/macos-dmg.yml should contain {item!r} (bundle.toml [build], the "
-        "locked set)"
-        for item in ("py2app==0.28.10", "setuptools==70.3.0", 'python-version: "3.12"')
+        *(
+            f".github/workflows/macos-dmg.yml should contain {item!r} (bundle.toml [build], "
+            "the verified set)"
+            for item in (
+                "py2app==0.28.10",
+                "setuptools==70.3.0",
+                'python-version: "3.12"',
+                "build.py install-verified",
+            )
+        ),
+        ".github/workflows/macos-dmg.yml installs packaging/macos-requirements.txt with pip, "
+        "which picks wheels for the runner's macOS (newer than 14.0): use "
+        "`python build.py install-verified`",
     ]
     assert workflow_problems(config, ROOT) == []
 
