@@ -139,3 +139,17 @@ def test_the_benchmark_runs_after_notarization_in_its_own_job(jobs):
         (i, s) for i, s in _uses(build, "actions/upload-artifact") if ".dmg" in s["with"]["path"]
     ]
     assert notarize < upload_at and "if" not in upload
+
+
+def test_the_app_checks_the_feed_the_release_publishes(jobs):
+    """The build writes this repository's releases into the app as its default feed,
+    and the feed file it points at is written from the notarized DMG and uploaded."""
+    build = jobs["build"]
+    step = build["steps"][_step_named(build, "Build the app")]
+    feed_url = step["env"]["OMLX_UPDATE_FEED"]
+    assert feed_url.startswith("https://github.com/${{ github.repository }}/releases/")
+    (write,) = _steps_running(build, "python -m app.update_feed")
+    assert feed_url.rsplit("/", 1)[1] in build["steps"][write]["run"]
+    uploads = [s["with"]["path"] for _i, s in _uses(build, "actions/upload-artifact")]
+    assert any("omlx-update.json" in path for path in uploads)
+    assert _step_named(build, "Notarize") < write
