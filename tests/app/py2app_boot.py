@@ -23,6 +23,7 @@ import re
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -63,23 +64,35 @@ def py2app_command(dist_dir: Path) -> Any:
     options = {**py2app_options(config), "dist_dir": str(dist_dir)}
     attrs = {"name": config.name, "version": config.version, "app": [str(config.entry)]}
     dist = Distribution({**attrs, "options": {"py2app": options}})
-    cmd = dist.get_command_obj("py2app")
-    cmd.ensure_finalized()
-    cmd.fixup_distribution()
-    cmd.additional_paths = [str(config.entry.parent)]
-    cmd.initialize_prescripts()
+    with quiet():
+        cmd = dist.get_command_obj("py2app")
+        cmd.ensure_finalized()
+        cmd.fixup_distribution()
+        cmd.additional_paths = [str(config.entry.parent)]
+        cmd.initialize_prescripts()
     return cmd
 
 
 def seed_graph(cmd: Any) -> Any:
     from modulegraph.find_modules import find_modules
 
-    return find_modules(includes=RECIPE_SEED, excludes=cmd.excludes)
+    with quiet():
+        return find_modules(includes=RECIPE_SEED, excludes=cmd.excludes)
 
 
 def full_graph(cmd: Any) -> Any:
     """What ``run_normal`` scans: the entry script, our packages and includes (minutes)."""
-    return cmd.get_modulefinder()
+    with quiet():
+        return cmd.get_modulefinder()
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[StringIO]:
+    """py2app's progress lines and modulegraph's thousands of DeprecationWarnings."""
+    printed = StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(printed):
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield printed
 
 
 @contextlib.contextmanager
@@ -100,8 +113,7 @@ def mac_build_packages() -> Iterator[None]:
 def boot_files(cmd: Any, graph: Any) -> BootFiles:
     """Run py2app's recipes over ``graph``; then what build_executable writes."""
     own_resources = len(cmd.resources)
-    printed = StringIO()
-    with mac_build_packages(), contextlib.redirect_stdout(printed):
+    with mac_build_packages(), quiet() as printed:
         cmd.process_recipes(graph, [], {}, [])
     prescripts = cmd.targets[0].prescripts
     return BootFiles(

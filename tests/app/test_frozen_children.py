@@ -23,7 +23,7 @@ import pytest
 
 from omlx.models.builtin import BUILTIN_MODEL_NAME, is_complete_model_folder
 from tests.app.frozen_layout import ALERT_MARKER, bundle_env, make_bundle
-from tests.app.test_frozen_child import HEADERS, KEY, run_launcher, wait_healthy
+from tests.app.test_frozen_child import run_launcher
 from tests.app.xvfb import xvfb_display
 from tests.fixtures.fake_hub import FakeHub
 from tests.fixtures.servers import free_port
@@ -33,6 +33,8 @@ from tests.unit.test_gguf_crafted import tiny_llama_gguf_bytes
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="a POSIX launcher")
 
 REPO = "mlx-community/tiny-llama"
+KEY = "sk-frozen-child"
+HEADERS = {"Authorization": f"Bearer {KEY}", "X-Omlx-Client": "test"}
 NOT_PYTHON = "the omlx.app launcher runs the app, not Python"
 
 
@@ -60,6 +62,19 @@ class FrozenServer:
         self.http = httpx.Client(base_url=base_url, headers=HEADERS, timeout=300)
 
 
+def wait_healthy(server: FrozenServer, proc: subprocess.Popen, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, server.stderr.read_text()[-3000:]
+        try:
+            if server.http.get("/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the frozen server never answered /health")
+
+
 @pytest.fixture(scope="module")
 def server(
     launcher: Path, hub: FakeHub, tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -81,7 +96,7 @@ def server(
         )
     frozen = FrozenServer(f"http://127.0.0.1:{port}", models, stderr)
     try:
-        wait_healthy(frozen.base_url, proc)
+        wait_healthy(frozen, proc)
         yield frozen
     finally:
         frozen.http.close()
