@@ -1,19 +1,25 @@
 """An omlx.app layout started the way py2app 0.28 starts it, for tests on any POSIX host.
 
-The pieces stand in for py2app's:
+``Contents/Resources/__boot__.py`` is py2app's own: its bootstrap pieces and the
+prescripts of the recipes that apply to our package set, assembled by py2app's
+command and recipe machinery (tests/app/py2app_boot.py), with the recipes'
+resources (ssl's ``openssl.ca``) and bundle.toml's laid out as py2app lays them
+out. Two pieces stand in for py2app's, which are Mach-O programs:
 
-- ``Contents/MacOS/omlx``: its C launcher. It exports RESOURCEPATH, ARGVZERO and
-  EXECUTABLEPATH, sets ``sys.argv`` to ``[__boot__.py, *args]`` and runs the
-  bootstrap with CPython's own ``PyRun_SimpleFileExFlags`` (through ctypes), as
-  ``py2app/apptemplate/src/main.c`` does. When that call fails (the main script
-  raised anything but SystemExit) the real launcher shows its modal "fatal error"
-  alert and returns -1; this one prints ALERT_MARKER and exits 255 instead.
-- ``Contents/MacOS/python``: the bare interpreter, which is ``sys.executable``.
-- ``Resources/__boot__.py``: py2app's ``boot_app._run``: sets ``sys.frozen`` and runs
-  ``Resources/app_main.py`` in ``__main__`` with ``sys.argv[0]`` pointing at it.
+- ``Contents/MacOS/omlx``: its C launcher (``py2app/apptemplate/src/main.c``),
+  which cannot run here. It exports what main.c exports (RESOURCEPATH, ARGVZERO,
+  EXECUTABLEPATH, PYTHONDONTWRITEBYTECODE, PYTHONUNBUFFERED), sets ``sys.argv`` to
+  ``[__boot__.py, *args]`` and runs the boot file with CPython's own
+  ``PyRun_SimpleFileExFlags`` (through ctypes), as main.c does. When that call
+  fails (the main script raised anything but SystemExit) the real launcher shows
+  its modal "fatal error" alert and returns -1; this one prints ALERT_MARKER and
+  exits 255 instead.
+- ``Contents/MacOS/python``: the bundle's bare interpreter, ``sys.executable``;
+  here a link to this host's CPython.
 
-The bundle carries its libraries; here they are this checkout and this venv's
-(``bundle_env`` puts them on PYTHONPATH).
+The bundle carries its libraries and main.c points PYTHONHOME / PYTHONPATH at
+them; here they are this checkout and this venv's (``bundle_env`` puts them on
+PYTHONPATH, which both programs and every child inherit, as in the bundle).
 """
 
 from __future__ import annotations
@@ -25,12 +31,15 @@ import sysconfig
 import tomllib
 from pathlib import Path
 
+from tests.app.py2app_boot import copy_resource, layout_boot_files
+
 ROOT = Path(__file__).resolve().parents[2]
 ALERT_MARKER = "py2app-launcher: fatal error alert (the main script raised)"
 
 STUB = """#!/bin/sh
 here="$(cd "$(dirname "$0")" && pwd)"
 export RESOURCEPATH="$here/../Resources" ARGVZERO="$0" EXECUTABLEPATH="$here/omlx"
+export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 exec "$here/python" "$RESOURCEPATH/__launcher__.py" "$@"
 """
 # main.c: PySys_SetArgv([mainScript, argv[1:]]); rval = PyRun_SimpleFile(...);
@@ -56,24 +65,6 @@ def launch():
 
 launch()
 """
-BOOT = """import os
-import sys
-
-
-def _run():
-    global __file__
-    sys.frozen = "macosx_app"
-    path = os.path.join(os.environ["RESOURCEPATH"], DEFAULT_SCRIPT)
-    sys.argv[0] = __file__ = path
-    with open(path, encoding="utf-8") as fp:
-        source = fp.read() + "\\n"
-    exec(compile(source, path, "exec"), globals(), globals())
-
-
-DEFAULT_SCRIPT = "app_main.py"
-SCRIPT_MAP = {}
-_run()
-"""
 
 
 def make_bundle(root: Path) -> Path:
@@ -87,21 +78,15 @@ def make_bundle(root: Path) -> Path:
     launcher.chmod(0o755)
     (contents / "MacOS" / "python").symlink_to(os.path.realpath(sys.executable))
     (resources / "__launcher__.py").write_text(LAUNCHER)
-    (resources / "__boot__.py").write_text(BOOT)
+    boot = layout_boot_files()
+    (resources / "__boot__.py").write_text(boot.source)
     shutil.copy(ROOT / "packaging" / "app_main.py", resources / "app_main.py")
-    copy_resources(resources)
-    return launcher
-
-
-def copy_resources(resources: Path) -> None:
-    """What bundle.toml's ``resources`` puts in Contents/Resources (folders keep their name)."""
     config = tomllib.loads((ROOT / "packaging" / "bundle.toml").read_text(encoding="utf-8"))
-    for name in config["app"]["resources"]:
-        source = ROOT / name
-        if source.is_dir():
-            shutil.copytree(source, resources / source.name)
-        else:
-            shutil.copy(source, resources / source.name)
+    for name in config["app"]["resources"]:  # folders keep their name
+        copy_resource(str(ROOT / name), resources / Path(name).name)
+    for source, dest in boot.resources:
+        copy_resource(source, resources / dest)
+    return launcher
 
 
 def bundle_env(*first: Path) -> dict[str, str]:
