@@ -26,6 +26,7 @@ from mlx_lm.models.cache import BatchKVCache
 from omlx.engine.compiled_batch import CompiledBatchStep
 from omlx.engine.draft_model import DraftProposer
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
+from omlx.engine.mlx_types import int_list
 from omlx.engine.ngram import NgramDrafter
 from omlx.engine.row_layout import RowLayouts
 from omlx.engine.speculative import SpecStats, verify_rows
@@ -171,7 +172,7 @@ class PrefillBatch:
             [0],
             [cache],
             prefill_step_size=self._step,
-            samplers=[None],
+            samplers=[None],  # type: ignore[list-item]  # mlx-lm takes None (its fallback)
             logits_processors=[[]],
         )
         if self._batch is None:
@@ -359,11 +360,11 @@ class DecodeBatch:
         if self._pipelined:
             mx.async_eval(lazy)
             # The tokens sampled last step (in ``feed``) leave now, with their logprobs.
-            out = self._outputs(feed.tolist(), self._feed_logprobs, self._fresh)
+            out = self._outputs(int_list(feed), self._feed_logprobs, self._fresh)
             self._fresh = [True] * len(self.rows)
         else:
             mx.eval(lazy)
-            out = self._outputs(sampled.tolist(), asked, [True] * len(self.rows))
+            out = self._outputs(int_list(sampled), asked, [True] * len(self.rows))
         self._feed, self._feed_logprobs = sampled, asked
         self._num_steps += 1
         if self._num_steps % _CLEAR_EVERY == 0:
@@ -396,7 +397,7 @@ class DecodeBatch:
         """The sampled tokens in ``_feed`` not handed out yet (pipelined steps)."""
         if not any(self._fresh) or self._feed is None:
             return []
-        out = self._outputs(self._feed.tolist(), self._feed_logprobs, self._fresh)
+        out = self._outputs(int_list(self._feed), self._feed_logprobs, self._fresh)
         self._fresh, self._feed_logprobs = [False] * len(self.rows), None
         return out
 
@@ -447,7 +448,7 @@ class DecodeBatch:
         widest); the drafts the model agrees with and one token after them leave.
         Each row's cache keeps exactly what it accepted (row_layout.py)."""
         assert self._feed is not None
-        seqs = [[token, *draft] for token, draft in zip(self._feed.tolist(), drafts, strict=True)]
+        seqs = [[token, *draft] for token, draft in zip(int_list(self._feed), drafts, strict=True)]
         width = verify_width(max(len(seq) for seq in seqs))
         padded = [seq + [seq[-1]] * (width - len(seq)) for seq in seqs]
         fed = mx.array(padded)

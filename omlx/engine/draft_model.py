@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from omlx.engine.compiled_batch import CompiledBatchStep
+from omlx.engine.mlx_types import int_rows
 from omlx.engine.row_layout import settle_rows
 
 __all__ = ["DraftProposer", "Drafts", "plain_kv_model"]
@@ -223,7 +224,7 @@ class DraftProposer:
             columns.append(_pick(rows, logits, drafting, scaled).astype(feed.dtype))
         dists = [mx.concatenate(s) if s else None for s in scaled]
         mx.eval(*columns, *[d for d in dists if d is not None])
-        table = mx.stack(columns, axis=1).tolist() if columns else [[] for _ in rows]
+        table = int_rows(mx.stack(columns, axis=1)) if columns else [[] for _ in rows]
         tokens = [table[b][f : f + n] for b, (f, n) in enumerate(zip(first, budgets, strict=True))]
         fed_drafts = [max(0, min(n, positions - u)) for u, n in zip(unseen, budgets, strict=True)]
         self._fed = _Fed(list(self._ids), unseen, fed_drafts, positions)
@@ -235,7 +236,8 @@ class DraftProposer:
             logits = self._compiled(feed, self._cache, prove=False)
             if logits is not None:
                 return logits
-        return self.model(feed[:, None], cache=self._cache)[:, -1, :]
+        eager: mx.array = self.model(feed[:, None], cache=self._cache)[:, -1, :]
+        return eager
 
     def _fit_vocab(self, logits: mx.array) -> mx.array:
         """The draft's logits over the target's vocabulary (extra rows cut, missing

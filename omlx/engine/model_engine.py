@@ -42,6 +42,9 @@ from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, Tok
 from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput
 from omlx.sizes import format_bytes
 
+# Events the MLX thread hands to their streams' event loops at the end of a step.
+Outbox = list[tuple[RequestStream, StreamEvent]]
+
 log = logging.getLogger(__name__)
 
 
@@ -66,7 +69,7 @@ class Runner(Protocol):
 
 class Poster(Protocol):
     def post(self, fn: Any, *args: Any) -> None: ...
-    def submit(self, fn: Any, *args: Any) -> Future: ...
+    def submit(self, fn: Any, *args: Any) -> Future[Any]: ...
     def busy_besides(self, engine: Any) -> bool: ...
 
 
@@ -186,7 +189,7 @@ class ModelEngine:
     def abort(self, request_id: str) -> None:
         self._worker.post(self._abort, request_id)
 
-    def run_on_mlx(self, fn: Any, *args: Any, even_if_closed: bool = False) -> Future:
+    def run_on_mlx(self, fn: Any, *args: Any, even_if_closed: bool = False) -> Future[Any]:
         """Run ``fn(*args)`` on the MLX thread between steps (prompt scoring);
         refused like ``submit`` once the engine stops taking requests, unless
         ``even_if_closed`` (a clean-up)."""
@@ -281,7 +284,7 @@ class ModelEngine:
     def step(self) -> None:
         """One step: the scheduler plans it (preemption, admission, the memory gate),
         the runner executes it, and its tokens become stream events."""
-        outbox: list[tuple[RequestStream, StreamEvent]] = []
+        outbox: Outbox = []
         try:
             self.gate.reclaim_near_limit()
             runner = self._runner
@@ -293,14 +296,18 @@ class ModelEngine:
         except Exception as exc:  # an MLX failure: fail what is running, keep serving
             log.exception("engine step failed for %s", self.name)
             # 503s pass as they are (a distributed rank lost: omlx/distributed/).
-            unavailable = isinstance(exc, ServiceUnavailableError)
-            self._fail_all(exc if unavailable else EngineError(f"generation failed: {exc}"), outbox)
+            error = (
+                exc
+                if isinstance(exc, ServiceUnavailableError)
+                else EngineError(f"generation failed: {exc}")
+            )
+            self._fail_all(error, outbox)
         else:
             self._announce_admitted(plan.admitted, output.cached)
             self._update(list(output.tokens), outbox)
         self._flush(outbox)
 
-    def _end_gated(self, ended: Sequence[str], outbox: list) -> None:
+    def _end_gated(self, ended: Sequence[str], outbox: Outbox) -> None:
         """End the requests the memory gate ended (a lone request whose chunk
         cannot fit), before the forward."""
         for rid in ended:
@@ -316,7 +323,7 @@ class ModelEngine:
             "other work; retry shortly, or send a shorter prompt"
         )
 
-    def _update(self, outputs: list[TokenOutput], outbox: list) -> None:
+    def _update(self, outputs: list[TokenOutput], outbox: Outbox) -> None:
         finished = []
         for update in self._scheduler.update_from_output(outputs):
             if update.request_id not in self._live:
@@ -356,7 +363,7 @@ class ModelEngine:
             notices.append((live.stream, event))
         self._flush(notices)
 
-    def _on_update(self, update: RequestUpdate, outbox: list) -> str | None:
+    def _on_update(self, update: RequestUpdate, outbox: Outbox) -> str | None:
         """Returns the finish reason when the request finished with this token."""
         live = self._live[update.request_id]
         if not update.status.is_finished and _grammar_overran(live.request):
@@ -416,7 +423,7 @@ class ModelEngine:
         """What the memory guard did to this model's requests (admin API, /metrics)."""
         return self.gate.counters()
 
-    def _fail_request(self, request_id: str, error: OmlxError, outbox: list) -> None:
+    def _fail_request(self, request_id: str, error: OmlxError, outbox: Outbox) -> None:
         where = self._scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)
         if where is RequestStatus.RUNNING:
             self._runner.remove([request_id])
@@ -429,14 +436,14 @@ class ModelEngine:
     def fail_all(self, error: OmlxError) -> int:
         """MLX thread: end every request with ``error`` (the enforcer above the hard
         limit, release of memory). Returns how many were ended."""
-        outbox: list = []
+        outbox: Outbox = []
         rids = list(self._live)
         for rid in rids:
             self._fail_request(rid, error, outbox)
         self._flush(outbox)
         return len(rids)
 
-    def _fail_all(self, error: OmlxError, outbox: list) -> None:
+    def _fail_all(self, error: OmlxError, outbox: Outbox) -> None:
         for rid, live in list(self._live.items()):
             if self._scheduler.finish(rid, RequestStatus.FINISHED_ERROR) is not None:
                 self._release("error")
@@ -451,8 +458,8 @@ class ModelEngine:
         self.finish_counts[reason] += 1
 
     @staticmethod
-    def _flush(outbox: list[tuple[RequestStream, StreamEvent]]) -> None:
-        by_loop: dict[Any, list] = defaultdict(list)
+    def _flush(outbox: Outbox) -> None:
+        by_loop: dict[Any, Outbox] = defaultdict(list)
         for stream, event in outbox:
             by_loop[stream.loop].append((stream, event))
         for loop, batch in by_loop.items():
@@ -461,7 +468,7 @@ class ModelEngine:
 
     def shutdown(self) -> None:
         """MLX thread: abort everything and free the runner."""
-        outbox: list = []
+        outbox: Outbox = []
         gone = self._refusal if self._closed else None
         if gone is None:
             gone = unloaded_error(self.name, "the server is stopping")

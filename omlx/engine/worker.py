@@ -73,9 +73,9 @@ class MLXWorker:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._done.is_set()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``fn(*args)`` on the MLX thread; the future holds its result or error."""
-        future: Future = Future()
+        future: Future[Any] = Future()
 
         def call() -> None:
             if not future.set_running_or_notify_cancel():
