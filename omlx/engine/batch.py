@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
@@ -26,11 +26,14 @@ from mlx_lm.models.cache import BatchKVCache
 from omlx.engine.compiled_batch import CompiledBatchStep
 from omlx.engine.draft_model import DraftProposer
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
-from omlx.engine.mlx_types import int_list
+from omlx.engine.mlx_types import BatchCacheLayer, CacheLayer, LanguageModel, int_list
 from omlx.engine.ngram import NgramDrafter
 from omlx.engine.row_layout import RowLayouts
 from omlx.engine.speculative import SpecStats, verify_rows
 from omlx.scheduler import TokenLogprob, TokenOutput
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -126,7 +129,7 @@ def asked_logprobs(
     return AskedLogprobs([rows[e].request_id for e in asking], ks, pending)
 
 
-def merge_caches(caches: Sequence[list[Any]]) -> list[Any]:
+def merge_caches(caches: Sequence[list[CacheLayer]]) -> list[BatchCacheLayer]:
     """Per-sequence prompt caches (one list of layers each) as one batched cache."""
     batched = []
     for i, layer in enumerate(caches[0]):
@@ -147,7 +150,7 @@ class PrefillBatch:
     prompt's last token: that one goes through the decode step, which samples
     the first token from it."""
 
-    def __init__(self, model: Any, step_size: int):
+    def __init__(self, model: LanguageModel, step_size: int):
         self._model = model
         self._step = step_size
         self._batch: PromptProcessingBatch | None = None
@@ -161,14 +164,14 @@ class PrefillBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def add(self, row: Row, cache: list[Any], num_cached: int, rest: Sequence[int]) -> None:
+    def add(self, row: Row, cache: list[CacheLayer], num_cached: int, rest: Sequence[int]) -> None:
         """``cache`` holds ``num_cached`` tokens; ``rest`` (>= 2 tokens) follows them."""
         if len(rest) < 2:
             raise ValueError("a prefill row needs at least two tokens (use the decode batch)")
         # Sampling happens in the decode step: the batch's own per-row lists stay
         # placeholders (kept one per row, as its filter expects).
         piece = PromptProcessingBatch(
-            self._model,
+            cast("nn.Module", self._model),  # mlx-lm types its model as nn.Module
             [0],
             [cache],
             prefill_step_size=self._step,
@@ -197,7 +200,7 @@ class PrefillBatch:
         right-padded to the longest in one forward (0: the batch waits a step)."""
         self._cap = cap
 
-    def step(self) -> tuple[list[tuple[Row, int]], list[Any]]:
+    def step(self) -> tuple[list[tuple[Row, int]], list[BatchCacheLayer]]:
         """One chunk of every row. Returns the rows whose prompt is in now (with
         their last prompt token) and their batched cache."""
         if self._batch is None or not self.rows or self._cap == 0:
@@ -225,7 +228,7 @@ class PrefillBatch:
 
     def remove(
         self, request_ids: set[str], *, extract: bool
-    ) -> dict[str, tuple[list[Any], int] | None]:
+    ) -> dict[str, tuple[list[CacheLayer], int] | None]:
         """Take rows out; with ``extract``, returns each one's cache and the tokens
         it holds (None for each without)."""
         gone = [i for i, row in enumerate(self.rows) if row.request_id in request_ids]
@@ -268,7 +271,7 @@ class DecodeBatch:
 
     def __init__(
         self,
-        model: Any,
+        model: LanguageModel,
         *,
         pipelined: bool | None = None,
         compiled: CompiledBatchStep | None = None,
@@ -279,7 +282,7 @@ class DecodeBatch:
             pipelined = mx.default_device().type == mx.DeviceType.gpu
         self._pipelined = pipelined
         self.rows: list[Row] = []
-        self._cache: list[Any] = []
+        self._cache: list[BatchCacheLayer] = []
         # What each row feeds next, and whether it is a sampled token not handed out.
         self._feed: mx.array | None = None
         self._fresh: list[bool] = []
@@ -310,7 +313,7 @@ class DecodeBatch:
                 return i
         return None
 
-    def join(self, rows: list[Row], feed: list[int], cache: list[Any]) -> None:
+    def join(self, rows: list[Row], feed: list[int], cache: list[BatchCacheLayer]) -> None:
         """Add rows whose ``cache`` (batched, in row order) holds everything
         before ``feed`` (one token per row, fed by the next step; it is never
         handed out by this batch)."""
@@ -408,7 +411,7 @@ class DecodeBatch:
         limit = self.draft_limit() if self._trimmable() else 0
         if not self.rows or not limit:
             return []
-        context = self._cache[0]._idx if self._cache else 0
+        context = self._cache[0].size() if self._cache else 0
         width = verify_width(limit + 1)
         drafting = self.draft.planned_positions(self.rows, limit) if self.draft else []
         return [
@@ -508,15 +511,15 @@ class DecodeBatch:
             [row.sampler(logits[e : e + 1]) for e, row in enumerate(self.rows)], axis=0
         )
 
-    def extract(self, request_id: str) -> list[Any] | None:
+    def extract(self, request_id: str) -> list[CacheLayer] | None:
         """A row's cache as a plain prompt cache (a copy)."""
         i = self.index(request_id)
         return None if i is None else self._row_cache(i)
 
-    def _row_cache(self, i: int) -> list[Any]:
+    def _row_cache(self, i: int) -> list[CacheLayer]:
         return self._layouts.in_order(i, [layer.extract(i) for layer in self._cache])
 
-    def remove(self, request_ids: set[str], *, extract: bool) -> dict[str, list[Any]]:
+    def remove(self, request_ids: set[str], *, extract: bool) -> dict[str, list[CacheLayer]]:
         """Take rows out (their unsent sampled tokens are dropped); with
         ``extract``, returns each one's cache."""
         gone = [i for i, row in enumerate(self.rows) if row.request_id in request_ids]

@@ -98,8 +98,8 @@ class CompiledBatchStep(CompiledStep):
     def accepts(cache: list[Any]) -> bool:
         if not cache or any(type(c) is not BatchKVCache for c in cache):
             return False
-        idx = cache[0]._idx
-        return all(c._idx == idx for c in cache)
+        idx = cache[0].size()  # BatchKVCache.size(): its end (_idx)
+        return all(c.size() == idx for c in cache)
 
     def __call__(
         self, tokens: mx.array, cache: list[Any], *, prove: bool = True

@@ -22,6 +22,8 @@ class CacheLayer(Protocol):
 
     def is_trimmable(self) -> bool: ...
 
+    def size(self) -> int: ...  # tokens held (a batch's: its longest row's, padding in)
+
     def trim(self, n: int) -> int: ...
 
 

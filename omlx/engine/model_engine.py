@@ -13,16 +13,17 @@ import threading
 import time
 import weakref
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from omlx.cache.hot import ClearTier
 from omlx.cache.prefix import PrefixCache
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omlx.engine.memory_gate import StepGate
+from omlx.engine.mlx_types import LanguageModel
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
 from omlx.engine.token_text import LogprobEntry, TokenText
 from omlx.errors import (
@@ -42,6 +43,11 @@ from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, Tok
 from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput
 from omlx.sizes import format_bytes
 
+if TYPE_CHECKING:
+    from omlx.engine.drafts import AttachedDraft
+    from omlx.engine.worker import Steppable
+    from omlx.models.vlm import VisionEncoder
+
 # Events the MLX thread hands to their streams' event loops at the end of a step.
 Outbox = list[tuple[RequestStream, StreamEvent]]
 
@@ -60,7 +66,7 @@ class Runner(Protocol):
     def close(self) -> None: ...
     def speculative_stats(self) -> dict[str, int]: ...
     def speculation_plan(self) -> list[PrefillChunk]: ...
-    def set_draft(self, model: Any, target_vocab: int) -> None: ...
+    def set_draft(self, model: LanguageModel | None, target_vocab: int) -> None: ...
     def clear_prefix_cache(self, tier: ClearTier) -> None: ...
     def flush_cache_stores(self) -> None: ...
 
@@ -68,9 +74,9 @@ class Runner(Protocol):
 
 
 class Poster(Protocol):
-    def post(self, fn: Any, *args: Any) -> None: ...
-    def submit(self, fn: Any, *args: Any) -> Future[Any]: ...
-    def busy_besides(self, engine: Any) -> bool: ...
+    def post(self, fn: Callable[..., Any], *args: Any) -> None: ...
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]: ...
+    def busy_besides(self, engine: Steppable | None) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -104,7 +110,7 @@ class ModelEngine:
         self.prefix_cache = prefix_cache
         self._runner = runner
         # The draft model proposing tokens (omlx.engine.drafts.AttachedDraft, or None).
-        self.draft: Any = None
+        self.draft: AttachedDraft | None = None
         self._scheduler = scheduler
         self._worker = worker
         self._live: dict[str, _Live] = {}
@@ -189,7 +195,9 @@ class ModelEngine:
     def abort(self, request_id: str) -> None:
         self._worker.post(self._abort, request_id)
 
-    def run_on_mlx(self, fn: Any, *args: Any, even_if_closed: bool = False) -> Future[Any]:
+    def run_on_mlx(
+        self, fn: Callable[..., Any], *args: Any, even_if_closed: bool = False
+    ) -> Future[Any]:
         """Run ``fn(*args)`` on the MLX thread between steps (prompt scoring);
         refused like ``submit`` once the engine stops taking requests, unless
         ``even_if_closed`` (a clean-up)."""
@@ -247,7 +255,7 @@ class ModelEngine:
         """MLX thread: the prefix-cache stores of requests that ended, now."""
         self._runner.flush_cache_stores()
 
-    def use_draft(self, model: Any) -> None:
+    def use_draft(self, model: LanguageModel | None) -> None:
         """A draft model proposes this model's drafts from the next step (None:
         prompt lookup). MLX thread."""
         self._runner.set_draft(model, self.loaded.vocab_size)
@@ -490,7 +498,7 @@ def _cached_tokens(prefix_cache: PrefixCache | None, request: Request) -> int:
     return prefix_cache.match(request.prompt_ids, keys)
 
 
-def _image_bytes(vision: Any, guard: MemoryGuard, request: Request) -> int:
+def _image_bytes(vision: VisionEncoder | None, guard: MemoryGuard, request: Request) -> int:
     """The transient of encoding the request's images at prefill (0: none)."""
     if request.images is None or vision is None:
         return 0

@@ -65,7 +65,7 @@ class MLXWorker:
         """MLX thread: whether any engine has requests in flight."""
         return any(e.has_work for e in self._engines)
 
-    def busy_besides(self, engine: Steppable) -> bool:
+    def busy_besides(self, engine: Steppable | None) -> bool:
         """MLX thread: whether an engine other than ``engine`` has requests in flight."""
         return any(e.has_work for e in self._engines if e is not engine)
 
