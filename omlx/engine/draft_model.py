@@ -24,19 +24,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache
 
 from omlx.engine.compiled_batch import CompiledBatchStep
-from omlx.engine.mlx_types import int_rows
+from omlx.engine.mlx_types import (
+    BatchCacheLayer,
+    CacheLayer,
+    LanguageModel,
+    int_rows,
+    prompt_cache,
+)
 from omlx.engine.row_layout import settle_rows
 
 __all__ = ["DraftProposer", "Drafts", "plain_kv_model"]
 
 
-def plain_kv_model(model: Any) -> bool:
+def plain_kv_model(model: LanguageModel) -> bool:
     """Whether every layer of ``model``'s cache is a plain KV cache (the only
     kind a batched cache can cut back after a rejection)."""
-    return all(type(layer).__name__ == "KVCache" for layer in make_prompt_cache(model))
+    return all(type(layer).__name__ == "KVCache" for layer in prompt_cache(model))
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +58,7 @@ class Drafts:
 class _Prefilling:
     """A row filling its own cache before it joins the batch."""
 
-    cache: list[Any]
+    cache: list[CacheLayer]
     seen: int = 0
 
 
@@ -75,7 +81,7 @@ class DraftProposer:
 
     def __init__(
         self,
-        model: Any,
+        model: LanguageModel,
         target_vocab: int,
         chunk_tokens: int,
         *,
@@ -85,7 +91,7 @@ class DraftProposer:
         self._compiled = compiled
         self._vocab = target_vocab
         self._chunk = max(chunk_tokens, 1)
-        self._cache: list[Any] = []
+        self._cache: list[BatchCacheLayer] = []
         self._ids: list[str] = []
         self._seen: list[int] = []  # tokens of each row's history in the cache
         self._prefilling: dict[str, _Prefilling] = {}
@@ -165,7 +171,7 @@ class DraftProposer:
         done join the batched cache."""
         for rid in by_id:
             if rid not in self._ids and rid not in self._prefilling:
-                self._prefilling[rid] = _Prefilling(make_prompt_cache(self.model))
+                self._prefilling[rid] = _Prefilling(prompt_cache(self.model))
         done = []
         for rid, state in self._prefilling.items():
             history = by_id[rid].drafter.tokens
