@@ -13,8 +13,8 @@ from omlx.cache.kv_codec import layer_layout
 from omlx.cache.location import check_cache_location, model_cache_dir, report_old_layout
 from omlx.cache.prefix import PrefixCache, model_identity
 from omlx.cache.ssd import SSDStore
-from omlx.engine.mlx_types import prompt_cache
 from omlx.errors import SettingsError
+from omlx.mlx_types import prompt_cache
 from omlx.models.loader import LoadedModel
 from omlx.private_fs import make_private_dir
 from omlx.settings import Settings

@@ -16,8 +16,8 @@ from typing import Any, cast
 
 from omlx.embeddings.llm_rerank import RerankPrompt, YesNoHead, rerank_prompt
 from omlx.embeddings.spec import EmbeddingSpec, embedding_spec
-from omlx.engine.mlx_types import flat_parameters
 from omlx.errors import ModelLoadError
+from omlx.mlx_types import flat_parameters
 from omlx.models.discovery import ModelInfo
 
 log = logging.getLogger(__name__)

@@ -26,10 +26,10 @@ from mlx_lm.models.cache import BatchKVCache
 from omlx.engine.compiled_batch import CompiledBatchStep
 from omlx.engine.draft_model import DraftProposer
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
-from omlx.engine.mlx_types import BatchCacheLayer, CacheLayer, LanguageModel, int_list
 from omlx.engine.ngram import NgramDrafter
 from omlx.engine.row_layout import RowLayouts
 from omlx.engine.speculative import SpecStats, verify_rows
+from omlx.mlx_types import BatchCacheLayer, CacheLayer, LanguageModel, int_list
 from omlx.scheduler import TokenLogprob, TokenOutput
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
 
-from omlx.engine.mlx_types import CacheLayer, LanguageModel, prompt_cache
+from omlx.mlx_types import CacheLayer, LanguageModel, prompt_cache
 
 log = logging.getLogger(__name__)
 

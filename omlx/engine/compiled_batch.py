@@ -13,7 +13,7 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
 from omlx.engine.compiled import CompiledStep, qualifies
-from omlx.engine.mlx_types import LanguageModel
+from omlx.mlx_types import LanguageModel
 
 
 def batch_qualifies(model: LanguageModel) -> bool:

@@ -27,14 +27,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from omlx.engine.compiled_batch import CompiledBatchStep
-from omlx.engine.mlx_types import (
+from omlx.engine.row_layout import settle_rows
+from omlx.mlx_types import (
     BatchCacheLayer,
     CacheLayer,
     LanguageModel,
     int_rows,
     prompt_cache,
 )
-from omlx.engine.row_layout import settle_rows
 
 __all__ = ["DraftProposer", "Drafts", "plain_kv_model"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from omlx.engine.batch import Row, merge_caches
-from omlx.engine.mlx_types import BatchCacheLayer
+from omlx.mlx_types import BatchCacheLayer
 from omlx.scheduler import Request
 
 # Makes a request's batch row whose processors have seen ``fed`` tokens.

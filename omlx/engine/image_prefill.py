@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from omlx.cache.prefix import CacheHit
-from omlx.engine.mlx_types import LanguageModel
 from omlx.engine.solo import SoloSequence
+from omlx.mlx_types import LanguageModel
 from omlx.scheduler import Request
 
 if TYPE_CHECKING:

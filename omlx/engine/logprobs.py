@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from omlx.engine.mlx_types import float_list, float_rows, int_rows
+from omlx.mlx_types import float_list, float_rows, int_rows
 from omlx.scheduler import TokenLogprob
 
 # What OpenAI reports for a token with no probability at all (a masked one):

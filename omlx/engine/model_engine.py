@@ -23,7 +23,6 @@ from omlx.cache.hot import ClearTier
 from omlx.cache.prefix import PrefixCache
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omlx.engine.memory_gate import StepGate
-from omlx.engine.mlx_types import LanguageModel
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
 from omlx.engine.token_text import LogprobEntry, TokenText
 from omlx.errors import (
@@ -38,6 +37,7 @@ from omlx.grammar.processor import MAX_STEP_CPU_S
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
 from omlx.memory.vision import image_bytes
+from omlx.mlx_types import LanguageModel
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
 from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput

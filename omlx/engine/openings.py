@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from omlx.cache.prefix import CacheHit
-from omlx.engine.mlx_types import CacheLayer, LanguageModel, prompt_cache
+from omlx.mlx_types import CacheLayer, LanguageModel, prompt_cache
 from omlx.scheduler import Request
 from omlx.scheduler.openings import SharedOpening
 

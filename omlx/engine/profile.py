@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from omlx.engine.batch import PrefillBatch, Row
-from omlx.engine.mlx_types import CacheLayer, LanguageModel, prompt_cache
 from omlx.errors import InsufficientMemoryError
 from omlx.memory import mlx_stats
 from omlx.memory.budget import (
@@ -50,6 +49,7 @@ from omlx.memory.budget import (
 )
 from omlx.memory.probe import MemoryProbe
 from omlx.memory.vision import vision_transient_bytes
+from omlx.mlx_types import CacheLayer, LanguageModel, prompt_cache
 from omlx.sizes import format_bytes
 
 if TYPE_CHECKING:

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from omlx import __version__
-from omlx.engine.mlx_types import LanguageModel
 from omlx.engine.profile import auto_profile, measure_image
 from omlx.memory.budget import KVProfile, Limits, ModelDims
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
+from omlx.mlx_types import LanguageModel
 from omlx.models.discovery import ModelInfo
 from omlx.settings import write_json_atomic
 

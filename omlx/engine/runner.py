@@ -25,12 +25,12 @@ from omlx.engine.compiled_batch import CompiledBatchStep
 from omlx.engine.draft_model import DraftProposer
 from omlx.engine.forks import ChoiceForks
 from omlx.engine.image_prefill import image_sequence
-from omlx.engine.mlx_types import CacheLayer, LanguageModel, prompt_cache
 from omlx.engine.ngram import drafter_for, speculates
 from omlx.engine.openings import share_openings, shares_openings
 from omlx.engine.sampling import make_request_processors, make_request_sampler
 from omlx.engine.solo import SoloSequence
 from omlx.engine.strategy import ExecutionStrategy
+from omlx.mlx_types import CacheLayer, LanguageModel, prompt_cache
 from omlx.scheduler import Request, TokenOutput
 from omlx.scheduler.openings import SharedOpening
 from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput

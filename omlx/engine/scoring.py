@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 
 from omlx.engine.logprobs import pending_logprobs
-from omlx.engine.mlx_types import CacheLayer, LanguageModel, prompt_cache
+from omlx.mlx_types import CacheLayer, LanguageModel, prompt_cache
 from omlx.scheduler import TokenLogprob
 
 # One chunk's float32 logits stay under this (64 MiB: ~110 positions of a

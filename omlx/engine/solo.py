@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from omlx.engine.compiled import CompiledDecode
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
-from omlx.engine.mlx_types import CacheLayer, LanguageModel, item_int, prompt_cache
+from omlx.mlx_types import CacheLayer, LanguageModel, item_int, prompt_cache
 from omlx.scheduler import TokenLogprob
 
 # Free MLX's buffer cache now and then, as generate_step does.

@@ -39,7 +39,7 @@ from typing import Any
 import mlx.core as mx
 
 from omlx.engine.logprobs import pending_logprobs
-from omlx.engine.mlx_types import bool_list, int_rows, item_int
+from omlx.mlx_types import bool_list, int_rows, item_int
 from omlx.scheduler import TokenLogprob
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from omlx.engine.mlx_types import item_int
+from omlx.mlx_types import item_int
 
 log = logging.getLogger(__name__)
 

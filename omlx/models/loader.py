@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from omlx.engine.mlx_types import LanguageModel, flat_parameters
 from omlx.errors import ModelLoadError
+from omlx.mlx_types import LanguageModel, flat_parameters
 from omlx.models.discovery import ModelInfo
 
 log = logging.getLogger(__name__)

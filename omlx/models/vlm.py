@@ -19,9 +19,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from omlx.engine.mlx_types import flat_parameters
 from omlx.errors import ModelLoadError
 from omlx.memory.vision import VisionDims, vision_dims
+from omlx.mlx_types import flat_parameters
 from omlx.models.discovery import ModelInfo
 
 log = logging.getLogger(__name__)

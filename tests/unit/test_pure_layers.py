@@ -16,7 +16,7 @@ PURE = (
     "omlx.memory.guard",
     "omlx.engine.strategy",
     "omlx.engine.ngram",
-    "omlx.engine.mlx_types",
+    "omlx.mlx_types",
 )
 
 
