@@ -55,6 +55,11 @@ def item_int(x: mx.array) -> int:
     return int(cast("int | float", x.item()))
 
 
+def item_float(x: mx.array) -> float:
+    """``x.item()`` of a one-element floating array."""
+    return cast(float, x.item())
+
+
 def int_list(x: mx.array) -> list[int]:
     """``x.tolist()`` of a 1-D integer array."""
     return cast("list[int]", x.tolist())
