@@ -5,7 +5,7 @@ from importlib.metadata import PackageNotFoundError, version
 try:
     # Only in the app bundle: build.py writes it there, because py2app does not copy an
     # editable install's package metadata.
-    from omlx._version import __version__
+    from omlx._version import __version__ as __version__
 except ImportError:
     try:
         __version__ = version("omlx")

@@ -57,7 +57,8 @@ def _default_model(pool: EnginePool) -> str | None:
         return default
     models = pool.available()
     chat = [name for name, info in sorted(models.items()) if info.kind == "llm"]
-    return (chat or sorted(models) or [None])[0]
+    names = chat or sorted(models)
+    return names[0] if names else None
 
 
 def _is_served(pool: EnginePool, name: str) -> bool:

@@ -49,7 +49,7 @@ class BodyGuardMiddleware:
             if declared is not None and _length(declared) > limit:
                 raise _too_large(limit, f"Content-Length is {_length(declared)} bytes")
             body, gone = await _read_body(receive, limit)
-            if not _header(scope, b"content-type", b"").lower().startswith(_BINARY_TYPES):
+            if not (_header(scope, b"content-type") or b"").lower().startswith(_BINARY_TYPES):
                 check_json_text(body)
         except InvalidRequestError as exc:
             await omlx_error_response(Request(scope), exc)(scope, receive, send)
@@ -107,11 +107,11 @@ def _too_large(limit: int, what: str) -> RequestTooLargeError:
     )
 
 
-def _header(scope: Scope, name: bytes, default: bytes | None = None) -> bytes | None:
+def _header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope["headers"]:
         if key == name:
             return bytes(value)
-    return default
+    return None
 
 
 def _length(value: bytes) -> int:

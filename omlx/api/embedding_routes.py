@@ -63,7 +63,8 @@ def fit_dimensions(vectors: np.ndarray, engine: EmbeddingEngine, wanted: int | N
             f"'dimensions' must be at most {full} for model '{engine.name}'", param="dimensions"
         )
     cut = vectors[:, :wanted]
-    return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
+    unit: np.ndarray = cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
+    return unit
 
 
 def _encode(row: np.ndarray, fmt: str) -> list[float] | str:

@@ -106,7 +106,7 @@ class _Format:
             choices=[self._final_choice(i, c) for i, c in enumerate(self.choices)],
         )
 
-    def _chunk_choice(self, index: int, event: StreamEvent, first: bool) -> dict | None:
+    def _chunk_choice(self, index: int, event: StreamEvent, first: bool) -> dict[str, Any] | None:
         raise NotImplementedError
 
     def _final_choice(self, index: int, choice: Choice) -> dict[str, Any]:
@@ -253,7 +253,7 @@ class CompletionFormat(_Format):
             return []
         return self._prompt_logprobs[index // self.n]
 
-    def _chunk_choice(self, index: int, event: StreamEvent, first: bool) -> dict | None:
+    def _chunk_choice(self, index: int, event: StreamEvent, first: bool) -> dict[str, Any] | None:
         text = (self._echo(index) if first else "") + event.text
         if not text and not event.finish_reason:
             return None
@@ -283,7 +283,9 @@ class CompletionFormat(_Format):
         """Where the first entry's text starts: after an echo that has no entries."""
         return 0 if self._prompt_logprobs is not None else len(self._echo(index))
 
-    def _completion_logprobs(self, entries: list[LogprobEntry], start: int) -> dict | None:
+    def _completion_logprobs(
+        self, entries: list[LogprobEntry], start: int
+    ) -> dict[str, Any] | None:
         """OpenAI's legacy shape: parallel lists, the top alternatives as a dict
         that also holds the chosen token (so up to logprobs + 1 entries)."""
         if not self.logprobs:

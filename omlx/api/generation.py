@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -51,7 +51,9 @@ class Generation:
             if not stream.finished:
                 self.engine.abort(stream.request_id)
 
-    async def events(self, keepalive_s: float) -> AsyncIterator[tuple[int, StreamEvent] | None]:
+    async def events(
+        self, keepalive_s: float
+    ) -> AsyncGenerator[tuple[int, StreamEvent] | None, None]:
         """(choice index, event) as they come; None when ``keepalive_s`` passed quietly."""
         queue: asyncio.Queue[tuple[int, StreamEvent]] = asyncio.Queue()
 

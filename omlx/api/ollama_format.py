@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, ClassVar
+from typing import Any
 
 from omlx.api.images import ImageSink, from_base64
 from omlx.api.ollama_schemas import GenerateRequest, Message, Options, Think
@@ -360,9 +360,9 @@ class OllamaEncoder:
     an error mid-stream as an {"error"} line, nothing while waiting, as Ollama's."""
 
     media_type = "application/x-ndjson"
-    headers: ClassVar[dict[str, str]] = {}
 
     def __init__(self, reply: OllamaReply, on_close: Callable[[], None]):
+        self.headers: dict[str, str] = {}
         self.reply = reply
         self.on_close = on_close  # keep_alive counts from the end of the request
 

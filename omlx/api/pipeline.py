@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -256,7 +256,7 @@ def _engine_requests(prepared: Prepared, grammar: Any) -> list[EngineRequest]:
     return requests
 
 
-async def _finished_at_once(requests: list[EngineRequest]) -> AsyncIterator[Item | None]:
+async def _finished_at_once(requests: list[EngineRequest]) -> AsyncGenerator[Item | None, None]:
     """Each request done before it starts (``max_tokens`` 0: the prompt is the answer)."""
     for i, request in enumerate(requests):
         yield i, StreamEvent(num_prompt_tokens=len(request.prompt_ids), finish_reason="length")
@@ -292,7 +292,7 @@ class _Tally:
 
 async def _whole(
     request: Request,
-    events: AsyncIterator[Item | None],
+    events: AsyncGenerator[Item | None, None],
     enc: Encoder,
     tally: _Tally,
     abort: Callable[[], None],
@@ -309,7 +309,10 @@ async def _whole(
 
 
 async def _collect(
-    events: AsyncIterator[Item | None], enc: Encoder, tally: _Tally, abort: Callable[[], None]
+    events: AsyncGenerator[Item | None, None],
+    enc: Encoder,
+    tally: _Tally,
+    abort: Callable[[], None],
 ) -> None:
     """An error event aborts the rest and is raised (the API's error body answers)."""
     async with aclosing(events) as items:
@@ -325,7 +328,10 @@ async def _collect(
 
 
 async def _stream(
-    events: AsyncIterator[Item | None], enc: Encoder, tally: _Tally, abort: Callable[[], None]
+    events: AsyncGenerator[Item | None, None],
+    enc: Encoder,
+    tally: _Tally,
+    abort: Callable[[], None],
 ) -> AsyncIterator[str]:
     """The encoder's frames as events come; the client going away aborts the call."""
     try:

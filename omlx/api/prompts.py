@@ -212,9 +212,9 @@ def _prompt_ids(tokenizer: Any, vocab: int, prompt: PromptField) -> list[list[in
     if isinstance(prompt, str):
         prompts = [list(tokenizer.encode(prompt))]
     elif all(isinstance(p, int) for p in prompt):
-        prompts = [list(prompt)]  # type: ignore[arg-type]
+        prompts = [list(prompt)]
     elif all(isinstance(p, str) for p in prompt):
-        prompts = [list(tokenizer.encode(p)) for p in prompt]  # type: ignore[arg-type]
+        prompts = [list(tokenizer.encode(p)) for p in prompt]
     else:
         prompts = [list(p) for p in prompt]  # type: ignore[arg-type]
     if not prompts:

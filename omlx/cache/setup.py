@@ -14,6 +14,7 @@ from omlx.cache.location import check_cache_location, model_cache_dir, report_ol
 from omlx.cache.prefix import PrefixCache, model_identity
 from omlx.cache.ssd import SSDStore
 from omlx.errors import SettingsError
+from omlx.mlx_types import prompt_cache
 from omlx.models.loader import LoadedModel
 from omlx.private_fs import make_private_dir
 from omlx.settings import Settings
@@ -58,13 +59,11 @@ def make_prefix_cache(
     """MLX thread. None when the cache is off or the model's layers cannot be cached.
     ``shard``: a rank's part of a split model, e.g. "tensor-rank1-of-2" (its SSD
     folder's suffix: ranks on one host share no file)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     cfg = settings.cache
     if hot is None:
         return None
     name = loaded.info.name
-    layers = make_prompt_cache(loaded.model)
+    layers = prompt_cache(loaded.model)
     layout = layer_layout(layers)
     if layout is None:
         kinds = sorted({type(c).__name__ for c in layers})

@@ -29,7 +29,9 @@ class _Embeddings(nn.Module):
     def __call__(self, ids: mx.array, type_ids: mx.array) -> mx.array:
         positions = mx.arange(ids.shape[1])[None, :] + self.position_offset
         x = self.word_embeddings(ids) + self.position_embeddings(positions)
-        return self.LayerNorm(x + self.token_type_embeddings(type_ids))
+        # nn.LayerNorm's __call__ is unannotated (Any).
+        out: mx.array = self.LayerNorm(x + self.token_type_embeddings(type_ids))
+        return out
 
 
 class _SelfAttention(nn.Module):
@@ -82,7 +84,8 @@ class _Layer(nn.Module):
         out = self.attention.output
         x = out.LayerNorm(out.dense(ctx) + x)
         ffn = self.output.dense(self.act(self.intermediate.dense(x)))
-        return self.output.LayerNorm(ffn + x)
+        out_x: mx.array = self.output.LayerNorm(ffn + x)  # unannotated in mlx (Any)
+        return out_x
 
 
 class _Encoder(nn.Module):

@@ -37,7 +37,7 @@ _MIN_BUCKET = 16
 @dataclass(eq=False, slots=True)
 class _Job:
     sequences: list[Sequence]
-    future: Future
+    future: Future[Any]
     rows: list[Any] = field(default_factory=list)
     remaining: int = 0
 
@@ -160,7 +160,7 @@ class EmbeddingEngine:
             "max_requests_in_step": self.max_requests_in_step,
         }
 
-    def submit(self, sequences: list[Sequence]) -> Future:
+    def submit(self, sequences: list[Sequence]) -> Future[Any]:
         """Queue the sequences of one request; the future holds a (n, D) float32
         array (or (n,) pair scores for a cross-encoder) in input order."""
         with self._lock:
@@ -178,7 +178,7 @@ class EmbeddingEngine:
         self._worker.post(self._add, job)
         return job.future
 
-    def _finished(self, future: Future) -> None:
+    def _finished(self, future: Future[Any]) -> None:
         with self._lock:
             self._num_in_flight -= 1
         reason = "abort" if future.cancelled() else "error" if future.exception() else "stop"

@@ -12,11 +12,12 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omlx.embeddings.llm_rerank import RerankPrompt, YesNoHead, rerank_prompt
 from omlx.embeddings.spec import EmbeddingSpec, embedding_spec
 from omlx.errors import ModelLoadError
+from omlx.mlx_types import flat_parameters
 from omlx.models.discovery import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class EmbeddingModel:
     info: ModelInfo
-    config: dict
+    config: dict[str, Any]
     spec: EmbeddingSpec
     tokenizer: Any  # tokenizers.Tokenizer, padding and truncation off
     encoder: Any  # mlx.nn.Module: (ids, type_ids, attention) -> hidden states
@@ -37,10 +38,8 @@ class EmbeddingModel:
     rerank_prompt: RerankPrompt | None = None
 
     def weights_bytes(self) -> int:
-        from mlx.utils import tree_flatten
-
         modules = [m for m in (self.encoder, self.head) if m is not None]
-        total = sum(p.nbytes for m in modules for _, p in tree_flatten(m.parameters()))
+        total = sum(p.nbytes for m in modules for _, p in flat_parameters(m))
         return int(total) or self.info.size_bytes
 
 
@@ -78,7 +77,7 @@ def _read_tokenizer(folder: Path) -> Any:
     return tokenizer
 
 
-def _load_bert(folder: Path, config: dict, spec: EmbeddingSpec) -> tuple[Any, Any]:
+def _load_bert(folder: Path, config: dict[str, Any], spec: EmbeddingSpec) -> tuple[Any, Any]:
     import mlx.core as mx
 
     from omlx.embeddings.bert import BertEncoder, classifier_head, split_weights
@@ -86,7 +85,8 @@ def _load_bert(folder: Path, config: dict, spec: EmbeddingSpec) -> tuple[Any, An
 
     weights: dict[str, Any] = {}
     for file in sorted(folder.glob("*.safetensors")):
-        weights.update(mx.load(str(file)))
+        # A .safetensors file loads as a dict (mlx types all formats' results as one).
+        weights.update(cast("dict[str, mx.array]", mx.load(str(file))))
     if mx.default_device().type != mx.DeviceType.gpu:
         # The CPU backend is slow and coarse in half precision: compute in float32.
         weights = {k: v.astype(mx.float32) if _floating(v) else v for k, v in weights.items()}
@@ -97,7 +97,9 @@ def _load_bert(folder: Path, config: dict, spec: EmbeddingSpec) -> tuple[Any, An
     head = None
     if spec.cross_encoder:
         head = classifier_head(config, head_weights)
-    mx.eval(encoder.parameters())
+    # nn.Module.parameters is unannotated; untyped_calls_exclude misses inherited
+    # methods (mypy issue 16651).
+    mx.eval(encoder.parameters())  # type: ignore[no-untyped-call]
     return encoder, head
 
 
@@ -110,7 +112,8 @@ def _floating(array: Any) -> bool:
 def _load_decoder(folder: Path) -> Any:
     from mlx_lm import load
 
-    model, _tokenizer = load(str(folder))
+    # mlx-lm types both of load's result shapes as one union.
+    model, _tokenizer = cast("tuple[Any, Any]", load(str(folder)))
     return _DecoderEncoder(model)
 
 

@@ -110,4 +110,5 @@ class ModernBertEncoder(nn.Module):
         full, local = full.astype(x.dtype), local.astype(x.dtype)
         for layer in self.layers:
             x = layer(x, full, local)
-        return self.final_norm(x)
+        out: mx.array = self.final_norm(x)  # nn.LayerNorm's __call__ is unannotated (Any)
+        return out

@@ -16,6 +16,7 @@ from omlx.engine.model_engine import ModelEngine
 from omlx.engine.profile_cache import ProfileCache, ProfileInputs, profile_model
 from omlx.engine.runner import BatchRunner
 from omlx.engine.strategy import ExecutionStrategy
+from omlx.engine.worker import MLXWorker
 from omlx.memory.budget import KVProfile, Limits, ModelDims, guard_dims
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
@@ -29,7 +30,7 @@ class EngineParts:
     """What the pool shares with every engine it builds."""
 
     settings: Settings
-    worker: Any  # the MLXWorker
+    worker: MLXWorker
     hot_cache: HotTier | None
     limits: Limits
     probe: MemoryProbe

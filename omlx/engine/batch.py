@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
@@ -31,7 +31,11 @@ from omlx.engine.ngram import NgramDrafter
 from omlx.engine.row_layout import RowLayouts
 from omlx.engine.speculative import SpecStats, verify_rows
 from omlx.engine.strategy import ExecutionStrategy
+from omlx.mlx_types import BatchCacheLayer, CacheLayer, LanguageModel, int_list
 from omlx.scheduler import TokenLogprob, TokenOutput
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -127,7 +131,7 @@ def asked_logprobs(
     return AskedLogprobs([rows[e].request_id for e in asking], ks, pending)
 
 
-def merge_caches(caches: Sequence[list[Any]]) -> list[Any]:
+def merge_caches(caches: Sequence[list[CacheLayer]]) -> list[BatchCacheLayer]:
     """Per-sequence prompt caches (one list of layers each) as one batched cache."""
     batched = []
     for i, layer in enumerate(caches[0]):
@@ -148,7 +152,7 @@ class PrefillBatch:
     prompt's last token: that one goes through the decode step, which samples
     the first token from it."""
 
-    def __init__(self, model: Any, step_size: int):
+    def __init__(self, model: LanguageModel, step_size: int):
         self._model = model
         self._step = step_size
         self._batch: PromptProcessingBatch | None = None
@@ -162,18 +166,18 @@ class PrefillBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def add(self, row: Row, cache: list[Any], num_cached: int, rest: Sequence[int]) -> None:
+    def add(self, row: Row, cache: list[CacheLayer], num_cached: int, rest: Sequence[int]) -> None:
         """``cache`` holds ``num_cached`` tokens; ``rest`` (>= 2 tokens) follows them."""
         if len(rest) < 2:
             raise ValueError("a prefill row needs at least two tokens (use the decode batch)")
         # Sampling happens in the decode step: the batch's own per-row lists stay
         # placeholders (kept one per row, as its filter expects).
         piece = PromptProcessingBatch(
-            self._model,
+            cast("nn.Module", self._model),  # mlx-lm types its model as nn.Module
             [0],
             [cache],
             prefill_step_size=self._step,
-            samplers=[None],
+            samplers=[None],  # type: ignore[list-item]  # mlx-lm takes None (its fallback)
             logits_processors=[[]],
         )
         if self._batch is None:
@@ -198,7 +202,7 @@ class PrefillBatch:
         right-padded to the longest in one forward (0: the batch waits a step)."""
         self._cap = cap
 
-    def step(self) -> tuple[list[tuple[Row, int]], list[Any]]:
+    def step(self) -> tuple[list[tuple[Row, int]], list[BatchCacheLayer]]:
         """One chunk of every row. Returns the rows whose prompt is in now (with
         their last prompt token) and their batched cache."""
         if self._batch is None or not self.rows or self._cap == 0:
@@ -226,7 +230,7 @@ class PrefillBatch:
 
     def remove(
         self, request_ids: set[str], *, extract: bool
-    ) -> dict[str, tuple[list[Any], int] | None]:
+    ) -> dict[str, tuple[list[CacheLayer], int] | None]:
         """Take rows out; with ``extract``, returns each one's cache and the tokens
         it holds (None for each without)."""
         gone = [i for i, row in enumerate(self.rows) if row.request_id in request_ids]
@@ -269,7 +273,7 @@ class DecodeBatch:
 
     def __init__(
         self,
-        model: Any,
+        model: LanguageModel,
         strategy: ExecutionStrategy,
         compiled: CompiledBatchStep | None = None,
     ):
@@ -277,7 +281,7 @@ class DecodeBatch:
         self._compiled = compiled
         self._pipelined = strategy.pipelined
         self.rows: list[Row] = []
-        self._cache: list[Any] = []
+        self._cache: list[BatchCacheLayer] = []
         # What each row feeds next, and whether it is a sampled token not handed out.
         self._feed: mx.array | None = None
         self._fresh: list[bool] = []
@@ -311,7 +315,7 @@ class DecodeBatch:
                 return i
         return None
 
-    def join(self, rows: list[Row], feed: list[int], cache: list[Any]) -> None:
+    def join(self, rows: list[Row], feed: list[int], cache: list[BatchCacheLayer]) -> None:
         """Add rows whose ``cache`` (batched, in row order) holds everything
         before ``feed`` (one token per row, fed by the next step; it is never
         handed out by this batch)."""
@@ -361,11 +365,11 @@ class DecodeBatch:
         if self._pipelined:
             mx.async_eval(lazy)
             # The tokens sampled last step (in ``feed``) leave now, with their logprobs.
-            out = self._outputs(feed.tolist(), self._feed_logprobs, self._fresh)
+            out = self._outputs(int_list(feed), self._feed_logprobs, self._fresh)
             self._fresh = [True] * len(self.rows)
         else:
             mx.eval(lazy)
-            out = self._outputs(sampled.tolist(), asked, [True] * len(self.rows))
+            out = self._outputs(int_list(sampled), asked, [True] * len(self.rows))
         self._feed, self._feed_logprobs = sampled, asked
         self._num_steps += 1
         if self._num_steps % _CLEAR_EVERY == 0:
@@ -398,7 +402,7 @@ class DecodeBatch:
         """The sampled tokens in ``_feed`` not handed out yet (pipelined steps)."""
         if not any(self._fresh) or self._feed is None:
             return []
-        out = self._outputs(self._feed.tolist(), self._feed_logprobs, self._fresh)
+        out = self._outputs(int_list(self._feed), self._feed_logprobs, self._fresh)
         self._fresh, self._feed_logprobs = [False] * len(self.rows), None
         return out
 
@@ -449,7 +453,7 @@ class DecodeBatch:
         widest); the drafts the model agrees with and one token after them leave.
         Each row's cache keeps exactly what it accepted (row_layout.py)."""
         assert self._feed is not None
-        seqs = [[token, *draft] for token, draft in zip(self._feed.tolist(), drafts, strict=True)]
+        seqs = [[token, *draft] for token, draft in zip(int_list(self._feed), drafts, strict=True)]
         width = verify_width(max(len(seq) for seq in seqs))
         padded = [seq + [seq[-1]] * (width - len(seq)) for seq in seqs]
         fed = mx.array(padded)
@@ -509,15 +513,15 @@ class DecodeBatch:
             [row.sampler(logits[e : e + 1]) for e, row in enumerate(self.rows)], axis=0
         )
 
-    def extract(self, request_id: str) -> list[Any] | None:
+    def extract(self, request_id: str) -> list[CacheLayer] | None:
         """A row's cache as a plain prompt cache (a copy)."""
         i = self.index(request_id)
         return None if i is None else self._row_cache(i)
 
-    def _row_cache(self, i: int) -> list[Any]:
+    def _row_cache(self, i: int) -> list[CacheLayer]:
         return self._layouts.in_order(i, [layer.extract(i) for layer in self._cache])
 
-    def remove(self, request_ids: set[str], *, extract: bool) -> dict[str, list[Any]]:
+    def remove(self, request_ids: set[str], *, extract: bool) -> dict[str, list[CacheLayer]]:
         """Take rows out (their unsent sampled tokens are dropped); with
         ``extract``, returns each one's cache."""
         gone = [i for i, row in enumerate(self.rows) if row.request_id in request_ids]

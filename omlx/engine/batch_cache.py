@@ -1,5 +1,5 @@
-"""mlx-lm's ``BatchKVCache`` through its public ``state``: how many token columns a
-layer holds (padding included) and setting them, without its private ``_idx``."""
+"""mlx-lm's ``BatchKVCache`` through its public API: how many token columns a layer
+holds (padding included) and setting them, without its private ``_idx``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from typing import Any
 
 def columns(layer: Any) -> int:
     """Token columns ``layer`` holds: the attention's width, left padding included."""
-    *_, num_columns = layer.state
-    return int(num_columns)
+    return int(layer.size())
 
 
 def set_columns(layer: Any, num_columns: int) -> None:

@@ -30,12 +30,14 @@ or disagrees, the model decodes eagerly from then on.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
+
+from omlx.mlx_types import CacheLayer, LanguageModel, prompt_cache
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ class _Slab:
         return (columns <= self.offset)[None, None, None, :]
 
 
-def qualifies(model: Any) -> bool:
+def qualifies(model: LanguageModel) -> bool:
     """Whether ``model``'s decode step can be compiled here."""
     if type(model).__module__ not in _MODULES:
         return False
@@ -95,7 +97,7 @@ class CompiledStep:
     max_traces: int
     name: str
 
-    def __init__(self, model: Any):
+    def __init__(self, model: LanguageModel):
         self._model = model
         self._sizes: set[Any] = set()  # shapes traced (buffer sizes or token shapes)
         self._proven = False
@@ -150,11 +152,11 @@ class CompiledDecode(CompiledStep):
         self._step = _compile(self._model)
 
     @staticmethod
-    def for_model(model: Any) -> CompiledDecode | None:
+    def for_model(model: LanguageModel) -> CompiledDecode | None:
         return CompiledDecode(model) if qualifies(model) else None
 
     @staticmethod
-    def accepts(cache: list[Any]) -> bool:
+    def accepts(cache: list[CacheLayer]) -> TypeGuard[list[KVCache]]:
         """Every layer a plain KVCache holding something (batch 1)."""
         return all(
             type(c) is KVCache and c.keys is not None and c.keys.shape[0] == 1 for c in cache
@@ -169,7 +171,7 @@ class CompiledDecode(CompiledStep):
         if any(c.offset != offset for c in cache):
             return None
         buffers = _room_buffers(cache)
-        size = cache[0].keys.shape[2]
+        size = buffers[0].shape[2]  # the first layer's keys
         self._cap_traces(size)
         try:  # a new size traces here: an error leaves the cache as it was
             out = self._step(token.reshape(1, 1), mx.array(offset, dtype=mx.int32), *buffers)
@@ -185,26 +187,28 @@ class CompiledDecode(CompiledStep):
         for i, c in enumerate(cache):
             c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]
             c.offset += 1
-        return out[0]
+        logits: mx.array = out[0]
+        return logits
 
     def _check(self) -> bool:
         """Run the compiled step once on a two-token scratch cache, evaluated here
         (on the CPU backend the first run builds the fused kernels), and check
         its logits against the eager forward's. Later steps are evaluated lazily,
         in place, on the sequence's own buffers."""
-        compiled, eager = make_prompt_cache(self._model), make_prompt_cache(self._model)
+        # A qualifying model's cache: plain KVCache layers.
+        compiled = cast("list[KVCache]", prompt_cache(self._model))
+        eager = prompt_cache(self._model)
         token = mx.array([2])
         for c in (compiled, eager):
             self._model(mx.array([[0, 1]]), cache=c)
-        got = self._step(
-            token.reshape(1, 1), mx.array(2, dtype=mx.int32), *_room_buffers(compiled)
-        )[0]
+        buffers = _room_buffers(compiled)
+        got = self._step(token.reshape(1, 1), mx.array(2, dtype=mx.int32), *buffers)[0]
         want = self._model(token.reshape(1, 1), cache=eager)[:, -1, :]
-        self._sizes.add(compiled[0].keys.shape[2])
+        self._sizes.add(buffers[0].shape[2])  # the first layer's keys
         return bool(mx.allclose(got, want, rtol=1e-3, atol=1e-3).item())
 
 
-def _compile(model: Any) -> Any:
+def _compile(model: LanguageModel) -> Any:
     """The model's decode step, compiled. The traced function holds the model
     but not the decoder: MLX's compiled function cannot take part in Python's
     cycle collection, so a cycle through it would keep the weights alive after
@@ -225,18 +229,18 @@ def _compile(model: Any) -> Any:
 
 def _room_buffers(cache: list[KVCache]) -> list[mx.array]:
     """Each layer's keys and values buffers, with room for one more token."""
-    buffers = []
+    buffers: list[mx.array] = []
     for c in cache:
-        _make_room(c)
-        buffers += [c.keys, c.values]
+        buffers += _make_room(c)
     return buffers
 
 
-def _make_room(cache: KVCache) -> None:
-    """Room for one more token, grown as KVCache grows its buffer."""
+def _make_room(cache: KVCache) -> tuple[mx.array, mx.array]:
+    """Room for one more token, grown as KVCache grows its buffer; the layer's
+    keys and values buffers."""
     assert cache.keys is not None and cache.values is not None
     if cache.offset < cache.keys.shape[2]:
-        return
+        return cache.keys, cache.values
     live = cache.offset
     steps = (live + GROW) // GROW
     shape_k = (*cache.keys.shape[:2], steps * GROW - live, cache.keys.shape[3])
@@ -247,6 +251,7 @@ def _make_room(cache: KVCache) -> None:
     cache.values = mx.concatenate(
         [cache.values[..., :live, :], mx.zeros(shape_v, cache.values.dtype)], axis=2
     )
+    return cache.keys, cache.values
 
 
 # ---------------------------------------------------------------------------

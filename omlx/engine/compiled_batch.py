@@ -16,9 +16,10 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 from omlx.engine.batch_cache import columns, set_columns
 from omlx.engine.compiled import CompiledDecode, CompiledStep, qualifies
 from omlx.engine.strategy import ExecutionStrategy
+from omlx.mlx_types import LanguageModel
 
 
-def batch_qualifies(model: Any) -> bool:
+def batch_qualifies(model: LanguageModel) -> bool:
     """Whether ``model``'s batched decode step can run layer by layer compiled:
     a qualified architecture whose projections are plain ``nn.Linear`` (float
     weights), whose layers all use full attention, and whose RoPE is a pure
@@ -80,7 +81,7 @@ class CompiledBatchStep(CompiledStep):
     max_traces = 32  # token shapes (rows, positions per row)
     name = "compiled batch step"
 
-    def __init__(self, model: Any):
+    def __init__(self, model: LanguageModel):
         super().__init__(model)
         attn = model.layers[0].self_attn
         self._rope = attn.rope
@@ -93,7 +94,7 @@ class CompiledBatchStep(CompiledStep):
         self._pre, self._post = _compile_layer(self._model)
 
     @staticmethod
-    def for_model(model: Any) -> CompiledBatchStep | None:
+    def for_model(model: LanguageModel) -> CompiledBatchStep | None:
         return CompiledBatchStep(model) if batch_qualifies(model) else None
 
     @staticmethod
@@ -143,7 +144,7 @@ class CompiledBatchStep(CompiledStep):
 
     def _forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         """Logits (rows * width, vocab) for ``tokens`` (rows, width)."""
-        model = self._model
+        model: Any = self._model  # a qualifying (llama, qwen) model's internals
         inner = model.model
         width = tokens.shape[1]
         x = inner.embed_tokens(tokens.reshape(-1))  # (rows * width, hidden)
@@ -161,9 +162,10 @@ class CompiledBatchStep(CompiledStep):
         for c in cache[1:]:
             c.offset = offset
         x = inner.norm(x)
-        if model.args.tie_word_embeddings:
-            return inner.embed_tokens.as_linear(x)
-        return model.lm_head(x)
+        logits: mx.array = (
+            inner.embed_tokens.as_linear(x) if model.args.tie_word_embeddings else model.lm_head(x)
+        )
+        return logits
 
     def _check(self) -> bool:
         """Feed one token, then three (a verification forward), to two copies of
@@ -185,7 +187,8 @@ class CompiledBatchStep(CompiledStep):
 
 def _copy_batch_cache(cache: BatchKVCache) -> BatchKVCache:
     out = BatchKVCache(left_padding=[0] * cache.left_padding.shape[0])
-    out.keys, out.values = mx.array(cache.keys), mx.array(cache.values)
+    # mlx-lm's BatchKVCache declares keys and values by its __init__'s None alone.
+    out.keys, out.values = mx.array(cache.keys), mx.array(cache.values)  # type: ignore[assignment, arg-type]
     out.left_padding, out.offset = mx.array(cache.left_padding), mx.array(cache.offset)
     set_columns(out, columns(cache))
     return out
@@ -297,7 +300,7 @@ def _post_weights(layer: Any) -> tuple[Any, ...]:
     )
 
 
-def _compile_layer(model: Any) -> tuple[Any, Any]:
+def _compile_layer(model: LanguageModel) -> tuple[Any, Any]:
     """A layer's work before attention (norm, q/k/v, their norms, RoPE, the
     softmax scale) and after it (o_proj, residual, norm, MLP, residual),
     compiled. The traced functions hold the head layout, the norms' eps, the

@@ -24,18 +24,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache
 
 from omlx.engine.compiled_batch import CompiledBatchStep
 from omlx.engine.row_layout import settle_rows
+from omlx.mlx_types import (
+    BatchCacheLayer,
+    CacheLayer,
+    LanguageModel,
+    int_rows,
+    prompt_cache,
+)
 
 __all__ = ["DraftProposer", "Drafts", "plain_kv_model"]
 
 
-def plain_kv_model(model: Any) -> bool:
+def plain_kv_model(model: LanguageModel) -> bool:
     """Whether every layer of ``model``'s cache is a plain KV cache (the only
     kind a batched cache can cut back after a rejection)."""
-    return all(type(layer).__name__ == "KVCache" for layer in make_prompt_cache(model))
+    return all(type(layer).__name__ == "KVCache" for layer in prompt_cache(model))
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +58,7 @@ class Drafts:
 class _Prefilling:
     """A row filling its own cache before it joins the batch."""
 
-    cache: list[Any]
+    cache: list[CacheLayer]
     seen: int = 0
 
 
@@ -74,7 +81,7 @@ class DraftProposer:
 
     def __init__(
         self,
-        model: Any,
+        model: LanguageModel,
         target_vocab: int,
         chunk_tokens: int,
         *,
@@ -84,7 +91,7 @@ class DraftProposer:
         self._compiled = compiled
         self._vocab = target_vocab
         self._chunk = max(chunk_tokens, 1)
-        self._cache: list[Any] = []
+        self._cache: list[BatchCacheLayer] = []
         self._ids: list[str] = []
         self._seen: list[int] = []  # tokens of each row's history in the cache
         self._prefilling: dict[str, _Prefilling] = {}
@@ -164,7 +171,7 @@ class DraftProposer:
         done join the batched cache."""
         for rid in by_id:
             if rid not in self._ids and rid not in self._prefilling:
-                self._prefilling[rid] = _Prefilling(make_prompt_cache(self.model))
+                self._prefilling[rid] = _Prefilling(prompt_cache(self.model))
         done = []
         for rid, state in self._prefilling.items():
             history = by_id[rid].drafter.tokens
@@ -223,7 +230,7 @@ class DraftProposer:
             columns.append(_pick(rows, logits, drafting, scaled).astype(feed.dtype))
         dists = [mx.concatenate(s) if s else None for s in scaled]
         mx.eval(*columns, *[d for d in dists if d is not None])
-        table = mx.stack(columns, axis=1).tolist() if columns else [[] for _ in rows]
+        table = int_rows(mx.stack(columns, axis=1)) if columns else [[] for _ in rows]
         tokens = [table[b][f : f + n] for b, (f, n) in enumerate(zip(first, budgets, strict=True))]
         fed_drafts = [max(0, min(n, positions - u)) for u, n in zip(unseen, budgets, strict=True)]
         self._fed = _Fed(list(self._ids), unseen, fed_drafts, positions)
@@ -235,7 +242,8 @@ class DraftProposer:
             logits = self._compiled(feed, self._cache, prove=False)
             if logits is not None:
                 return logits
-        return self.model(feed[:, None], cache=self._cache)[:, -1, :]
+        eager: mx.array = self.model(feed[:, None], cache=self._cache)[:, -1, :]
+        return eager
 
     def _fit_vocab(self, logits: mx.array) -> mx.array:
         """The draft's logits over the target's vocabulary (extra rows cut, missing

@@ -18,10 +18,13 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omlx.errors import ModelLoadError, SettingsError
 from omlx.models.discovery import ModelInfo
+
+if TYPE_CHECKING:
+    from omlx.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +153,7 @@ def attach_draft(engine: Any, info: ModelInfo | None) -> AttachedDraft | None:
     return AttachedDraft(info.name, loaded.weights_bytes(), kv)
 
 
-def _load(info: ModelInfo) -> Any:
+def _load(info: ModelInfo) -> LoadedModel:
     from omlx.engine.draft_model import plain_kv_model
     from omlx.models.loader import load_model
 

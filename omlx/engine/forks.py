@@ -12,9 +12,9 @@ longer ones, whose later chunks each choice would otherwise prefill itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from omlx.engine.batch import Row, merge_caches
+from omlx.mlx_types import BatchCacheLayer
 from omlx.scheduler import Request
 
 # Makes a request's batch row whose processors have seen ``fed`` tokens.
@@ -48,8 +48,8 @@ class ChoiceForks:
         return started
 
     def fork(
-        self, rows: list[Row], feed: list[int], cache: list[Any]
-    ) -> tuple[list[Row], list[int], list[Any]]:
+        self, rows: list[Row], feed: list[int], cache: list[BatchCacheLayer]
+    ) -> tuple[list[Row], list[int], list[BatchCacheLayer]]:
         """Rows whose prompt just ended (their batched ``cache``, their last prompt
         tokens ``feed``), with the requests waiting on them added after each."""
         if not any(row.request_id in self._waiting for row in rows):

@@ -8,18 +8,22 @@ its last (text) token it joins the decode batch like any side sequence.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from omlx.cache.prefix import CacheHit
 from omlx.engine.solo import SoloSequence
+from omlx.mlx_types import LanguageModel
 from omlx.scheduler import Request
+
+if TYPE_CHECKING:
+    from omlx.models.vlm import VisionEncoder
 
 
 def image_sequence(
-    model: Any,
-    vision: Any,
+    model: LanguageModel,
+    vision: VisionEncoder,
     request: Request,
     *,
     sampler: Callable[[mx.array], mx.array],

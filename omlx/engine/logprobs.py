@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from omlx.mlx_types import float_list, float_rows, int_rows
 from omlx.scheduler import TokenLogprob
 
 # What OpenAI reports for a token with no probability at all (a masked one):
@@ -35,9 +36,9 @@ class PendingLogprobs:
 
     def to_python(self, tokens: Sequence[int], ks: Sequence[int]) -> list[TokenLogprob]:
         """One TokenLogprob per row, with that row's own ``k`` alternatives."""
-        chosen = self.chosen.tolist()
-        ids = self.top_ids.tolist() if self.top_ids is not None else [[]] * len(ks)
-        lps = self.top_logprobs.tolist() if self.top_logprobs is not None else [[]] * len(ks)
+        chosen = float_list(self.chosen)
+        ids = int_rows(self.top_ids) if self.top_ids is not None else [[]] * len(ks)
+        lps = float_rows(self.top_logprobs) if self.top_logprobs is not None else [[]] * len(ks)
         out = []
         for row, (token, k) in enumerate(zip(tokens, ks, strict=True)):
             top = tuple((i, _finite(v)) for i, v in zip(ids[row][:k], lps[row][:k], strict=True))

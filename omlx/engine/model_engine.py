@@ -14,11 +14,11 @@ import threading
 import time
 import weakref
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from omlx.cache.hot import ClearTier
 from omlx.cache.prefix import PrefixCache
@@ -38,10 +38,19 @@ from omlx.grammar.processor import MAX_STEP_CPU_S
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
 from omlx.memory.vision import image_bytes
+from omlx.mlx_types import LanguageModel
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
 from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput
 from omlx.sizes import format_bytes
+
+if TYPE_CHECKING:
+    from omlx.engine.drafts import AttachedDraft
+    from omlx.engine.worker import Steppable
+    from omlx.models.vlm import VisionEncoder
+
+# Events the MLX thread hands to their streams' event loops at the end of a step.
+Outbox = list[tuple[RequestStream, StreamEvent]]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +67,7 @@ class Runner(Protocol):
     def close(self) -> None: ...
     def speculative_stats(self) -> dict[str, int]: ...
     def speculation_plan(self) -> list[PrefillChunk]: ...
-    def set_draft(self, model: Any, target_vocab: int) -> None: ...
+    def set_draft(self, model: LanguageModel | None, target_vocab: int) -> None: ...
     def clear_prefix_cache(self, tier: ClearTier) -> None: ...
     def flush_cache_stores(self) -> None: ...
 
@@ -66,9 +75,9 @@ class Runner(Protocol):
 
 
 class Poster(Protocol):
-    def post(self, fn: Any, *args: Any) -> None: ...
-    def submit(self, fn: Any, *args: Any) -> Future: ...
-    def busy_besides(self, engine: Any) -> bool: ...
+    def post(self, fn: Callable[..., Any], *args: Any) -> None: ...
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]: ...
+    def busy_besides(self, engine: Steppable | None) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -102,7 +111,7 @@ class ModelEngine:
         self.prefix_cache = prefix_cache
         self._runner = runner
         # The draft model proposing tokens (omlx.engine.drafts.AttachedDraft, or None).
-        self.draft: Any = None
+        self.draft: AttachedDraft | None = None
         self._scheduler = scheduler
         self._worker = worker
         self._live: dict[str, _Live] = {}
@@ -187,7 +196,9 @@ class ModelEngine:
     def abort(self, request_id: str) -> None:
         self._worker.post(self._abort, request_id)
 
-    def run_on_mlx(self, fn: Any, *args: Any, even_if_closed: bool = False) -> Future:
+    def run_on_mlx(
+        self, fn: Callable[..., Any], *args: Any, even_if_closed: bool = False
+    ) -> Future[Any]:
         """Run ``fn(*args)`` on the MLX thread between steps (prompt scoring);
         refused like ``submit`` once the engine stops taking requests, unless
         ``even_if_closed`` (a clean-up)."""
@@ -245,7 +256,7 @@ class ModelEngine:
         """MLX thread: the prefix-cache stores of requests that ended, now."""
         self._runner.flush_cache_stores()
 
-    def use_draft(self, model: Any) -> None:
+    def use_draft(self, model: LanguageModel | None) -> None:
         """A draft model proposes this model's drafts from the next step (None:
         prompt lookup). MLX thread."""
         self._runner.set_draft(model, self.loaded.vocab_size)
@@ -282,7 +293,7 @@ class ModelEngine:
     def step(self) -> None:
         """One step: the scheduler plans it (preemption, admission, the memory gate),
         the runner executes it, and its tokens become stream events."""
-        outbox: list[tuple[RequestStream, StreamEvent]] = []
+        outbox: Outbox = []
         try:
             self.gate.reclaim_near_limit()
             runner = self._runner
@@ -294,14 +305,18 @@ class ModelEngine:
         except Exception as exc:  # an MLX failure: fail what is running, keep serving
             log.exception("engine step failed for %s", self.name)
             # 503s pass as they are (a distributed rank lost: omlx/distributed/).
-            unavailable = isinstance(exc, ServiceUnavailableError)
-            self._fail_all(exc if unavailable else EngineError(f"generation failed: {exc}"), outbox)
+            error = (
+                exc
+                if isinstance(exc, ServiceUnavailableError)
+                else EngineError(f"generation failed: {exc}")
+            )
+            self._fail_all(error, outbox)
         else:
             self._announce_admitted(plan.admitted, output.cached)
             self._update(list(output.tokens), outbox)
         self._flush(outbox)
 
-    def _end_gated(self, ended: Sequence[str], outbox: list) -> None:
+    def _end_gated(self, ended: Sequence[str], outbox: Outbox) -> None:
         """End the requests the memory gate ended (a lone request whose chunk
         cannot fit), before the forward."""
         for rid in ended:
@@ -317,7 +332,7 @@ class ModelEngine:
             "other work; retry shortly, or send a shorter prompt"
         )
 
-    def _update(self, outputs: list[TokenOutput], outbox: list) -> None:
+    def _update(self, outputs: list[TokenOutput], outbox: Outbox) -> None:
         finished = []
         for update in self._scheduler.update_from_output(outputs):
             if update.request_id not in self._live:
@@ -357,7 +372,7 @@ class ModelEngine:
             notices.append((live.stream, event))
         self._flush(notices)
 
-    def _on_update(self, update: RequestUpdate, outbox: list) -> str | None:
+    def _on_update(self, update: RequestUpdate, outbox: Outbox) -> str | None:
         """Returns the finish reason when the request finished with this token."""
         live = self._live[update.request_id]
         if not update.status.is_finished and _grammar_overran(live.request):
@@ -417,7 +432,7 @@ class ModelEngine:
         """What the memory guard did to this model's requests (admin API, /metrics)."""
         return self.gate.counters()
 
-    def _fail_request(self, request_id: str, error: OmlxError, outbox: list) -> None:
+    def _fail_request(self, request_id: str, error: OmlxError, outbox: Outbox) -> None:
         where = self._scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)
         if where is RequestStatus.RUNNING:
             self._runner.remove([request_id])
@@ -430,14 +445,14 @@ class ModelEngine:
     def fail_all(self, error: OmlxError) -> int:
         """MLX thread: end every request with ``error`` (the enforcer above the hard
         limit, release of memory). Returns how many were ended."""
-        outbox: list = []
+        outbox: Outbox = []
         rids = list(self._live)
         for rid in rids:
             self._fail_request(rid, error, outbox)
         self._flush(outbox)
         return len(rids)
 
-    def _fail_all(self, error: OmlxError, outbox: list) -> None:
+    def _fail_all(self, error: OmlxError, outbox: Outbox) -> None:
         for rid, live in list(self._live.items()):
             if self._scheduler.finish(rid, RequestStatus.FINISHED_ERROR) is not None:
                 self._release("error")
@@ -452,8 +467,8 @@ class ModelEngine:
         self.finish_counts[reason] += 1
 
     @staticmethod
-    def _flush(outbox: list[tuple[RequestStream, StreamEvent]]) -> None:
-        by_loop: dict[Any, list] = defaultdict(list)
+    def _flush(outbox: Outbox) -> None:
+        by_loop: dict[Any, Outbox] = defaultdict(list)
         for stream, event in outbox:
             by_loop[stream.loop].append((stream, event))
         for loop, batch in by_loop.items():
@@ -462,7 +477,7 @@ class ModelEngine:
 
     def shutdown(self) -> None:
         """MLX thread: abort everything and free the runner."""
-        outbox: list = []
+        outbox: Outbox = []
         gone = self._refusal if self._closed else None
         if gone is None:
             gone = unloaded_error(self.name, "the server is stopping")
@@ -484,7 +499,7 @@ def _cached_tokens(prefix_cache: PrefixCache | None, request: Request) -> int:
     return prefix_cache.match(request.prompt_ids, keys)
 
 
-def _image_bytes(vision: Any, guard: MemoryGuard, request: Request) -> int:
+def _image_bytes(vision: VisionEncoder | None, guard: MemoryGuard, request: Request) -> int:
     """The transient of encoding the request's images at prefill (0: none)."""
     if request.images is None or vision is None:
         return 0

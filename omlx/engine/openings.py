@@ -5,22 +5,23 @@ scheduler/openings.py). MLX thread only."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import cast
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache
 
 from omlx.cache.prefix import CacheHit
+from omlx.mlx_types import CacheLayer, LanguageModel, prompt_cache
 from omlx.scheduler import Request
 from omlx.scheduler.openings import SharedOpening
 
 
 def share_openings(
-    model: Any,
+    model: LanguageModel,
     openings: Sequence[SharedOpening],
     started: Sequence[Request],
     hits: Mapping[str, CacheHit | None],
-) -> dict[str, tuple[int, list[Any]]]:
+) -> dict[str, tuple[int, list[CacheLayer]]]:
     """Prefill each planned opening once (the scheduler planned and gated them:
     scheduler/openings.py) and give each of its requests a copy of the result.
     An opening runs for the requests that started (a fork waits for its leader)
@@ -29,7 +30,7 @@ def share_openings(
     requests then prefill it in their own chunks. Returns (tokens cached, cache)
     per request that shares; for models that ``shares_openings``."""
     by_id = {r.request_id: r for r in started}
-    out: dict[str, tuple[int, list[Any]]] = {}
+    out: dict[str, tuple[int, list[CacheLayer]]] = {}
     for opening in openings:
         group = [by_id[rid] for rid in opening.request_ids if rid in by_id]
         cached = {r.request_id: _hit_length(hits[r.request_id]) for r in group}
@@ -39,7 +40,7 @@ def share_openings(
         base = hits[min(group, key=lambda r: cached[r.request_id]).request_id]
         # A copy of the hit's first ``start`` tokens: the forward appends to it.
         cache = (
-            make_prompt_cache(model)
+            cast("list[KVCache]", prompt_cache(model))  # shares_openings: plain KV layers
             if base is None
             else [_kv_prefix(layer, start) for layer in base.layers]
         )
@@ -54,10 +55,10 @@ def share_openings(
     return out
 
 
-def shares_openings(model: Any) -> bool:
+def shares_openings(model: LanguageModel) -> bool:
     """Whether requests of ``model`` can start from a copy of a shared opening's
     cache (plain KV layers only: rotating or state-space caches cannot be sliced)."""
-    return all(type(layer) is KVCache for layer in make_prompt_cache(model))
+    return all(type(layer) is KVCache for layer in prompt_cache(model))
 
 
 def _kv_prefix(layer: KVCache, n: int) -> KVCache:

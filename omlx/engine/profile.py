@@ -29,10 +29,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from omlx.engine.batch import PrefillBatch, Row
 from omlx.errors import InsufficientMemoryError
@@ -50,7 +49,11 @@ from omlx.memory.budget import (
 )
 from omlx.memory.probe import MemoryProbe
 from omlx.memory.vision import vision_transient_bytes
+from omlx.mlx_types import CacheLayer, LanguageModel, prompt_cache
 from omlx.sizes import format_bytes
+
+if TYPE_CHECKING:
+    from omlx.models.vlm import VisionEncoder
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ def _no_collection_during_passes() -> Iterator[None]:
 
 @_no_collection_during_passes()
 def auto_profile(
-    model: Any,
+    model: LanguageModel,
     dims: ModelDims,
     probe: MemoryProbe,
     limits: Limits,
@@ -141,7 +144,7 @@ def auto_profile(
     )
 
 
-def measure_image(vision: Any, probe: MemoryProbe, limits: Limits) -> tuple[int, int]:
+def measure_image(vision: VisionEncoder, probe: MemoryProbe, limits: Limits) -> tuple[int, int]:
     """(measured peak, the formula's figure) of encoding one image at the processor's
     largest size; the peak is 0 (not measured) when the formula says it would not fit
     twice over in the room left, so the profile never runs the process out of memory.
@@ -154,7 +157,7 @@ def measure_image(vision: Any, probe: MemoryProbe, limits: Limits) -> tuple[int,
         return 0, 0
 
 
-def _image_pass(vision: Any, probe: MemoryProbe, limits: Limits) -> tuple[int, int]:
+def _image_pass(vision: VisionEncoder, probe: MemoryProbe, limits: Limits) -> tuple[int, int]:
     ids, pixels, extras = vision.stress_inputs()
     estimate = vision_transient_bytes(vision.dims, pixels.shape, len(ids))
     room = limits.hard_bytes - limits.transient_margin_bytes
@@ -285,7 +288,7 @@ def _choose_and_validate(
 class _Stress:
     """The stress passes, on token ids spread over the vocabulary."""
 
-    def __init__(self, model: Any, vocab_size: int, chunk_tokens: int, batch_size: int):
+    def __init__(self, model: LanguageModel, vocab_size: int, chunk_tokens: int, batch_size: int):
         self._model = model
         self._vocab = max(2, vocab_size)
         self.chunk = chunk_tokens
@@ -293,7 +296,7 @@ class _Stress:
         # The fastest one row's chunk took (the solo pass), for the batched pass's rows.
         self.row_seconds = math.inf
         # A full batch of sequences with a short context, for the decode step.
-        self.decode_cache: list[Any] = []
+        self.decode_cache: list[CacheLayer] = []
 
     def _tokens(self, rows: int, length: int) -> mx.array:
         ids = mx.arange(rows * length).reshape(rows, length) * 7919 % (self._vocab - 1) + 1
@@ -307,7 +310,7 @@ class _Stress:
 
     def prefill(self) -> None:
         """One full prefill chunk of one request (cache state + last logits)."""
-        cache = make_prompt_cache(self._model)
+        cache = prompt_cache(self._model)
         logits = self._model(self._tokens(1, self.chunk), cache=cache)
         mx.eval(logits[:, -1, :], [c.state for c in cache])
 
@@ -325,12 +328,12 @@ class _Stress:
         for i in range(rows):
             prompt = [(i * length + j) * 7919 % (self._vocab - 1) + 1 for j in range(length)]
             row = Row(f"memprofile-{i}", _greedy, [])
-            batch.add(row, make_prompt_cache(self._model), 0, prompt)
+            batch.add(row, prompt_cache(self._model), 0, prompt)
         _, cache = batch.step()
         mx.eval([c.state for c in cache])
 
-    def decode_context(self) -> list[Any]:
-        cache = make_prompt_cache(self._model)
+    def decode_context(self) -> list[CacheLayer]:
+        cache = prompt_cache(self._model)
         context = self._tokens(self.batch, DECODE_CONTEXT_TOKENS)
         mx.eval([c.state for c in cache], self._model(context, cache=cache)[:, -1, :])
         return cache

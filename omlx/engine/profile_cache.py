@@ -20,7 +20,7 @@ import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -28,8 +28,12 @@ from omlx import __version__
 from omlx.engine.profile import auto_profile, measure_image
 from omlx.memory.budget import KVProfile, Limits, ModelDims
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
+from omlx.mlx_types import LanguageModel
 from omlx.models.discovery import ModelInfo
 from omlx.settings import write_json_atomic
+
+if TYPE_CHECKING:
+    from omlx.models.vlm import VisionEncoder
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +82,12 @@ class ProfileInputs:
 def profile_model(
     cache: ProfileCache,
     info: ModelInfo,
-    model: Any,
+    model: LanguageModel,
     dims: ModelDims,
     probe: MemoryProbe,
     limits: Limits,
     inputs: ProfileInputs,
-    vision: Any = None,
+    vision: VisionEncoder | None = None,
 ) -> tuple[KVProfile, bool]:
     """``auto_profile`` of a freshly loaded model, or the stored result when nothing it
     depends on changed (a VLM's processor files are among the model's files).

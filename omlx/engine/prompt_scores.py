@@ -39,7 +39,7 @@ async def prompt_logprobs(
     entries = engine.run_on_mlx(
         lambda: [text.bare(first, None), *(text.entry(lp) for lp in scorer.scored)]
     )
-    return await asyncio.wrap_future(entries)  # type: ignore[no-any-return]
+    return await asyncio.wrap_future(entries)
 
 
 def _gate(engine: ModelEngine, extra: int, num_tokens: int, num_cached: int) -> None:

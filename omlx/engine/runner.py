@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from omlx.cache.hot import ClearTier
@@ -31,9 +31,13 @@ from omlx.engine.prompt_stores import PromptStores
 from omlx.engine.sampling import make_request_processors, make_request_sampler
 from omlx.engine.solo import SoloSequence
 from omlx.engine.strategy import ExecutionStrategy
+from omlx.mlx_types import CacheLayer, LanguageModel, prompt_cache
 from omlx.scheduler import Request, TokenOutput
 from omlx.scheduler.openings import SharedOpening
 from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from omlx.models.vlm import VisionEncoder
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +61,13 @@ class BatchRunner:
 
     def __init__(
         self,
-        model: Any,
+        model: LanguageModel,
         *,
         prefill_step_size: int,
         stream: mx.Stream,
         prefix_cache: PrefixCache | None = None,
         strategy: ExecutionStrategy | None = None,
-        vision: Any = None,
+        vision: VisionEncoder | None = None,
         shared_hits: AgreeHits | None = None,
         compiled: CompiledSteps | None = None,
     ):
@@ -92,7 +96,7 @@ class BatchRunner:
         self._decode = DecodeBatch(model, strategy, self._batch_step)
         # The draft model proposing tokens, the target's logit rows and the draft's
         # compiled batch step (None: prompt lookup).
-        self._draft: tuple[Any, int, CompiledBatchStep | None] | None = None
+        self._draft: tuple[LanguageModel, int, CompiledBatchStep | None] | None = None
         # A request's choices (same prompt, started together) wait for one to prefill
         # it, when it is longer than the shared opening covers.
         self._forks = ChoiceForks(self._row, prefill_step_size + 3)
@@ -196,7 +200,7 @@ class BatchRunner:
                     elif hit is not None:
                         done, cache = hit.num_tokens, hit.layers
                     else:
-                        done, cache = 0, make_prompt_cache(self._model)
+                        done, cache = 0, prompt_cache(self._model)
                     row = self._row(r, r.prompt_ids[:done])
                     self._start_batched(row, cache, done, r.prompt_ids[done:])
         cached.update({rid: hit.num_tokens for rid, hit in hits.items() if hit is not None})
@@ -213,7 +217,7 @@ class BatchRunner:
         hit = None
         self._stores.track(request, keys)
         if self._prefix is not None:
-            template = make_prompt_cache(self._model)
+            template = prompt_cache(self._model)
             hit = self._prefix.lookup(request.prompt_ids, template, extra_keys=keys)
         with mx.stream(self._stream):
             sequence = image_sequence(
@@ -250,7 +254,7 @@ class BatchRunner:
         # A plain int swap: the MLX thread reads it at its next step.
         self._decode.num_draft = value
 
-    def set_draft(self, model: Any, target_vocab: int) -> None:
+    def set_draft(self, model: LanguageModel | None, target_vocab: int) -> None:
         """A draft model proposes the drafts from now on (None: prompt lookup). Its
         forwards run compiled like the target's batch step when the strategy
         compiles and the draft qualifies (proven here, once)."""
@@ -287,7 +291,7 @@ class BatchRunner:
         return self._decode.spec_stats.as_dict()
 
     def _start_batched(
-        self, row: Row, cache: list[Any], num_cached: int, rest: Sequence[int]
+        self, row: Row, cache: list[CacheLayer], num_cached: int, rest: Sequence[int]
     ) -> None:
         """Prefill ``rest`` after ``cache`` with the other new prompts; a single
         token left goes straight to the decode step, which samples from it."""
@@ -305,7 +309,7 @@ class BatchRunner:
             return dict.fromkeys((r.request_id for r in requests), None)
         found = self._prefix.lookup_together(
             [r.prompt_ids for r in requests],
-            partial(make_prompt_cache, self._model),
+            partial(prompt_cache, self._model),
             room=room,
             agree=self._shared_hits,
         )
@@ -319,7 +323,7 @@ class BatchRunner:
         if prefix is not None and prefix.needs_snapshots:
             rid, prompt, size = request.request_id, request.prompt_ids, prefix.block_size
 
-            def hook(position: int, layers: list[Any]) -> None:
+            def hook(position: int, layers: list[CacheLayer]) -> None:
                 prefix.snapshot(rid, position, layers)
                 # Store the finished blocks now: each snapshot (a recurrent state or a
                 # whole window per layer) would otherwise stay in RAM, outside every
@@ -409,7 +413,7 @@ class BatchRunner:
     def remove(self, request_ids: Iterable[str]) -> None:
         """Take requests out (finished or aborted); their blocks go to the prefix cache."""
         request_ids = set(request_ids)
-        leaving: dict[str, tuple[list[Any], int] | None] = dict.fromkeys(request_ids)
+        leaving: dict[str, tuple[list[CacheLayer], int] | None] = dict.fromkeys(request_ids)
         if self._solo is not None and self._solo.request_id in request_ids:
             solo = self._solo
             self._solo = self._solo_request = None
@@ -422,9 +426,7 @@ class BatchRunner:
         orphans = self._forks.drop(request_ids)
         with mx.stream(self._stream):
             for r in orphans:  # their leader left before its prompt was in
-                self._start_batched(
-                    self._row(r, ()), make_prompt_cache(self._model), 0, r.prompt_ids
-                )
+                self._start_batched(self._row(r, ()), prompt_cache(self._model), 0, r.prompt_ids)
             leaving.update(self._prefill.remove(request_ids, extract=keep_caches))
             for rid, layers in self._decode.remove(request_ids, extract=keep_caches).items():
                 leaving[rid] = (layers, _cache_length(layers))
@@ -491,7 +493,7 @@ class BatchRunner:
 
     # -- prefix cache ------------------------------------------------------
 
-    def _layers_of(self, request_id: str) -> list[Any] | None:
+    def _layers_of(self, request_id: str) -> list[CacheLayer] | None:
         """A running request's cache layers (None: it has none now)."""
         if self._solo is not None and self._solo.request_id == request_id:
             return self._solo.cache
@@ -530,7 +532,7 @@ class BatchRunner:
             self._old_wired_limit = None
 
 
-def _cache_length(layers: list[Any]) -> int:
+def _cache_length(layers: list[CacheLayer]) -> int:
     """Tokens held by an extracted cache (its KV layers' offset; -1 if it has none)."""
     for layer in layers:
         offset = getattr(layer, "offset", None)

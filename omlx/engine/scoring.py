@@ -11,12 +11,11 @@ whatever the prompt's length.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from omlx.engine.logprobs import pending_logprobs
+from omlx.mlx_types import CacheLayer, LanguageModel, prompt_cache
 from omlx.scheduler import TokenLogprob
 
 # One chunk's float32 logits stay under this (64 MiB: ~110 positions of a
@@ -44,12 +43,14 @@ class PromptScorer:
     decoding) run in between. Made anywhere; ``step`` and ``close`` on the MLX
     thread only (its arrays are made by the first step and freed by ``close``)."""
 
-    def __init__(self, model: Any, prompt_ids: Sequence[int], *, top_k: int, chunk_tokens: int):
+    def __init__(
+        self, model: LanguageModel, prompt_ids: Sequence[int], *, top_k: int, chunk_tokens: int
+    ):
         self._model = model
         self._prompt = list(prompt_ids)
         self._top_k = top_k
         self._chunk = chunk_tokens
-        self._cache: list[Any] | None = None
+        self._cache: list[CacheLayer] | None = None
         self._ids: mx.array | None = None
         self._pos = 0
         # The logprob of prompt token i + 1 at index i (plain Python).
@@ -61,7 +62,7 @@ class PromptScorer:
         if self._pos >= last:
             return True
         if self._cache is None or self._ids is None:
-            self._cache, self._ids = make_prompt_cache(self._model), mx.array(self._prompt)
+            self._cache, self._ids = prompt_cache(self._model), mx.array(self._prompt)
         start, end = self._pos, min(self._pos + self._chunk, last)
         if before_chunk is not None:
             before_chunk(end - start, start)
@@ -83,7 +84,7 @@ class PromptScorer:
 
 
 def score_prompt(
-    model: Any,
+    model: LanguageModel,
     prompt_ids: Sequence[int],
     *,
     top_k: int,

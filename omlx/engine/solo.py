@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from omlx.engine.compiled import CompiledDecode
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
+from omlx.mlx_types import CacheLayer, LanguageModel, item_int, prompt_cache
 from omlx.scheduler import TokenLogprob
 
 # Free MLX's buffer cache now and then, as generate_step does.
@@ -40,7 +40,8 @@ _HEAD_AFTER_NORM = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx
 
 
 def output_head(model: Any) -> Callable[[mx.array], mx.array] | None:
-    """The model's output head when logits can be taken for chosen positions only."""
+    """The model's output head when logits can be taken for chosen positions only.
+    ``model``: any mlx-lm model (the head is read off llama/qwen's internals)."""
     if type(model).__module__ not in _HEAD_AFTER_NORM:
         return None
     if model.args.tie_word_embeddings:
@@ -48,11 +49,13 @@ def output_head(model: Any) -> Callable[[mx.array], mx.array] | None:
     return model.lm_head  # type: ignore[no-any-return]
 
 
-def last_logits(model: Any, tokens: mx.array, cache: list[Any]) -> mx.array:
-    """Logits (1, vocab) after feeding 1-D ``tokens`` into ``cache``."""
+def last_logits(model: Any, tokens: mx.array, cache: list[CacheLayer]) -> mx.array:
+    """Logits (1, vocab) after feeding 1-D ``tokens`` into ``cache``. ``model``: a
+    LanguageModel, with an ``output_head`` reads its inner ``model`` too."""
     head = output_head(model) if tokens.size > 1 else None
     if head is None:
-        return model(tokens[None], cache=cache)[:, -1, :]
+        logits: mx.array = model(tokens[None], cache=cache)[:, -1, :]
+        return logits
     return head(model.model(tokens[None], cache)[:, -1, :])
 
 
@@ -60,7 +63,7 @@ def last_logits(model: Any, tokens: mx.array, cache: list[Any]) -> mx.array:
 class Handoff:
     """What the batch needs to continue a solo sequence."""
 
-    cache: list[Any]
+    cache: list[CacheLayer]
     # Tokens already in the cache (context for logits processors).
     cached_tokens: list[int]
     # Tokens still to feed: the rest of the prompt, or the one sampled token.
@@ -76,7 +79,7 @@ class Handoff:
 
 # Called after a prefill chunk that ends on a block boundary (or at the last
 # prompt token before decoding): (tokens in the cache, the cache).
-BoundaryHook = Callable[[int, list[Any]], None]
+BoundaryHook = Callable[[int, list[CacheLayer]], None]
 
 
 class SoloSequence:
@@ -87,14 +90,14 @@ class SoloSequence:
 
     def __init__(
         self,
-        model: Any,
+        model: LanguageModel,
         request_id: str,
         prompt_ids: list[int],
         sampler: Callable[[mx.array], mx.array],
         processors: list[Any],
         prefill_step_size: int,
         *,
-        cache: list[Any] | None = None,
+        cache: list[CacheLayer] | None = None,
         num_cached: int = 0,
         block_size: int = 0,
         on_boundary: BoundaryHook | None = None,
@@ -119,7 +122,7 @@ class SoloSequence:
         self._sampler = sampler
         self._processors = processors
         self._step_size = prefill_step_size
-        self._cache = cache if cache is not None else make_prompt_cache(model)
+        self._cache = cache if cache is not None else prompt_cache(model)
         self._cached: list[int] = list(prompt_ids[:num_cached])
         self._prompt = list(prompt_ids[num_cached:])
         self._block_size = block_size
@@ -139,7 +142,7 @@ class SoloSequence:
         )
 
     @property
-    def cache(self) -> list[Any]:
+    def cache(self) -> list[CacheLayer]:
         return self._cache
 
     @property
@@ -162,7 +165,7 @@ class SoloSequence:
             y, pending = self._forward(mx.array(self._prompt))
             self._cached.extend(self._prompt)
             self._prompt = []
-            token = y.item()
+            token = item_int(y)
             # Lazy, evaluated by the next step. Eager: the compiled step's first call
             # (its proof run, or a trace for a new buffer size) would hold the token.
             self._y, self._y_logprobs = self._forward(y, compiled=False)
@@ -170,7 +173,7 @@ class SoloSequence:
             y, pending = self._y, self._y_logprobs
             self._y, self._y_logprobs = self._forward(y)
             mx.async_eval(self._y, *(self._y_logprobs.arrays() if self._y_logprobs else []))
-            token = y.item()
+            token = item_int(y)
         self.last_logprobs = self._resolve(pending, token)
         self._cached.append(token)
         self._num_steps += 1
@@ -188,7 +191,7 @@ class SoloSequence:
         rest = (self._sampler, self._processors)
         if self._y is None:
             return Handoff(self._cache, list(self._cached), list(self._prompt), None, None, *rest)
-        token = self._y.item()
+        token = item_int(self._y)
         logprobs = self._resolve(self._y_logprobs, token)
         # _cached already ends with the token that produced _y; _y is not cached.
         return Handoff(self._cache, list(self._cached), [token], token, logprobs, *rest)

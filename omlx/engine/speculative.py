@@ -39,6 +39,7 @@ from typing import Any
 import mlx.core as mx
 
 from omlx.engine.logprobs import pending_logprobs
+from omlx.mlx_types import bool_list, int_rows, item_int
 from omlx.scheduler import TokenLogprob
 
 
@@ -76,7 +77,7 @@ def verify_rows(
     if plain:
         # Every row plain (the usual greedy batch): no gather, one argmax, one sync.
         picked = logits if len(plain) == len(rows) else logits[mx.array(plain)]
-        picks = dict(zip(plain, mx.argmax(picked, axis=-1).tolist(), strict=True))
+        picks = dict(zip(plain, int_rows(mx.argmax(picked, axis=-1)), strict=True))
     verdicts = []
     for e, (row, seq) in enumerate(zip(rows, seqs, strict=True)):
         drafts = seq[1:]
@@ -146,11 +147,11 @@ def verify_drafted(sampler: Any, logits: mx.array, drafts: Sequence[int], q: mx.
     resampled = mx.random.categorical(residual_logits, key=k_residual)
     bonus = mx.random.categorical(scaled[m:], key=k_bonus)
     mx.eval(p_draft, q_draft, uniform, resampled, bonus)
-    kept = (uniform * q_draft < p_draft).tolist()
+    kept = bool_list(uniform * q_draft < p_draft)
     for j, ok in enumerate(kept):
         if not ok:
-            return Verdict(j, int(resampled[j].item()))
-    return Verdict(m, int(bonus.item()))
+            return Verdict(j, item_int(resampled[j]))
+    return Verdict(m, item_int(bonus))
 
 
 def verify_processed(

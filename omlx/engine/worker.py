@@ -65,7 +65,7 @@ class MLXWorker:
         """MLX thread: whether any engine has requests in flight."""
         return any(e.has_work for e in self._engines)
 
-    def busy_besides(self, engine: Steppable) -> bool:
+    def busy_besides(self, engine: Steppable | None) -> bool:
         """MLX thread: whether an engine other than ``engine`` has requests in flight."""
         return any(e.has_work for e in self._engines if e is not engine)
 
@@ -73,9 +73,9 @@ class MLXWorker:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._done.is_set()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``fn(*args)`` on the MLX thread; the future holds its result or error."""
-        future: Future = Future()
+        future: Future[Any] = Future()
 
         def call() -> None:
             if not future.set_running_or_notify_cancel():

@@ -12,6 +12,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from omlx.mlx_types import item_int
+
 log = logging.getLogger(__name__)
 
 _TABLES: dict[Any, mx.array] = {}
@@ -103,7 +105,7 @@ class GrammarLogitsProcessor:
 
     def _constrain(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if not self._first:
-            self._timed(self._accept_previous, int(tokens[-1].item()))
+            self._timed(self._accept_previous, item_int(tokens[-1]))
         self._first = False
         if self._matcher.is_terminated():
             return logits  # only stop tokens remain; the request is ending
@@ -149,7 +151,7 @@ class GrammarLogitsProcessor:
 
 
 def greedy_draw(logits: mx.array) -> int:
-    return int(mx.argmax(logits, axis=-1).item())
+    return item_int(mx.argmax(logits, axis=-1))
 
 
 def temperature_draw(temperature: float, seed: int | None) -> Draw:
@@ -163,7 +165,7 @@ def temperature_draw(temperature: float, seed: int | None) -> Draw:
     def draw(logits: mx.array) -> int:
         nonlocal key
         key, sub = mx.random.split(key)
-        return int(mx.random.categorical(logits * inv_temp, key=sub).item())
+        return item_int(mx.random.categorical(logits * inv_temp, key=sub))
 
     return draw
 

@@ -8,9 +8,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omlx.errors import ModelLoadError
+from omlx.mlx_types import LanguageModel, flat_parameters
 from omlx.models.discovery import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -21,9 +22,9 @@ _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     info: ModelInfo
-    model: Any  # mlx.nn.Module
+    model: LanguageModel
     tokenizer: Any  # mlx_lm TokenizerWrapper
-    config: dict
+    config: dict[str, Any]
     eos_token_ids: frozenset[int]
     # The model's own context length (None when the config does not say).
     native_context: int | None
@@ -36,12 +37,10 @@ class LoadedModel:
     def weights_bytes(self) -> int:
         """Bytes of the loaded parameters (what the model really holds, e.g. after a
         float32 upcast), falling back to the files' size."""
-        from mlx.utils import tree_flatten
-
         # A VLM's whole model (vision tower and projector too), not its language model.
         module = self.vision.model if self.vision is not None else self.model
         try:
-            params = tree_flatten(module.parameters())
+            params = flat_parameters(module)
             return int(sum(p.nbytes for _, p in params)) or self.info.size_bytes
         except Exception:
             return self.info.size_bytes
@@ -49,15 +48,14 @@ class LoadedModel:
     def activation_bytes(self) -> int:
         """Bytes per element of the model's floating parameters (the KV cache dtype)."""
         import mlx.core as mx
-        from mlx.utils import tree_flatten
 
-        for _, param in tree_flatten(self.model.parameters()):
+        for _, param in flat_parameters(self.model):
             if mx.issubdtype(param.dtype, mx.floating):
                 return int(param.dtype.size)
         return 2
 
 
-def native_context_length(config: dict) -> int | None:
+def native_context_length(config: dict[str, Any]) -> int | None:
     for section in (config, config.get("text_config") or {}):
         for key in _CONTEXT_KEYS:
             value = section.get(key)
@@ -77,11 +75,15 @@ def _generation_eos(path: Path) -> set[int]:
     return {e for e in eos or [] if isinstance(e, int)}
 
 
-def _load_llm(info: ModelInfo) -> tuple[Any, Any, dict]:
+def _load_llm(info: ModelInfo) -> tuple[LanguageModel, Any, dict[str, Any]]:
     from mlx_lm import load  # deferred: importing mlx-lm costs ~1 s at server start
 
     try:
-        model, tokenizer, config = load(str(info.path), return_config=True)
+        # mlx-lm types both of load's result shapes as one union (and the model as
+        # nn.Module, which has no __call__ of its own).
+        model, tokenizer, config = cast(
+            "tuple[LanguageModel, Any, dict[str, Any]]", load(str(info.path), return_config=True)
+        )
     except ValueError as exc:
         raise ModelLoadError(
             f"cannot load '{info.name}': unsupported or invalid model ({exc})"
@@ -92,7 +94,8 @@ def _load_llm(info: ModelInfo) -> tuple[Any, Any, dict]:
 
 
 def load_model(
-    info: ModelInfo, load_llm: Callable[[ModelInfo], tuple[Any, Any, dict]] | None = None
+    info: ModelInfo,
+    load_llm: Callable[[ModelInfo], tuple[LanguageModel, Any, dict[str, Any]]] | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer; every failure becomes ModelLoadError with the reason.
     ``load_llm``: how a text model's (model, tokenizer, config) is read (a shard of it
@@ -103,6 +106,7 @@ def load_model(
         )
     start = time.perf_counter()
     vision = None
+    model: LanguageModel
     if info.kind == "vlm":
         from omlx.models.vlm import load_vlm  # deferred: imports MLX and mlx-vlm
 

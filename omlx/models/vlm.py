@@ -21,6 +21,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from omlx.errors import ModelLoadError
 from omlx.memory.vision import VisionDims, vision_dims
+from omlx.mlx_types import flat_parameters
 from omlx.models.discovery import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,8 @@ class TextModel(nn.Module):
                 positions if positions is not None else _index_positions(inputs, cache)
             )
         out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **kwargs)
-        return out.logits if hasattr(out, "logits") else out
+        logits: mx.array = out.logits if hasattr(out, "logits") else out
+        return logits
 
 
 def _index_positions(inputs: mx.array, cache: list[Any] | None) -> mx.array:
@@ -168,7 +170,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
             f"cannot load '{info.name}': vision-language family '{info.model_type}' is not "
             f"supported yet (supported: {', '.join(sorted(SUPPORTED_FAMILIES))})"
         )
-    from mlx_vlm import load  # deferred: heavy import
+    from mlx_vlm.utils import load  # deferred: heavy import
 
     start = time.perf_counter()
     try:
@@ -207,9 +209,7 @@ def _text_config(model: Any) -> dict[str, Any]:
 
 
 def _dtype_bytes(model: Any) -> int:
-    from mlx.utils import tree_flatten
-
-    for _, param in tree_flatten(model.parameters()):
+    for _, param in flat_parameters(model):
         if mx.issubdtype(param.dtype, mx.floating):
             return int(param.dtype.size)
     return 2

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -141,7 +141,8 @@ def _load(source: Path) -> tuple[nn.Module, Any]:
     from mlx_lm import load
 
     try:
-        model, tokenizer = load(str(source))
+        # mlx-lm types both of load's result shapes as one union.
+        model, tokenizer = cast("tuple[nn.Module, Any]", load(str(source)))
     except Exception as exc:  # mlx-lm raises ValueError, RuntimeError, OSError, KeyError...
         raise ModelLoadError(f"cannot load '{source.name}': {exc}") from exc
     return model, tokenizer

@@ -10,6 +10,7 @@ from importlib import resources
 import mlx.core as mx
 import mlx.nn as nn
 
+from omlx.mlx_types import item_float
 from omlx.quant.sensitivity import QuantCancelled
 
 
@@ -49,7 +50,7 @@ def perplexity(
             raise QuantCancelled
         logits = model(chunk[:, :-1]).astype(mx.float32)
         loss = nn.losses.cross_entropy(logits, chunk[:, 1:], reduction="sum")
-        total_loss += loss.item()
+        total_loss += item_float(loss)
         num_tokens += chunk.shape[1] - 1
         on_progress((i + 1) / len(chunks))
     if num_tokens == 0:

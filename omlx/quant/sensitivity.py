@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from omlx.mlx_types import int_list, item_float
 from omlx.quant.planner import LayerStats
 
 # Output elements per call used for the error sums (rows x output width): enough
@@ -39,9 +41,9 @@ class _Sums:
 
     def add(self, signal: mx.array, errors: dict[int, mx.array]) -> None:
         mx.eval(signal, *errors.values())
-        self.signal += signal.item()
+        self.signal += item_float(signal)
         for bits, value in errors.items():
-            self.error[bits] = self.error.get(bits, 0.0) + value.item()
+            self.error[bits] = self.error.get(bits, 0.0) + item_float(value)
 
     def relative(self) -> dict[int, float]:
         return {b: e / max(self.signal, 1e-30) for b, e in self.error.items()}
@@ -63,7 +65,9 @@ def _rows(x: mx.array, out_width: int) -> mx.array:
 class _Probe(nn.Module):
     """Stands in for one layer during measurement; forwards every call to it."""
 
-    def __init__(self, inner: nn.Module, bits: Sequence[int], group_size: int, tick: Callable):
+    def __init__(
+        self, inner: nn.Module, bits: Sequence[int], group_size: int, tick: Callable[[], None]
+    ):
         super().__init__()
         self.inner = inner
         self._bits = tuple(bits)
@@ -96,16 +100,18 @@ class _Probe(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if isinstance(self.inner, nn.Embedding):
-            self._ids.update(x.reshape(-1).tolist())
+            self._ids.update(int_list(x.reshape(-1)))
         else:
             self._measure_linear(x)
         self._tick()
-        return self.inner(x)
+        out: mx.array = self.inner(x)  # an nn.Module call: unannotated in mlx
+        return out
 
     def as_linear(self, x: mx.array) -> mx.array:
         # Tied embeddings double as the output head.
         self._measure_linear(x)
-        return self.inner.as_linear(x)
+        out: mx.array = self.inner.as_linear(x)
+        return out
 
     def relative_errors(self) -> dict[int, float] | None:
         """The worse of the layer's uses (a tied embedding is a lookup and the head);
@@ -120,7 +126,11 @@ class _Probe(nn.Module):
 
 def quantizable_layers(model: nn.Module, group_size: int) -> dict[str, nn.Module]:
     """Float Linear / Embedding layers whose input width splits into groups."""
-    leaves = tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+    # tree_flatten returns a list here (no ``destination``); mlx types it list-or-dict.
+    leaves = cast(
+        "list[tuple[str, nn.Module]]",
+        tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module),
+    )
     return {
         path: m
         for path, m in leaves
