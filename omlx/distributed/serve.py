@@ -13,7 +13,7 @@ from omlx.distributed.group import Membership, join, open_control
 from omlx.distributed.loading import load_shard
 from omlx.distributed.replica import follow
 from omlx.distributed.shared_hits import agree_hits, shard_name
-from omlx.errors import ModelNotFoundError
+from omlx.errors import NotFoundError
 from omlx.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -82,9 +82,11 @@ def _follower_runner(
 
     info = discover_models(settings.model_dirs).get(name)
     if info is None:
-        raise ModelNotFoundError(
+        # Not ModelNotFoundError, which lists the models served instead of this host's gap.
+        raise NotFoundError(
             f"rank {member.rank} has no model '{name}' in "
-            f"{', '.join(map(str, settings.model_dirs))}: copy it there on this host"
+            f"{', '.join(map(str, settings.model_dirs))}: copy it there on this host",
+            param="model",
         )
     loaded = load_shard(info, member, mode)
     shard = shard_name(member, loaded.config["omlx_parallel"])

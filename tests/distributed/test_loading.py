@@ -46,3 +46,22 @@ def test_a_model_with_both_splits_takes_the_one_asked(split_models_dir: Path) ->
     assert choose_mode(model, config, 2, "pipeline", "q") == "pipeline"
     with pytest.raises(ModelLoadError, match="it has 2 layers, fewer than the 4 ranks"):
         choose_mode(model, config, 4, "pipeline", "q")
+
+
+def test_a_rank_without_the_model_says_where_to_copy_it(tmp_path: Path) -> None:
+    """A follower rank asked to load a model its host lacks answers with the folder to
+    copy it into (it raised a TypeError: the 404 class it used takes other arguments)."""
+    from omlx.distributed.group import Membership
+    from omlx.distributed.serve import _follower_runner
+    from omlx.errors import NotFoundError
+    from omlx.settings import load_settings
+
+    settings = load_settings(
+        {"base_path": str(tmp_path), "models": {"model_dirs": [str(tmp_path)]}}
+    )
+    member = Membership(group=None, rank=1, size=2, backend="ring")
+    with pytest.raises(NotFoundError) as info:
+        _follower_runner(settings, member, "auto", "not-here", None, None)
+    assert info.value.message == (
+        f"rank 1 has no model 'not-here' in {tmp_path}: copy it there on this host"
+    )
