@@ -91,7 +91,7 @@ class EnginePool:
         # route or a download): each may use what the memory ceiling leaves.
         self.import_lock = threading.Lock()
         # The models loaded in the background at start.
-        self.startup = StartupLoads(self)
+        self.startup = StartupLoads(self.catalog, self.residents, self.builder.load_facts)
 
     # -- the memory in force (swapped by a settings change, and by tests) -----
 
