@@ -8,7 +8,7 @@ import gc
 import logging
 from typing import Any
 
-from omlx.embeddings.engine import EmbeddingEngine, make_embedding_engine
+from omlx.embeddings.engine import make_embedding_engine
 from omlx.engine.admission import AdmissionSwitch
 from omlx.engine.assembly import EngineParts, build_engine
 from omlx.engine.catalog import ModelCatalog
@@ -16,6 +16,7 @@ from omlx.engine.drafts import attach_draft
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.pool_memory import PoolMemory
 from omlx.engine.profile_cache import ProfileCache
+from omlx.engine.residents import Engine
 from omlx.engine.worker import MLXWorker
 from omlx.memory import mlx_stats
 from omlx.models.discovery import ModelInfo
@@ -23,8 +24,6 @@ from omlx.models.loader import LoadedModel, load_model
 from omlx.settings import Settings
 
 log = logging.getLogger(__name__)
-
-Engine = ModelEngine | EmbeddingEngine
 
 
 class EngineBuilder:

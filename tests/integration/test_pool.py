@@ -259,6 +259,8 @@ def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool):
         while pool.engine("slow-llama") is None or not pool.engine("slow-llama").num_in_flight:
             assert not task.done(), task.result()
             await asyncio.sleep(0.01)
+        # Loaded while paused: paused from its first step, not from the next poll.
+        assert pool.engine("slow-llama").admission_paused
         probe.bytes = 11_000_000
         await pool.enforce()
         code, _ = await task
