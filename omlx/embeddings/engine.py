@@ -112,7 +112,6 @@ class EmbeddingEngine:
         self.guard = guard
         self.probe = probe
         self.capacity = capacity
-        self.admission_paused = False  # set by the enforcer; a step is short, nothing waits
         self.num_deferrals = 0
         self.num_gated = 0
         # Steps whose batch the guard halved to fit under the hard limit.

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from omlx.cache.hot import HotTier
 from omlx.cache.setup import make_prefix_cache
+from omlx.engine.admission import AdmissionSwitch
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.profile_cache import ProfileCache, ProfileInputs, profile_model
 from omlx.engine.runner import BatchRunner
@@ -36,6 +37,7 @@ class EngineParts:
     probe: MemoryProbe
     profile_cache: ProfileCache
     baseline: Callable[[], int]  # the live idle baseline
+    admission: AdmissionSwitch  # the pool's one admission switch (the enforcer's)
     # omlx.distributed.cluster.Cluster when the model is split across ranks (rank 0).
     cluster: Any = None
 
@@ -105,6 +107,7 @@ def build_engine(
         guard=guard,
         probe=parts.probe if cluster is None else cluster.probe(parts.probe, parts.limits),
         prefix_cache=prefix,
+        admission=parts.admission,
     )
     return engine, facts
 

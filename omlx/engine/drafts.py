@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,18 +102,6 @@ def _vocabulary(folder: Path) -> dict[str, int] | None:
         return None
     added = {str(t.get("content")): t.get("id") for t in data.get("added_tokens") or []}
     return {**vocab, **added}
-
-
-def configured_draft(
-    draft: str | None, model: str, available: Callable[[], Mapping[str, ModelInfo]]
-) -> ModelInfo | None:
-    """The folder of ``model``'s draft model setting (None: none, or not found: logged)."""
-    if draft is None:
-        return None
-    info = available().get(draft)
-    if info is None:
-        log.error("draft model %s of %s is not in the model dirs: no drafts", draft, model)
-    return info
 
 
 def weights_with_draft(engine: Any) -> int:

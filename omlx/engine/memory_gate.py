@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from omlx.engine.admission import AdmissionSwitch
 from omlx.memory import mlx_stats
 from omlx.memory.budget import MemoryReading, prefill_step_transient_bytes
 from omlx.memory.guard import MemoryGuard
@@ -33,7 +34,8 @@ class StepGate:
     """``busy_elsewhere``: whether another model's requests are running (they end
     and free memory too, so prefill may wait for them). ``image_bytes``: the
     transient of encoding a request's images. ``cached_tokens``: a prompt's
-    tokens the prefix index holds (0 without a prefix cache)."""
+    tokens the prefix index holds (0 without a prefix cache). ``admission``: the
+    pool's one admission switch (the enforcer pauses it above the soft limit)."""
 
     def __init__(
         self,
@@ -45,6 +47,7 @@ class StepGate:
         busy_elsewhere: Callable[[], bool],
         image_bytes: Callable[[Request], int],
         cached_tokens: Callable[[Request], int] = lambda request: 0,
+        admission: AdmissionSwitch,
     ):
         self.name = name
         self.guard = guard
@@ -54,9 +57,9 @@ class StepGate:
         self._image_bytes = image_bytes
         self._cached_tokens = cached_tokens
         self._reading: MemoryReading | None = None  # the last shape's, for its log line
-        # Set by the pool's enforcer above the soft limit: admit nothing new
-        # while something runs (a lone request is still admitted, so no deadlock).
-        self.admission_paused = False
+        # The pool's switch, set by its enforcer above the soft limit: admit nothing
+        # new while something runs (a lone request is still admitted, so no deadlock).
+        self._admission = admission
         # Admission deferrals by reason: "memory", "kv_capacity", "paused".
         self.deferrals: Counter[str] = Counter()
         # Requests the gate ended.
@@ -72,6 +75,10 @@ class StepGate:
         # Speculative steps the gate made decode without drafts.
         self.num_held_drafts = 0
         self._pending_bytes = 0
+
+    @property
+    def admission_paused(self) -> bool:
+        return self._admission.paused
 
     def counters(self) -> dict[str, Any]:
         """What the memory guard did to this model's requests (admin API, /metrics)."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from omlx.cache.hot import ClearTier
 from omlx.cache.prefix import PrefixCache
+from omlx.engine.admission import AdmissionSwitch
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omlx.engine.memory_gate import StepGate
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
@@ -101,6 +102,7 @@ class ModelEngine:
         guard: MemoryGuard,
         probe: MemoryProbe,
         prefix_cache: PrefixCache | None = None,
+        admission: AdmissionSwitch | None = None,
     ):
         self.loaded = loaded
         self.name = loaded.info.name
@@ -125,6 +127,7 @@ class ModelEngine:
             busy_elsewhere=partial(_busy_besides, worker, weakref.ref(self)),
             image_bytes=partial(_image_bytes, loaded.vision, guard),
             cached_tokens=partial(_cached_tokens, prefix_cache),
+            admission=admission or AdmissionSwitch(),
         )
         # Front-door count of submitted, unfinished requests (event loop + MLX thread).
         self._lock = threading.Lock()
@@ -415,10 +418,6 @@ class ModelEngine:
     @property
     def admission_paused(self) -> bool:
         return self.gate.admission_paused
-
-    @admission_paused.setter
-    def admission_paused(self, paused: bool) -> None:
-        self.gate.admission_paused = paused
 
     @property
     def num_deferrals(self) -> int:

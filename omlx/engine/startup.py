@@ -14,13 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omlx.errors import OmlxError
 
 if TYPE_CHECKING:
-    from omlx.engine.pool import EnginePool
+    from omlx.engine.catalog import ModelCatalog
+    from omlx.engine.residents import Residents
 
 log = logging.getLogger(__name__)
 
@@ -33,21 +35,29 @@ class _Outcome:
 
 
 class StartupLoads:
-    """The background loads begun at start and what became of each."""
+    """The background loads begun at start and what became of each. ``load_facts``:
+    how a loaded model became ready (the engine builder's)."""
 
-    def __init__(self, pool: EnginePool):
-        self._pool = pool
+    def __init__(
+        self,
+        catalog: ModelCatalog,
+        residents: Residents,
+        load_facts: Callable[[str], dict[str, Any]],
+    ) -> None:
+        self._catalog = catalog
+        self._residents = residents
+        self._load_facts = load_facts
         self._outcomes: dict[str, _Outcome] = {}
         self._task: asyncio.Task[None] | None = None
 
     def names(self) -> list[str]:
         """Which models to load at start: pinned ones first, then the default."""
-        pool = self._pool
-        if not pool.settings.models.load_at_start:
+        catalog = self._catalog
+        if not catalog.settings.models.load_at_start:
             return []
-        models = pool.available()
-        names = [n for n in sorted(models) if pool.model_settings.get(n).pinned]
-        default = pool.default_model()
+        models = catalog.available()
+        names = [n for n in sorted(models) if catalog.pinned(n)]
+        default = catalog.default_model()
         if default is None and len(models) == 1:
             default = next(iter(models))
         if default is not None and default not in names:
@@ -72,7 +82,7 @@ class StartupLoads:
     async def _load_one(self, name: str) -> None:
         started = time.monotonic()
         try:
-            await self._pool.get_engine(name)
+            await self._residents.acquire(self._catalog.resolve(name))
         except OmlxError as exc:
             self._failed(name, exc.message)
         except Exception as exc:  # a broken model folder must not end the server
@@ -97,10 +107,11 @@ class StartupLoads:
     def report(self) -> dict[str, Any]:
         """Per model ``loading`` / ``ready`` / ``failed`` (with the reason) and the
         overall state: loading while any is, else failed when any failed, else ready."""
-        pool = self._pool
+        residents = self._residents
         models = []
-        names = list(self._outcomes) + [n for n in pool.loading_names() if n not in self._outcomes]
-        names += [e.name for e in pool.loaded() if e.name not in names]
+        loading = residents.loading_names()
+        names = list(self._outcomes) + [n for n in loading if n not in self._outcomes]
+        names += [n for n in residents.names() if n not in names]
         for name in names:
             models.append({"name": name, **self._state_of(name)})
         states = {m["state"] for m in models}
@@ -108,13 +119,13 @@ class StartupLoads:
         return {"models_state": overall, "models": models}
 
     def _state_of(self, name: str) -> dict[str, Any]:
-        pool = self._pool
         outcome = self._outcomes.get(name)
-        if name in pool.loading_names() or (outcome is not None and outcome.state == "loading"):
+        loading = name in self._residents.loading_names()
+        if loading or (outcome is not None and outcome.state == "loading"):
             return {"state": "loading"}
-        if pool.engine(name) is not None:
+        if self._residents.engine(name) is not None:
             seconds = outcome.seconds if outcome is not None else None
-            return {"state": "ready", "load_seconds": seconds, **pool.load_facts(name)}
+            return {"state": "ready", "load_seconds": seconds, **self._load_facts(name)}
         if outcome is not None and outcome.state == "failed":
             return {"state": "failed", "reason": outcome.reason}
         return {"state": "unloaded"}

@@ -27,7 +27,7 @@ def http(
         live_server(base, root, memory={"max_model_memory": 150_000_000}) as server,
         httpx.Client(base_url=server.base_url, timeout=120) as client,
     ):
-        server.pool.busy_wait_s = 0.5  # a load blocked by a pin gives up quickly
+        server.pool.residents.busy_wait_s = 0.5  # a load blocked by a pin gives up quickly
         yield client
 
 

@@ -161,14 +161,14 @@ def test_a_release_failing_half_way_reports_each_model_and_resumes(
     server: Server, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert ask(http, "tiny-llama").is_success and ask(http, "tiny-qwen3").is_success
-    unload = server.pool.unload
+    unload = server.pool.residents.unload
 
     async def unload_failing_for_qwen(name: str, **kwargs: object) -> bool:
         if name == "tiny-qwen3":
             raise RuntimeError("the MLX worker could not free tiny-qwen3")
         return await unload(name, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(server.pool, "unload", unload_failing_for_qwen)
+    monkeypatch.setattr(server.pool.residents, "unload", unload_failing_for_qwen)
     r = http.post("/release_memory_occupation", json={"tags": ["weights"]})
     monkeypatch.undo()
     assert r.status_code == 500, r.text

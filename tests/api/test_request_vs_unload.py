@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 import omlx.api.pipeline as pipeline
-import omlx.engine.pool as pool_module
+import omlx.engine.building as building_module
 from omlx.api.server import Server
 from tests.fixtures.servers import live_server
 
@@ -90,13 +90,13 @@ def held_grammar(monkeypatch: pytest.MonkeyPatch) -> Gate:
 @pytest.fixture
 def held_load(monkeypatch: pytest.MonkeyPatch) -> Gate:
     """The pool's model load (on the MLX thread) waits for the gate (a slow load)."""
-    gate, load_model = Gate(), pool_module.load_model
+    gate, load_model = Gate(), building_module.load_model
 
     def slow_load_model(info: Any) -> Any:
         gate.hold()
         return load_model(info)
 
-    monkeypatch.setattr(pool_module, "load_model", slow_load_model)
+    monkeypatch.setattr(building_module, "load_model", slow_load_model)
     return gate
 
 

@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -31,18 +32,22 @@ def pool_settings(
 @pytest.fixture
 def make_pool(tiny_models_dir: Path, tmp_path: Path) -> Iterator:
     """Build an EnginePool on a running MLX worker; everything is torn down after.
-    The prefix cache is off unless ``cache`` settings are given."""
+    The prefix cache is off unless ``cache`` settings are given; ``clock`` and
+    ``busy_wait_s`` go to the pool's constructor."""
     made: list[tuple[EnginePool, MLXWorker]] = []
 
     def make(
         model_dir: Path = tiny_models_dir,
         cache: dict | None = None,
         memory: dict | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        busy_wait_s: float = 30.0,
         **scheduler: float,
     ) -> EnginePool:
         worker = MLXWorker()
         worker.start()
-        pool = EnginePool(pool_settings(tmp_path, model_dir, cache, memory, **scheduler), worker)
+        settings = pool_settings(tmp_path, model_dir, cache, memory, **scheduler)
+        pool = EnginePool(settings, worker, clock, busy_wait_s=busy_wait_s)
         made.append((pool, worker))
         return pool
 

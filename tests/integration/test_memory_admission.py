@@ -25,15 +25,19 @@ MARGIN = 64 * MB
 
 
 class MLXProbe(MemoryProbe):
-    """Real MLX readings without the process footprint; remembers the highest peak."""
+    """Real MLX readings without the process footprint; remembers the highest peak.
+    With ``drifted_to`` set, the readings say that much is held (something else grew)."""
 
     def __init__(self) -> None:
         super().__init__(max_age_s=0.0)
         self.max_peak = 0
+        self.drifted_to: int | None = None
 
     def _sample(self) -> tuple[int, int, int]:
         active, _, peak = super()._sample()
         self.max_peak = max(self.max_peak, peak, active)
+        if self.drifted_to is not None:
+            return self.drifted_to, self.drifted_to, peak
         return active, active, peak
 
 
@@ -107,19 +111,13 @@ def test_the_gate_ends_a_prefill_when_memory_drifted(make_pool) -> None:
     async def main() -> None:
         engine, probe, hard = await load_with_ceiling(pool, room_bytes=120 * MB)
         # Something else grew after admission: the next reading is at the limit.
-        grown = probe._sample
-
-        def drifted() -> tuple[int, int, int]:
-            _, _, peak = grown()
-            return hard - MARGIN // 2, hard - MARGIN // 2, peak
-
-        probe._sample = drifted
+        probe.drifted_to = hard - MARGIN // 2
         error, text = await generate(engine, "drift", prompts(1)[0])
         assert isinstance(error, MemoryPressureError)
         assert error.http_status == 503 and "retry" in error.message
         assert text == "" and engine.num_gated == 1
         assert engine.num_in_flight == 0
-        probe._sample = grown
+        probe.drifted_to = None
         assert (await generate(engine, "after", prompts(1)[0]))[0] == "length"
 
     asyncio.run(main())

@@ -104,8 +104,9 @@ def test_a_busy_model_is_not_yanked_the_load_waits_for_it(make_pool, tiny_models
 
 def test_waiting_for_busy_models_gives_up_with_507(make_pool, tiny_models_dir):
     size = sizes(tiny_models_dir)
-    pool = make_pool(memory={"max_model_memory": size["slow-llama"] + size["tiny-llama"] // 2})
-    pool.busy_wait_s = 0.3
+    pool = make_pool(
+        memory={"max_model_memory": size["slow-llama"] + size["tiny-llama"] // 2}, busy_wait_s=0.3
+    )
 
     async def main() -> None:
         busy = asyncio.create_task(run(pool, "slow-llama", max_tokens=400))
@@ -124,8 +125,9 @@ def test_a_model_leased_to_a_request_not_yet_submitted_is_not_evicted(make_pool,
     """A route holds the engine while it renders and compiles a grammar; loading
     another model must not evict it under that request (which then could not run)."""
     size = sizes(tiny_models_dir)
-    pool = make_pool(memory={"max_model_memory": size["tiny-llama"] + size["tiny-qwen3"] // 2})
-    pool.busy_wait_s = 0.3
+    pool = make_pool(
+        memory={"max_model_memory": size["tiny-llama"] + size["tiny-qwen3"] // 2}, busy_wait_s=0.3
+    )
 
     async def main() -> None:
         async with pool.lease("tiny-llama") as engine:
@@ -146,8 +148,9 @@ def test_a_model_leased_to_a_request_not_yet_submitted_is_not_evicted(make_pool,
 
 def test_pinned_models_are_never_evicted(make_pool, tiny_models_dir):
     size = sizes(tiny_models_dir)
-    pool = make_pool(memory={"max_model_memory": size["tiny-llama"] + size["tiny-qwen3"] // 2})
-    pool.busy_wait_s = 0.2
+    pool = make_pool(
+        memory={"max_model_memory": size["tiny-llama"] + size["tiny-qwen3"] // 2}, busy_wait_s=0.2
+    )
 
     async def main() -> None:
         pool.model_settings.put("tiny-llama", {"pinned": True})
@@ -186,9 +189,8 @@ def test_unload_with_requests_in_flight(make_pool):
 
 
 def test_idle_models_expire_after_their_ttl(make_pool):
-    pool = make_pool()
     now = [1000.0]
-    pool._clock = lambda: now[0]
+    pool = make_pool(clock=lambda: now[0])
 
     async def main() -> None:
         pool.model_settings.put("tiny-llama", {"ttl_s": 60})
@@ -257,6 +259,8 @@ def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool):
         while pool.engine("slow-llama") is None or not pool.engine("slow-llama").num_in_flight:
             assert not task.done(), task.result()
             await asyncio.sleep(0.01)
+        # Loaded while paused: paused from its first step, not from the next poll.
+        assert pool.engine("slow-llama").admission_paused
         probe.bytes = 11_000_000
         await pool.enforce()
         code, _ = await task

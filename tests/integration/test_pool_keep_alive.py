@@ -9,9 +9,8 @@ from tests.integration.test_pool import run
 
 
 def test_keep_alive_overrides_the_ttl_until_the_model_is_unloaded(make_pool):
-    pool = make_pool()
     now = [1000.0]
-    pool._clock = lambda: now[0]
+    pool = make_pool(clock=lambda: now[0])
 
     async def main() -> None:
         pool.model_settings.put("tiny-llama", {"ttl_s": 60})

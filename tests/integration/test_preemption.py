@@ -40,7 +40,7 @@ async def generate(engine, rid: str, prompt, params: SamplingParams, grammar=Non
 async def flood(pool, engine, make) -> list:
     """Submit every request while the MLX thread is held: one step admits them all."""
     hold = threading.Event()
-    pool._worker.post(hold.wait)
+    pool.worker.post(hold.wait)
     tasks = [asyncio.create_task(make(k, p)) for k, p in enumerate(prompts())]
     await asyncio.sleep(0.05)
     hold.set()

@@ -66,7 +66,7 @@ class DriftProbe(MLXProbe):
 async def burst(pool: EnginePool, engine) -> list:
     """Submit the burst while the MLX thread is held, so one step admits it whole."""
     hold = threading.Event()
-    pool._worker.post(hold.wait)
+    pool.worker.post(hold.wait)
     tasks = [asyncio.create_task(generate(engine, f"b-{k}", p)) for k, p in enumerate(PROMPTS)]
     await asyncio.sleep(0.05)  # every submit is queued behind the hold
     hold.set()
