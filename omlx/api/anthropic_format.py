@@ -11,11 +11,12 @@ import json
 from typing import Any
 
 from omlx.api.anthropic_schemas import CountTokensRequest, MessagesRequest
+from omlx.api.encoder import Encoder
 from omlx.api.errors import anthropic_error_body
 from omlx.api.images import ImagePart, ImageSink, from_base64, from_data_url
 from omlx.api.output_parser import OutputParser, ParsedDelta, ToolCall
 from omlx.api.prompts import SamplingRequest
-from omlx.api.sse import SSE_HEADERS, sse_named
+from omlx.api.sse import sse_named
 from omlx.api.structured import extension_spec
 from omlx.api.tool_grammar import combined
 from omlx.api.tool_grammar import tool_constraint as tool_constraint_of
@@ -421,20 +422,14 @@ def sse_event(frame: Frame) -> str:
     return sse_named(*frame)
 
 
-class MessageEncoder:
-    """A Messages response on the wire (the pipeline's Encoder): named SSE events,
-    message_start once the engine admitted the request (pings cover the wait, and
-    its usage has the real split between cached and new prompt tokens)."""
-
-    media_type = "text/event-stream"
-    headers = SSE_HEADERS
+class MessageEncoder(Encoder):
+    """A Messages response on the wire: named SSE events, message_start once the engine
+    admitted the request (pings cover the wait, and its usage has the real split between
+    cached and new prompt tokens)."""
 
     def __init__(self, fmt: MessageFormat):
         self.fmt = fmt
         self._started = False
-
-    def opening(self) -> list[str]:
-        return []
 
     def frames(self, index: int, event: StreamEvent) -> list[str]:
         frames = self.fmt.add(event)
@@ -449,14 +444,5 @@ class MessageEncoder:
     def keepalive(self) -> str | None:
         return sse_event(PING)  # Anthropic's keep-alive
 
-    def closing(self) -> list[str]:
-        return []
-
     def body(self) -> dict[str, Any]:
         return self.fmt.body()
-
-    async def finished(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

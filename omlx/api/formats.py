@@ -8,9 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from omlx.api.encoder import Encoder
 from omlx.api.errors import omlx_error_body
 from omlx.api.output_parser import OutputParser, ParsedDelta, ToolCall
-from omlx.api.sse import DONE, KEEPALIVE, SSE_HEADERS, sse_data
+from omlx.api.sse import DONE, KEEPALIVE, sse_data
 from omlx.engine.stream import StreamEvent
 from omlx.engine.token_text import LogprobEntry
 from omlx.errors import OmlxError
@@ -307,19 +308,13 @@ def _top_dict(entry: LogprobEntry) -> dict[str, float] | None:
     return top
 
 
-class OpenAIEncoder:
-    """Chat and text completions on the wire (the pipeline's Encoder): SSE ``data:``
-    chunks ending in ``[DONE]`` (after the usage chunk when asked), or the whole body."""
-
-    media_type = "text/event-stream"
-    headers = SSE_HEADERS
+class OpenAIEncoder(Encoder):
+    """Chat and text completions on the wire: SSE ``data:`` chunks ending in ``[DONE]``
+    (after the usage chunk when asked), or the whole body."""
 
     def __init__(self, fmt: _Format, *, include_usage: bool = False):
         self.fmt = fmt
         self.include_usage = include_usage
-
-    def opening(self) -> list[str]:
-        return []
 
     def frames(self, index: int, event: StreamEvent) -> list[str]:
         chunk = self.fmt.chunk(index, event)
@@ -337,9 +332,3 @@ class OpenAIEncoder:
 
     def body(self) -> dict[str, Any]:
         return self.fmt.body()
-
-    async def finished(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from omlx.api.encoder import Encoder
 from omlx.api.images import ImageSink, from_base64
 from omlx.api.ollama_schemas import GenerateRequest, Message, Options, Think
 from omlx.api.output_parser import OutputParser, ParsedDelta
@@ -355,19 +356,19 @@ def ndjson_line(obj: dict[str, Any]) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n"
 
 
-class OllamaEncoder:
-    """An Ollama answer on the wire (the pipeline's Encoder): one JSON object a line,
-    an error mid-stream as an {"error"} line, nothing while waiting, as Ollama's."""
+class OllamaEncoder(Encoder):
+    """An Ollama answer on the wire: one JSON object a line, an error mid-stream as an
+    {"error"} line, nothing while waiting, as Ollama's."""
 
     media_type = "application/x-ndjson"
 
     def __init__(self, reply: OllamaReply, on_close: Callable[[], None]):
-        self.headers: dict[str, str] = {}
         self.reply = reply
         self.on_close = on_close  # keep_alive counts from the end of the request
 
-    def opening(self) -> list[str]:
-        return []
+    @property
+    def headers(self) -> dict[str, str]:
+        return {}
 
     def frames(self, index: int, event: StreamEvent) -> list[str]:
         return [ndjson_line(obj) for obj in self.reply.add(event)]
@@ -375,17 +376,8 @@ class OllamaEncoder:
     def error_frames(self, error: OmlxError) -> list[str]:
         return [ndjson_line({"error": error.message})]
 
-    def keepalive(self) -> str | None:
-        return None
-
-    def closing(self) -> list[str]:
-        return []
-
     def body(self) -> dict[str, Any]:
         return self.reply.body()
-
-    async def finished(self) -> None:
-        pass
 
     def close(self) -> None:
         self.on_close()

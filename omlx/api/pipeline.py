@@ -14,11 +14,12 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from omlx.api.encoder import Encoder
 from omlx.api.generation import ClientGone, Generation, unless_disconnected
 from omlx.api.images import ImageSink
 from omlx.api.metrics import observer_for
@@ -35,7 +36,6 @@ from omlx.api.state import ServerState, state_of
 from omlx.api.structured import bind_grammar, with_unenforced_header
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.stream import StreamEvent
-from omlx.errors import OmlxError
 from omlx.grammar.spec import GrammarSpec
 from omlx.grammar.tools import ToolConstraint
 from omlx.scheduler import Request as EngineRequest
@@ -125,45 +125,6 @@ class Prepared:
             prompt_text=self.prompts[prompt].text,
             tool_schemas=self.call.tools,
         )
-
-
-class Encoder(Protocol):
-    """One API's wire shape for one call: frames to stream, or the whole body."""
-
-    media_type: str
-    headers: dict[str, str]
-
-    def opening(self) -> list[str]:
-        """Frames sent before any engine event."""
-        ...
-
-    def frames(self, index: int, event: StreamEvent) -> list[str]:
-        """Record choice ``index``'s event; the frames to stream for it."""
-        ...
-
-    def error_frames(self, error: OmlxError) -> list[str]:
-        """The frames that end a stream on an engine error."""
-        ...
-
-    def keepalive(self) -> str | None:
-        """A frame for a quiet stream (None: send nothing)."""
-        ...
-
-    def closing(self) -> list[str]:
-        """Frames after every choice finished."""
-        ...
-
-    def body(self) -> dict[str, Any]:
-        """The whole answer (not streamed)."""
-        ...
-
-    async def finished(self) -> None:
-        """Every choice finished; runs before the last frames (or the body) go out."""
-        ...
-
-    def close(self) -> None:
-        """The call is over, however it ended."""
-        ...
 
 
 EncoderFactory = Callable[[Prepared], Awaitable[Encoder]]

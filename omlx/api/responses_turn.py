@@ -9,6 +9,7 @@ import sqlite3
 from dataclasses import dataclass, field
 from typing import Any
 
+from omlx.api.encoder import Encoder
 from omlx.api.images import ImageSink
 from omlx.api.pipeline import Call, Prepared, Rendering
 from omlx.api.prompts import RenderedPrompt, SamplingRequest
@@ -25,7 +26,7 @@ from omlx.api.responses_input import (
 )
 from omlx.api.responses_schemas import ResponsesRequest
 from omlx.api.responses_store import ResponseStore, StoredResponse
-from omlx.api.sse import KEEPALIVE, SSE_HEADERS, sse_named
+from omlx.api.sse import KEEPALIVE, sse_named
 from omlx.engine.stream import StreamEvent
 from omlx.errors import InvalidRequestError, OmlxError
 from omlx.scheduler import SamplingParams
@@ -134,12 +135,9 @@ def _without_oldest(items: list[Item], num_drop: int) -> list[Item]:
     return rest
 
 
-class ResponseEncoder:
-    """A response on the wire (the pipeline's Encoder): named SSE events, the response
-    stored (with ``store``) before the client sees response.completed."""
-
-    media_type = "text/event-stream"
-    headers = SSE_HEADERS
+class ResponseEncoder(Encoder):
+    """A response on the wire: named SSE events, the response stored (with ``store``)
+    before the client sees response.completed."""
 
     def __init__(self, fmt: ResponseFormat, store: ResponseStore, kept: list[Item] | None):
         self.fmt = fmt
@@ -164,9 +162,6 @@ class ResponseEncoder:
     def keepalive(self) -> str | None:
         return KEEPALIVE
 
-    def closing(self) -> list[str]:
-        return []
-
     def body(self) -> dict[str, Any]:
         return self.fmt.body()
 
@@ -177,9 +172,6 @@ class ResponseEncoder:
             await asyncio.to_thread(self.store.put, StoredResponse(self.fmt.body(), self.kept))
         except sqlite3.Error as exc:  # a full disk must not lose the answer being sent
             log.error("could not store response %s: %s", self.fmt.response_id, exc)
-
-    def close(self) -> None:
-        pass
 
 
 def _events(events: list[Event]) -> list[str]:
