@@ -7,12 +7,16 @@ Server part, all through the bundle's own launcher (Contents/MacOS/omlx): its
 ``--version``; ``omlx serve`` on a free port with a temporary data folder and an
 API key; the built-in model installed through the admin API (a spawned child);
 a chat completion; a ``json_schema`` answer (xgrammar through the bundle's torch
-stub); a GGUF import through the admin API (another spawned child); then SIGTERM,
-after which no process of the bundle may be left.
+stub); a GGUF import through the admin API (another spawned child); an oQ task on
+the imported model (a ``python -m`` worker); ``omlx pull`` of that model from a local
+Hub stand-in (the tests' FakeHub, standard library only: the real Hub is not what is
+under test) through the launcher (its download worker); a chat completion with each
+model got; then SIGINT, after which no process of the bundle may be left.
 
 Shell part (``--skip-shell`` leaves it out): the app started with no CLI flag
 quits on SIGTERM (or, ``--quit-with applescript`` on macOS, through Apple Events)
-and takes its server along; started again and SIGKILLed, its server must follow.
+and takes its server along; started again and SIGKILLed, its server must follow;
+started while another program holds its port, it serves on another one.
 
 Each step prints one line with its time. A failure prints the step, the reason and
 the tail of the logs, and exits 1. Standard library only: it runs with any Python.
@@ -49,6 +53,10 @@ ANSWER_SCHEMA = {
     "additionalProperties": False,
 }
 LOG_TAIL_LINES = 40
+QUANTIZED = "smoke-oq4"
+PULLED = "smoke-pulled"
+HUB_REPO = "omlx-smoke/imported"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class StepFailed(Exception):
@@ -262,6 +270,21 @@ def check_chat(base_url: str) -> str:
     return f"answer {text[:60]!r}"
 
 
+def check_model_chat(base_url: str, model: str) -> str:
+    """Eight tokens from ``model`` (a small import may say nothing readable)."""
+    body = {
+        "model": model,
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    }
+    answer = post_ok(base_url + "/v1/chat/completions", body, timeout=600)
+    num = answer["usage"]["completion_tokens"]
+    if num != 8:
+        raise StepFailed(f"{model} generated {num} tokens, not 8: {answer}")
+    return f"{model}: 8 tokens {answer['choices'][0]['message']['content'][:40]!r}"
+
+
 def check_json_schema(base_url: str) -> str:
     schema = {"name": "capital", "schema": ANSWER_SCHEMA, "strict": True}
     choice = chat(base_url, {"response_format": {"type": "json_schema", "json_schema": schema}})
@@ -286,6 +309,46 @@ def import_gguf(base_url: str, gguf: Path | None) -> str:
     if IMPORTED not in model_ids(base_url):
         raise StepFailed(f"{IMPORTED} is not listed after the import")
     return f"{gguf.name} -> {answer['path']}"
+
+
+def quantize(base_url: str, model: str) -> str:
+    """An oQ4 task on ``model`` through the admin API, until its folder is served."""
+    body = {"model": model, "level": "oQ4", "output_name": QUANTIZED}
+    status, task = request(base_url + "/admin/api/quant/tasks", body, timeout=60)
+    if status != 201:
+        raise StepFailed(f"the oQ task was refused ({status}): {str(task)[:500]}")
+    url = f"{base_url}/admin/api/quant/tasks/{task['id']}"
+    deadline = time.monotonic() + 1800
+    while task["phase"] not in ("done", "failed", "cancelled"):
+        if time.monotonic() > deadline:
+            raise StepFailed(f"the oQ task is still {task['phase']} after 1800 s")
+        time.sleep(0.5)
+        task = request(url)[1]
+    if task["phase"] != "done" or QUANTIZED not in model_ids(base_url):
+        raise StepFailed(f"the oQ task ended {task['phase']}: {task.get('error')}")
+    return f"{model} -> {task['output_path']} in {task['elapsed_s']} s"
+
+
+def pull(run: Run, base: Path, hub_url: str) -> str:
+    """``omlx pull`` through the launcher, from the Hub stand-in, into ``base``'s models."""
+    args = ["--omlx-cli", "--base-path", str(base), "pull", HUB_REPO, "--name", PULLED]
+    env = {**os.environ, "HF_ENDPOINT": hub_url, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    done = subprocess.run(
+        [str(run.bundle.launcher), *args], env=env, capture_output=True, text=True, timeout=1800
+    )
+    if done.returncode != 0:
+        raise StepFailed(f"omlx pull exited with {done.returncode}: {done.stderr[-2000:]}")
+    if not (base / "models" / PULLED / "config.json").is_file():
+        raise StepFailed(f"omlx pull exited 0 but wrote no {PULLED}/config.json")
+    return f"{HUB_REPO} -> {base / 'models' / PULLED}"
+
+
+def local_hub() -> Any:
+    """The tests' Hub stand-in (tests/fixtures/fake_hub.py: standard library only)."""
+    sys.path.insert(0, str(REPO_ROOT))
+    from tests.fixtures.fake_hub import FakeHub
+
+    return FakeHub().start()
 
 
 def stop(run: Run, proc: subprocess.Popen, how: Callable[[], None], graceful: bool = True) -> str:
@@ -323,6 +386,16 @@ def server_part(run: Run, expected_version: str, gguf: Path | None) -> Path:
     run.step("chat", lambda: check_chat(base_url))
     run.step("json-schema", lambda: check_json_schema(base_url))
     run.step("import-gguf", lambda: import_gguf(base_url, gguf or run.bundle.bundled_gguf()))
+    run.step("chat-imported", lambda: check_model_chat(base_url, IMPORTED))
+    run.step("oq-task", lambda: quantize(base_url, IMPORTED))
+    run.step("chat-oq", lambda: check_model_chat(base_url, QUANTIZED))
+    hub = local_hub()
+    try:
+        hub.add_folder(HUB_REPO, models / IMPORTED)
+        run.step("hub-pull", lambda: pull(run, base, hub.url))
+    finally:
+        hub.stop()
+    run.step("chat-pulled", lambda: check_model_chat(base_url, PULLED))
     # SIGINT, as the shell stops it: the server finishes in order and exits 0.
     sigint = functools.partial(server.send_signal, signal.SIGINT)
     run.step("stop-server", lambda: stop(run, server, sigint))
@@ -354,6 +427,32 @@ def shell_part(run: Run, models: Path, quit_with: str) -> None:
     run.step("shell-restart", lambda: wait_healthy(port, shell, 300))
     # A crash or force-quit: the server must notice its parent is gone and exit.
     run.step("shell-sigkill", lambda: stop(run, shell, shell.kill, graceful=False))
+
+    with socket.socket() as other:  # another program listening on the shell's port
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        held = other.getsockname()[1]
+        shell = run.start(shell_args(base, held, models), run.work / "shell-output.log")
+        run.step("shell-port-taken", lambda: serving_elsewhere(run, shell, held))
+        run.step("shell-quit-port-taken", lambda: stop(run, shell, shell.terminate))
+
+
+def serving_elsewhere(run: Run, shell: subprocess.Popen, held: int) -> str:
+    """The shell's server runs on a free port, not on ``held`` (another program's)."""
+    found: list[int] = []
+
+    def server_port() -> bool:
+        for args in run.bundle.processes().values():
+            words = args.split()
+            if "serve" in words and "--port" in words:
+                found.append(int(words[words.index("--port") + 1]))
+        return bool(found)
+
+    if not wait_until(server_port, 120):
+        raise StepFailed("the shell started no server")
+    if found[0] == held:
+        raise StepFailed(f"the shell's server was pointed at :{held}, which another program holds")
+    return f":{held} taken; " + wait_healthy(found[0], shell, 300)
 
 
 # -- command line ------------------------------------------------------------------

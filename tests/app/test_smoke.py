@@ -26,8 +26,14 @@ from tests.app.xvfb import xvfb_display
 from tests.unit.test_gguf_crafted import tiny_llama_gguf_bytes
 
 SMOKE = ROOT / "packaging" / "smoke.py"
-SERVER_STEPS = ["version", "serve", "install-builtin", "chat", "json-schema", "import-gguf"]
-SHELL_STEPS = ["shell-start", "shell-quit-sigterm", "shell-restart", "shell-sigkill"]
+SERVER_STEPS = [
+    *("version", "serve", "install-builtin", "chat", "json-schema", "import-gguf"),
+    *("chat-imported", "oq-task", "chat-oq", "hub-pull", "chat-pulled"),
+]
+SHELL_STEPS = [
+    *("shell-start", "shell-quit-sigterm", "shell-restart", "shell-sigkill"),
+    *("shell-port-taken", "shell-quit-port-taken"),
+]
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="a POSIX launcher")
 
