@@ -260,8 +260,8 @@ class AppSettings(_Group):
     """The desktop app (app/): the server ignores this group."""
 
     # Where the app looks for a newer release (a JSON feed, app/update_feed.py). None: the
-    # project's releases, as the app was built with (Info.plist OMLXUpdateFeed); empty:
-    # never check (no network call).
+    # project's releases, as the app was built with (Info.plist OMLXUpdateFeed); empty or
+    # "off": never check (no network call).
     update_feed: str | None = None
 
     @field_validator("update_feed")
@@ -270,10 +270,12 @@ class AppSettings(_Group):
         if value is None:
             return None
         url = value.strip()
+        if url.lower() == "off":  # what a form or `omlx config set` can say for ""
+            return ""
         if url and not re.match(r"^https?://[^/?#\s]+(/[^\s]*)?$", url):
             raise ValueError(
                 f"{value!r} is not a feed URL: give http(s)://host/path, e.g. "
-                "'https://example.com/omlx-update.json', or '' to never check"
+                "'https://example.com/omlx-update.json', or 'off' to never check"
             )
         return url
 

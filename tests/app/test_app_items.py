@@ -241,5 +241,6 @@ def test_the_feed_comes_from_settings_and_defaults_to_the_releases(tmp_path, mon
     (bundle / "Contents" / "Info.plist").write_bytes(plistlib.dumps(plist))
     assert paths.update_feed_of(bundle) == releases
     base.mkdir()
-    (base / "settings.json").write_text(json.dumps({"app": {"update_feed": ""}}))
-    assert AppConfig.from_settings(base).update_feed == ""  # the user turned checks off
+    for off in ("", "off"):  # "off": what the panel's field or `omlx config set` sends
+        (base / "settings.json").write_text(json.dumps({"app": {"update_feed": off}}))
+        assert AppConfig.from_settings(base).update_feed == ""  # the user turned checks off

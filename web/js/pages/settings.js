@@ -67,6 +67,9 @@ const GROUPS = [
     ["cache", "ssd_cache_max_size", "size", "auto or a size."],
     ["cache", "ssd_auto_fraction", "number"],
   ]],
+  ["Desktop app", [
+    ["app", "update_feed", "text", "Release feed the app checks daily for updates; empty: the project's releases (the feed the app was built with); off: never check."],
+  ]],
 ];
 
 function toInput(type, value) {
