@@ -266,8 +266,8 @@ class EnginePool:
     async def expire_idle(self) -> list[str]:
         return await self.residents.expire_idle()
 
-    async def evict_one_idle(self, why: str) -> None:
-        await self.residents.evict_one_idle(why)
+    async def evict_one_idle(self, why: str) -> bool:
+        return await self.residents.evict_one_idle(why)
 
     async def enforce(self) -> None:
         """One poll of the enforcer (omlx/engine/enforcer.py)."""
