@@ -294,16 +294,20 @@ def test_the_enforcer_reads_again_after_an_eviction_before_ending_anything(make_
 
     async def main() -> None:
         await run(pool, "tiny-llama")
-        task = asyncio.create_task(run(pool, "slow-llama", max_tokens=200))
-        while pool.engine("slow-llama") is None or not pool.engine("slow-llama").num_in_flight:
-            assert not task.done(), task.result()
-            await asyncio.sleep(0.01)
+        engine = await pool.get_engine("slow-llama")
+        stream = RequestStream("long", asyncio.get_running_loop())
+        params = SamplingParams(temperature=0.0, max_tokens=60)
+        engine.submit(Request("long", (5, 6, 7, 8), params), stream)
+        first = await stream.get()  # decoding: no prefill chunk left for a gate to hold
+        assert first is not None and first.error is None
         pool.limits = Limits(10_000_000, 8_000_000, 1_000)
         probe.bytes = 5_000_000  # 11 MB with tiny-llama loaded, 5 MB without
         await pool.enforce()
         assert [e.name for e in pool.loaded()] == ["slow-llama"]
         assert not pool.enforcer.admission_paused  # under soft again, read afresh
-        assert (await task)[0] == "length"
+        while not (event := await stream.get()).finished:
+            pass
+        assert event.error is None and event.finish_reason == "length"
 
     asyncio.run(main())
 
