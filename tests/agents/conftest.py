@@ -91,16 +91,20 @@ class AgentRun:
     def run(self, argv: list[str | Path], **extra_env: str) -> subprocess.CompletedProcess:
         # PWD too: opencode takes its project folder from it, not from the cwd.
         env = self.env(PWD=str(self.workdir), **extra_env)
-        out = subprocess.run(
-            [str(arg) for arg in argv],
-            cwd=self.workdir,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=AGENT_TIMEOUT_S,
-        )
-        return out
+        command = [str(arg) for arg in argv]
+        try:
+            return subprocess.run(
+                command,
+                cwd=self.workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=AGENT_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired as exc:
+            said = f"stdout:\n{_tail(exc.stdout)}\nstderr:\n{_tail(exc.stderr)}"
+            pytest.fail(f"{command[:6]} ran past {AGENT_TIMEOUT_S} s\n{said}")
 
     def launch(self, tool: str, *tool_args: str, **extra_env: str) -> subprocess.CompletedProcess:
         """``omlx launch TOOL -- ARGS`` as a user types it, with the server's key in
@@ -108,6 +112,11 @@ class AgentRun:
         argv = [sys.executable, "-m", "omlx.cli", "--base-path", self.home / ".omlx"]
         argv += ["launch", tool, "--url", self.base_url, "--model", MODEL, "--", *tool_args]
         return self.run(argv, OMLX_SERVER__API_KEY=KEY, **extra_env)
+
+
+def _tail(output: str | bytes | None) -> str:
+    text = output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+    return text[-4000:]
 
 
 @pytest.fixture(scope="session")
