@@ -87,6 +87,16 @@ python_env() {
     "$PY" -m omlx.blas link
 }
 
+aider_python() {
+    # aider-chat 0.86.2 requires Python 3.10 to 3.12.
+    for c in python3.12 python3.11 python3.10 python3; do
+        if command -v "$c" >/dev/null && "$c" -c "import sys; sys.exit(not (3, 10) <= sys.version_info[:2] < (3, 13))" 2>/dev/null; then
+            echo "$c"; return 0
+        fi
+    done
+    log "aider ($AGENT_AIDER_PKG) needs Python 3.10 to 3.12: install one (e.g. apt-get install python3.12)"; exit 1
+}
+
 agent_tools() {
     command -v npm >/dev/null || { log "npm is required for the agent matrix (tests/agents)"; exit 1; }
     local stamp="$AGENTS/.omlx-agents-stamp"
@@ -95,7 +105,7 @@ agent_tools() {
     log "installing the coding agents into $AGENTS: ${want}"
     mkdir -p "$AGENTS/npm"
     npm install --prefix "$AGENTS/npm" --no-audit --no-fund --loglevel=error "${AGENT_NPM_PKGS[@]}"
-    [ -x "$AGENTS/aider/bin/python" ] || "$(pick_python)" -m venv "$AGENTS/aider"
+    [ -x "$AGENTS/aider/bin/python" ] || "$(aider_python)" -m venv "$AGENTS/aider"
     "$AGENTS/aider/bin/python" -m pip install -q "$AGENT_AIDER_PKG"
     [ -x "$AGENTS/py/bin/python" ] || "$(pick_python)" -m venv "$AGENTS/py"
     "$AGENTS/py/bin/python" -m pip install -q "${AGENT_PY_PKGS[@]}"
