@@ -11,7 +11,8 @@ Codex ~6.5k). A prompt that says ``omlx-call:NAME`` makes it call tool NAME with
 ``echo omlx-$((6*7))``; its final answer (AFTER_TOOL_TEXT) comes only when the
 request after the call carries the command's real output, ``omlx-42``, which is not
 in the command: so that answer in the agent's output proves the round trip (the
-agent parsed the call, ran it, and sent the result back to the server).
+agent parsed the call, ran it, and sent the result back to the server). ``llm`` also
+runs once on the built-in SmolLM2, a real model's text through a real client.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import json
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
+from omlx.models.builtin import BUILTIN_MODEL_NAME
 from tests.agents.conftest import KEY, MODEL, NPM_BIN, AgentRun, agent_program
 from tests.fixtures.agent_models import AFTER_TOOL_TEXT, PONG_TEXT, ask_for_call
 
@@ -130,16 +133,45 @@ def test_aider_one_turn(agent: AgentRun) -> None:
     assert PONG_TEXT in output_of(out)
 
 
-def test_llm_one_turn(agent: AgentRun) -> None:
+def _llm(agent: AgentRun, model: str, *args: str) -> subprocess.CompletedProcess:
     llm = agent_program("py", "bin", "llm")
     # llm's documented way to add an OpenAI-compatible model, its key in keys.json.
     user_dir = agent.home / "llm"
-    user_dir.mkdir()
-    entry = f'- model_id: omlx\n  model_name: {MODEL}\n  api_base: "{agent.base_url}/v1"\n'
+    user_dir.mkdir(exist_ok=True)
+    entry = f'- model_id: omlx\n  model_name: {model}\n  api_base: "{agent.base_url}/v1"\n'
     (user_dir / "extra-openai-models.yaml").write_text(entry + "  api_key_name: omlx\n")
     (user_dir / "keys.json").write_text(json.dumps({"omlx": KEY}))
-    out = agent.run([llm, "-m", "omlx", "say hi"], LLM_USER_PATH=str(user_dir))
-    assert PONG_TEXT in output_of(out)
+    return agent.run([llm, "-m", "omlx", *args], LLM_USER_PATH=str(user_dir))
+
+
+def test_llm_one_turn(agent: AgentRun) -> None:
+    assert PONG_TEXT in output_of(_llm(agent, MODEL, "say hi"))
+
+
+@pytest.mark.slow
+def test_llm_with_the_builtin_model_prints_what_it_generated(agent: AgentRun) -> None:
+    """A real model's text through a real client: llm's greedy answer is the one the
+    server gives the same question directly."""
+    prompt, options = "What is the capital of France?", {"temperature": 0, "max_tokens": 24}
+    out = _llm(
+        agent,
+        BUILTIN_MODEL_NAME,
+        *[a for k, v in options.items() for a in ("-o", k, str(v))],
+        prompt,
+    )
+    reply = httpx.post(
+        f"{agent.base_url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={
+            "model": BUILTIN_MODEL_NAME,
+            "messages": [{"role": "user", "content": prompt}],
+            **options,
+        },
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()["choices"][0]["message"]["content"].strip()
+    assert answer and answer in output_of(out)
 
 
 def test_openai_agents_sdk_turn_with_a_tool(agent: AgentRun) -> None:
