@@ -31,7 +31,10 @@ CALLS = {
     "Bash": {"command": TOOL_COMMAND, "description": DESCRIPTION},  # Claude Code
     "exec_command": {"cmd": TOOL_COMMAND},  # Codex
     "bash": {"command": TOOL_COMMAND, "description": DESCRIPTION},  # opencode
-    "run_shell_command": {"command": TOOL_COMMAND, "description": DESCRIPTION},  # Qwen Code
+    # Qwen Code: 0.24.4's one-shot shell settles on the child's 'exit' event, which can
+    # come before its stdout is read ("Output: (empty)" on a busy machine); the sleep
+    # lets the output arrive first.
+    "run_shell_command": {"command": f"{TOOL_COMMAND}; sleep 1", "description": DESCRIPTION},
     "shell": {"command": TOOL_COMMAND},  # the Agents SDK script's function tool
 }
 
