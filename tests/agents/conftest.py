@@ -131,15 +131,14 @@ def scripted_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def agent_server(
-    scripted_model_dir: Path, smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
+    scripted_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    """The scripted model (the default) and the built-in one, behind a key."""
-    model_dirs = [str(scripted_model_dir), str(smollm2_path.parent)]
+    """The scripted model, behind a key."""
     with live_server(
         tmp_path_factory.mktemp("agent-server"),
         scripted_model_dir,
         server={"api_key": KEY},
-        models={"default_model": MODEL, "model_dirs": model_dirs},
+        models={"default_model": MODEL},
         generation={"max_context_window": CONTEXT_TOKENS},
     ) as server:
         yield server

@@ -11,8 +11,7 @@ Codex ~6.5k). A prompt that says ``omlx-call:NAME`` makes it call tool NAME with
 ``echo omlx-$((6*7))``; its final answer (AFTER_TOOL_TEXT) comes only when the
 request after the call carries the command's real output, ``omlx-42``, which is not
 in the command: so that answer in the agent's output proves the round trip (the
-agent parsed the call, ran it, and sent the result back to the server). ``llm`` also
-runs once on the built-in SmolLM2, a real model's text through a real client.
+agent parsed the call, ran it, and sent the result back to the server).
 """
 
 from __future__ import annotations
@@ -21,10 +20,8 @@ import json
 import subprocess
 from pathlib import Path
 
-import httpx
 import pytest
 
-from omlx.models.builtin import BUILTIN_MODEL_NAME
 from tests.agents.conftest import KEY, MODEL, NPM_BIN, AgentRun, agent_program
 from tests.fixtures.agent_models import AFTER_TOOL_TEXT, PONG_TEXT, ask_for_call
 
@@ -146,32 +143,6 @@ def _llm(agent: AgentRun, model: str, *args: str) -> subprocess.CompletedProcess
 
 def test_llm_one_turn(agent: AgentRun) -> None:
     assert PONG_TEXT in output_of(_llm(agent, MODEL, "say hi"))
-
-
-@pytest.mark.slow
-def test_llm_with_the_builtin_model_prints_what_it_generated(agent: AgentRun) -> None:
-    """A real model's text through a real client: llm's greedy answer is the one the
-    server gives the same question directly."""
-    prompt, options = "What is the capital of France?", {"temperature": 0, "max_tokens": 24}
-    out = _llm(
-        agent,
-        BUILTIN_MODEL_NAME,
-        *[a for k, v in options.items() for a in ("-o", k, str(v))],
-        prompt,
-    )
-    reply = httpx.post(
-        f"{agent.base_url}/v1/chat/completions",
-        headers={"Authorization": f"Bearer {KEY}"},
-        json={
-            "model": BUILTIN_MODEL_NAME,
-            "messages": [{"role": "user", "content": prompt}],
-            **options,
-        },
-        timeout=120,
-    )
-    assert reply.status_code == 200, reply.text
-    answer = reply.json()["choices"][0]["message"]["content"].strip()
-    assert answer and answer in output_of(out)
 
 
 def test_openai_agents_sdk_turn_with_a_tool(agent: AgentRun) -> None:
