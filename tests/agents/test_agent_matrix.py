@@ -130,19 +130,16 @@ def test_aider_one_turn(agent: AgentRun) -> None:
     assert PONG_TEXT in output_of(out)
 
 
-def _llm(agent: AgentRun, model: str, *args: str) -> subprocess.CompletedProcess:
+def test_llm_one_turn(agent: AgentRun) -> None:
     llm = agent_program("py", "bin", "llm")
     # llm's documented way to add an OpenAI-compatible model, its key in keys.json.
     user_dir = agent.home / "llm"
-    user_dir.mkdir(exist_ok=True)
-    entry = f'- model_id: omlx\n  model_name: {model}\n  api_base: "{agent.base_url}/v1"\n'
+    user_dir.mkdir()
+    entry = f'- model_id: omlx\n  model_name: {MODEL}\n  api_base: "{agent.base_url}/v1"\n'
     (user_dir / "extra-openai-models.yaml").write_text(entry + "  api_key_name: omlx\n")
     (user_dir / "keys.json").write_text(json.dumps({"omlx": KEY}))
-    return agent.run([llm, "-m", "omlx", *args], LLM_USER_PATH=str(user_dir))
-
-
-def test_llm_one_turn(agent: AgentRun) -> None:
-    assert PONG_TEXT in output_of(_llm(agent, MODEL, "say hi"))
+    out = agent.run([llm, "-m", "omlx", "say hi"], LLM_USER_PATH=str(user_dir))
+    assert PONG_TEXT in output_of(out)
 
 
 def test_openai_agents_sdk_turn_with_a_tool(agent: AgentRun) -> None:
