@@ -9,6 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from omlx.api.output_budget import CLAMPED_HEADER
 from tests.fixtures.servers import live_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -57,3 +58,26 @@ def test_concurrent_greedy_answers_equal_solo_answers(client: openai.OpenAI) -> 
     with ThreadPoolExecutor(len(QUESTIONS)) as pool:
         together = list(pool.map(lambda q: ask(client, q, stream=True), QUESTIONS))
     assert together == solo
+
+
+def test_an_agents_32000_token_budget_is_served_clamped_to_the_8k_window(
+    client: openai.OpenAI,
+) -> None:
+    """Claude Code and opencode send max_tokens 32000 whatever the model: the built-in
+    model's 8k window answers (200) with the budget clamped to what the prompt leaves."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key="x")
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=32000,
+        messages=[{"role": "user", "content": QUESTIONS[0]}],
+        extra_body={"temperature": 0},
+    ) as stream:
+        assert stream.response.status_code == 200
+        clamp = dict(p.split("=") for p in stream.response.headers[CLAMPED_HEADER].split("; "))
+        reply = stream.get_final_message()
+    assert clamp["requested"] == "32000" and clamp["context_window"] == "8192"
+    prompt = reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0)
+    assert int(clamp["granted"]) == 8192 - prompt
+    assert "Paris" in "".join(b.text for b in reply.content if b.type == "text")
