@@ -81,6 +81,10 @@ def answer_for(kind: str, body: dict[str, Any], tool_calls: int) -> Answer:
     done = _tool_results(kind, body)
     if done >= tool_calls:
         return Answer(text=FINAL_TEXT)
+    if done == 1 and "ToolSearch" in tools:
+        # Claude Code loads a deferred tool mid-session, as a model does when it needs one.
+        arguments = json.dumps({"query": "select:NotebookEdit"})
+        return Answer(tool_name="ToolSearch", arguments=arguments, call_id=f"call_{done + 1:04d}")
     command = COMMANDS[done % len(COMMANDS)]
     arguments = json.dumps(_arguments(tools[shell], command))
     return Answer(tool_name=shell, arguments=arguments, call_id=f"call_{done + 1:04d}")
