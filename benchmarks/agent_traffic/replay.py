@@ -5,15 +5,22 @@ how much of them the server reused from its prefix cache.
     .venv/bin/python benchmarks/agent_traffic/replay.py --servers omlx --tools codex \
         --json-out /tmp/replay.json
 
-Each server starts fresh (one at a time: the machine has 2 shared cores) on the peer
-benchmark's model (SmolLM2-135M float32, benchmarks/peers) with its context raised to
-``--context`` so the agents' prompts fit. Each tool's requests are sent in the order the
+Each server starts fresh (one at a time: the machine has 2 shared cores) on a model with
+SmolLM2's tokenizer and chat template (so the prompts are the built-in model's: Claude
+Code's first turn is 12.4k tokens) and its context raised to ``--context`` so the
+agents' prompts fit: ``--shape smollm2`` is the peer benchmark's SmolLM2-135M float32
+itself; ``--shape small`` (default) a random llama of 4 layers x 256, whose cold 12k
+prefill takes seconds, not minutes, on a loaded 2-core machine (reuse is a property of
+the prompts and the cache, not of the weights). Each tool's requests are sent in the order the
 tool sent them, one at a time, as recorded, except: the model name; ``max_tokens`` set
 to ``--output-tokens`` (plus ``ignore_eos`` on Chat Completions, the one API that has
 it); Codex's namespace and hosted tools flattened the way issue 39 has servers treat
 them. A server without the tool's API (mlx_lm.server speaks only Chat Completions) gets
-the same conversation converted (to_chat.py). Reuse of a turn = cached prompt tokens /
-the previous agent turn's prompt tokens (the context the turn extends).
+the same conversation converted (to_chat.py), with the tools written into the system
+message as omlx writes them for a template without tools (mlx_lm.server would drop
+them: SmolLM2's template has no tools), so both compute the same prompt. Reuse of a
+turn = cached prompt tokens / the previous agent turn's prompt tokens (the context the
+turn extends).
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ def prepared(request: dict[str, Any], model: str, out_tokens: int, chat_only: bo
     if chat_only and kind != "chat":
         convert = to_chat.from_anthropic if kind == "anthropic" else to_chat.from_responses
         body, kind = convert(body), "chat"
+    if chat_only and body.get("tools"):
+        body = to_chat.tools_in_system(body)
     body["stream"] = True
     if kind == "chat":
         body.update(max_tokens=out_tokens, ignore_eos=True, stream_options={"include_usage": True})
@@ -150,12 +159,21 @@ def main() -> None:
     parser.add_argument("--tools", default=",".join(sessions.TOOLS))
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--context", type=int, default=65536)
+    parser.add_argument(
+        "--shape",
+        choices=["small", "smollm2"],
+        default="small",
+        help="smollm2: the built-in model; small: a random 4-layer llama with its tokenizer",
+    )
     parser.add_argument("--peer-venvs", type=Path, default=WORK / "venvs")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     base_models = ensure_model(WORK / "base")
-    models = WORK / f"agent-models-{args.context}"
-    sessions.long_context_copy(base_models / MODEL, models / MODEL, args.context)
+    models = WORK / f"agent-models-{args.shape}-{args.context}"
+    if args.shape == "smollm2":
+        sessions.long_context_copy(base_models / MODEL, models / MODEL, args.context)
+    else:
+        sessions.small_random_copy(base_models / MODEL, models / MODEL, args.context)
     results: dict[str, Any] = {}
     for name in args.servers.split(","):
         turns = run_server(name, models, args)

@@ -46,3 +46,26 @@ def long_context_copy(model_dir: Path, target: Path, context: int) -> Path:
         config["max_position_embeddings"] = context
         (target / "config.json").write_text(json.dumps(config, indent=2))
     return target
+
+
+SMALL_SHAPE = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def small_random_copy(model_dir: Path, target: Path, context: int) -> Path:
+    """A random llama of SMALL_SHAPE with ``model_dir``'s tokenizer and chat template."""
+    if not (target / "config.json").exists():
+        from tests.fixtures.tiny_models import build_tiny_model
+
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        overrides = {**SMALL_SHAPE, "vocab_size": vocab, "max_position_embeddings": context}
+        build_tiny_model(target, "llama", **overrides)
+        for name in TOKENIZER_FILES:
+            shutil.copy(model_dir / name, target / name)
+    return target

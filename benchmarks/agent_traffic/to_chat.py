@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from omlx.api.prompts import with_hermes_tools
+
 HOSTED = ("web_search", "file_search", "computer_use", "code_interpreter", "image_generation")
 
 
@@ -108,3 +110,10 @@ def from_responses(body: dict[str, Any]) -> dict[str, Any]:
         for t in flat_tools(body.get("tools") or [])
     ]
     return {"model": body["model"], "messages": messages, "tools": tools}
+
+
+def tools_in_system(body: dict[str, Any]) -> dict[str, Any]:
+    """Tools written into the system message and past calls into the assistant text,
+    the way omlx renders them for a chat template without tools (SmolLM2's)."""
+    messages = with_hermes_tools(body["messages"], body["tools"])
+    return {k: v for k, v in body.items() if k != "tools"} | {"messages": messages}
