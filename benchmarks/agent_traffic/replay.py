@@ -2,6 +2,7 @@
 how much of them the server reused from its prefix cache.
 
     .venv/bin/python benchmarks/agent_traffic/replay.py --servers omlx,mlx-lm
+    .venv/bin/python benchmarks/agent_traffic/replay.py --servers rapid-mlx,rapid-mlx+chat
     .venv/bin/python benchmarks/agent_traffic/replay.py --servers omlx --tools codex \
         --json-out /tmp/replay.json
 
@@ -123,7 +124,11 @@ def replay_tool(
 
 
 def run_server(name: str, models: Path, args: argparse.Namespace) -> list[Turn]:
-    spec = make_spec(name, models, ps.free_port(), args.peer_venvs, "same-fast")
+    """``name`` is a server; ``<server>+chat`` sends it every request as Chat Completions
+    with the tools in the system message (the same prompt text for every server)."""
+    server_name, _, mode = name.partition("+")
+    chat_only = server_name in CHAT_ONLY or mode == "chat"
+    spec = make_spec(server_name, models, ps.free_port(), args.peer_venvs, "same-fast")
     log = Path(tempfile.mkdtemp(prefix=f"replay-{name}-")) / "server.log"
     server = ps.RunningServer(spec, log, timeout_s=600)
     print(f"{name}: log {log}", flush=True)
@@ -132,7 +137,7 @@ def run_server(name: str, models: Path, args: argparse.Namespace) -> list[Turn]:
         with httpx.Client(base_url=base, timeout=httpx.Timeout(1800, connect=10)) as client:
             turns = []
             for tool in args.tools.split(","):
-                turns += replay_tool(client, tool, spec.model, args, name in CHAT_ONLY)
+                turns += replay_tool(client, tool, spec.model, args, chat_only)
             return turns
     finally:
         server.stop()
