@@ -114,6 +114,12 @@ def from_responses(body: dict[str, Any]) -> dict[str, Any]:
 
 def tools_in_system(body: dict[str, Any]) -> dict[str, Any]:
     """Tools written into the system message and past calls into the assistant text,
-    the way omlx renders them for a chat template without tools (SmolLM2's)."""
+    the way omlx renders them for a chat template without tools (SmolLM2's). The calls
+    stay as ``tool_calls`` too (that template ignores them), for servers that check each
+    tool result answers a call."""
     messages = with_hermes_tools(body["messages"], body["tools"])
+    offset = len(messages) - len(body["messages"])  # a system message put first
+    for original, written in zip(body["messages"], messages[offset:], strict=True):
+        if original.get("tool_calls"):
+            written["tool_calls"] = original["tool_calls"]
     return {k: v for k, v in body.items() if k != "tools"} | {"messages": messages}
