@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from omlx.api.anthropic_schemas import CountTokensRequest, MessagesRequest
+from omlx.api.anthropic_schemas import AnthropicTool, CountTokensRequest, MessagesRequest
+from omlx.api.deferred_tools import is_deferred, loaded_tools_text, tools_by_name
 from omlx.api.encoder import Encoder
 from omlx.api.errors import anthropic_error_body
 from omlx.api.hosted_tools import is_anthropic_server_tool
@@ -44,12 +45,13 @@ def chat_messages(
     message's ``image`` blocks go (None: they are refused)."""
     systems = [_system_text(body.system)]
     messages: list[dict[str, Any]] = []
+    tools = tools_by_name(body.tools)
     for i, msg in enumerate(body.messages):
         blocks = _blocks(msg.content)
         if msg.role == "system":
             systems.append(_system_text(blocks, f"messages[{i}].content"))
         elif msg.role == "user":
-            messages.extend(_user_messages(blocks, i, images))
+            messages.extend(_user_messages(blocks, i, images, tools))
         else:
             messages.append(_assistant_message(blocks, i))
     system = "\n".join(text for text in systems if text)
@@ -94,7 +96,10 @@ def _refuse(kind: Any, param: str) -> None:
 
 
 def _user_messages(
-    blocks: list[dict[str, Any]], i: int, images: ImageSink | None = None
+    blocks: list[dict[str, Any]],
+    i: int,
+    images: ImageSink | None,
+    tools: dict[str, AnthropicTool],
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     texts: list[str] = []
@@ -112,7 +117,7 @@ def _user_messages(
         tool_use_id = block.get("tool_use_id")
         if not isinstance(tool_use_id, str) or not tool_use_id:
             raise InvalidRequestError(f"{param}.tool_use_id is required", param=param)
-        content = _tool_result_text(block.get("content"), param)
+        content = _tool_result_text(block.get("content"), param, tools)
         out.append({"role": "tool", "tool_call_id": tool_use_id, "content": content})
     if texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
@@ -133,12 +138,21 @@ def _image_of(block: dict[str, Any], param: str) -> ImagePart:
     )
 
 
-def _tool_result_text(content: Any, param: str) -> str:
+def _tool_result_text(content: Any, param: str, tools: dict[str, AnthropicTool]) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise InvalidRequestError(f"{param}.content must be a string or blocks", param=param)
-    return "\n".join(_text_of(b, f"{param}.content[{k}]") for k, b in enumerate(content))
+    blocks = list(enumerate(content))
+    texts = [_text_of(b, f"{param}.content[{k}]") for k, b in blocks if not _is_reference(b)]
+    references = [(k, b) for k, b in blocks if _is_reference(b)]
+    if references:  # a tool search result: the deferred tools it loads (deferred_tools.py)
+        texts.append(loaded_tools_text(references, tools, param))
+    return "\n".join(texts)
+
+
+def _is_reference(block: Any) -> bool:
+    return isinstance(block, dict) and block.get("type") == "tool_reference"
 
 
 def _assistant_message(blocks: list[dict[str, Any]], i: int) -> dict[str, Any]:
@@ -183,8 +197,8 @@ def chat_tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
         return None
     tools = []
     for i, tool in enumerate(body.tools):
-        if is_anthropic_server_tool(tool.type):
-            continue
+        if is_anthropic_server_tool(tool.type) or is_deferred(tool):
+            continue  # deferred: written where a tool_reference loads it (deferred_tools.py)
         if tool.type not in (None, "custom"):
             raise InvalidRequestError(
                 f"tools[{i}]: tool type '{tool.type}' is not supported; send custom tools "
