@@ -402,3 +402,8 @@ def test_connect_page_shows_what_omlx_launch_sets(page, admin_url: str) -> None:
     page.select_option("#connect-model", "tiny-qwen3")
     expect(claude).to_contain_text("ANTHROPIC_MODEL=tiny-qwen3")
     expect(page.locator("#shell-opencode")).to_contain_text("omlx/tiny-qwen3")
+    # A 4k window cannot hold what each agent sends first: the page says so, per tool.
+    expect(claude).to_contain_text("CLAUDE_CODE_MAX_CONTEXT_TOKENS=4096")
+    warning = page.locator("#context-warning-claude")
+    expect(warning).to_contain_text("'tiny-qwen3' has a context window of 4,096 tokens")
+    expect(page.locator("#context-warning-codex")).to_contain_text("Codex's first request")

@@ -155,6 +155,11 @@ def test_print_shows_the_settings_without_running(server: Server, tmp_path: Path
     port = server.settings.server.port
     assert f"export ANTHROPIC_BASE_URL=http://127.0.0.1:{port}" in out.stdout
     assert "export ANTHROPIC_MODEL=tiny-qwen3" in out.stdout
+    # The model's window, for Claude Code's own compaction; and the warning that a
+    # 4k window cannot hold what Claude Code sends first (recorded: ~12k tokens).
+    assert "export CLAUDE_CODE_MAX_CONTEXT_TOKENS=4096" in out.stdout
+    assert "omlx: warning: Claude Code's first request alone is about" in out.stderr
+    assert "every request will be refused" in out.stderr
 
 
 def test_server_not_running_is_a_clear_error(tmp_path: Path) -> None:
@@ -182,6 +187,8 @@ def test_admin_connect_route_never_shows_the_key(server: Server) -> None:
     claude = next(t for t in data["tools"] if t["tool"] == "claude")
     assert claude["env"]["ANTHROPIC_BASE_URL"] == server.base_url
     assert claude["env"]["ANTHROPIC_MODEL"] == "tiny-llama"
+    assert data["context_window"] == 4096
+    assert "'tiny-llama' has a context window of 4,096 tokens" in claude["warning"]
     missing = httpx.get(
         server.base_url + "/admin/api/connect",
         params={"model": "nope"},

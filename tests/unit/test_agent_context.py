@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import tomllib
 
-from omlx.agent_context import FirstRequest, context_warning, parse_recorded
+from omlx.agent_context import FirstRequest, context_warning, parse_recorded, recorded
 from omlx.launch import Connection, launch_plan
 
 CLAUDE = {"claude": FirstRequest("2.1.332", 20_000)}
@@ -34,6 +34,11 @@ def test_the_recording_keeps_the_largest_count_of_any_tokenizer() -> None:
     data = {"tools": {"codex": {"version": "0.171.0", "tokens": {"a": 9000, "b": 11000}}}}
     assert parse_recorded(data) == {"codex": FirstRequest("0.171.0", 11000)}
     assert parse_recorded({}) == {}
+
+
+def test_the_packaged_recording_covers_the_launchers() -> None:
+    assert set(recorded()) >= {"claude", "codex", "opencode"}
+    assert all(first.tokens > 1000 for first in recorded().values())
 
 
 def test_each_launcher_is_told_the_window_in_its_own_setting() -> None:
