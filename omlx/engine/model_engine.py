@@ -42,6 +42,7 @@ from omlx.memory.vision import image_bytes
 from omlx.mlx_types import LanguageModel
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
+from omlx.scheduler.placement import RunnerLayout
 from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput
 from omlx.sizes import format_bytes
 
@@ -62,6 +63,7 @@ class Runner(Protocol):
     @property
     def has_work(self) -> bool: ...
     def prefill_plan(self) -> list[PrefillChunk]: ...
+    def layout(self) -> RunnerLayout: ...
     def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...
     def remove(self, request_ids: list[str]) -> None: ...
     def reset(self) -> None: ...
@@ -301,7 +303,10 @@ class ModelEngine:
             self.gate.reclaim_near_limit()
             runner = self._runner
             plan = self._scheduler.schedule(
-                self.gate, runner.prefill_plan(), runner.speculation_plan()
+                self.gate,
+                runner.prefill_plan(),
+                runner.speculation_plan(),
+                layout=runner.layout(),
             )
             self._end_gated(plan.ended, outbox)
             output = self._runner.execute(plan)

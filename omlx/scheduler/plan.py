@@ -1,10 +1,11 @@
 """One step's contract, as vLLM v1 and nano-vllm have it. Pure: no MLX.
 
-``Scheduler.schedule(memory, chunks, speculation) -> SchedulerOutput``: which
-requests start, which leave (preempted back to the queue, or ended by the memory
-gate), their cached tokens from the pure prefix index, the shared openings they
-prefill once, the cap on the step's prefill chunks, and whether the decoding rows
-verify drafts.
+``Scheduler.schedule(memory, chunks, speculation, layout=) -> SchedulerOutput``:
+which requests start, which leave (preempted back to the queue, or ended by the
+memory gate), their cached tokens from the pure prefix index, where each request
+runs (solo, batch row, side, image side, fork: placement.py) and whether the solo
+sequence moves, the shared openings they prefill once, each prefill chunk as the
+gate passed it and the cap on them, and whether the decoding rows verify drafts.
 ``Runner.execute(plan) -> RunnerOutput``: the forward. The scheduler's
 ``update_from_output`` then decides what each produced token means.
 """
@@ -17,6 +18,7 @@ from typing import Protocol
 
 from omlx.memory.throttle import PrefillShape
 from omlx.scheduler.openings import SharedOpening
+from omlx.scheduler.placement import Placements
 from omlx.scheduler.request import Request, TokenOutput
 
 
@@ -51,6 +53,13 @@ class SchedulerOutput:
     # Whether decoding rows may verify drafts this step (the memory gate's answer on
     # the verification width; False: plain decode).
     speculate: bool = True
+    # Where every running and starting request runs, and the solo sequence's move.
+    placements: Placements = field(default_factory=Placements)
+    # The step's prefill chunks as the memory gate passed them (capped; held: none).
+    # An admitted request's first chunk counts the prefix index's cached tokens.
+    chunks: tuple[PrefillChunk, ...] = ()
+    # The positions each drafting row verifies, as gated (empty: plain decode).
+    drafts: tuple[PrefillChunk, ...] = ()
 
     @property
     def leaving(self) -> tuple[str, ...]:

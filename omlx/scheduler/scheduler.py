@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from omlx.errors import QueueFullError
 from omlx.memory.throttle import PrefillShape
 from omlx.scheduler.openings import SharedOpening, plan_openings
+from omlx.scheduler.placement import RunnerLayout, place
 from omlx.scheduler.plan import MemoryView, PrefillChunk, SchedulerOutput
 from omlx.scheduler.request import Request, RequestStatus, RequestUpdate, TokenOutput
 
@@ -124,11 +125,13 @@ class Scheduler:
         chunks: Sequence[PrefillChunk] = (),
         speculation: Sequence[PrefillChunk] = (),
         *,
+        layout: RunnerLayout | None = None,
         now: float | None = None,
     ) -> SchedulerOutput:
         """Plan one step. ``chunks``: the prefill work the running requests have
         next (the runner's ``prefill_plan``); ``speculation``: the positions its
-        decoding rows would verify beyond one (drafts), gated like a chunk.
+        decoding rows would verify beyond one (drafts), gated like a chunk;
+        ``layout``: where the runner's requests run (default: an empty runner).
 
         While the running requests' KV (prompts plus output so far) is over the
         model's capacity, the newest is preempted. Waiting requests are admitted
@@ -137,7 +140,9 @@ class Scheduler:
         (theirs and the running ones'): capped, held, or, when a chunk does not
         fit even so, the newest running request gives way: a request admitted
         in this step goes back to the queue unstarted, an older one is preempted;
-        only a lone request whose chunk cannot fit is ended.
+        only a lone request whose chunk cannot fit is ended. The requests that
+        start are placed (placement.py) on the runner as it is once the leaving
+        ones are out.
         """
         preempted = self._preempt_over_capacity(memory)
         running = [c for c in chunks if c.request_id in self._running]
@@ -147,10 +152,13 @@ class Scheduler:
             admitted = self.admit(memory.can_admit, now=now)
         cached = {r.request_id: memory.cached_tokens(r) for r in admitted}
         planned = running + [c for r in admitted if (c := self._first_chunk(r, cached))]
-        shape = self._gate(memory, planned, admitted, preempted)
+        shape, planned = self._gate(memory, planned, admitted, preempted)
         for rid in shape.ended:
             self.finish(rid, RequestStatus.FINISHED_ERROR)
         started = tuple(r for r in admitted if r.request_id in self._running)
+        drafts = tuple(c for c in speculation if c.request_id in self._running)
+        speculate = memory.may_speculate(drafts)
+        leaving = (*preempted, *shape.ended)
         return SchedulerOutput(
             admitted=started,
             cached={r.request_id: cached[r.request_id] for r in started},
@@ -158,9 +166,10 @@ class Scheduler:
             ended=shape.ended,
             prefill_cap=shape.cap,
             openings=self._openings(memory, started, cached),
-            speculate=memory.may_speculate(
-                [c for c in speculation if c.request_id in self._running]
-            ),
+            speculate=speculate,
+            placements=place(started, (layout or RunnerLayout()).without(leaving)),
+            chunks=_passed(planned, shape),
+            drafts=drafts if speculate else (),
         )
 
     def _openings(
@@ -193,9 +202,9 @@ class Scheduler:
         planned: list[PrefillChunk],
         admitted: list[Request],
         preempted: list[str],
-    ) -> PrefillShape:
+    ) -> tuple[PrefillShape, list[PrefillChunk]]:
         """The memory gate's shape for the step's chunks, the newest giving way
-        while a chunk does not fit and another request runs."""
+        while a chunk does not fit and another request runs; and the chunks left."""
         shape = memory.shape_prefill(planned, len(self._running))
         while shape.ended and len(self._running) > 1:
             victim = self._give_way(memory, admitted, preempted)
@@ -204,7 +213,7 @@ class Scheduler:
             planned = [c for c in planned if c.request_id != victim]
             shape = memory.shape_prefill(planned, len(self._running))
         memory.settle(shape, planned)
-        return shape
+        return shape, planned
 
     def _first_chunk(self, request: Request, cached: dict[str, int]) -> PrefillChunk | None:
         """An admitted request's first prefill chunk, as the runner will plan it
@@ -349,3 +358,13 @@ class Scheduler:
         self._waiting[request_id] = resumed
         self._waiting.move_to_end(request_id, last=False)
         return resumed
+
+
+def _passed(planned: Sequence[PrefillChunk], shape: PrefillShape) -> tuple[PrefillChunk, ...]:
+    """The chunks the step runs, as the gate passed them: capped, none when held."""
+    if shape.held:
+        return ()
+    kept = [c for c in planned if c.request_id not in shape.ended]
+    if shape.cap is None:
+        return tuple(kept)
+    return tuple(dataclasses.replace(c, num_tokens=min(c.num_tokens, shape.cap)) for c in kept)
