@@ -254,12 +254,21 @@ class ModelEngine:
         return self._runner.speculative_stats()
 
     def clear_prefix_cache(self, tier: ClearTier) -> None:
-        """MLX thread: drop this model's cached blocks (on every rank of a split model)."""
+        """MLX thread: drop this model's cached blocks (on every rank of a split
+        model), those of the requests that just ended included."""
+        self._settle()
         self._runner.clear_prefix_cache(tier)
 
     def flush_cache_stores(self) -> None:
         """MLX thread: the prefix-cache stores of requests that ended, now."""
+        self._settle()
         self._runner.flush_cache_stores()
+
+    def _settle(self) -> None:
+        """MLX thread, between steps: the runner drops now the requests that left
+        since the last plan (a step's plan drops them; a flush, a clear, ending
+        everything or an unload needs the runner as it will be)."""
+        self._runner.remove(list(self._scheduler.take_left()))
 
     def use_draft(self, model: LanguageModel | None) -> None:
         """A draft model proposes this model's drafts from the next step (None:
@@ -288,9 +297,8 @@ class ModelEngine:
         )
 
     def _abort(self, request_id: str) -> None:
+        # A running request leaves the runner through the next plan.
         where = self._scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
-        if where is RequestStatus.RUNNING:
-            self._runner.remove([request_id])
         if where is not None:
             self._live.pop(request_id, None)
             self._release("abort")
@@ -351,7 +359,7 @@ class ModelEngine:
             if reason is not None:
                 finished.append(update.request_id)
                 self._release(reason)
-        self._runner.remove(finished)
+        # The finished requests leave the runner through the next plan.
         if finished:
             # Sample now: the peak of the work that just ended gets its own
             # time stamp and ages out of the recent window on schedule.
@@ -438,8 +446,6 @@ class ModelEngine:
 
     def _fail_request(self, request_id: str, error: OmlxError, outbox: Outbox) -> None:
         where = self._scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)
-        if where is RequestStatus.RUNNING:
-            self._runner.remove([request_id])
         live = self._live.pop(request_id, None)
         if where is not None:
             self._release("error")
@@ -453,6 +459,7 @@ class ModelEngine:
         rids = list(self._live)
         for rid in rids:
             self._fail_request(rid, error, outbox)
+        self._settle()  # their memory goes now, not at the next step
         self._flush(outbox)
         return len(rids)
 
@@ -463,6 +470,7 @@ class ModelEngine:
             outbox.append((live.stream, StreamEvent(error=error)))
         self._live.clear()
         self._runner.reset()
+        self._scheduler.take_left()  # the reset dropped them
 
     def _release(self, reason: str) -> None:
         """MLX thread: one request left the engine."""
@@ -486,6 +494,8 @@ class ModelEngine:
         if gone is None:
             gone = unloaded_error(self.name, "the server is stopping")
             self.close(gone)
+        # The requests that just ended leave first, so their blocks are stored at close.
+        self._settle()
         for rid, live in list(self._live.items()):
             self._scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
             self._release("abort")

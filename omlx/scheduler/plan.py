@@ -46,6 +46,9 @@ class SchedulerOutput:
     preempted: tuple[str, ...] = ()
     # Requests the memory gate ended (a lone request whose chunk can never fit now).
     ended: tuple[str, ...] = ()
+    # Requests that finished since the last plan (by token or stop string, aborted,
+    # failed): the runner still holds them.
+    finished: tuple[str, ...] = ()
     # The most tokens any prefill chunk runs (None: as planned; 0: prefill waits).
     prefill_cap: int | None = None
     # Shared openings among the admitted requests (each prefilled once), gated.
@@ -63,8 +66,9 @@ class SchedulerOutput:
 
     @property
     def leaving(self) -> tuple[str, ...]:
-        """Requests the runner drops before the step."""
-        return self.preempted + self.ended
+        """Requests the runner drops before the step (their blocks go to the prefix
+        cache at the start of its forward)."""
+        return self.finished + self.preempted + self.ended
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,9 @@ class Scheduler:
         self.preemptions: Counter[str] = Counter()
         self._waiting: OrderedDict[str, Request] = OrderedDict()
         self._running: dict[str, _Running] = {}
+        # Requests that left the running set since the last plan (finished, aborted,
+        # failed): the next plan drops them from the runner.
+        self._left: list[str] = []
 
     @property
     def num_waiting(self) -> int:
@@ -89,7 +92,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._left)
 
     def add(self, request: Request) -> None:
         """Queue a request; raises QueueFullError when the waiting queue is full."""
@@ -142,8 +145,9 @@ class Scheduler:
         in this step goes back to the queue unstarted, an older one is preempted;
         only a lone request whose chunk cannot fit is ended. The requests that
         start are placed (placement.py) on the runner as it is once the leaving
-        ones are out.
+        ones are out: those, and the ones that finished since the last plan.
         """
+        finished = self.take_left()
         preempted = self._preempt_over_capacity(memory)
         running = [c for c in chunks if c.request_id in self._running]
         admitted: list[Request] = []
@@ -154,16 +158,17 @@ class Scheduler:
         planned = running + [c for r in admitted if (c := self._first_chunk(r, cached))]
         shape, planned = self._gate(memory, planned, admitted, preempted)
         for rid in shape.ended:
-            self.finish(rid, RequestStatus.FINISHED_ERROR)
+            del self._running[rid]  # in the plan's ``ended``, not left for the next
         started = tuple(r for r in admitted if r.request_id in self._running)
         drafts = tuple(c for c in speculation if c.request_id in self._running)
         speculate = memory.may_speculate(drafts)
-        leaving = (*preempted, *shape.ended)
+        leaving = (*finished, *preempted, *shape.ended)
         return SchedulerOutput(
             admitted=started,
             cached={r.request_id: cached[r.request_id] for r in started},
             preempted=tuple(preempted),
             ended=shape.ended,
+            finished=finished,
             prefill_cap=shape.cap,
             openings=self._openings(memory, started, cached),
             speculate=speculate,
@@ -287,8 +292,9 @@ class Scheduler:
 
         Stop token ids finish with "stop" and are not visible; reaching
         ``max_tokens`` finishes with "length". Finished requests leave the
-        running set. Outputs for requests no longer running are ignored (a
-        runner may still produce one token for a request aborted this step).
+        running set, and the runner through the next plan. Outputs for requests
+        no longer running are ignored (a runner may still produce one token for a
+        request aborted this step).
         """
         updates = []
         for out in outputs:
@@ -307,6 +313,7 @@ class Scheduler:
                 status = RequestStatus.RUNNING
             if status.is_finished:
                 del self._running[out.request_id]
+                self._left.append(out.request_id)
             updates.append(
                 RequestUpdate(
                     out.request_id,
@@ -323,14 +330,22 @@ class Scheduler:
         """End a request early (stop string, abort, error).
 
         Returns where it was (WAITING or RUNNING), or None if it is unknown or
-        already finished, so the caller knows whether the runner holds it.
+        already finished. A running one leaves the runner through the next plan.
         """
         assert status.is_finished, status
         if self._waiting.pop(request_id, None) is not None:
             return RequestStatus.WAITING
         if self._running.pop(request_id, None) is not None:
+            self._left.append(request_id)
             return RequestStatus.RUNNING
         return None
+
+    def take_left(self) -> tuple[str, ...]:
+        """The requests that left the running set since the last plan (the runner
+        still holds them), now dropped from this list: the next plan's ``finished``,
+        or the engine's between steps when the runner must be settled now."""
+        left, self._left = tuple(self._left), []
+        return left
 
     def running_ids(self) -> list[str]:
         return list(self._running)
