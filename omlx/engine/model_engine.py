@@ -123,7 +123,6 @@ class ModelEngine:
             self.name,
             guard,
             probe,
-            scheduler,
             # Nothing here refers back to the engine: an unloaded model's weights are
             # freed when its last reference goes, not at the next garbage collection.
             busy_elsewhere=partial(_busy_besides, worker, weakref.ref(self)),
@@ -442,7 +441,7 @@ class ModelEngine:
 
     def guard_counters(self) -> dict[str, Any]:
         """What the memory guard did to this model's requests (admin API, /metrics)."""
-        return self.gate.counters()
+        return {**self.gate.counters(), "preempted": dict(self._scheduler.preemptions)}
 
     def _fail_request(self, request_id: str, error: OmlxError, outbox: Outbox) -> None:
         where = self._scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)

@@ -143,17 +143,15 @@ class Scheduler:
         (theirs and the running ones'): capped, held, or, when a chunk does not
         fit even so, the newest running request gives way: a request admitted
         in this step goes back to the queue unstarted, an older one is preempted;
-        only a lone request whose chunk cannot fit is ended. The requests that
-        start are placed (placement.py) on the runner as it is once the leaving
-        ones are out: those, and the ones that finished since the last plan.
+        only a lone request whose chunk cannot fit is ended. The starting ones
+        are placed (placement.py) on the runner without the leaving ones (those
+        and the ones that finished since the last plan).
         """
         finished = self.take_left()
         preempted = self._preempt_over_capacity(memory)
         running = [c for c in chunks if c.request_id in self._running]
-        admitted: list[Request] = []
-        if self._waiting and not preempted:  # short of KV this step: nothing starts
-            memory.start_admission(running)
-            admitted = self.admit(memory.can_admit, now=now)
+        # Short of KV this step (someone was preempted): nothing starts.
+        admitted = [] if preempted else self._admit_gated(memory, running, now)
         cached = {r.request_id: memory.cached_tokens(r) for r in admitted}
         planned = running + [c for r in admitted if (c := self._first_chunk(r, cached))]
         shape, planned = self._gate(memory, planned, admitted, preempted)
@@ -161,7 +159,7 @@ class Scheduler:
             del self._running[rid]  # in the plan's ``ended``, not left for the next
         started = tuple(r for r in admitted if r.request_id in self._running)
         drafts = tuple(c for c in speculation if c.request_id in self._running)
-        speculate = memory.may_speculate(drafts)
+        speculate = memory.may_speculate(drafts, len(self._running))  # refused: plain decode
         leaving = (*finished, *preempted, *shape.ended)
         return SchedulerOutput(
             admitted=started,
@@ -177,6 +175,16 @@ class Scheduler:
             drafts=drafts if speculate else (),
         )
 
+    def _admit_gated(
+        self, memory: MemoryView, running: list[PrefillChunk], now: float | None
+    ) -> list[Request]:
+        """Waiting requests admitted through the memory view (what the running ones'
+        chunks will still allocate counted)."""
+        if not self._waiting:
+            return []
+        memory.start_admission(running, self.num_running_tokens)
+        return self.admit(memory.can_admit, now=now)
+
     def _openings(
         self, memory: MemoryView, started: Sequence[Request], cached: dict[str, int]
     ) -> tuple[SharedOpening, ...]:
@@ -187,7 +195,8 @@ class Scheduler:
             return ()
         text = [r for r in started if not r.images]
         planned = plan_openings(text, cached, self.prefill_step_size)
-        return tuple(o for o in planned if memory.may_share(o.num_tokens, o.start))
+        num_running = len(self._running)
+        return tuple(o for o in planned if memory.may_share(o.num_tokens, o.start, num_running))
 
     def _preempt_over_capacity(self, memory: MemoryView) -> list[str]:
         """Preempt the newest while the running requests' KV passes the capacity
@@ -210,13 +219,13 @@ class Scheduler:
     ) -> tuple[PrefillShape, list[PrefillChunk]]:
         """The memory gate's shape for the step's chunks, the newest giving way
         while a chunk does not fit and another request runs; and the chunks left."""
-        shape = memory.shape_prefill(planned, len(self._running))
+        shape = memory.shape_prefill(planned, len(self._running), self.num_running_tokens)
         while shape.ended and len(self._running) > 1:
             victim = self._give_way(memory, admitted, preempted)
             if victim is None:
                 break
             planned = [c for c in planned if c.request_id != victim]
-            shape = memory.shape_prefill(planned, len(self._running))
+            shape = memory.shape_prefill(planned, len(self._running), self.num_running_tokens)
         memory.settle(shape, planned)
         return shape, planned
 

@@ -128,7 +128,7 @@ def test_a_refused_opening_is_not_planned_and_nobody_is_ended() -> None:
     _burst(scheduler, 40, 10, 12)
     # Each request's own chunk (at most 64 tokens) fits; the 40-token opening does not.
     view = BudgetView(budget=10**6)
-    view.may_share = lambda num_tokens, num_cached: False  # type: ignore[method-assign]
+    view.may_share = lambda num_tokens, num_cached, num_running: False  # type: ignore[method-assign]
     plan = scheduler.schedule(view)
     assert plan.openings == () and len(plan.admitted) == 2 and plan.ended == ()
 
