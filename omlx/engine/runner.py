@@ -1,8 +1,24 @@
-"""The forward step: continuous batching over a lone sequence (solo.py), a
-batched prefill and a batched decode (batch.py).
+"""The forward step: executes the scheduler's plan. Which code decodes a request
+follows from where the plan placed it (``SchedulerOutput.placements``,
+scheduler/placement.py):
+
+- SOLO: ``solo.SoloSequence`` prefills it (one pass, or chunks) and samples its
+  first token in the same forward; it decodes there (``compiled.CompiledDecode``
+  when proven) until the plan moves it into the batch (below).
+- BATCH: ``batch.PrefillBatch`` prefills it, a chunk per step beside the other new
+  prompts (after a shared opening, ``openings.py``, when the plan has one); its last
+  prompt token goes to ``batch.DecodeBatch``, which decodes every row in one forward
+  (``compiled_batch.CompiledBatchStep`` when proven; with drafts from ``ngram.py`` or
+  ``draft_model.py``, verified by ``speculative.py``).
+- SIDE: a ``SoloSequence`` with block-boundary snapshots prefills it; at its last
+  prompt token it joins the ``DecodeBatch``.
+- IMAGE_SIDE: ``image_prefill.image_sequence`` encodes the images and prefills the
+  prompt the same way, then joins the ``DecodeBatch``.
+- FORK: ``forks.ChoiceForks`` holds it until its leader's prompt is in, then it
+  joins the ``DecodeBatch`` with a copy of the leader's cache.
 
 MLX thread only. The runner knows nothing about finish reasons: the scheduler
-decides those and the engine removes finished requests.
+decides those, and the next plan drops the finished requests.
 """
 
 from __future__ import annotations
@@ -344,18 +360,6 @@ class BatchRunner:
         """An unbatched sequence for ``request`` (snapshots at block boundaries
         when the model needs them)."""
         prefix = self._prefix
-        hook = None
-        if prefix is not None and prefix.needs_snapshots:
-            rid, prompt, size = request.request_id, request.prompt_ids, prefix.block_size
-
-            def hook(position: int, layers: list[CacheLayer]) -> None:
-                prefix.snapshot(rid, position, layers)
-                # Store the finished blocks now: each snapshot (a recurrent state or a
-                # whole window per layer) would otherwise stay in RAM, outside every
-                # budget, until the prompt ends; the hot tier's bytes are budgeted.
-                # (Full blocks only: the prompt's tail snapshot waits for the last store.)
-                prefix.store(rid, prompt, layers, position - position % size, tail=False)
-
         return SoloSequence(
             self._model,
             request.request_id,
@@ -366,7 +370,7 @@ class BatchRunner:
             cache=hit.layers if hit else None,
             num_cached=hit.num_tokens if hit else 0,
             block_size=prefix.block_size if prefix is not None else 0,
-            on_boundary=hook,
+            on_boundary=self._stores.boundary_hook(request),
             decoder=self._decoder,
             logprobs=request.sampling.logprobs,
         )
@@ -396,9 +400,8 @@ class BatchRunner:
         )
 
     def _solo_state(self, solo: SoloSequence, request: Request) -> SoloState:
-        """The lone sequence as the placement rules see it: it moves into the batch
-        (a copy of its cache, once) when that decodes it faster; the move copies
-        the cache once, as a second request's arrival always did."""
+        """The lone sequence as the placement rules see it (movable: its first token
+        is out and its cache is plain KV layers, which the batch can take)."""
         return SoloState(
             solo.request_id,
             solo.num_pending,

@@ -11,9 +11,12 @@ prompt token.
 
 The solo sequence moves when others arrive (to the side while it still prefills a
 snapshotted cache, else into the batch), and on its own once its first token is out,
-when the batch decodes it faster: the batch's compiled step is proven, or the request
-drafts (only the batch speculates); and its cache is plain KV. The measurements behind
-that: benchmarks/README.md, "Figures behind design choices".
+when the batch decodes it faster: the batch's compiled step is proven (a batch of one
+decodes faster than the lone sequence's own step on the CPU backend, measured by an
+interleaved A/B: benchmarks/README.md, "Figures behind design choices"), or the request
+drafts (only the batch speculates); and its cache is plain KV. The move copies the
+cache once, as a second request's arrival always did; admission already holds a
+whole-context copy for a prompt's last prefill chunk, and the move comes right after it.
 """
 
 from __future__ import annotations
