@@ -7,7 +7,7 @@
 #                                         tests; no servers, browsers or child processes)
 #
 # Idempotent: a stamp keyed on this script and pyproject.toml skips the pip step
-# when nothing changed. OMLX_VENV overrides the virtual environment's folder.
+# when nothing changed, and one keyed on the agents' pins skips their install. OMLX_VENV overrides the virtual environment's folder.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -23,6 +23,14 @@ MLX_VLM_PKG="mlx-vlm==0.7.10"
 # (numpy, pydantic, transformers, typing-extensions) come with omlx already.
 GRAMMAR_PKGS=("xgrammar==0.2.8" "apache-tvm-ffi==0.1.15")
 PY="$VENV/bin/python"
+# The real coding agents the compatibility matrix runs (tests/agents), pinned: a bump
+# that breaks one fails the suite (README.md, "Coding agents"). Installed for `test`
+# only: the npm CLIs into $AGENTS/npm, aider into its own venv (it pins many
+# dependencies, some clash with llm's), llm and the OpenAI Agents SDK into another.
+AGENTS="${OMLX_AGENTS_DIR:-.agents}"
+AGENT_NPM_PKGS=("@anthropic-ai/claude-code@2.1.332" "@openai/codex@0.171.0" "opencode-ai@1.18.33" "@qwen-code/qwen-code@0.24.4")
+AGENT_AIDER_PKG="aider-chat==0.86.2"
+AGENT_PY_PKGS=("llm==0.36" "openai-agents==0.24.0")
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
@@ -79,6 +87,31 @@ python_env() {
     "$PY" -m omlx.blas link
 }
 
+aider_python() {
+    # aider-chat 0.86.2 requires Python 3.10 to 3.12.
+    for c in python3.12 python3.11 python3.10 python3; do
+        if command -v "$c" >/dev/null && "$c" -c "import sys; sys.exit(not (3, 10) <= sys.version_info[:2] < (3, 13))" 2>/dev/null; then
+            echo "$c"; return 0
+        fi
+    done
+    log "aider ($AGENT_AIDER_PKG) needs Python 3.10 to 3.12: install one (e.g. apt-get install python3.12)"; exit 1
+}
+
+agent_tools() {
+    command -v npm >/dev/null || { log "npm is required for the agent matrix (tests/agents)"; exit 1; }
+    local stamp="$AGENTS/.omlx-agents-stamp"
+    local want="${AGENT_NPM_PKGS[*]} $AGENT_AIDER_PKG ${AGENT_PY_PKGS[*]}"
+    [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return 0
+    log "installing the coding agents into $AGENTS: ${want}"
+    mkdir -p "$AGENTS/npm"
+    npm install --prefix "$AGENTS/npm" --no-audit --no-fund --loglevel=error "${AGENT_NPM_PKGS[@]}"
+    [ -x "$AGENTS/aider/bin/python" ] || "$(aider_python)" -m venv "$AGENTS/aider"
+    "$AGENTS/aider/bin/python" -m pip install -q "$AGENT_AIDER_PKG"
+    [ -x "$AGENTS/py/bin/python" ] || "$(pick_python)" -m venv "$AGENTS/py"
+    "$AGENTS/py/bin/python" -m pip install -q "${AGENT_PY_PKGS[@]}"
+    echo "$want" >"$stamp"
+}
+
 cmd="${1:-}"
 shift || true
 case "$cmd" in
@@ -94,6 +127,7 @@ test)
     # The fast lane needs no browser, Xvfb or Qt: the base packages do.
     system_packages "${fast:-test}"
     python_env
+    if [ -z "$fast" ]; then agent_tools; fi
     log "ruff"
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .

@@ -78,8 +78,10 @@ class PrefillMemoryExceededError(InvalidRequestError):
 
     code = "prefill_memory_exceeded"
 
-    def __init__(self, message: str, *, estimated_bytes: int, limit_bytes: int):
-        super().__init__(message, param="messages")
+    def __init__(
+        self, message: str, *, estimated_bytes: int, limit_bytes: int, param: str = "messages"
+    ):
+        super().__init__(message, param=param)
         self.estimated_bytes = estimated_bytes
         self.limit_bytes = limit_bytes
 

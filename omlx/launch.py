@@ -8,6 +8,7 @@ Pure: no MLX, no HTTP. Each tool reads its own settings:
   Responses API and reads its key from ``OMLX_API_KEY``;
 - opencode: a whole inline config in ``OPENCODE_CONFIG_CONTENT`` with an
   OpenAI-compatible provider.
+Each is told the model's context window where it has a setting for it.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass
+from typing import Any
 
 # Clients refuse an empty key; the server ignores any key when none is set.
 NO_KEY_PLACEHOLDER = "omlx"
 KEY_ENV = "OMLX_API_KEY"
+# opencode's own default answer budget; a small window gets a quarter of it instead.
+OPENCODE_OUTPUT = 32000
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +32,9 @@ class Connection:
     base_url: str  # e.g. http://127.0.0.1:8000, no trailing slash
     api_key: str | None
     model: str
+    # The model's context window (None: unknown), told to the tool so that its own
+    # compaction starts before the window is full.
+    context_window: int | None = None
 
     @property
     def key(self) -> str:
@@ -61,6 +68,10 @@ def _claude(conn: Connection) -> LaunchPlan:
         # No telemetry or update checks to Anthropic's servers from a local setup.
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     }
+    if conn.context_window is not None:
+        # Claude Code's own setting for a model it does not know: without it, it
+        # assumes a 200k-1M window and never compacts in time.
+        env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(conn.context_window)
     return LaunchPlan("claude", "claude", (), env, "npm install -g @anthropic-ai/claude-code")
 
 
@@ -72,7 +83,7 @@ def _codex(conn: Connection) -> LaunchPlan:
         "wire_api": "responses",
     }
     table = ", ".join(f"{k} = {json.dumps(v)}" for k, v in provider.items())
-    args = (
+    args: tuple[str, ...] = (
         "-c",
         f"model_providers.omlx={{ {table} }}",
         "-c",
@@ -80,6 +91,8 @@ def _codex(conn: Connection) -> LaunchPlan:
         "-m",
         conn.model,
     )
+    if conn.context_window is not None:
+        args += ("-c", f"model_context_window={conn.context_window}")
     return LaunchPlan("codex", "codex", args, {KEY_ENV: conn.key}, "npm install -g @openai/codex")
 
 
@@ -91,13 +104,22 @@ def _opencode(conn: Connection) -> LaunchPlan:
                 "npm": "@ai-sdk/openai-compatible",
                 "name": "omlx",
                 "options": {"baseURL": f"{conn.base_url}/v1", "apiKey": f"{{env:{KEY_ENV}}}"},
-                "models": {conn.model: {"name": conn.model}},
+                "models": {conn.model: _opencode_model(conn)},
             }
         },
         "model": f"omlx/{conn.model}",
     }
     env = {KEY_ENV: conn.key, "OPENCODE_CONFIG_CONTENT": json.dumps(config)}
     return LaunchPlan("opencode", "opencode", (), env, "npm install -g opencode-ai")
+
+
+def _opencode_model(conn: Connection) -> dict[str, Any]:
+    model: dict[str, Any] = {"name": conn.model}
+    if conn.context_window is not None:
+        # opencode compacts by limit.context and asks limit.output per answer.
+        output = min(OPENCODE_OUTPUT, conn.context_window // 4)
+        model["limit"] = {"context": conn.context_window, "output": output}
+    return model
 
 
 TOOLS = {"claude": _claude, "codex": _codex, "opencode": _opencode}

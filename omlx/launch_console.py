@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from omlx.agent_context import context_warning
 from omlx.errors import OmlxError
 from omlx.launch import TOOLS, Connection, LaunchPlan, client_host, launch_plan
 from omlx.settings import Settings
@@ -53,7 +54,12 @@ def launch_command(args: argparse.Namespace, settings: Settings) -> int:
     api_key = settings.server.api_key
     served = _served_models(base_url, api_key)
     model = _pick_model(args.model, _server_default(base_url, api_key), served)
-    plan = launch_plan(args.tool, Connection(base_url, api_key, model))
+    window = next((e.get("context_window") for e in served if e["id"] == model), None)
+    window = window if isinstance(window, int) else None
+    plan = launch_plan(args.tool, Connection(base_url, api_key, model, window))
+    warning = context_warning(args.tool, model, window)
+    if warning is not None:
+        print(f"omlx: warning: {warning}", file=sys.stderr)
     if args.print_only:
         print("\n".join(plan.shell_lines()))
         return 0

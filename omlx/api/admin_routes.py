@@ -370,7 +370,13 @@ async def _release_body(request: Request) -> tuple[set[str], dict[str, Any]]:
             param="stage_to_cpu",
         )
     tags = body.get("tags", sorted(RELEASE_TAGS))
-    if not isinstance(tags, list) or not tags or not set(tags) <= RELEASE_TAGS:
+    # Strings first: a nested list ([["weights"]]) cannot even go in a set.
+    if (
+        not isinstance(tags, list)
+        or not tags
+        or not all(isinstance(t, str) for t in tags)
+        or not set(tags) <= RELEASE_TAGS
+    ):
         raise InvalidRequestError(
             f"'tags' must be a non-empty list of {sorted(RELEASE_TAGS)}", param="tags"
         )
@@ -380,8 +386,11 @@ async def _release_body(request: Request) -> tuple[set[str], dict[str, Any]]:
 async def _release(request: Request) -> Any:
     tags, body = await _release_body(request)
     timeout_s = body.get("timeout_s", 30.0)
-    if not isinstance(timeout_s, int | float) or not 0 <= timeout_s <= 600:
-        raise InvalidRequestError("'timeout_s' must be a number of seconds in 0..600")
+    number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
+    if not number or not 0 <= timeout_s <= 600:
+        raise InvalidRequestError(
+            "'timeout_s' must be a number of seconds in 0..600", param="timeout_s"
+        )
     report = await state_of(request).pool.release(tags, _model_of(body), float(timeout_s))
     if not report["failed"]:
         return report

@@ -13,6 +13,7 @@ from typing import Any
 from omlx.api.anthropic_schemas import CountTokensRequest, MessagesRequest
 from omlx.api.encoder import Encoder
 from omlx.api.errors import anthropic_error_body
+from omlx.api.hosted_tools import is_anthropic_server_tool
 from omlx.api.images import ImagePart, ImageSink, from_base64, from_data_url
 from omlx.api.output_parser import OutputParser, ParsedDelta, ToolCall
 from omlx.api.prompts import SamplingRequest
@@ -174,6 +175,7 @@ def _tool_call(block: dict[str, Any], param: str) -> dict[str, Any]:
 
 def chat_tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
     """OpenAI function tools for the template; None when there are none to offer.
+    Server tools (web search, code execution...) are left out (``server_tools``).
 
     tool_choice "any" and "tool" force calls through a grammar (``tool_constraint``).
     """
@@ -181,9 +183,12 @@ def chat_tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
         return None
     tools = []
     for i, tool in enumerate(body.tools):
+        if is_anthropic_server_tool(tool.type):
+            continue
         if tool.type not in (None, "custom"):
             raise InvalidRequestError(
-                f"tools[{i}]: server tool type '{tool.type}' is not supported",
+                f"tools[{i}]: tool type '{tool.type}' is not supported; send custom tools "
+                "(server tools such as web_search_20250305 are left out of the prompt)",
                 param=f"tools[{i}].type",
             )
         function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
@@ -192,7 +197,12 @@ def chat_tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
         if (tool.model_extra or {}).get("strict") is True:
             function["strict"] = True
         tools.append({"type": "function", "function": function})
-    return tools
+    return tools or None
+
+
+def server_tools(body: CountTokensRequest) -> tuple[str, ...]:
+    """The types of the server tools the prompt leaves out, in request order."""
+    return tuple(t.type for t in body.tools or () if t.type and is_anthropic_server_tool(t.type))
 
 
 def template_kwargs(body: CountTokensRequest) -> dict[str, Any] | None:
@@ -267,12 +277,19 @@ def _output_format(body: MessagesRequest) -> GrammarSpec | None:
 # ---- engine events -> Messages response ---------------------------------------------
 
 
-def stop_reason(finish_reason: str | None, has_tool_calls: bool, stop_sequence: str | None) -> str:
+def stop_reason(
+    finish_reason: str | None,
+    has_tool_calls: bool,
+    stop_sequence: str | None,
+    window_bound: bool = False,
+) -> str:
+    """``window_bound``: the output budget was the room the prompt left (clamped), so
+    reaching it means the context window is full, not that max_tokens was."""
     # Tool calls win even over max_tokens: the client must answer every tool_use.
     if has_tool_calls:
         return "tool_use"
     if finish_reason == "length":
-        return "max_tokens"
+        return "model_context_window_exceeded" if window_bound else "max_tokens"
     return "stop_sequence" if stop_sequence is not None else "end_turn"
 
 
@@ -289,8 +306,10 @@ class MessageFormat:
         num_prompt_tokens: int,
         stop_sequences: tuple[str, ...] = (),
         reports_cache_writes: bool = False,
+        window_bound: bool = False,
     ):
         self.message_id = message_id
+        self.window_bound = window_bound
         self.model = model
         self.parser = parser
         self.stop_sequences = stop_sequences
@@ -338,7 +357,7 @@ class MessageFormat:
     @property
     def stop_reason(self) -> str:
         has_tools = any(b["type"] == "tool_use" for b in self.blocks)
-        return stop_reason(self.finish_reason, has_tools, self.stop_sequence)
+        return stop_reason(self.finish_reason, has_tools, self.stop_sequence, self.window_bound)
 
     def usage(self) -> dict[str, int]:
         # Anthropic's split: input + cache reads + cache writes = the prompt.

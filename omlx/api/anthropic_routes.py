@@ -15,11 +15,13 @@ from omlx.api.anthropic_format import (
     chat_tools,
     output_grammar,
     sampling_request,
+    server_tools,
     template_kwargs,
     uses_cache_control,
 )
 from omlx.api.anthropic_models import served_model
 from omlx.api.anthropic_schemas import CountTokensRequest, MessagesRequest
+from omlx.api.hosted_tools import dropped_header
 from omlx.api.images import ImageSink
 from omlx.api.pipeline import Call, Prepared
 from omlx.api.state import state_of
@@ -44,6 +46,7 @@ def _call(body: CountTokensRequest, request: Request) -> Call:
         reasoning=True,
         # message_start carries the cached/new split, known at admission.
         wants_admission=True,
+        headers=dropped_header(server_tools(body)),
     )
 
 
@@ -69,6 +72,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
             num_prompt_tokens=len(prepared.prompts[0].ids),
             stop_sequences=prepared.params[0].stop,
             reports_cache_writes=uses_cache_control(body),
+            window_bound=prepared.budgets[0].clamped,
         )
         return MessageEncoder(fmt)
 

@@ -132,6 +132,8 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
                 "limit_bytes": limits.hard_bytes,
                 "soft_limit_bytes": limits.soft_bytes,
                 "current_bytes": reading.resident_bytes,
+                # The GPU's cap under which the limit was resolved (null: CPU backend).
+                "metal_cap_bytes": state.pool.memory.device_cap.cap_bytes,
             },
             "loaded_models": [
                 {

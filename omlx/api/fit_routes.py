@@ -64,7 +64,12 @@ async def model_fit(body: FitBody, request: Request) -> dict[str, Any]:
         )
     baseline = live_baseline_bytes(state.pool, excluding=name)
     fit = fit_for_settings(
-        config, weights, settings, baseline_bytes=baseline, context_tokens=context
+        config,
+        weights,
+        settings,
+        baseline_bytes=baseline,
+        context_tokens=context,
+        device_cap=state.pool.memory.device_cap,
     )
     return fit.as_dict()
 

@@ -196,8 +196,8 @@ def template_kwargs(think: Think | None) -> dict[str, Any] | None:
 def sampling_request(
     options: Options | None, num_prompt_tokens: int, window: int, speculative: bool = True
 ) -> SamplingRequest:
-    """``options`` over the defaults (``build_sampling`` checks the prompt against
-    the window)."""
+    """``options`` over the defaults (the pipeline's output budget clamps
+    ``num_predict`` to the room the prompt leaves, as Ollama does)."""
     opts = options or Options()
     return SamplingRequest(
         max_tokens=_max_tokens(opts, num_prompt_tokens, window),
@@ -210,13 +210,13 @@ def sampling_request(
         stop=tuple(opts.stop or ()),
         max_tokens_param="options.num_predict",
         speculative=speculative,
+        context_limit=opts.num_ctx or None,
     )
 
 
 def _max_tokens(opts: Options, num_prompt_tokens: int, window: int) -> int | None:
-    """``num_ctx`` may shrink the window, not grow it. ``num_predict`` is capped by the
-    room the window leaves (Ollama stops there: done_reason "length"); -1 and -2 fill
-    it. None: the server's default."""
+    """``num_ctx`` may shrink the window, not grow it. -1 and -2 fill the room it
+    leaves. None: the server's default (with a smaller ``num_ctx``, its room)."""
     if opts.num_ctx and opts.num_ctx > window:
         raise InvalidRequestError(
             f"options.num_ctx ({opts.num_ctx}) is larger than the context window of this "
@@ -233,7 +233,7 @@ def _max_tokens(opts: Options, num_prompt_tokens: int, window: int) -> int | Non
     room = max(1, limit - num_prompt_tokens)
     if opts.num_predict is None:
         return room if limit < window else None
-    return room if opts.num_predict < 0 else max(1, min(opts.num_predict, room))
+    return room if opts.num_predict < 0 else max(1, opts.num_predict)
 
 
 # ---- engine events -> Ollama objects ----------------------------------------------------

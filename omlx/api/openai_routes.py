@@ -41,6 +41,8 @@ def _model_entry(pool: EnginePool, info: ModelInfo) -> dict[str, Any]:
         "state": pool.model_state(info.name),
         "kind": kind,
         "capabilities": capabilities(kind),
+        # What the prompt and the answer share (the model's settings applied).
+        "context_window": pool.context_window(info),
     }
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from omlx.api.tool_recovery import bare_calls, json_values
+
 log = logging.getLogger(__name__)
 
 DEFAULT_THINK = ("<think>", "</think>")
@@ -90,9 +92,15 @@ class OutputParser:
         think: tuple[str, str] | None = DEFAULT_THINK,
         starts_in_reasoning: bool = False,
         tools: ToolMarkup | None = None,
+        tool_names: frozenset[str] = frozenset(),
     ):
         self._think = think if think and all(think) else None
         self._tools = tools if tools and tools.start else None
+        # The declared tools: an answer that is nothing but a call of one of them,
+        # without its markup, is that call (tool_recovery.py).
+        self._names = tool_names if self._tools is not None else frozenset()
+        # Content held while it may be such a call (None: not holding).
+        self._bare: str | None = "" if self._names else None
         in_reasoning = starts_in_reasoning and self._think is not None
         self._mode = _Mode.REASONING if in_reasoning else _Mode.CONTENT
         self._resume = _Mode.CONTENT  # the mode a tool block returns to
@@ -130,7 +138,23 @@ class OutputParser:
             self._close_block(complete, self._tools.start + body, out)
         held, self._held = self._held, ""
         self._emit(held, out)
+        self._resolve_bare(out)
         return out
+
+    def _resolve_bare(self, out: ParsedDelta) -> None:
+        """The held answer as tool calls when it is nothing else, or as text."""
+        if self._bare is None:
+            return
+        held, self._bare = self._bare, None
+        assert self._tools is not None
+        markers = (self._tools.start, self._tools.end)
+        calls = bare_calls(held, self._names, markers, _name_and_arguments) if held else None
+        if calls is None:
+            out.content += held
+            return
+        log.info("tool call without its markup recovered: %.200r", held)
+        out.tool_calls.extend(ToolCall.create(name, arguments) for name, arguments in calls)
+        self._saw_tool_calls = True
 
     def _markers(self) -> list[str]:
         markers = []
@@ -204,7 +228,21 @@ class OutputParser:
         if self._strip_ws:
             text = text.lstrip()
             self._strip_ws = not text
+        if self._bare is not None:
+            self._bare += text
+            if _may_be_bare_call(self._bare):
+                return
+            text, self._bare = self._bare, None
         out.content += text
+
+
+def _may_be_bare_call(text: str) -> bool:
+    """Whether an answer starting so may turn out to be a call without its markup."""
+    head = text.lstrip()
+    return any(head.startswith(o) or o.startswith(head) for o in _BARE_OPENINGS)
+
+
+_BARE_OPENINGS = ("{", "[{", "```")
 
 
 def _first_marker(buf: str, markers: Sequence[str]) -> tuple[int, str] | None:
@@ -232,10 +270,11 @@ def json_tool_call(body: str) -> list[tuple[str, Arguments]]:
     """The Hermes / Qwen format: {"name": ..., "arguments": {...}} or a JSON list of them.
 
     "parameters" is accepted for "arguments", and arguments may be a JSON string
-    holding an object. Raises ValueError (json.JSONDecodeError is one) when malformed.
+    holding an object. Several calls in one block and stray closing punctuation after
+    the JSON are read (tool_recovery.py). Raises ValueError (json.JSONDecodeError is
+    one) when malformed.
     """
-    data = json.loads(body)
-    calls = data if isinstance(data, list) else [data]
+    calls = [c for v in json_values(body) for c in (v if isinstance(v, list) else [v])]
     if not calls:
         raise ValueError("an empty list of tool calls")
     return [_name_and_arguments(call) for call in calls]
@@ -304,7 +343,12 @@ def parser_for(
     think = think_markers(tokenizer) if reasoning else None
     opened = think is not None and prompt_text.rfind(think[0]) > prompt_text.rfind(think[1])
     tools = _tool_markup(tokenizer, tool_schemas) if tools_requested else None
-    return OutputParser(think=think, starts_in_reasoning=opened, tools=tools)
+    names = frozenset(
+        str(t["function"]["name"])
+        for t in tool_schemas or ()
+        if isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]
+    )
+    return OutputParser(think=think, starts_in_reasoning=opened, tools=tools, tool_names=names)
 
 
 def _str_attr(tokenizer: Any, name: str) -> str | None:

@@ -1,7 +1,8 @@
 """The one request pipeline every generating API runs.
 
 lease -> prompts (the model's template kwargs, its locks over the request's) ->
-sampling (the model's defaults, ``force_sampling``, its ``max_tokens``) -> grammar ->
+sampling (the model's defaults, ``force_sampling``, its ``max_tokens``; the output
+budget clamped to the room the prompt leaves) -> grammar ->
 requests -> encoder -> submit -> stream or collect (499 when the client leaves) ->
 headers. An API's route turns its body into a ``Call`` and names an ``Encoder``
 factory; adding an API is an adapter and an encoder, nothing else.
@@ -23,6 +24,7 @@ from omlx.api.encoder import Encoder
 from omlx.api.generation import ClientGone, Generation, unless_disconnected
 from omlx.api.images import ImageSink
 from omlx.api.metrics import observer_for
+from omlx.api.output_budget import OutputBudget, clamped_header, output_budget
 from omlx.api.output_parser import OutputParser, parser_for
 from omlx.api.prompts import (
     RenderedPrompt,
@@ -71,6 +73,8 @@ class Call:
     # The API's own prompts (token-id prompts, raw text, truncation); None: render
     # ``messages`` with the model's chat template.
     prompts: PromptMaker | None = None
+    # Headers the answer carries from the API's own reading of the body (what it left out).
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +113,7 @@ class Prepared:
     request_id: str
     prompts: list[RenderedPrompt]
     params: list[SamplingParams]  # one per prompt
+    budgets: list[OutputBudget]  # one per prompt: what bounded its max_tokens
     leased_s: float  # when the engine was in hand (loaded)
     renderer: RenderPool  # for an encoder's own tokenizer work (echoed prompts)
 
@@ -155,6 +160,8 @@ async def run(request: Request, call: Call, encoder: EncoderFactory) -> Response
         )
     else:
         response = await _whole(request, events, enc, tally, gen.abort_unfinished)
+    response.headers.update(call.headers)
+    response.headers.update(clamped_header(prepared.request_id, prepared.budgets))
     return with_unenforced_header(response, call.spec, prepared.request_id)
 
 
@@ -186,24 +193,28 @@ async def _prepare(state: ServerState, call: Call, engine: ModelEngine) -> Prepa
     leased_s = time.perf_counter()
     prompts = await _prompts(_rendering(state, call, engine), call)
     defaults = state.pool.request_defaults(engine.name)
-    params = []
+    params, budgets = [], []
     for prompt in prompts:
         wanted = call.sampling
         if not isinstance(wanted, SamplingRequest):
             wanted = wanted(len(prompt.ids), engine.context_window)
+        budget = output_budget(
+            engine.name,
+            engine.context_window,
+            len(prompt.ids),
+            wanted,
+            defaults.generation.max_tokens,
+            strict=defaults.model.strict_max_tokens,
+        )
+        budgets.append(budget)
         params.append(
-            build_sampling(
-                engine,
-                len(prompt.ids),
-                wanted,
-                defaults.sampling,
-                defaults.generation,
-                defaults.forced,
-            )
+            build_sampling(engine, budget.max_tokens, wanted, defaults.sampling, defaults.forced)
         )
     request_id = call.id_prefix + uuid.uuid4().hex
     model = state.pool.public_name(engine.name)
-    return Prepared(call, engine, model, request_id, prompts, params, leased_s, state.render_pool)
+    return Prepared(
+        call, engine, model, request_id, prompts, params, budgets, leased_s, state.render_pool
+    )
 
 
 def _engine_requests(prepared: Prepared, grammar: Any) -> list[EngineRequest]:

@@ -20,9 +20,9 @@ from omlx.api.output_parser import HERMES_FORMATS, tool_format
 from omlx.api.render_pool import RenderPool
 from omlx.api.schemas import ChatCompletionRequest, CompletionRequest, PromptField
 from omlx.engine.model_engine import ModelEngine
-from omlx.errors import ContextLengthExceededError, InvalidRequestError
+from omlx.errors import InvalidRequestError
 from omlx.scheduler import Request, SamplingParams
-from omlx.settings import GenerationSettings, SamplingSettings
+from omlx.settings import SamplingSettings
 
 log = logging.getLogger(__name__)
 
@@ -280,34 +280,19 @@ class SamplingRequest:
     hint: str = ""
     # False: the request opted out of speculative decoding.
     speculative: bool = True
+    # A window smaller than the model's the request asks for (Ollama's num_ctx).
+    context_limit: int | None = None
 
 
 def build_sampling(
     engine: ModelEngine,
-    num_prompt_tokens: int,
+    max_tokens: int,
     req: SamplingRequest,
     defaults: SamplingSettings,
-    generation: GenerationSettings,
     forced: frozenset[str] = frozenset(),
 ) -> SamplingParams:
     """Request values over defaults (except ``forced`` fields, where the defaults
-    win); checks the prompt and max tokens against the window."""
-    window = engine.context_window
-    if num_prompt_tokens >= window:
-        raise ContextLengthExceededError(
-            f"the prompt is {num_prompt_tokens} tokens but the context window of "
-            f"'{engine.name}' is {window}; shorten the prompt{req.hint}",
-            param=req.prompt_param,
-        )
-    room = window - num_prompt_tokens
-    if req.max_tokens is not None and req.max_tokens > room:
-        raise ContextLengthExceededError(
-            f"prompt ({num_prompt_tokens} tokens) + {req.max_tokens_param} ({req.max_tokens}) "
-            f"exceeds the context window of {window}; set {req.max_tokens_param} to at most "
-            f"{room}{req.hint}",
-            param=req.max_tokens_param,
-        )
-    max_tokens = req.max_tokens if req.max_tokens is not None else min(generation.max_tokens, room)
+    win); ``max_tokens`` is the request's output budget (output_budget.py)."""
     stop_ids = set(req.stop_token_ids)
     if not req.ignore_eos:
         stop_ids |= engine.loaded.eos_token_ids

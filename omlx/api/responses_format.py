@@ -60,8 +60,16 @@ class Echo:
 
 
 class ResponseFormat:
-    def __init__(self, response_id: str, echo: Echo, parser: OutputParser):
+    def __init__(
+        self,
+        response_id: str,
+        echo: Echo,
+        parser: OutputParser,
+        namespaced: dict[str, tuple[str, str]] | None = None,
+    ):
         self.response_id = response_id
+        # A call's flat name -> (namespace, name) as the client declared the tool.
+        self._namespaced = namespaced or {}
         self.created_at = int(time.time())
         self._echo = echo
         self._parser = parser
@@ -198,7 +206,7 @@ class ResponseFormat:
         ]
 
     def _function_call(self, call: ToolCall) -> list[Event]:
-        item = {
+        item: Item = {
             "id": new_item_id("fc"),
             "type": "function_call",
             "call_id": call.id,
@@ -206,6 +214,8 @@ class ResponseFormat:
             "arguments": "",
             "status": "in_progress",
         }
+        if call.name in self._namespaced:
+            item["namespace"], item["name"] = self._namespaced[call.name]
         self.output.append(item)
         index = len(self.output) - 1
         events = [self._event("response.output_item.added", item=dict(item), output_index=index)]
@@ -219,7 +229,7 @@ class ResponseFormat:
         events.append(
             self._event(
                 "response.function_call_arguments.done",
-                name=call.name,
+                name=item["name"],
                 arguments=call.arguments,
                 **self._where(),
             )

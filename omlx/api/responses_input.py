@@ -1,13 +1,16 @@
 """Responses API request parts in the shapes the chat pipeline takes: input items
-to chat messages, flat function tools to Chat Completions tools, ``tool_choice``
+to chat messages, function and namespace tools to Chat Completions tools (hosted
+tools left out), ``tool_choice``
 to a ToolConstraint, ``text.format`` to a GrammarSpec, ``reasoning`` to template
 variables. Items are normalised (ids, statuses) so they can be stored and listed."""
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
+from omlx.api.hosted_tools import is_responses_hosted
 from omlx.api.images import ImageSink, from_data_url
 from omlx.api.responses_schemas import ReasoningConfig, TextConfig
 from omlx.api.tool_grammar import tool_constraint
@@ -52,6 +55,8 @@ def _item(raw: dict[str, Any], where: str) -> Item:
         return _message_item(raw, where)
     if kind == "function_call":
         fields = {k: _string(raw, k, where) for k in ("call_id", "name", "arguments")}
+        if raw.get("namespace") is not None:
+            fields["namespace"] = _string(raw, "namespace", where)
         return {"id": _id(raw, "fc"), "type": kind, **fields, "status": "completed"}
     if kind == "function_call_output":
         call_id = _string(raw, "call_id", where)
@@ -187,7 +192,10 @@ def chat_messages(
             call = {
                 "id": item["call_id"],
                 "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]},
+                "function": {
+                    "name": flat_name(item.get("namespace"), item["name"]),
+                    "arguments": item["arguments"],
+                },
             }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
@@ -201,28 +209,94 @@ def chat_messages(
     return messages
 
 
-def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Flat Responses function tools as Chat Completions tools; built-in tools refused."""
-    if not tools:
-        return None
-    return [_chat_tool(tool, i) for i, tool in enumerate(tools)]
+NAMESPACE_SEPARATOR = "__"  # a namespaced tool's flat name: <namespace>__<name>
 
 
-def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class DeclaredTools:
+    """A request's tools as the template takes them: function tools, namespaces
+    flattened into theirs, hosted tools left out."""
+
+    chat: list[dict[str, Any]] | None  # Chat Completions tools (None: none to offer)
+    # Flat name -> (namespace, name), to name a call as the client declared it.
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+    dropped: tuple[str, ...] = ()  # hosted tool types left out of the prompt
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> DeclaredTools:
+    """Responses tools as Chat Completions tools: ``namespace`` tools give their
+    function tools, named ``<namespace>__<name>``; hosted tools are dropped."""
+    chat: list[dict[str, Any]] = []
+    namespaced: dict[str, tuple[str, str]] = {}
+    dropped: list[str] = []
+    for i, tool in enumerate(tools or []):
+        kind = tool.get("type")
+        if kind == "namespace":
+            for function, inner_name in _namespace(tool, i):
+                chat.append(function)
+                namespaced[function["function"]["name"]] = (tool["name"], inner_name)
+        elif is_responses_hosted(kind):
+            dropped.append(str(kind))
+        else:
+            chat.append(_chat_tool(tool, f"tools[{i}]"))
+    _check_unique(chat)
+    return DeclaredTools(chat or None, namespaced, tuple(dropped))
+
+
+def flat_name(namespace: str | None, name: str) -> str:
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+
+
+def _namespace(tool: dict[str, Any], i: int) -> list[tuple[dict[str, Any], str]]:
+    """The namespace's function tools, flat-named, each with its own name."""
+    where = f"tools[{i}]"
+    name, inner = tool.get("name"), tool.get("tools")
+    if not isinstance(name, str) or not name or not isinstance(inner, list) or not inner:
+        raise InvalidRequestError(
+            f"{where}: a namespace tool needs a 'name' and a non-empty 'tools' list",
+            param=f"{where}.tools",
+        )
+    group = []
+    for j, raw in enumerate(inner):
+        function = _chat_tool(raw, f"{where}.tools[{j}]")
+        own = function["function"]["name"]
+        function["function"]["name"] = flat_name(name, own)
+        if isinstance(tool.get("description"), str):
+            # The namespace's description says what its tools are for.
+            description = function["function"].get("description", "")
+            function["function"]["description"] = f"{tool['description']} {description}".strip()
+        group.append((function, own))
+    return group
+
+
+def _check_unique(tools: list[dict[str, Any]]) -> None:
+    seen: set[str] = set()
+    for tool in tools:
+        name = tool["function"]["name"]
+        if name in seen:
+            raise InvalidRequestError(
+                f"two tools are named '{name}' (a namespaced tool is named "
+                f"<namespace>{NAMESPACE_SEPARATOR}<name>); give each tool its own name",
+                param="tools",
+            )
+        seen.add(name)
+
+
+def _chat_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
     kind = tool.get("type")
     if kind != "function":
         raise InvalidRequestError(
-            f"tools[{i}]: tool type '{kind}' is not supported; this server runs no built-in "
-            "tools (web search, file search, computer use...), send 'function' tools only",
-            param=f"tools[{i}].type",
+            f"{where}: tool type '{kind}' is not supported; send 'function' or 'namespace' "
+            "tools (hosted tools such as web_search are left out of the prompt)",
+            param=f"{where}.type",
         )
     name = tool.get("name")
     if not isinstance(name, str) or not name:
-        raise InvalidRequestError(f"tools[{i}].name is required", param=f"tools[{i}].name")
+        raise InvalidRequestError(f"{where}.name is required", param=f"{where}.name")
     parameters = tool.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise InvalidRequestError(
-            f"tools[{i}].parameters must be a JSON schema object", param=f"tools[{i}].parameters"
+            f"{where}.parameters must be a JSON schema object", param=f"{where}.parameters"
         )
     function: dict[str, Any] = {
         "name": name,

@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omlx.api.encoder import Encoder
+from omlx.api.hosted_tools import dropped_header
 from omlx.api.images import ImageSink
 from omlx.api.pipeline import Call, Prepared, Rendering
 from omlx.api.prompts import RenderedPrompt, SamplingRequest
 from omlx.api.responses_format import Echo, Event, ResponseFormat
 from omlx.api.responses_input import (
+    DeclaredTools,
     Item,
     chat_messages,
     chat_tools,
@@ -42,6 +44,7 @@ class ResponsesTurn:
     history: list[Item]  # the stored conversation it continues
     allowlist: tuple[str, ...]  # image URL hosts
     items: list[Item] = field(init=False)
+    declared: DeclaredTools = field(init=False)
     tools: list[dict[str, Any]] | None = field(init=False)  # Chat-shaped
     # The conversation the prompt was rendered from (truncation drops the oldest).
     conversation: list[Item] = field(init=False)
@@ -54,7 +57,8 @@ class ResponsesTurn:
                 param="background",
             )
         self.items = input_items(body.input)
-        self.tools = chat_tools(body.tools)
+        self.declared = chat_tools(body.tools)
+        self.tools = self.declared.chat
         if not self.history and not self.items:
             raise InvalidRequestError("'input' must not be empty", param="input")
         self.conversation = [*self.history, *self.items]
@@ -82,6 +86,7 @@ class ResponsesTurn:
             spec=one_constraint(output_spec(body.text), rule),
             stream=body.stream is True,
             prompts=self.prompts,
+            headers=dropped_header(self.declared.dropped),
         )
 
     async def prompts(self, rendering: Rendering) -> list[RenderedPrompt]:
@@ -147,7 +152,7 @@ class ResponseEncoder(Encoder):
     @classmethod
     def of(cls, turn: ResponsesTurn, store: ResponseStore, prepared: Prepared) -> ResponseEncoder:
         echo = turn.echo(prepared.model, prepared.params[0])
-        fmt = ResponseFormat(prepared.request_id, echo, prepared.parser())
+        fmt = ResponseFormat(prepared.request_id, echo, prepared.parser(), turn.declared.namespaced)
         return cls(fmt, store, turn.conversation if turn.body.stores else None)
 
     def opening(self) -> list[str]:

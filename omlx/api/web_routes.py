@@ -299,7 +299,7 @@ async def memory_preview(request: Request) -> dict[str, Any]:
             f"invalid setting 'memory.{field}': {first['msg']}", param=f"memory.{field}"
         ) from None
     ram = total_ram_bytes()
-    limits = memory_limits(memory, ram)
+    limits = memory_limits(memory, ram, state_of(request).pool.memory.device_cap)
     # As EnginePool resolves it: "auto" is the hard limit, a size is capped by it.
     budget = limits.hard_bytes
     if memory.max_model_memory != "auto":

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
+from omlx.cache.ssd import PUT_TIMEOUT_S as SSD_PUT_TIMEOUT_S
 from omlx.cache.ssd import BlockPayload, SSDStore
 
 __all__ = ["HotTier", "HotTierMode", "HotTierStats"]
@@ -123,15 +125,18 @@ class HotTier:
                 raise ValueError(f"{model_identity!r} is already attached; detach it first")
             self._stores[model_identity] = ssd
 
-    def detach(self, model_identity: str) -> None:
+    def detach(self, model_identity: str, *, deadline_s: float | None = None) -> None:
         """Forget a model and drop its hot blocks. In write-back mode they are first
-        handed to its SSD store, oldest first, and this call waits for those puts
-        (each may wait up to the store's put timeout). The store is not closed."""
+        handed to its SSD store, oldest first; the puts share one wait for a full
+        writer queue, until ``deadline_s`` (default: one put timeout from now), and
+        what does not fit by then is dropped (counted). The store is not closed."""
         with self._lock:
             ssd = self._stores.pop(model_identity, None)
             entries = self._pop_model_locked(model_identity)
         if ssd is not None and self._policy.write_on_evict:
-            self._write_back([(ssd, e.payload) for e in entries])
+            if deadline_s is None:
+                deadline_s = time.monotonic() + SSD_PUT_TIMEOUT_S
+            self._write_back([(ssd, e.payload) for e in entries], deadline_s)
 
     # -- blocks -----------------------------------------------------------
 
@@ -161,9 +166,13 @@ class HotTier:
         if self._policy.write_on_evict:
             self._write_back(evicted, deadline_s)
 
-    def get(self, model_identity: str, key: str) -> BlockPayload | None:
+    def get(
+        self, model_identity: str, key: str, *, deadline_s: float | None = None
+    ) -> BlockPayload | None:
         """Return the block from RAM, else from the model's SSD store (promoting it into
-        RAM, which may evict others), else None. The SSD store counts its own hits."""
+        RAM, which may evict others to the SSD, waiting no later than ``deadline_s``:
+        the blocks of one prefix hit share it), else None. The SSD store counts its
+        own hits."""
         with self._lock:
             entry = self._index.get((model_identity, key))
             if entry is not None:
@@ -177,7 +186,7 @@ class HotTier:
         payload = ssd.get(key)  # disk read, outside the lock
         if payload is None:
             return None
-        self._promote(ssd, payload)
+        self._promote(ssd, payload, deadline_s)
         return payload
 
     def contains(self, model_identity: str, key: str) -> bool:
@@ -227,7 +236,7 @@ class HotTier:
 
     # -- internals --------------------------------------------------------
 
-    def _promote(self, ssd: SSDStore, payload: BlockPayload) -> None:
+    def _promote(self, ssd: SSDStore, payload: BlockPayload, deadline_s: float | None) -> None:
         key = (payload.model_identity, payload.key)
         size_bytes = _payload_bytes(payload)
         with self._lock:
@@ -243,7 +252,7 @@ class HotTier:
             self._counters.promotions += 1
             evicted = self._evict_locked()
         if self._policy.write_on_evict:
-            self._write_back(evicted)
+            self._write_back(evicted, deadline_s)
 
     def _insert_locked(self, payload: BlockPayload, size_bytes: int) -> None:
         self._index[(payload.model_identity, payload.key)] = _Entry(payload, size_bytes)

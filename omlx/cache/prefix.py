@@ -217,8 +217,11 @@ class PrefixCache:
         """The matched blocks, read from the tiers, up to the first one that left
         them since the match; a block served in part is cut to its first tokens."""
         payloads = []
+        # The promotions' write-backs of one hit wait once for a full SSD queue, not
+        # once per block (the MLX thread, and so every model, waits with them).
+        deadline = time.monotonic() + SSD_PUT_TIMEOUT_S
         for key in found.keys:
-            payload = self._hot.get(self.identity, key)
+            payload = self._hot.get(self.identity, key, deadline_s=deadline)
             if payload is None:
                 break
             payloads.append(payload)

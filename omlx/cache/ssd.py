@@ -108,7 +108,8 @@ class SSDStore:
     folder with other files and no omlx marker.
     ``max_size_bytes="auto"`` budgets ``auto_fraction`` of the space the cache
     could use (free bytes plus what it already holds), re-reading free space
-    at most every ``disk_usage_ttl_s``. ``free_bytes_fn`` exists for tests.
+    at most every ``disk_usage_ttl_s`` (and after a disk-full error). A fixed size
+    is never more than that space either. ``free_bytes_fn`` exists for tests.
     """
 
     def __init__(
@@ -149,6 +150,7 @@ class SSDStore:
         self._counters = _Counters()
         self._free_bytes_snapshot: int | None = None  # None: re-read on the next save
         self._free_bytes_read_at_s = 0.0
+        self._disk_bound = False  # a fixed size the disk's free space holds below
         self._num_unfinished = 0  # accepted puts the writer has not finished
         self._generation = 0  # bumped by clear(); older queued writes are void
         self._closed = False
@@ -385,9 +387,12 @@ class SSDStore:
         of an over-budget backlog is left for later saves. False if the block can never fit."""
         with self._lock:
             budget = self._budget_bytes_locked()
+            # Checked first: a block that can never fit must not cost good ones.
+            too_large = size_bytes > budget
             victims: list[str] = []
             while (
-                self._index
+                not too_large
+                and self._index
                 and self._total_bytes + size_bytes > budget
                 and len(victims) < self._max_inline_unlinks
             ):
@@ -395,7 +400,6 @@ class SSDStore:
                 self._total_bytes -= entry.size_bytes
                 victims.append(key)
             self._counters.evictions += len(victims)
-            too_large = size_bytes > budget
             if too_large:
                 self._counters.errors += 1
         for key in victims:
@@ -407,8 +411,9 @@ class SSDStore:
         return not too_large
 
     def _budget_bytes_locked(self) -> int:
-        if self._max_size_bytes != "auto":
-            return self._max_size_bytes
+        """ "auto": a fraction of what the disk could give. A fixed size: itself, but
+        never more than the disk has (what is held plus what is free): after a disk-
+        full error the cache turns over within what it holds until space returns."""
         now = time.monotonic()
         if (
             self._free_bytes_snapshot is None
@@ -416,7 +421,23 @@ class SSDStore:
         ):
             self._free_bytes_snapshot = self._free_bytes_fn(self.cache_dir)
             self._free_bytes_read_at_s = now
-        return int(self._auto_fraction * (self._free_bytes_snapshot + self._total_bytes))
+        disk_bytes = self._free_bytes_snapshot + self._total_bytes
+        if self._max_size_bytes == "auto":
+            return int(self._auto_fraction * disk_bytes)
+        shrunk = disk_bytes < self._max_size_bytes
+        if shrunk != self._disk_bound:
+            self._disk_bound = shrunk
+            if shrunk:
+                logger.warning(
+                    "SSD cache: the disk has room for %d bytes of cache (held + free), "
+                    "below ssd_cache_max_size: that is the budget until space returns",
+                    disk_bytes,
+                )
+            else:
+                logger.warning(
+                    "SSD cache: disk space returned: budget %d bytes again", self._max_size_bytes
+                )
+        return min(self._max_size_bytes, disk_bytes)
 
     def _finish_one_locked(self) -> None:
         self._num_unfinished -= 1

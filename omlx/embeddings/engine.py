@@ -12,7 +12,9 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +23,13 @@ import numpy as np
 
 from omlx.embeddings.inputs import Sequence
 from omlx.embeddings.loader import EmbeddingModel
-from omlx.errors import EngineError, MemoryPressureError, OmlxError, QueueFullError
+from omlx.errors import (
+    EngineError,
+    MemoryPressureError,
+    OmlxError,
+    PrefillMemoryExceededError,
+    QueueFullError,
+)
 from omlx.memory.budget import Limits
 from omlx.memory.probe import MemoryProbe
 from omlx.sizes import format_bytes
@@ -31,6 +39,8 @@ log = logging.getLogger(__name__)
 # Padded tokens (batch x longest) and sequences in one forward step.
 MAX_BATCH_TOKENS = 8192
 MAX_BATCH_SEQUENCES = 64
+# A step that does not fit while others hold memory waits this long before a retry.
+HOLD_S = 0.05
 _MIN_BUCKET = 16
 
 
@@ -81,9 +91,23 @@ class EmbeddingGuard:
         per_token = 6 * self.hidden + 2 * self.intermediate
         return 4 * batch * length * (per_token + self.heads * length)
 
+    def need_bytes(self, in_use_bytes: int, batch: int, length: int) -> int:
+        return in_use_bytes + self.step_bytes(batch, length) + self.limits.transient_margin_bytes
+
     def fits(self, in_use_bytes: int, batch: int, length: int) -> bool:
-        need = in_use_bytes + self.step_bytes(batch, length) + self.limits.transient_margin_bytes
-        return need <= self.limits.hard_bytes
+        return self.need_bytes(in_use_bytes, batch, length) <= self.limits.hard_bytes
+
+    def never_fits_error(self, baseline_bytes: int, length: int) -> PrefillMemoryExceededError:
+        need = self.need_bytes(baseline_bytes, 1, length)
+        return PrefillMemoryExceededError(
+            f"embedding a {length}-token input needs about {format_bytes(need)} (with the "
+            f"{format_bytes(baseline_bytes)} held when nothing runs), over the "
+            f"{format_bytes(self.limits.hard_bytes)} memory limit; send shorter inputs, "
+            "unload another model or raise memory.max_process_memory",
+            estimated_bytes=need,
+            limit_bytes=self.limits.hard_bytes,
+            param="input",
+        )
 
     def describe(self) -> str:
         return (
@@ -104,8 +128,13 @@ class EmbeddingEngine:
         guard: EmbeddingGuard,
         probe: MemoryProbe,
         capacity: int,
+        baseline: Callable[[], int] = lambda: 0,
     ):
         self.loaded = loaded
+        # What the process holds with nothing in flight (the pool's live baseline).
+        self._baseline = baseline
+        # A step that could not run yet waits until then (monotonic seconds).
+        self._held_until = 0.0
         self.name = loaded.info.name
         self.tokenizer = loaded.tokenizer
         self.context_window = loaded.native_context
@@ -161,7 +190,11 @@ class EmbeddingEngine:
 
     def submit(self, sequences: list[Sequence]) -> Future[Any]:
         """Queue the sequences of one request; the future holds a (n, D) float32
-        array (or (n,) pair scores for a cross-encoder) in input order."""
+        array (or (n,) pair scores for a cross-encoder) in input order. Raises
+        PrefillMemoryExceededError (400) for an input that could not fit even alone."""
+        longest = max((bucket_of(len(seq.ids)) for seq in sequences), default=0)
+        if longest and not self.guard.fits(self._baseline(), 1, longest):
+            raise self.guard.never_fits_error(self._baseline(), longest)
         with self._lock:
             if self._refusal is not None:
                 raise copy.copy(self._refusal)
@@ -200,7 +233,7 @@ class EmbeddingEngine:
 
     @property
     def wait_s(self) -> float:
-        return 0.0
+        return max(0.0, self._held_until - time.monotonic())
 
     def _add(self, job: _Job) -> None:
         if self._closed and self._refusal is not None:
@@ -290,18 +323,25 @@ class EmbeddingEngine:
         return np.array(out.astype(mx.float32))
 
     def _gate(self, item: _Item, in_use: int, length: int) -> None:
-        """Not even one sequence fits now: end its request (retryable), say why."""
+        """Not even one sequence fits now. If it fits alone, others (any model's) hold
+        the memory: it waits for them. If not even alone (the baseline grew since it
+        was admitted), its request ends with the 400 the front door gives."""
+        baseline = self._baseline()
+        if self.guard.fits(baseline, 1, length):
+            self.num_deferrals += 1
+            self._pending.appendleft(item)
+            self._held_until = time.monotonic() + HOLD_S
+            log.info(
+                "memguard %s: a %d-token step waits: %s in use, limit %s",
+                self.name,
+                length,
+                format_bytes(in_use),
+                format_bytes(self.guard.limits.hard_bytes),
+            )
+            return
         self.num_gated += 1
-        need = self.guard.step_bytes(1, length)
-        log.warning("memguard %s: a %d-token step needs %s", self.name, length, format_bytes(need))
-        _settle(
-            item.job,
-            error=MemoryPressureError(
-                f"embedding a {length}-token input needs about {format_bytes(need)} more than "
-                f"the {format_bytes(in_use)} in use; the memory limit is "
-                f"{format_bytes(self.guard.limits.hard_bytes)}: retry shortly"
-            ),
-        )
+        log.warning("memguard %s: a %d-token input no longer fits at all", self.name, length)
+        _settle(item.job, error=self.guard.never_fits_error(baseline, length))
 
     def fail_all(self, error: OmlxError) -> int:
         """MLX thread: end every waiting request with ``error``; how many."""
@@ -337,11 +377,18 @@ def _settle(job: _Job, *, result: Any = None, error: BaseException | None = None
 
 
 def make_embedding_engine(
-    info: Any, worker: Any, limits: Limits, probe: MemoryProbe, capacity: int
+    info: Any,
+    worker: Any,
+    limits: Limits,
+    probe: MemoryProbe,
+    capacity: int,
+    baseline: Callable[[], int],
 ) -> EmbeddingEngine:
     """MLX thread: load the folder and wrap it in an engine under the pool's limits."""
     from omlx.embeddings.loader import load_embedding_model
 
     loaded = load_embedding_model(info)
     guard = EmbeddingGuard(info.name, loaded.config, limits)
-    return EmbeddingEngine(loaded, worker, guard=guard, probe=probe, capacity=capacity)
+    return EmbeddingEngine(
+        loaded, worker, guard=guard, probe=probe, capacity=capacity, baseline=baseline
+    )

@@ -64,7 +64,12 @@ class EngineBuilder:
                 sched = self._settings.scheduler
                 capacity = sched.max_concurrent_requests + sched.max_queued_requests
                 engine = make_embedding_engine(
-                    info, self._worker, memory.limits, memory.probe, capacity
+                    info,
+                    self._worker,
+                    memory.limits,
+                    memory.probe,
+                    capacity,
+                    memory.live_baseline.bytes_now,
                 )
             else:
                 cluster = self._cluster

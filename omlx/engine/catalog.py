@@ -5,10 +5,12 @@ holds no engine and loads nothing (omlx/engine/residents.py does)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Protocol
 
 from omlx.errors import ModelNotFoundError
+from omlx.memory.fit import native_context_tokens
 from omlx.models.discovery import ModelInfo, discover_models, with_kind
 from omlx.models.model_settings import (
     ModelSettingsStore,
@@ -87,6 +89,19 @@ class ModelCatalog:
             self.model_settings.get(loaded.info.name).max_context_window,
             self.settings.generation.max_context_window,
             loaded.native_context,
+        )
+
+    def context_window_of(self, info: ModelInfo) -> int:
+        """The window a request to the model gets, from its config.json without
+        loading it (no config: the configured cap alone)."""
+        try:
+            config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            config = {}
+        return effective_context_window(
+            self.model_settings.get(info.name).max_context_window,
+            self.settings.generation.max_context_window,
+            native_context_tokens(config) if isinstance(config, dict) else None,
         )
 
     def explicit_kv_tokens(self, name: str) -> int | None:

@@ -4,7 +4,8 @@ What can be given back goes first, what ends work goes last: above the soft
 limit MLX's cache of freed buffers is handed back (on the CPU backend it has no
 cap and grows while requests decode), and only if memory is still above it is
 admission paused and an idle model evicted. Above the hard limit the RAM cache
-tier goes next; running requests are ended only if memory is still above it.
+tier goes next; running requests are ended only if memory is still above it. Each
+step reads memory afresh: a step that already got it under never lets the next run.
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ class Enforcer:
             format_bytes(used),
             format_bytes(limits.soft_bytes),
         )
-        await residents.evict_one_idle("to get under the soft limit")
+        # Each action is followed by a fresh reading: the next, harsher one (dropping
+        # the RAM tier, ending requests) runs only if memory is still over.
+        if await residents.evict_one_idle("to get under the soft limit"):
+            used = await self._reclaim(used, "soft")
+            self.admission.set(used > limits.soft_bytes)
         if used > limits.hard_bytes and memory.hot_cache is not None:
             memory.hot_cache.clear(tier="hot")
             used = await self._reclaim(used, "hard")
@@ -67,9 +72,9 @@ class Enforcer:
 
     async def _reclaim(self, used: int, limit: str) -> int:
         """Hand MLX's free cache (and the RAM tier's freed pages) back; the
-        resident bytes after it."""
+        resident bytes after it (a fresh reading either way)."""
         if not self._residents.worker_alive:
-            return used
+            return self._memory.probe.reading(fresh=True).resident_bytes
         reading: MemoryReading = await self._residents.run_on_worker(self._reclaim_on_worker)
         self.num_reclaims += 1
         log.info(

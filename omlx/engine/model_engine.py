@@ -81,6 +81,7 @@ class Poster(Protocol):
     def post(self, fn: Callable[..., Any], *args: Any) -> None: ...
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]: ...
     def busy_besides(self, engine: Steppable | None) -> bool: ...
+    def hold(self, holding: bool) -> None: ...
 
 
 @dataclass(slots=True)
@@ -210,6 +211,11 @@ class ModelEngine:
             if self._refusal is not None and not even_if_closed:
                 raise copy.copy(self._refusal)
         return self._worker.submit(fn, *args)
+
+    def hold_memory(self, holding: bool) -> None:
+        """MLX thread: work outside the scheduler (prompt scoring) holds memory
+        across turns; counted as work in flight (MLXWorker.hold)."""
+        self._worker.hold(holding)
 
     def refuse_new(self, error: OmlxError | None) -> None:
         """Refuse requests submitted from now on with ``error`` (None: take them

@@ -134,6 +134,12 @@ class EnginePool:
     def context_window_for(self, loaded: LoadedWeights) -> int:
         return self.catalog.context_window_for(loaded)
 
+    def context_window(self, info: ModelInfo) -> int:
+        """The window requests to the model get: the loaded engine's, else its config's."""
+        engine = self.engine(info.name)
+        window = getattr(engine, "context_window", None) if engine is not None else None
+        return window if isinstance(window, int) else self.catalog.context_window_of(info)
+
     # -- what is loaded ----------------------------------------------------------
 
     def loaded(self) -> list[Engine]:
@@ -260,8 +266,8 @@ class EnginePool:
     async def expire_idle(self) -> list[str]:
         return await self.residents.expire_idle()
 
-    async def evict_one_idle(self, why: str) -> None:
-        await self.residents.evict_one_idle(why)
+    async def evict_one_idle(self, why: str) -> bool:
+        return await self.residents.evict_one_idle(why)
 
     async def enforce(self) -> None:
         """One poll of the enforcer (omlx/engine/enforcer.py)."""

@@ -13,7 +13,7 @@ from omlx.cache.setup import make_hot_tier
 from omlx.engine.live_baseline import LiveBaseline
 from omlx.engine.worker import MLXWorker
 from omlx.memory import mlx_stats
-from omlx.memory.budget import Limits
+from omlx.memory.budget import DeviceCap, Limits
 from omlx.memory.guard import memory_limits
 from omlx.memory.probe import MemoryProbe, total_ram_bytes
 from omlx.settings import Settings
@@ -27,7 +27,8 @@ class PoolMemory:
         memory = settings.memory
         ram = total_ram_bytes()
         self._worker = worker
-        self.limits = memory_limits(memory, ram)
+        self.device_cap = _read_device_cap(worker)
+        self.limits = memory_limits(memory, ram, self.device_cap)
         self.model_budget_bytes = _model_budget(memory.max_model_memory, self.limits.hard_bytes)
         # MLX's counters are sampled on the MLX thread after every turn and
         # published; readings on other threads (HTTP, enforcer) use that sample.
@@ -39,11 +40,12 @@ class PoolMemory:
         self._mlx_limits: Limits | None = None
         self._apply_mlx_limits()
         log.info(
-            "memguard: hard limit %s (max_process_memory=%s, RAM %s), soft %s, transient margin "
-            "%s, weights budget %s",
+            "memguard: hard limit %s (max_process_memory=%s, RAM %s, %s), soft %s, "
+            "transient margin %s, weights budget %s",
             format_bytes(self.limits.hard_bytes),
             memory.max_process_memory,
             format_bytes(ram),
+            _cap_words(self.device_cap),
             format_bytes(self.limits.soft_bytes),
             format_bytes(self.limits.transient_margin_bytes)
             if self.limits.margin_pinned
@@ -62,6 +64,27 @@ class PoolMemory:
         if self._mlx_limits is not self.limits:
             self._mlx_limits = self.limits
             self._worker.post(mlx_stats.apply_limits, self.limits)
+
+
+def _read_device_cap(worker: MLXWorker) -> DeviceCap:
+    """The GPU's cap, read on the MLX thread (no cap when MLX cannot answer in time)."""
+    try:
+        cap: DeviceCap = worker.submit(mlx_stats.device_cap).result(timeout=30)
+    except Exception as exc:  # a broken device query must not stop the server
+        log.warning("memguard: could not read the GPU's memory cap (%s); none applied", exc)
+        return DeviceCap()
+    return cap
+
+
+def _cap_words(cap: DeviceCap) -> str:
+    if cap.cap_bytes is None:
+        return "no Metal working-set cap: CPU backend"
+    parts = []
+    if cap.working_set_bytes is not None:
+        parts.append(f"Metal working set {format_bytes(cap.working_set_bytes)}")
+    if cap.wired_limit_bytes is not None:
+        parts.append(f"wired limit {format_bytes(cap.wired_limit_bytes)}")
+    return ", ".join(parts)
 
 
 def _model_budget(value: str | int, hard_bytes: int) -> int:

@@ -28,18 +28,26 @@ async def prompt_logprobs(
     engine.guard.check_prefill(len(prompt_ids), extra_bytes=extra)
     scorer = PromptScorer(engine.loaded.model, prompt_ids, top_k=top_k, chunk_tokens=chunk)
     gate = partial(_gate, engine, extra)
+    # Its KV is held between chunks: work in flight, never the idle baseline.
+    await asyncio.wrap_future(engine.run_on_mlx(engine.hold_memory, True))
     try:
         while not await asyncio.wrap_future(engine.run_on_mlx(scorer.step, gate)):
             pass
     finally:
         # Its arrays are freed on the MLX thread, even when the request was cancelled.
-        engine.run_on_mlx(scorer.close, even_if_closed=True)
+        engine.run_on_mlx(_close, engine, scorer, even_if_closed=True)
     # On the MLX thread: the token texts come from its private tokenizer.
     text, first = engine.token_text, prompt_ids[0]
     entries = engine.run_on_mlx(
         lambda: [text.bare(first, None), *(text.entry(lp) for lp in scorer.scored)]
     )
     return await asyncio.wrap_future(entries)
+
+
+def _close(engine: ModelEngine, scorer: PromptScorer) -> None:
+    """MLX thread: the scorer's arrays go, and with them its hold on memory."""
+    scorer.close()
+    engine.hold_memory(False)
 
 
 def _gate(engine: ModelEngine, extra: int, num_tokens: int, num_cached: int) -> None:

@@ -272,14 +272,16 @@ class Residents:
             await self.unload(name, error=unloaded_error(name, "idle past its time to live"))
         return names
 
-    async def evict_one_idle(self, why: str) -> None:
-        """Unload the least recently used idle unpinned model, if another stays."""
+    async def evict_one_idle(self, why: str) -> bool:
+        """Unload the least recently used idle unpinned model, if another stays;
+        whether one was unloaded."""
         idle = [m for m in self.snapshot() if m.evictable]
-        if len(self._resident) > 1 and idle:
-            victim = min(idle, key=lambda m: (m.last_used_s, m.name)).name
-            log.warning("evicting %s (least recently used) %s", victim, why)
-            self.num_evictions += 1
-            await self.unload(victim)
+        if len(self._resident) <= 1 or not idle:
+            return False
+        victim = min(idle, key=lambda m: (m.last_used_s, m.name)).name
+        log.warning("evicting %s (least recently used) %s", victim, why)
+        self.num_evictions += 1
+        return await self.unload(victim)
 
     # -- unloading ------------------------------------------------------------
 

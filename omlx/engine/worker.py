@@ -36,6 +36,9 @@ class MLXWorker:
         self._engines: list[Steppable] = []
         # Run on this thread after every turn (steps, idle wakes) and submitted task.
         self._after_turn: list[Callable[[], None]] = []
+        # Tasks that hold memory across turns outside any engine (a prompt being
+        # scored chunk by chunk): work in flight for the idle baseline.
+        self._num_holding = 0
         self._stopping = threading.Event()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
@@ -62,8 +65,14 @@ class MLXWorker:
         self._after_turn.append(fn)
 
     def has_work(self) -> bool:
-        """MLX thread: whether any engine has requests in flight."""
-        return any(e.has_work for e in self._engines)
+        """MLX thread: whether any engine has requests in flight, or a task holds
+        memory between turns (``hold``)."""
+        return self._num_holding > 0 or any(e.has_work for e in self._engines)
+
+    def hold(self, holding: bool) -> None:
+        """MLX thread: a task starts (True) or stops (False) holding memory across
+        turns, so no turn in between reads its memory as the idle baseline."""
+        self._num_holding += 1 if holding else -1
 
     def busy_besides(self, engine: Steppable | None) -> bool:
         """MLX thread: whether an engine other than ``engine`` has requests in flight."""

@@ -109,12 +109,31 @@ def apply_measured_margin(
     return replace(limits, transient_margin_bytes=margin), 0
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceCap:
+    """What the GPU lets the process hold, read through MLX at start. On a Mac one
+    allocation past Metal's working set can panic the machine (seed 000: a 128 GB Mac
+    recommends 107.5 GB, below RAM x 0.85). None: not there (the CPU backend)."""
+
+    working_set_bytes: int | None = None  # Metal's recommended max working set
+    wired_limit_bytes: int | None = None  # macOS's iogpu.wired_limit_mb, when set
+
+    @property
+    def cap_bytes(self) -> int | None:
+        known = [b for b in (self.working_set_bytes, self.wired_limit_bytes) if b]
+        return min(known) if known else None
+
+
+NO_DEVICE_CAP = DeviceCap()
+
+
 def resolve_limits(
     max_process_memory: str | int,
     *,
     total_ram_bytes: int,
     soft_fraction: float = 0.85,
     transient_margin_bytes: int | None,
+    device_cap: DeviceCap = NO_DEVICE_CAP,
 ) -> Limits:
     """Turn the ``max_process_memory`` setting into limits; the hard limit is the ceiling itself.
 
@@ -123,7 +142,8 @@ def resolve_limits(
     8 GiB machine still gets 6 GiB and a 2 GiB one 1 GiB). Otherwise bytes,
     ``"24GB"`` or ``"NN%"`` of RAM. Raises ValueError naming the field for a
     ceiling above physical RAM or a margin that leaves no room. A margin of
-    None is "auto": measured per model (see ``measured_margin_bytes``).
+    None is "auto": measured per model (see ``measured_margin_bytes``). The
+    ceiling is never above ``device_cap`` (Metal's working set, the wired limit).
     """
     _positive(total_ram_bytes, "total_ram_bytes")
     if isinstance(max_process_memory, str) and max_process_memory.strip().lower() == "auto":
@@ -138,6 +158,8 @@ def resolve_limits(
             f"max_process_memory: {format_bytes(hard)} is above physical RAM "
             f"({format_bytes(total_ram_bytes)})"
         )
+    if device_cap.cap_bytes is not None:
+        hard = min(hard, device_cap.cap_bytes)
     if not 0 < soft_fraction <= 1:
         raise ValueError(f"soft_fraction must be in (0, 1], got {soft_fraction}")
     if transient_margin_bytes is None:

@@ -16,6 +16,8 @@ from typing import Any, Literal
 import psutil
 
 from omlx.memory.budget import (
+    NO_DEVICE_CAP,
+    DeviceCap,
     Limits,
     ModelDims,
     apply_measured_margin,
@@ -149,17 +151,18 @@ def fit_for_settings(
     baseline_bytes: int = 0,
     context_tokens: int | None = None,
     total_ram_bytes: int | None = None,
+    device_cap: DeviceCap = NO_DEVICE_CAP,
 ) -> FitEstimate:
     """``estimate_fit`` under the settings: the limit resolved as the guard resolves
-    it, scheduler.max_concurrent_requests, prefill_step_size, and the context
-    window the server would give the model (its own, capped by
-    generation.max_context_window). ``baseline_bytes``: the running server's
+    it (under the running server's ``device_cap``), scheduler.max_concurrent_requests,
+    prefill_step_size, and the context window the server would give the model (its
+    own, capped by generation.max_context_window). ``baseline_bytes``: the running server's
     live idle baseline (0 without one). Raises SettingsError for a bad limit."""
     from omlx.memory.guard import memory_limits
 
     # psutil's total, as memory/probe.py reads it (its import drags in the MLX counters).
     ram = total_ram_bytes if total_ram_bytes is not None else psutil.virtual_memory().total
-    limits = memory_limits(settings.memory, ram)
+    limits = memory_limits(settings.memory, ram, device_cap)
     native = native_context_tokens(config)
     window = settings.generation.max_context_window
     if context_tokens is None:

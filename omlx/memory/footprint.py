@@ -130,6 +130,34 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
+def wired_limit_bytes(read: Callable[[], bytes] | None = None) -> int | None:
+    """macOS's GPU wired limit (``sysctl iogpu.wired_limit_mb``) when a user raised
+    or lowered it; None when unset (0), elsewhere, or unreadable."""
+    if read is None:
+        if sys.platform != "darwin":
+            return None
+        read = _sysctl_wired_limit_mb
+    try:
+        megabytes = int(read().strip() or b"0")
+    except (OSError, ValueError):
+        return None
+    return megabytes * 1024**2 if megabytes > 0 else None
+
+
+def _sysctl_wired_limit_mb() -> bytes:
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            ["/usr/sbin/sysctl", "-n", "iogpu.wired_limit_mb"], capture_output=True, timeout=5
+        )
+    except subprocess.SubprocessError as exc:  # a hung sysctl: no limit read
+        raise OSError(str(exc)) from exc
+    if done.returncode != 0:
+        raise OSError(done.stderr.decode(errors="replace").strip() or "sysctl failed")
+    return done.stdout
+
+
 def trim_heap() -> None:
     """Give the C heap's free pages back to the OS (glibc only).
 

@@ -13,6 +13,8 @@ from omlx.errors import PrefillMemoryExceededError, SettingsError
 from omlx.memory.budget import (
     MARGIN_FACTOR,
     MARGIN_FLOOR_BYTES,
+    NO_DEVICE_CAP,
+    DeviceCap,
     KVProfile,
     Limits,
     MemoryReading,
@@ -34,8 +36,11 @@ from omlx.sizes import format_bytes, parse_byte_size
 log = logging.getLogger(__name__)
 
 
-def memory_limits(settings: MemorySettings, total_ram_bytes: int) -> Limits:
-    """The hard/soft limits from settings; SettingsError naming the field if invalid."""
+def memory_limits(
+    settings: MemorySettings, total_ram_bytes: int, device_cap: DeviceCap = NO_DEVICE_CAP
+) -> Limits:
+    """The hard/soft limits from settings, under the GPU's cap; SettingsError naming
+    the field if invalid."""
     try:
         margin = _pinned_margin(settings.prefill_transient_margin)
         return resolve_limits(
@@ -43,6 +48,7 @@ def memory_limits(settings: MemorySettings, total_ram_bytes: int) -> Limits:
             total_ram_bytes=total_ram_bytes,
             soft_fraction=settings.soft_fraction,
             transient_margin_bytes=margin,
+            device_cap=device_cap,
         )
     except ValueError as exc:
         raise SettingsError(f"invalid memory setting: {exc}") from None

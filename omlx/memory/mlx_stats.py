@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from omlx.memory.budget import Limits
-from omlx.memory.footprint import trim_heap
+from omlx.memory.budget import DeviceCap, Limits
+from omlx.memory.footprint import trim_heap, wired_limit_bytes
 from omlx.sizes import format_bytes
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,24 @@ def release_cache() -> None:
 
     mx.clear_cache()
     trim_heap()
+
+
+def device_cap(
+    device_info: Callable[[], Mapping[str, Any]] | None = None,
+    wired_limit: Callable[[], int | None] = wired_limit_bytes,
+) -> DeviceCap:
+    """MLX thread: Metal's recommended working set (from MLX's device info) and the
+    macOS wired limit; neither exists on the CPU backend. ``device_info`` and
+    ``wired_limit`` stand in for MLX and the OS in tests."""
+    if device_info is None:
+        import mlx.core as mx
+
+        if not mx.metal.is_available():
+            return DeviceCap()
+        device_info = mx.device_info
+    working_set = device_info().get("max_recommended_working_set_size")
+    working_set = int(working_set) if isinstance(working_set, int) and working_set > 0 else None
+    return DeviceCap(working_set, wired_limit())
 
 
 def mlx_limits(limits: Limits) -> tuple[int, int]:

@@ -95,6 +95,9 @@ class ModelSettings(BaseModel):
     ttl_s: float | None = Field(None, gt=0.0)
     max_context_window: int | None = Field(None, ge=16)
     max_tokens: int | None = Field(None, ge=1)
+    # Refuse (400) a max_tokens larger than the room the prompt leaves, instead of
+    # clamping it to that room (what agents sending a fixed 32000 need).
+    strict_max_tokens: bool = False
     # Pins this model's KV capacity (skips the load-time auto-profile).
     max_kv_tokens: int | None = Field(None, ge=16)
     temperature: float | None = Field(None, ge=0.0, le=2.0)

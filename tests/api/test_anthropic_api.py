@@ -9,6 +9,7 @@ import httpx
 import jsonschema
 import pytest
 
+from omlx.api.hosted_tools import DROPPED_HEADER
 from omlx.api.server import Server
 from tests.fixtures.servers import aborted_count, wait_aborted
 
@@ -177,6 +178,27 @@ def test_tools_render_and_a_forced_tool_call_comes_back_as_tool_use(
     assert again.usage.input_tokens + again.usage.cache_read_input_tokens > (
         out.usage.input_tokens + out.usage.cache_read_input_tokens
     )
+
+
+def test_server_tools_are_left_out_of_the_prompt_and_named_in_a_header(
+    client: anthropic.Anthropic,
+) -> None:
+    """Anthropic's own servers run web search; the turn goes on with the custom tools."""
+    search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}
+    args = {"model": "tiny-qwen3", "messages": ASK, "max_tokens": 4}
+    with_search = client.messages.with_raw_response.create(
+        **args, tools=[TOOL, search], extra_body={"temperature": 0}
+    )
+    assert with_search.headers[DROPPED_HEADER] == "web_search_20250305"
+    alone = create(client, model="tiny-qwen3", tools=[TOOL], max_tokens=4)
+    assert prompt_of(with_search.parse()) == prompt_of(alone)
+
+
+def prompt_of(message: anthropic.types.Message) -> int:
+    """The whole prompt (Anthropic splits it into new, cache-read and cache-written)."""
+    usage = message.usage
+    cached = (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+    return usage.input_tokens + cached
 
 
 # ---- errors: status and Anthropic shape -------------------------------------------

@@ -17,6 +17,7 @@ import ollama
 import openai
 import pytest
 
+from omlx.api.output_budget import CLAMPED_HEADER
 from omlx.api.server import Server
 from tests.fixtures.servers import live_server
 from tests.fixtures.tiny_models import CHATML, build_tiny_model
@@ -160,3 +161,124 @@ def test_every_api_takes_the_models_sampling_and_max_tokens(server, model_settin
     for name, ask in APIS.items():
         text, _, num_output = ask(server, 1.0, None, True)
         assert (text, num_output) == (greedy[name][0], NUM_TOKENS), name
+
+
+# ---- the output budget --------------------------------------------------------------
+
+AGENT_BUDGET = 32000  # what Claude Code and opencode send, whatever the model
+ROOM = 4  # fewer than the NUM_TOKENS the greedy answer runs to without stopping
+# Each API's thinking switch on, as the reference answers were asked (it shapes the prompt).
+THINKING: dict[str, dict[str, Any]] = {
+    "openai-chat": {"chat_template_kwargs": {"enable_thinking": True}},
+    "responses": {"reasoning": {"effort": "medium"}},
+    "anthropic": {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+    "ollama": {"think": True},
+}
+# Each API, asked for AGENT_BUDGET: (clamp header, text, output tokens, finish reason).
+Clamped = tuple[str | None, str, int, str | None]
+
+
+def _openai_chat_raw(server: Server) -> Clamped:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        temperature=0.0,
+        max_tokens=AGENT_BUDGET,
+        extra_body=THINKING["openai-chat"],
+    )
+    reply = raw.parse()
+    assert reply.usage is not None
+    choice = reply.choices[0]
+    header = raw.headers.get(CLAMPED_HEADER)
+    return header, choice.message.content or "", reply.usage.completion_tokens, choice.finish_reason
+
+
+def _responses_raw(server: Server) -> Clamped:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    raw = client.responses.with_raw_response.create(
+        model=MODEL,
+        input=PROMPT,
+        temperature=0.0,
+        store=False,
+        max_output_tokens=AGENT_BUDGET,
+        **THINKING["responses"],
+    )
+    reply = raw.parse()
+    assert reply.usage is not None
+    reason = reply.incomplete_details.reason if reply.incomplete_details else None
+    header = raw.headers.get(CLAMPED_HEADER)
+    return header, reply.output_text, reply.usage.output_tokens, reason
+
+
+def _anthropic_raw(server: Server) -> Clamped:
+    """Streamed, as Claude Code asks (the SDK refuses a 32000 budget unstreamed)."""
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0)
+    with client.messages.stream(
+        model=MODEL,
+        max_tokens=AGENT_BUDGET,
+        messages=[{"role": "user", "content": PROMPT}],
+        extra_body={"temperature": 0.0, **THINKING["anthropic"]},
+    ) as stream:
+        reply = stream.get_final_message()
+        header = stream.response.headers.get(CLAMPED_HEADER)
+    text = "".join(block.text for block in reply.content if block.type == "text")
+    return header, text, reply.usage.output_tokens, reply.stop_reason
+
+
+def _ollama_raw(server: Server) -> Clamped:
+    """The ollama client shows no headers: the same request through httpx reads it."""
+    client = ollama.Client(host=server.base_url)
+    options = {"temperature": 0.0, "num_predict": AGENT_BUDGET}
+    messages = [{"role": "user", "content": PROMPT}]
+    reply = client.chat(model=MODEL, messages=messages, options=options, think=True)
+    body = {"model": MODEL, "messages": messages, "options": options, "stream": False}
+    body |= THINKING["ollama"]
+    header = httpx.post(server.base_url + "/api/chat", json=body).headers.get(CLAMPED_HEADER)
+    return header, reply.message.content or "", reply.eval_count or 0, reply.done_reason
+
+
+CLAMPED_APIS = {
+    "openai-chat": (_openai_chat_raw, "length"),
+    "responses": (_responses_raw, "max_output_tokens"),
+    # Anthropic's own reason for an answer the context window ended.
+    "anthropic": (_anthropic_raw, "model_context_window_exceeded"),
+    "ollama": (_ollama_raw, "length"),
+}
+
+
+@pytest.mark.parametrize("api", CLAMPED_APIS)
+def test_every_api_clamps_a_budget_larger_than_the_room_left(server, model_settings, api) -> None:
+    """A model whose window leaves ROOM tokens after the prompt, asked for 32000: the
+    answer is 200 with the first ROOM tokens of the greedy answer, ended as the API
+    says a full window ends; the header names the clamp. strict_max_tokens refuses."""
+    ask, window_full = CLAMPED_APIS[api]
+    text, num_prompt, _ = APIS[api](server, 0.0, NUM_TOKENS, True)
+    window = num_prompt + ROOM
+    model_settings({"max_context_window": window})
+    header, clamped_text, num_output, reason = ask(server)
+    assert header == (
+        f"requested={AGENT_BUDGET}; granted={ROOM}; prompt_tokens={num_prompt}; "
+        f"context_window={window}"
+    )
+    assert (num_output, reason) == (ROOM, window_full)
+    assert clamped_text and text.startswith(clamped_text)
+    model_settings({"strict_max_tokens": True})
+    refused = _raw_post(server, api)
+    assert refused.status_code == 400, refused.text
+    assert f"at most {ROOM}" in refused.text and "strict_max_tokens" in refused.text
+
+
+def _raw_post(server: Server, api: str) -> httpx.Response:
+    messages = [{"role": "user", "content": PROMPT}]
+    path, body = {
+        "openai-chat": ("/v1/chat/completions", {"messages": messages, "max_tokens": AGENT_BUDGET}),
+        "responses": ("/v1/responses", {"input": PROMPT, "max_output_tokens": AGENT_BUDGET}),
+        "anthropic": ("/v1/messages", {"messages": messages, "max_tokens": AGENT_BUDGET}),
+        "ollama": (
+            "/api/chat",
+            {"messages": messages, "options": {"num_predict": AGENT_BUDGET}, "stream": False},
+        ),
+    }[api]
+    body = {"model": MODEL, **body, **THINKING[api]}
+    return httpx.post(server.base_url + path, json=body, timeout=60)

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from omlx.api.output_budget import CLAMPED_HEADER
 from omlx.api.server import Server
 from tests.fixtures.servers import aborted_count, wait_aborted
 
@@ -259,13 +260,23 @@ def test_prompt_longer_than_the_context_window_is_400(client: openai.OpenAI) -> 
     assert err["code"] == "context_length_exceeded" and "4096" in err["message"]
 
 
-def test_max_tokens_beyond_the_context_window_is_400_with_the_allowed_value(
+def test_max_tokens_beyond_the_context_window_is_served_clamped_to_the_room_left(
     client: openai.OpenAI,
 ) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        chat(client, max_tokens=5000)
-    err = error_of(info.value)
-    assert err["param"] == "max_tokens" and "at most" in err["message"]
+    """An agent's fixed budget larger than the window: the stream starts (200) and
+    its header names the budget granted; the client leaves once it has read it."""
+    with client.chat.completions.with_streaming_response.create(
+        model=MODEL, messages=CHAT, max_tokens=5000, stream=True
+    ) as response:
+        assert response.status_code == 200
+        clamp = dict(p.split("=") for p in response.headers[CLAMPED_HEADER].split("; "))
+    prompt_tokens = chat(client, max_tokens=1).usage.prompt_tokens
+    assert clamp == {
+        "requested": "5000",
+        "granted": str(4096 - prompt_tokens),
+        "prompt_tokens": str(prompt_tokens),
+        "context_window": "4096",
+    }
 
 
 def test_token_ids_outside_the_vocabulary_are_400(client: openai.OpenAI) -> None:

@@ -71,8 +71,24 @@ def test_admin_paths_and_bad_requests(http: httpx.Client) -> None:
     assert http.post("/v1/completions", json=ASK).status_code == 200
     stage = http.post("/release_memory_occupation", json={"stage_to_cpu": True})
     assert stage.status_code == 400 and "unified memory" in stage.json()["error"]["message"]
-    bad = http.post("/release_memory_occupation", json={"tags": ["gpu"]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tags"
+    for body, param in [
+        ({"tags": ["gpu"]}, "tags"),
+        ({"tags": [["weights"]]}, "tags"),
+        ({"tags": "weights"}, "tags"),
+        ({"tags": [{"weights": 1}]}, "tags"),
+        ({"tags": []}, "tags"),
+        ({"model": 3}, "model"),
+        ({"model": ""}, "model"),
+        ({"timeout_s": "5"}, "timeout_s"),
+        ({"timeout_s": True}, "timeout_s"),
+        ({"timeout_s": 601}, "timeout_s"),
+    ]:
+        bad = http.post("/release_memory_occupation", json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (body, bad.text)
+        resume = http.post("/resume_memory_occupation", json=body)
+        if param != "timeout_s":  # resume takes no timeout
+            assert resume.status_code == 400 and resume.json()["error"]["param"] == param, body
+    assert http.post("/release_memory_occupation", json=[1]).status_code == 400
     # Nothing was released by the refused calls.
     assert http.post("/v1/completions", json=ASK).status_code == 200
 

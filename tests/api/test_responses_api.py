@@ -15,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 
+from omlx.api.hosted_tools import DROPPED_HEADER
 from omlx.api.server import Server
 from tests.fixtures.servers import aborted_count, live_server, wait_aborted
 from tests.fixtures.tiny_models import CHATML, build_tiny_model
@@ -390,14 +391,29 @@ def test_bad_fields_are_400_naming_the_field(
     assert err["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("tool_type", ["web_search", "file_search", "computer_use_preview"])
-def test_built_in_tools_are_400_naming_the_type(client: openai.OpenAI, tool_type: str) -> None:
+def test_hosted_tools_are_left_out_of_the_prompt_and_named_in_a_header(
+    client: openai.OpenAI,
+) -> None:
+    """Codex declares web_search on every turn: the turn goes on without it."""
+    plain = client.responses.with_raw_response.create(model=MODEL, input="hi", max_output_tokens=4)
+    hosted = [{"type": "web_search"}, {"type": "file_search"}, {"type": "computer_use_preview"}]
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, input="hi", max_output_tokens=4, extra_body={"tools": hosted}
+    )
+    assert raw.status_code == 200
+    assert raw.headers[DROPPED_HEADER] == "web_search; file_search; computer_use_preview"
+    assert DROPPED_HEADER not in plain.headers
+    # Left out: the prompt is the one without tools.
+    assert raw.parse().usage.input_tokens == plain.parse().usage.input_tokens
+
+
+def test_tool_types_nobody_runs_are_400_naming_the_type(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(
-            model=MODEL, input="hi", extra_body={"tools": [{"type": tool_type}]}
+            model=MODEL, input="hi", extra_body={"tools": [{"type": "teleport"}]}
         )
     err = error_of(info.value)
-    assert err["param"] == "tools[0].type" and f"'{tool_type}'" in err["message"]
+    assert err["param"] == "tools[0].type" and "'teleport'" in err["message"]
 
 
 def test_auth_applies_like_the_openai_routes(

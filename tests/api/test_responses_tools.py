@@ -16,6 +16,7 @@ import openai
 import pydantic
 import pytest
 
+from omlx.api.hosted_tools import DROPPED_HEADER
 from omlx.api.server import Server
 from tests.fixtures.servers import live_server
 
@@ -120,6 +121,67 @@ def test_tool_choice_naming_an_unknown_tool_is_400(client: openai.OpenAI) -> Non
         create(client, tool_choice={"type": "function", "name": "nope"})
     err = info.value.response.json()["error"]
     assert err["param"] == "tool_choice.name" and "'nope'" in err["message"]
+
+
+# Codex's first request declares its sub-agent tools in a namespace and a hosted
+# web search (captured from the real CLI: benchmarks/agent_traffic/).
+CODEX_TOOLS = [
+    {
+        "type": "namespace",
+        "name": "multi_agent_v1",
+        "description": "Tools for spawning and managing sub-agents.",
+        "tools": [{**TOOLS[0], "name": "spawn_agent"}, {**TOOLS[1], "name": "close_agent"}],
+    },
+    {"type": "web_search", "external_web_access": True},
+]
+
+
+def test_namespace_tools_are_called_by_their_own_name_and_namespace(
+    client: openai.OpenAI,
+) -> None:
+    """The model sees multi_agent_v1__spawn_agent; the client gets its call back as
+    name spawn_agent in namespace multi_agent_v1, and sends it back in that shape."""
+    raw = client.responses.with_raw_response.create(
+        model=MODEL,
+        input=ASK,
+        tools=CODEX_TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=80,
+    )
+    assert raw.headers[DROPPED_HEADER] == "web_search"
+    first = raw.parse()
+    (call,) = calls_of(first)
+    assert call.name in ("spawn_agent", "close_agent")
+    assert call.model_dump()["namespace"] == "multi_agent_v1"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "spawned"}
+    follow = create(
+        client,
+        previous_response_id=first.id,
+        input=[result],
+        tools=CODEX_TOOLS,
+        max_output_tokens=6,
+    )
+    # Codex is stateless: it sends the call back as it got it, namespace and all.
+    whole = [{"role": "user", "content": ASK}, call.model_dump(exclude_none=True), result]
+    stateless = create(client, input=whole, tools=CODEX_TOOLS, store=False, max_output_tokens=6)
+    assert stateless.usage.input_tokens == follow.usage.input_tokens
+    assert stateless.output_text == follow.output_text
+    # Sent back without its namespace, the call names another tool: another prompt.
+    bare = {k: v for k, v in call.model_dump(exclude_none=True).items() if k != "namespace"}
+    other = create(
+        client, input=[whole[0], bare, result], tools=CODEX_TOOLS, store=False, max_output_tokens=6
+    )
+    assert other.usage.input_tokens != follow.usage.input_tokens
+
+
+def test_two_tools_of_one_flat_name_are_400(client: openai.OpenAI) -> None:
+    clash = [{**TOOLS[0], "name": "multi_agent_v1__spawn_agent"}, CODEX_TOOLS[0]]
+    with pytest.raises(openai.BadRequestError) as info:
+        create(client, tools=clash)
+    assert "multi_agent_v1__spawn_agent" in info.value.response.json()["error"]["message"]
 
 
 class Forecast(pydantic.BaseModel):

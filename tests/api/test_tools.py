@@ -136,3 +136,31 @@ def test_malformed_tool_json_comes_back_as_text(client: openai.OpenAI) -> None:
     assert reply.choices[0].message.content == broken
     assert reply.choices[0].message.tool_calls is None
     assert reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "written",
+    [
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',  # no wrapper
+        '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}}</tool_call>',
+    ],
+)
+def test_a_call_written_slightly_wrong_is_recovered_streamed_or_not(
+    client: openai.OpenAI, written: str
+) -> None:
+    """Small models drop the wrapper, fence the JSON or add a brace: one reading only."""
+    args = {"model": "tool-qwen3", "messages": ASK, "tools": TOOLS, "max_tokens": 120}
+    reply = client.chat.completions.create(**args, extra_body=forced(written))
+    (call,) = reply.choices[0].message.tool_calls or []
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather",
+        {"city": "Paris"},
+    )
+    assert reply.choices[0].message.content is None
+    assert reply.choices[0].finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(**args, stream=True, extra_body=forced(written)))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert content == "" and [t.function.name for t in streamed] == ["get_weather"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

@@ -126,3 +126,41 @@ def test_a_model_loaded_later_is_counted_at_the_front_door_not_the_gate(make_poo
         assert outcome in ("stop", "length"), outcome
 
     asyncio.run(main())
+
+
+def test_a_prompt_being_scored_is_work_in_flight_not_the_idle_baseline(
+    make_pool, monkeypatch
+) -> None:
+    """Scoring (echo + logprobs) holds the prompt's KV across MLX turns while no engine
+    has a request: a turn in between must not read that memory as the baseline (it
+    became every later request's floor: false 400s, a smaller KV capacity)."""
+    from omlx.engine.prompt_scores import prompt_logprobs
+    from omlx.engine.scoring import PromptScorer
+    from tests.integration.test_pool import SetProbe
+
+    pool = make_pool(prefill_step_size=64, memory={"max_kv_tokens": 4096})
+    probe = pool.probe = SetProbe()
+    probe.bytes = 100_000_000
+    close = PromptScorer.close
+
+    def freed(scorer: PromptScorer) -> None:
+        close(scorer)
+        probe.bytes = 100_000_000  # its arrays are gone: so is the made-up 50 MB
+
+    monkeypatch.setattr(PromptScorer, "close", freed)
+
+    async def main() -> None:
+        engine = await pool.get_engine("tiny-llama")
+        await asyncio.sleep(0.2)  # an idle turn observes the baseline
+        assert pool.live_baseline.baseline.bytes_now() == 100_000_000
+        scoring = asyncio.create_task(prompt_logprobs(engine, list(range(10, 2010)), top_k=1))
+        # The scorer's KV as the process reading shows it (a made-up 50 MB).
+        probe.bytes = 150_000_000
+        seen = []
+        while not scoring.done():
+            seen.append(pool.live_baseline.baseline.bytes_now())
+            await asyncio.sleep(0.005)
+        assert len(await scoring) == 2000
+        assert len(seen) > 5 and max(seen) == 100_000_000, max(seen)
+
+    asyncio.run(main())

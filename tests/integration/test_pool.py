@@ -272,6 +272,46 @@ def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool):
     asyncio.run(main())
 
 
+class WeightsProbe(SetProbe):
+    """A reading that is ``bytes`` plus a made-up 6 MB per loaded model besides the
+    busy one: what evicting an idle model gives back, as a real reading would show."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        super().__init__()
+        self.pool = pool
+
+    def _sample(self) -> tuple[int, int, int]:
+        idle = [e for e in self.pool.loaded() if e.name != "slow-llama"]
+        used = self.bytes + 6_000_000 * len(idle)
+        return used, used, used
+
+
+def test_the_enforcer_reads_again_after_an_eviction_before_ending_anything(make_pool):
+    """Over the hard limit with the cache off, an idle model evicted gets memory under
+    it: the running request goes on (the stale reading used to end it)."""
+    pool = make_pool(memory={"max_kv_tokens": 4096})  # made-up readings: see above
+    probe = pool.probe = WeightsProbe(pool)
+
+    async def main() -> None:
+        await run(pool, "tiny-llama")
+        engine = await pool.get_engine("slow-llama")
+        stream = RequestStream("long", asyncio.get_running_loop())
+        params = SamplingParams(temperature=0.0, max_tokens=60)
+        engine.submit(Request("long", (5, 6, 7, 8), params), stream)
+        first = await stream.get()  # decoding: no prefill chunk left for a gate to hold
+        assert first is not None and first.error is None
+        pool.limits = Limits(10_000_000, 8_000_000, 1_000)
+        probe.bytes = 5_000_000  # 11 MB with tiny-llama loaded, 5 MB without
+        await pool.enforce()
+        assert [e.name for e in pool.loaded()] == ["slow-llama"]
+        assert not pool.enforcer.admission_paused  # under soft again, read afresh
+        while not (event := await stream.get()).finished:
+            pass
+        assert event.error is None and event.finish_reason == "length"
+
+    asyncio.run(main())
+
+
 def test_a_pause_above_the_soft_limit_is_counted_and_its_deferrals_logged(
     make_pool, caplog: pytest.LogCaptureFixture
 ):

@@ -12,8 +12,10 @@ from omlx.api.anthropic_format import (
     chat_tools,
     output_grammar,
     sampling_request,
+    server_tools,
     stop_reason,
     template_kwargs,
+    tool_constraint,
     uses_cache_control,
 )
 from omlx.api.anthropic_schemas import MessagesRequest
@@ -241,8 +243,24 @@ def test_tools_become_openai_functions_unless_choice_is_none() -> None:
     ]
     assert chat_tools(request(tools=[TOOL], tool_choice={"type": "any"})) == tools
     assert chat_tools(request(tools=[TOOL], tool_choice={"type": "none"})) is None
-    with pytest.raises(InvalidRequestError, match="server tool"):
-        chat_tools(request(tools=[{"type": "web_search_20250305", "name": "web_search"}]))
+
+
+def test_server_tools_are_left_out_and_named_other_typed_tools_refused() -> None:
+    search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}
+    fetch = {"type": "web_fetch_20250910", "name": "web_fetch"}
+    body = request(tools=[search, TOOL, fetch])
+    assert [t["function"]["name"] for t in chat_tools(body) or []] == ["get_weather"]
+    assert server_tools(body) == ("web_search_20250305", "web_fetch_20250910")
+    assert chat_tools(request(tools=[search])) is None  # nothing left to offer
+    # A tool choice naming a server tool cannot be honoured: still a 400.
+    with pytest.raises(InvalidRequestError, match="web_search"):
+        tool_constraint(
+            request(tools=[search, TOOL], tool_choice={"type": "tool", "name": "web_search"})
+        )
+    # The client runs bash_*/text_editor_* itself with Anthropic's schema: not ours to guess.
+    with pytest.raises(InvalidRequestError, match="bash_20250124") as info:
+        chat_tools(request(tools=[{"type": "bash_20250124", "name": "bash"}]))
+    assert info.value.param == "tools[0].type"
 
 
 def test_thinking_sampling_and_output_format() -> None:
@@ -271,6 +289,9 @@ def test_thinking_sampling_and_output_format() -> None:
 def test_stop_reason_mapping() -> None:
     assert stop_reason("stop", False, None) == "end_turn"
     assert stop_reason("length", False, None) == "max_tokens"
+    # A budget clamped to the room left ran out: the window is full, not max_tokens.
+    assert stop_reason("length", False, None, window_bound=True) == "model_context_window_exceeded"
+    assert stop_reason("stop", False, None, window_bound=True) == "end_turn"
     assert stop_reason("stop", False, "###") == "stop_sequence"
     assert stop_reason("stop", True, None) == "tool_use"
     assert stop_reason("length", True, None) == "tool_use"

@@ -346,3 +346,58 @@ def test_a_burst_into_a_full_queue_stalls_once_not_once_per_block(
         assert ssd.stats().drops - drops_before == 6
     finally:
         gate.release()
+
+
+def stuck_store(stores: Stores) -> tuple[SSDStore, Gate]:
+    """An SSD store whose writer holds one block and whose one-slot queue is full."""
+    ssd = stores.open(MODEL_A, queue_size=1)
+    gate = Gate(ssd)
+    assert ssd.put(make_payload(100))
+    assert gate.entered.wait(5)
+    assert ssd.put(make_payload(101))
+    return ssd, gate
+
+
+def test_promotions_of_one_hit_share_one_wait_for_a_full_ssd_queue(stores: Stores) -> None:
+    """A prefix hit read from the SSD promotes block after block, each evicting a RAM
+    block to the SSD: with the writer stuck they wait once (the hit's deadline), not
+    once per block (six x 0.25 s held the MLX thread, and every model, 1.5 s)."""
+    on_disk = stores.open(MODEL_A)
+    for i in range(10, 16):
+        assert on_disk.put(make_payload(i))
+    assert on_disk.flush()
+    on_disk.close()
+    stores.opened.remove(on_disk)
+    hot = HotTier(6 * BLOCK_BYTES, mode="write-back")
+    ssd, gate = stuck_store(stores)
+    hot.attach(MODEL_A, ssd)
+    try:
+        for i in range(6):
+            hot.put(make_payload(i))  # RAM full of blocks the SSD does not have
+        start = time.monotonic()
+        deadline = start + 0.25
+        for i in range(10, 16):
+            assert hot.get(MODEL_A, make_payload(i).key, deadline_s=deadline) is not None
+        waited = time.monotonic() - start
+        assert 0.2 <= waited < 0.75
+        assert hot.stats().promotions == 6 and hot.stats().writeback_drops == 6
+    finally:
+        gate.release()
+
+
+def test_detach_hands_blocks_back_within_one_wait(stores: Stores) -> None:
+    """Unloading a model in write-back mode with the writer stuck: one put timeout in
+    all, the blocks that find no room dropped and counted."""
+    hot = HotTier(6 * BLOCK_BYTES, mode="write-back")
+    ssd, gate = stuck_store(stores)
+    hot.attach(MODEL_A, ssd)
+    try:
+        for i in range(6):
+            hot.put(make_payload(i))
+        start = time.monotonic()
+        hot.detach(MODEL_A)
+        waited = time.monotonic() - start
+        assert 0.2 <= waited < 0.75
+        assert hot.stats().writeback_drops == 6 and hot.stats().hot_blocks == 0
+    finally:
+        gate.release()

@@ -351,3 +351,49 @@ def test_safetensors_header_with_null_metadata_reads_as_empty(tmp_path: Path) ->
     path.write_bytes(bad)
     with path.open("rb") as f, pytest.raises(ValueError, match="__metadata__"):
         safetensors_io.read_header(f, len(bad))
+
+
+def test_a_block_too_large_for_the_budget_evicts_nothing(tmp_path: Path) -> None:
+    """The budget was lowered below one block while four were on disk: the refused
+    block must not take them with it (up to 32 used to be evicted first)."""
+    keys = fill(tmp_path, 4)
+    store = open_store(tmp_path, max_size_bytes=BLOCK_BYTES // 2)
+    try:
+        huge = make_payload(50)  # a block's bytes: more than the whole budget
+        assert store.put(huge)
+        assert store.flush()
+        assert store.keys() == keys and store.stats().evictions == 0
+        assert not store.contains(huge.key) and store.stats().errors == 1
+    finally:
+        store.close()
+
+
+def test_a_fixed_size_shrinks_to_what_the_disk_has_until_space_returns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ssd_cache_max_size is fixed at 1 GiB, the disk fills up (ENOSPC): the cache turns
+    over within what it holds instead of failing every write; space back, budget back."""
+    free = {"bytes": 1 << 30}
+    store = open_store(
+        tmp_path,
+        max_size_bytes=1 << 30,
+        disk_usage_ttl_s=0.0,
+        free_bytes_fn=lambda _: free["bytes"],
+    )
+    try:
+        for i in range(3):
+            assert store.put(make_payload(i))
+        assert store.flush() and len(store.keys()) == 3
+        free["bytes"] = 0  # what the disk-full error would find on the re-read
+        with caplog.at_level(logging.WARNING, logger="omlx.cache.ssd"):
+            assert store.put(make_payload(3))
+            assert store.flush()
+        assert store.keys() == [make_payload(k).key for k in (1, 2, 3)]  # the oldest made room
+        assert store.stats().evictions == 1 and store.stats().errors == 0
+        assert any("below ssd_cache_max_size" in r.message for r in caplog.records)
+        free["bytes"] = 1 << 30
+        assert store.put(make_payload(4)) and store.flush()
+        assert len(store.keys()) == 4 and store.stats().evictions == 1
+        assert any("disk space returned" in r.message for r in caplog.records)
+    finally:
+        store.close()

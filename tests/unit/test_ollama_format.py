@@ -16,6 +16,7 @@ from omlx.api.ollama_format import (
     sampling_request,
 )
 from omlx.api.ollama_schemas import Message, Options
+from omlx.api.output_budget import output_budget
 from omlx.api.output_parser import OutputParser
 from omlx.engine.stream import StreamEvent
 from omlx.errors import ContextLengthExceededError, InvalidRequestError
@@ -85,8 +86,12 @@ def test_images_stand_before_the_text_and_bad_ones_are_refused_naming_the_image(
 
 def test_num_predict_and_num_ctx() -> None:
     assert sampling_request(Options(num_predict=5), 10, 100).max_tokens == 5
-    # More than the window leaves: capped, as Ollama stops at the context's end.
-    assert sampling_request(Options(num_predict=500), 10, 100).max_tokens == 90
+    # More than the window leaves: the pipeline's budget caps it, as Ollama stops at
+    # the context's end (num_ctx's end when it is smaller).
+    budget = output_budget("m", 100, 10, sampling_request(Options(num_predict=500), 10, 100), 64)
+    assert (budget.max_tokens, budget.requested) == (90, 500)
+    smaller = sampling_request(Options(num_predict=500, num_ctx=50), 10, 100)
+    assert output_budget("m", 100, 10, smaller, 64).max_tokens == 40
     assert sampling_request(Options(num_predict=-1), 10, 100).max_tokens == 90
     assert sampling_request(Options(), 10, 100).max_tokens is None  # the server's default
     assert sampling_request(Options(num_ctx=50), 10, 100).max_tokens == 40

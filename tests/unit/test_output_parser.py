@@ -307,6 +307,54 @@ def test_empty_end_marker_runs_to_the_end_of_output():
         assert totals.calls == [("get_weather", {"city": "Paris"}), ("get_time", {})]
 
 
+# calls without their markup
+
+
+NAMES = frozenset({"get_weather", "get_time"})
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        WEATHER,
+        f"\n{WEATHER}\n",
+        f"```json\n{WEATHER}\n```",
+        f"{WEATHER}\n</tool_call>",
+        f"[{WEATHER}, {TIME}]",
+    ],
+)
+def test_an_answer_that_is_only_a_declared_call_without_markup_is_that_call(output):
+    for chunks in chunkings(output):
+        totals = run(OutputParser(tools=HERMES, tool_names=NAMES), chunks)
+        assert totals.content == ""
+        assert totals.calls[0] == ("get_weather", {"city": "Zürich", "unit": "celsius"})
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        '{"name": "rm_rf", "arguments": {}}',  # not a declared tool
+        '{"answer": 42}',  # JSON, but no call
+        f"The call would be {WEATHER}",  # prose first: the call is an example
+        f"{WEATHER} is what I would send",
+    ],
+)
+def test_anything_else_stays_text(output):
+    for chunks in chunkings(output):
+        totals = run(OutputParser(tools=HERMES, tool_names=NAMES), chunks)
+        assert (totals.content, totals.calls) == (output, [])
+
+
+def test_prose_streams_at_once_and_json_waits_for_the_end():
+    prose = OutputParser(tools=HERMES, tool_names=NAMES)
+    assert prose.feed("  Sure").content == "  Sure"
+    maybe = OutputParser(tools=HERMES, tool_names=NAMES)
+    assert not maybe.feed('{"ans')
+    assert maybe.finish().content == '{"ans'
+    # Without declared names (no tools asked), nothing is held.
+    assert OutputParser(tools=HERMES).feed('{"ans').content == '{"ans'
+
+
 # json_tool_call
 
 
@@ -322,6 +370,9 @@ def test_empty_end_marker_runs_to_the_end_of_output():
             '[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"b": null}}]',
             [("f", {}), ("g", {"b": None})],
         ),
+        # Recovered: a stray closing brace, two calls in one block.
+        ('{"name": "f", "arguments": {"a": 1}}}', [("f", {"a": 1})]),
+        ('{"name": "f", "arguments": {}}\n{"name": "g"}', [("f", {}), ("g", {})]),
     ],
 )
 def test_json_tool_call_accepts(body, expected):
@@ -342,6 +393,9 @@ def test_json_tool_call_accepts(body, expected):
         '{"name": "f", "arguments": "[1, 2]"}',
         '{"name": "f", "arguments": "{broken"}',
         '"just a string"',
+        # Text after the call could be anything: not guessed at.
+        '{"name": "f", "arguments": {}} and then more',
+        '{"name": "f", "arguments": {}}} {"name": "g"}',
     ],
 )
 def test_json_tool_call_rejects_with_value_error(body):

@@ -22,6 +22,7 @@ function block(id, text) {
 function toolCard(tool) {
   return h(`section.card#connect-${tool.tool}`,
     h("div.card-head", h("h2", TITLES[tool.tool] ?? tool.tool), h("span.hint", `Install: ${tool.install}`)),
+    tool.warning ? h(`p.notice.warn#context-warning-${tool.tool}`, tool.warning) : null,
     h("p", "Start it from a terminal with everything set:"),
     block(`launch-${tool.tool}`, tool.launch),
     h("p", "Or set these yourself:"),
@@ -42,7 +43,8 @@ export async function render(view) {
         h("div.card-head", h("h2", "Any OpenAI, Anthropic or Ollama client")),
         h("p", "OpenAI base URL:"), block("openai-base-url", data.openai_base_url),
         h("p", "Anthropic and Ollama base URL:"), block("base-url", data.base_url),
-        h("p", `Key: ${key}. Model: ${data.model}.`),
+        h("p", `Key: ${key}. Model: ${data.model}` +
+          (data.context_window ? ` (context window ${data.context_window.toLocaleString("en-US")} tokens).` : ".")),
       ),
       data.tools.map(toolCard),
     );

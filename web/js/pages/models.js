@@ -14,6 +14,7 @@ const FIELDS = [
   { name: "ttl_s", label: "Idle TTL (s)", type: "number", step: "any", help: "Unload after this many idle seconds; empty: global idle timeout." },
   { name: "max_context_window", label: "Max context window", type: "number", step: "1" },
   { name: "max_tokens", label: "Default max tokens", type: "number", step: "1" },
+  { name: "strict_max_tokens", label: "Strict max tokens", type: "checkbox", help: "Refuse a max_tokens larger than the room the prompt leaves, instead of clamping it to that room." },
   { name: "max_kv_tokens", label: "Max KV tokens", type: "number", step: "1", help: "Pins the KV capacity; empty: measured at load." },
   { name: "temperature", label: "Temperature", type: "number", step: "any" },
   { name: "top_p", label: "Top p", type: "number", step: "any" },
