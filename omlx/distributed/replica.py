@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 # Pure queries of the runner's state: answered by rank 0's runner alone (the same
 # on every rank), so they cost no round trip.
 LOCAL_QUERIES = frozenset(
-    {"prefill_plan", "prove_compiled", "speculation_plan", "speculative_stats"}
+    {"layout", "prefill_plan", "prove_compiled", "speculation_plan", "speculative_stats"}
 )
 # Calls that do nothing given an empty list (the engine makes them every step): skipped
 # on every rank, which saves the followers' round trip.

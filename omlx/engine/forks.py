@@ -17,35 +17,32 @@ from omlx.engine.batch import Row, merge_caches
 from omlx.mlx_types import BatchCacheLayer
 from omlx.scheduler import Request
 
+# Prompts longer than one prefill chunk by this much fork: shorter ones the shared
+# opening covers (all but their last two tokens, in one forward).
+FORK_PAST_OPENING = 3
+
 # Makes a request's batch row whose processors have seen ``fed`` tokens.
 RowFactory = Callable[[Request, Sequence[int]], Row]
 
 
 class ChoiceForks:
-    def __init__(self, make_row: RowFactory, min_prompt: int):
+    """Which choices wait for which leader is the plan's (scheduler/placement.py)."""
+
+    def __init__(self, make_row: RowFactory):
         self._make_row = make_row
-        # Prompts at least this long are forked (shorter: the shared opening does it).
-        self._min_prompt = min_prompt
         # Leader request id -> the requests waiting for its prompt.
         self._waiting: dict[str, list[Request]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._waiting)
 
-    def split(self, requests: list[Request]) -> list[Request]:
-        """The requests to start; those that repeat an earlier one's long prompt
-        wait for it instead."""
-        leaders: dict[tuple[int, ...], Request] = {}
-        started = []
-        for r in requests:
-            leader = leaders.get(r.prompt_ids)
-            if leader is not None:
-                self._waiting.setdefault(leader.request_id, []).append(r)
-                continue
-            if len(r.prompt_ids) >= self._min_prompt:
-                leaders[r.prompt_ids] = r
-            started.append(r)
-        return started
+    def leaders(self) -> dict[str, str]:
+        """Each waiting choice -> its leader."""
+        return {r.request_id: lead for lead, waiting in self._waiting.items() for r in waiting}
+
+    def wait(self, request: Request, leader_id: str) -> None:
+        """``request`` starts from its leader's cache once the leader's prompt is in."""
+        self._waiting.setdefault(leader_id, []).append(request)
 
     def fork(
         self, rows: list[Row], feed: list[int], cache: list[BatchCacheLayer]

@@ -24,7 +24,7 @@ from omlx.memory.budget import MemoryReading, prefill_step_transient_bytes
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
 from omlx.memory.throttle import MAX_PREFILL_HOLD_S, PlannedChunk, PrefillShape, shape_prefill
-from omlx.scheduler import Request, Scheduler
+from omlx.scheduler import Request
 from omlx.sizes import format_bytes
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,6 @@ class StepGate:
         name: str,
         guard: MemoryGuard,
         probe: MemoryProbe,
-        scheduler: Scheduler,
         *,
         busy_elsewhere: Callable[[], bool],
         image_bytes: Callable[[Request], int],
@@ -52,7 +51,6 @@ class StepGate:
         self.name = name
         self.guard = guard
         self.probe = probe
-        self._scheduler = scheduler
         self._busy_elsewhere = busy_elsewhere
         self._image_bytes = image_bytes
         self._cached_tokens = cached_tokens
@@ -75,17 +73,19 @@ class StepGate:
         # Speculative steps the gate made decode without drafts.
         self.num_held_drafts = 0
         self._pending_bytes = 0
+        # The running requests' KV tokens as admission goes (those admitted included).
+        self._running_tokens = 0
 
     @property
     def admission_paused(self) -> bool:
         return self._admission.paused
 
     def counters(self) -> dict[str, Any]:
-        """What the memory guard did to this model's requests (admin API, /metrics)."""
+        """What the memory guard did to this model's requests (admin API, /metrics;
+        the engine adds the scheduler's preemptions)."""
         return {
             "deferrals": dict(self.deferrals),
             "gate_ended": self.num_gated,
-            "preempted": dict(self._scheduler.preemptions),
             "throttled_steps": self.num_throttled_steps,
             "held_steps": self.num_held_steps,
             "reclaims": self.num_reclaims,
@@ -114,10 +114,12 @@ class StepGate:
 
     # ---- admission ----------------------------------------------------------
 
-    def start_admission(self, plan: Sequence[Any]) -> None:
+    def start_admission(self, plan: Sequence[Any], num_running_tokens: int) -> None:
         """What admitted work will still allocate (KV to come, prefill step
         transients): admission counts it, so requests admitted in one step
-        cannot stack past the limit. ``plan``: the runner's prefill chunks."""
+        cannot stack past the limit. ``plan``: the runner's prefill chunks;
+        ``num_running_tokens``: the running requests' KV tokens."""
+        self._running_tokens = num_running_tokens
         dims, extra = self.guard.dims, self.guard.unmodeled_bytes
         self._pending_bytes = sum(
             dims.kv_bytes_per_token * c.num_remaining
@@ -135,6 +137,7 @@ class StepGate:
                 prefill_step_transient_bytes(dims, min(n, self.guard.chunk_tokens), n)
                 + self.guard.unmodeled_bytes
             )
+            self._running_tokens += n
             return True
         self.deferrals[reason] += 1
         return False
@@ -152,7 +155,7 @@ class StepGate:
 
     def _deferral(self, request: Request, num_running: int) -> str | None:
         """Why the head of the queue waits ("paused", "kv_capacity", "memory"), or None."""
-        n, running_tokens = request.num_prompt_tokens, self._scheduler.num_running_tokens
+        n, running_tokens = request.num_prompt_tokens, self._running_tokens
         if self.admission_paused:
             log.info(
                 "memadmit %s: deferred a %d-token prompt: admission paused (memory above "
@@ -162,7 +165,7 @@ class StepGate:
                 num_running,
             )
             return "paused"
-        # The scheduler counts the ones admitted earlier in this step too.
+        # The ones admitted earlier in this step count too.
         if not self.guard.kv_fits(running_tokens, n):
             log.info(
                 "memadmit %s: deferred a %d-token prompt: %d KV tokens in flight, capacity %s",
@@ -175,39 +178,44 @@ class StepGate:
         # KV still to come for admitted requests, the step transients of every
         # request that will prefill in the same batch as this one, and the copy
         # of the decode batch's KV its rows make when this one joins them.
-        pending = self._pending_bytes + self._join_copy_bytes(n) + self._image_bytes(request)
+        join = self._join_copy_bytes(running_tokens + n)
+        pending = self._pending_bytes + join + self._image_bytes(request)
         reading = plus(self.probe.reading(fresh=True), pending)
         return None if self.guard.admit(n, num_running, reading) else "memory"
 
-    def _join_copy_bytes(self, num_new_tokens: int) -> int:
-        """Rows joining the decode batch extend its KV into new buffers: the old
-        and the new batch are alive together for a moment."""
-        tokens = self._scheduler.num_running_tokens + num_new_tokens
-        return self.guard.dims.kv_bytes_per_token * tokens
+    def _join_copy_bytes(self, num_tokens: int) -> int:
+        """Rows joining the decode batch extend its KV (``num_tokens`` with theirs)
+        into new buffers: the old and the new batch are alive together for a moment."""
+        return self.guard.dims.kv_bytes_per_token * num_tokens
 
     # ---- the forward gate ---------------------------------------------------
 
-    def shape_prefill(self, plan: Sequence[Any], num_running: int) -> PrefillShape:
+    def shape_prefill(
+        self, plan: Sequence[Any], num_running: int, num_running_tokens: int
+    ) -> PrefillShape:
         """What this step's prefill chunks may do under the hard limit (a fresh
         reading: others grew): as planned, capped, held, or some ended. Over the
-        limit, MLX's free cache is handed back first and the plan shaped again."""
+        limit, MLX's free cache is handed back first and the plan shaped again.
+        ``num_running`` requests run, holding ``num_running_tokens`` KV tokens."""
         if not plan:
             return PrefillShape(None)
-        shape = self._shape(plan, num_running)
+        shape = self._shape(plan, num_running, num_running_tokens)
         if shape.cap is not None:
             mlx_stats.release_cache()  # freed buffers count until handed back
             self.num_reclaims += 1
-            shape = self._shape(plan, num_running)
+            shape = self._shape(plan, num_running, num_running_tokens)
         return shape
 
-    def _shape(self, plan: Sequence[Any], num_running: int) -> PrefillShape:
+    def _shape(
+        self, plan: Sequence[Any], num_running: int, num_running_tokens: int
+    ) -> PrefillShape:
         reading = self._reading = self.probe.reading(fresh=True)
         others = num_running > 1
         # Requests past their prompt: a row finishing its prompt joins (copies) their
         # batch; and they end and free their memory, so prefill may wait for them.
         decoding_here = num_running > len(plan)
         if decoding_here and any(c.num_remaining <= c.num_tokens + 1 for c in plan):
-            reading = plus(reading, self._join_copy_bytes(0))
+            reading = plus(reading, self._join_copy_bytes(num_running_tokens))
         decoding = decoding_here or self._busy_elsewhere()
         held_for = 0.0 if self._held_since is None else time.monotonic() - self._held_since
         return shape_prefill(
@@ -236,13 +244,13 @@ class StepGate:
             what += f"; ending {', '.join(shape.ended)}: not even a {shape.cap}-token chunk fits"
         self.log_over_limit(what, self._reading)
 
-    def may_share(self, num_tokens: int, num_cached_tokens: int) -> bool:
+    def may_share(self, num_tokens: int, num_cached_tokens: int, num_running: int) -> bool:
         """The gate for a burst's shared opening (one row, run before the batch's
         chunks), with a fresh reading like every chunk's. Refused, nothing is ended:
         each request prefills the opening in its own chunks, gated one by one, so
         they are served if memory allows and ended by that gate if not."""
         reading = self.probe.reading(fresh=True)
-        others = self._scheduler.num_running > 1
+        others = num_running > 1
         if self.guard.gate(num_tokens, num_cached_tokens, reading, others=others):
             return True
         self.num_unshared_openings += 1
@@ -253,7 +261,7 @@ class StepGate:
         )
         return False
 
-    def may_speculate(self, plan: Sequence[PlannedChunk]) -> bool:
+    def may_speculate(self, plan: Sequence[PlannedChunk], num_running: int) -> bool:
         """The gate for a speculative step: its rows' verified positions (drafts
         and tokens accepted but not yet cached) as one chunk, with a fresh
         reading. Refused, the step decodes without drafts, which is never gated
@@ -263,7 +271,7 @@ class StepGate:
         reading = self.probe.reading(fresh=True)
         tokens = sum(c.num_tokens for c in plan)
         cached = max(c.num_context_tokens - c.num_tokens for c in plan)
-        others = self._scheduler.num_running > 1
+        others = num_running > 1
         if self.guard.gate(tokens, cached, reading, others=others):
             return True
         self.num_held_drafts += 1

@@ -42,6 +42,7 @@ from omlx.memory.vision import image_bytes
 from omlx.mlx_types import LanguageModel
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
+from omlx.scheduler.placement import RunnerLayout
 from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput
 from omlx.sizes import format_bytes
 
@@ -62,6 +63,7 @@ class Runner(Protocol):
     @property
     def has_work(self) -> bool: ...
     def prefill_plan(self) -> list[PrefillChunk]: ...
+    def layout(self) -> RunnerLayout: ...
     def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...
     def remove(self, request_ids: list[str]) -> None: ...
     def reset(self) -> None: ...
@@ -122,7 +124,6 @@ class ModelEngine:
             self.name,
             guard,
             probe,
-            scheduler,
             # Nothing here refers back to the engine: an unloaded model's weights are
             # freed when its last reference goes, not at the next garbage collection.
             busy_elsewhere=partial(_busy_besides, worker, weakref.ref(self)),
@@ -258,12 +259,21 @@ class ModelEngine:
         return self._runner.speculative_stats()
 
     def clear_prefix_cache(self, tier: ClearTier) -> None:
-        """MLX thread: drop this model's cached blocks (on every rank of a split model)."""
+        """MLX thread: drop this model's cached blocks (on every rank of a split
+        model), those of the requests that just ended included."""
+        self._settle()
         self._runner.clear_prefix_cache(tier)
 
     def flush_cache_stores(self) -> None:
         """MLX thread: the prefix-cache stores of requests that ended, now."""
+        self._settle()
         self._runner.flush_cache_stores()
+
+    def _settle(self) -> None:
+        """MLX thread, between steps: the runner drops now the requests that left
+        since the last plan (a step's plan drops them; a flush, a clear, ending
+        everything or an unload needs the runner as it will be)."""
+        self._runner.remove(list(self._scheduler.take_left()))
 
     def use_draft(self, model: LanguageModel | None) -> None:
         """A draft model proposes this model's drafts from the next step (None:
@@ -292,9 +302,8 @@ class ModelEngine:
         )
 
     def _abort(self, request_id: str) -> None:
+        # A running request leaves the runner through the next plan.
         where = self._scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
-        if where is RequestStatus.RUNNING:
-            self._runner.remove([request_id])
         if where is not None:
             self._live.pop(request_id, None)
             self._release("abort")
@@ -307,7 +316,10 @@ class ModelEngine:
             self.gate.reclaim_near_limit()
             runner = self._runner
             plan = self._scheduler.schedule(
-                self.gate, runner.prefill_plan(), runner.speculation_plan()
+                self.gate,
+                runner.prefill_plan(),
+                runner.speculation_plan(),
+                layout=runner.layout(),
             )
             self._end_gated(plan.ended, outbox)
             output = self._runner.execute(plan)
@@ -352,7 +364,7 @@ class ModelEngine:
             if reason is not None:
                 finished.append(update.request_id)
                 self._release(reason)
-        self._runner.remove(finished)
+        # The finished requests leave the runner through the next plan.
         if finished:
             # Sample now: the peak of the work that just ended gets its own
             # time stamp and ages out of the recent window on schedule.
@@ -435,12 +447,10 @@ class ModelEngine:
 
     def guard_counters(self) -> dict[str, Any]:
         """What the memory guard did to this model's requests (admin API, /metrics)."""
-        return self.gate.counters()
+        return {**self.gate.counters(), "preempted": dict(self._scheduler.preemptions)}
 
     def _fail_request(self, request_id: str, error: OmlxError, outbox: Outbox) -> None:
         where = self._scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)
-        if where is RequestStatus.RUNNING:
-            self._runner.remove([request_id])
         live = self._live.pop(request_id, None)
         if where is not None:
             self._release("error")
@@ -454,6 +464,7 @@ class ModelEngine:
         rids = list(self._live)
         for rid in rids:
             self._fail_request(rid, error, outbox)
+        self._settle()  # their memory goes now, not at the next step
         self._flush(outbox)
         return len(rids)
 
@@ -464,6 +475,7 @@ class ModelEngine:
             outbox.append((live.stream, StreamEvent(error=error)))
         self._live.clear()
         self._runner.reset()
+        self._scheduler.take_left()  # the reset dropped them
 
     def _release(self, reason: str) -> None:
         """MLX thread: one request left the engine."""
@@ -487,6 +499,8 @@ class ModelEngine:
         if gone is None:
             gone = unloaded_error(self.name, "the server is stopping")
             self.close(gone)
+        # The requests that just ended leave first, so their blocks are stored at close.
+        self._settle()
         for rid, live in list(self._live.items()):
             self._scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
             self._release("abort")

@@ -1,5 +1,6 @@
 """What the runner owes the prefix cache: a request's prompt blocks once its first
-token is out, and every block it holds when it leaves.
+token is out, and every block it holds when it leaves (a model whose caches need
+snapshots: also each finished block during an unbatched prefill).
 
 Stores wait for the start of the next step, after the events of this one went
 out, so they never add to a request's time to first token. MLX thread only.
@@ -50,6 +51,24 @@ class PromptStores:
         if self.prefix is not None:
             tokens = list(request.prompt_ids)
             self._records[request.request_id] = _Record(tokens, len(tokens), extra_keys)
+
+    def boundary_hook(self, request: Request) -> Callable[[int, list[Any]], None] | None:
+        """What an unbatched prefill of ``request`` does at each block boundary when
+        the model's caches need snapshots (None: they do not): snapshot, and store
+        the finished blocks now, since each snapshot (a recurrent state or a whole
+        window per layer) would otherwise stay in RAM outside every budget until the
+        prompt ends; the hot tier's bytes are budgeted. (Full blocks only: the
+        prompt's tail snapshot waits for the last store.)"""
+        prefix = self.prefix
+        if prefix is None or not prefix.needs_snapshots:
+            return None
+        rid, prompt, size = request.request_id, request.prompt_ids, prefix.block_size
+
+        def hook(position: int, layers: list[Any]) -> None:
+            prefix.snapshot(rid, position, layers)
+            prefix.store(rid, prompt, layers, position - position % size, tail=False)
+
+        return hook
 
     def note(self, outputs: Iterable[TokenOutput]) -> None:
         """Record produced tokens; a request's first one means its prompt is cached."""

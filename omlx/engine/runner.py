@@ -1,14 +1,30 @@
-"""The forward step: continuous batching over a lone sequence (solo.py), a
-batched prefill and a batched decode (batch.py).
+"""The forward step: executes the scheduler's plan. Which code decodes a request
+follows from where the plan placed it (``SchedulerOutput.placements``,
+scheduler/placement.py):
+
+- SOLO: ``solo.SoloSequence`` prefills it (one pass, or chunks) and samples its
+  first token in the same forward; it decodes there (``compiled.CompiledDecode``
+  when proven) until the plan moves it into the batch (below).
+- BATCH: ``batch.PrefillBatch`` prefills it, a chunk per step beside the other new
+  prompts (after a shared opening, ``openings.py``, when the plan has one); its last
+  prompt token goes to ``batch.DecodeBatch``, which decodes every row in one forward
+  (``compiled_batch.CompiledBatchStep`` when proven; with drafts from ``ngram.py`` or
+  ``draft_model.py``, verified by ``speculative.py``).
+- SIDE: a ``SoloSequence`` with block-boundary snapshots prefills it; at its last
+  prompt token it joins the ``DecodeBatch``.
+- IMAGE_SIDE: ``image_prefill.image_sequence`` encodes the images and prefills the
+  prompt the same way, then joins the ``DecodeBatch``.
+- FORK: ``forks.ChoiceForks`` holds it until its leader's prompt is in, then it
+  joins the ``DecodeBatch`` with a copy of the leader's cache.
 
 MLX thread only. The runner knows nothing about finish reasons: the scheduler
-decides those and the engine removes finished requests.
+decides those, and the next plan drops the finished requests.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -23,7 +39,7 @@ from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
 from omlx.engine.compiled import CompiledDecode
 from omlx.engine.compiled_batch import CompiledBatchStep, CompiledSteps
 from omlx.engine.draft_model import DraftProposer
-from omlx.engine.forks import ChoiceForks
+from omlx.engine.forks import FORK_PAST_OPENING, ChoiceForks
 from omlx.engine.image_prefill import image_sequence
 from omlx.engine.ngram import drafter_for, speculates
 from omlx.engine.openings import share_openings, shares_openings
@@ -34,6 +50,7 @@ from omlx.engine.strategy import ExecutionStrategy
 from omlx.mlx_types import CacheLayer, LanguageModel, prompt_cache
 from omlx.scheduler import Request, TokenOutput
 from omlx.scheduler.openings import SharedOpening
+from omlx.scheduler.placement import Placement, Placements, RunnerLayout, SoloState, place
 from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -48,11 +65,12 @@ class BatchRunner:
     model is split across ranks, each with its own cache; every rank restores the hit
     length all of them hold (omlx/distributed/shared_hits.py).
 
-    A lone request prefills as a ``SoloSequence`` (and decodes there when the
-    model has no proven compiled batch step; otherwise it moves to the batch
-    after its first token). Once several run, new prompts prefill together
-    (``PrefillBatch``) and every sequence past its prompt decodes in one
-    ``DecodeBatch``; a solo sequence moves over with its cache.
+    Where each request runs is the plan's (scheduler/placement.py): a lone request
+    prefills as a ``SoloSequence`` (and decodes there when the model has no proven
+    compiled batch step; otherwise it moves to the batch after its first token).
+    Once several run, new prompts prefill together (``PrefillBatch``) and every
+    sequence past its prompt decodes in one ``DecodeBatch``; a solo sequence moves
+    over with its cache.
     The scheduler bounds how many run at once (``max_concurrent_requests``).
     ``compiled``: a lone sequence's decode steps replay one compiled graph, and the
     batch's steps run each layer's work around attention compiled, when the model
@@ -99,12 +117,14 @@ class BatchRunner:
         self._draft: tuple[LanguageModel, int, CompiledBatchStep | None] | None = None
         # A request's choices (same prompt, started together) wait for one to prefill
         # it, when it is longer than the shared opening covers.
-        self._forks = ChoiceForks(self._row, prefill_step_size + 3)
+        self._forks = ChoiceForks(self._row)
         # On a Mac, keep the weights wired as mlx-lm's generators do (None elsewhere).
         self._old_wired_limit = maybe_set_recommended_wired_limit()
         # A lone request runs unbatched (see solo.py); None while batching.
         self._solo: SoloSequence | None = None
         self._solo_request: Request | None = None
+        # Where the plan moves the solo sequence this step (None: it stays).
+        self._solo_move: Placement | None = None
         # Tokens sampled by a solo sequence just before it joined the batch.
         self._unreported: list[TokenOutput] = []
         # Models whose cache cannot be cut later (recurrent, sliding window) prefill
@@ -157,61 +177,82 @@ class BatchRunner:
     def add(
         self, requests: Iterable[Request], openings: Sequence[SharedOpening] = ()
     ) -> dict[str, int]:
-        """Start requests; returns the prompt tokens each got from the prefix cache.
-        ``openings``: the shared openings the scheduler planned among them."""
+        """Start requests where the placement rules put them beside what runs now
+        (``execute`` takes the plan's placements instead); returns the prompt tokens
+        each got from the prefix cache. ``openings``: shared openings among them."""
         requests = list(requests)
+        placed = place(requests, self.layout())
+        self._solo_move = placed.solo_move
+        return self._start(requests, openings, placed)
+
+    def _start(
+        self, requests: Sequence[Request], openings: Sequence[SharedOpening], placed: Placements
+    ) -> dict[str, int]:
+        """Start requests as placed (and move the solo sequence as planned); returns
+        the prompt tokens each got from the prefix cache."""
         if any(r.num_resumed_tokens for r in requests):
             # A preempted request's blocks were stored on its way out: now, so it hits.
             self._stores.run()
-        with_images = {r.request_id: self._start_with_images(r) for r in requests if r.images}
+        where = placed.where
+        with_images = {
+            r.request_id: self._start_with_images(r)
+            for r in requests
+            if where[r.request_id] is Placement.IMAGE_SIDE
+        }
         cached = {rid: n for rid, n in with_images.items() if n}
-        requests = [r for r in requests if not r.images]
-        if not requests:
+        text = [r for r in requests if where[r.request_id] is not Placement.IMAGE_SIDE]
+        if not text:
             return cached
-        batched = self._decode or self._prefill or self._side
-        solo = (
-            self.strategy.solo_prefill and len(requests) == 1 and self._solo is None and not batched
-        )
+        solo = [r for r in text if where[r.request_id] is Placement.SOLO]
         # A solo or side sequence feeds its restored cache as it is (room saves a
         # copy); a batched one is merged into the batch's cache (a copy anyway).
-        room = solo or (self._prefix is not None and self._prefix.needs_snapshots)
-        hits = self._lookup(requests, room)
-        for r in requests:
+        room = bool(solo) or (self._prefix is not None and self._prefix.needs_snapshots)
+        hits = self._lookup(text, room)
+        for r in text:
             self._stores.track(r)
-        if solo:
-            first = requests[0]
-            self._solo = self._sequence(first, hits[first.request_id])
-            self._solo_request = first
-        elif self._prefix is not None and self._prefix.needs_snapshots:
-            if self._solo is not None:
-                self._solo_to_side()
-            for r in requests:
+        self._move_solo()
+        for r in solo:
+            assert self._solo is None, "two solo sequences planned"
+            self._solo, self._solo_request = self._sequence(r, hits[r.request_id]), r
+        for r in text:
+            if where[r.request_id] is Placement.SIDE:
                 self._side[r.request_id] = (self._sequence(r, hits[r.request_id]), r)
-        else:
-            if self._solo is not None:
-                self._solo_to_batch()
-            with mx.stream(self._stream):
-                started = self._forks.split(requests)
-                shared = share_openings(self._model, openings, started, hits)
-                for r in started:
-                    hit = hits[r.request_id]
-                    if r.request_id in shared:
-                        done, cache = shared[r.request_id]
-                    elif hit is not None:
-                        done, cache = hit.num_tokens, hit.layers
-                    else:
-                        done, cache = 0, prompt_cache(self._model)
-                    row = self._row(r, r.prompt_ids[:done])
-                    self._start_batched(row, cache, done, r.prompt_ids[done:])
+        rows = [r for r in text if where[r.request_id] in (Placement.BATCH, Placement.FORK)]
+        if rows:
+            self._start_rows(rows, openings, hits, placed.leaders)
         cached.update({rid: hit.num_tokens for rid, hit in hits.items() if hit is not None})
         return cached
+
+    def _start_rows(
+        self,
+        requests: list[Request],
+        openings: Sequence[SharedOpening],
+        hits: dict[str, CacheHit | None],
+        leaders: Mapping[str, str],
+    ) -> None:
+        """Batch rows from their hits or shared openings; a fork waits for its leader."""
+        with mx.stream(self._stream):
+            for r in requests:
+                if r.request_id in leaders:
+                    self._forks.wait(r, leaders[r.request_id])
+            started = [r for r in requests if r.request_id not in leaders]
+            shared = share_openings(self._model, openings, started, hits)
+            for r in started:
+                hit = hits[r.request_id]
+                if r.request_id in shared:
+                    done, cache = shared[r.request_id]
+                elif hit is not None:
+                    done, cache = hit.num_tokens, hit.layers
+                else:
+                    done, cache = 0, prompt_cache(self._model)
+                row = self._row(r, r.prompt_ids[:done])
+                self._start_batched(row, cache, done, r.prompt_ids[done:])
 
     def _start_with_images(self, request: Request) -> int:
         """A prompt with images prefills on the side (image_prefill.py). Its blocks
         are keyed by the images' hashes: their tokens' ids are the same whatever
         the image. Returns the prompt tokens the prefix cache held."""
-        if self._solo is not None:
-            self._solo_to_batch()
+        self._move_solo()
         assert self._vision is not None, "images reached a text-only model"
         rid, keys = request.request_id, request.images.keys
         hit = None
@@ -319,18 +360,6 @@ class BatchRunner:
         """An unbatched sequence for ``request`` (snapshots at block boundaries
         when the model needs them)."""
         prefix = self._prefix
-        hook = None
-        if prefix is not None and prefix.needs_snapshots:
-            rid, prompt, size = request.request_id, request.prompt_ids, prefix.block_size
-
-            def hook(position: int, layers: list[CacheLayer]) -> None:
-                prefix.snapshot(rid, position, layers)
-                # Store the finished blocks now: each snapshot (a recurrent state or a
-                # whole window per layer) would otherwise stay in RAM, outside every
-                # budget, until the prompt ends; the hot tier's bytes are budgeted.
-                # (Full blocks only: the prompt's tail snapshot waits for the last store.)
-                prefix.store(rid, prompt, layers, position - position % size, tail=False)
-
         return SoloSequence(
             self._model,
             request.request_id,
@@ -341,36 +370,53 @@ class BatchRunner:
             cache=hit.layers if hit else None,
             num_cached=hit.num_tokens if hit else 0,
             block_size=prefix.block_size if prefix is not None else 0,
-            on_boundary=hook,
+            on_boundary=self._stores.boundary_hook(request),
             decoder=self._decoder,
             logprobs=request.sampling.logprobs,
         )
 
-    def _solo_decodes_faster_batched(self) -> bool:
-        """Whether the lone sequence, its first token out, continues in the batch.
+    def layout(self) -> RunnerLayout:
+        """Where each request runs now and what the placement rules need to know
+        (scheduler/placement.py decides; the plan carries the decision)."""
+        placed = {row.request_id: Placement.BATCH for row in self._prefill.rows}
+        placed.update({row.request_id: Placement.BATCH for row in self._decode.rows})
+        for rid, (_, request) in self._side.items():
+            placed[rid] = Placement.IMAGE_SIDE if request.images else Placement.SIDE
+        leaders = self._forks.leaders()
+        placed.update(dict.fromkeys(leaders, Placement.FORK))
+        solo = None
+        if self._solo is not None and self._solo_request is not None:
+            placed[self._solo.request_id] = Placement.SOLO
+            solo = self._solo_state(self._solo, self._solo_request)
+        step = self._batch_step
+        return RunnerLayout(
+            placed=placed,
+            leaders=leaders,
+            solo=solo,
+            solo_prefill=self.strategy.solo_prefill,
+            snapshots=self._prefix is not None and self._prefix.needs_snapshots,
+            batch_compiled=step is not None and step.proven and not step.failed,
+            min_fork_prompt=self._prefill_step_size + FORK_PAST_OPENING,
+        )
 
-        A lone request prefills here: its prompt's last chunk samples the first
-        token in the same forward (the time to first token). From then on the
-        batch's compiled step (a batch of one) decodes faster than the lone
-        sequence's own step on the CPU backend (measured by an interleaved A/B:
-        benchmarks/README.md, "Figures behind design choices"), and only the batch
-        speculates. It moves once the batch step is proven (the pool proves it at
-        load) or the request would draft, and its cache is plain KV layers.
-        The move copies the cache once, as a second request's arrival always
-        did; admission already holds a whole-context copy for a prompt's last
-        prefill chunk, and the move comes right after it."""
-        solo, step, request = self._solo, self._batch_step, self._solo_request
-        if solo is None or request is None or solo.num_pending or not solo.decoding:
-            return False
-        compiled = step is not None and step.proven and not step.failed
-        drafts = self.num_draft > 0 and speculates(request)
-        return (compiled or drafts) and all(type(layer) is KVCache for layer in solo.cache)
+    def _solo_state(self, solo: SoloSequence, request: Request) -> SoloState:
+        """The lone sequence as the placement rules see it (movable: its first token
+        is out and its cache is plain KV layers, which the batch can take)."""
+        return SoloState(
+            solo.request_id,
+            solo.num_pending,
+            movable=not solo.num_pending
+            and solo.decoding
+            and all(type(layer) is KVCache for layer in solo.cache),
+            would_draft=self.num_draft > 0 and speculates(request),
+        )
 
-    def _solo_to_side(self) -> None:
-        """A second request arrived: a solo sequence still prefilling finishes its
-        prompt on the side (keeping its snapshots); one decoding joins the batch."""
-        assert self._solo is not None and self._solo_request is not None
-        if self._solo.num_pending > 1:
+    def _move_solo(self) -> None:
+        """The solo sequence moves where the plan said (once; nothing planned: it stays)."""
+        move, self._solo_move = self._solo_move, None
+        if move is None or self._solo is None or self._solo_request is None:
+            return
+        if move is Placement.SIDE:
             self._side[self._solo.request_id] = (self._solo, self._solo_request)
             self._solo = self._solo_request = None
         else:
@@ -399,16 +445,17 @@ class BatchRunner:
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run one planned step: drop the requests leaving (their blocks go to the
-        prefix cache), start the admitted ones from their cache hits and shared
-        openings, cap the prefill chunks as the memory gate said, and run the
-        forward (``step``)."""
+        prefix cache), start the admitted ones where the plan placed them (from
+        their cache hits and shared openings), move the solo sequence if it says
+        so, cap the prefill chunks as the memory gate said, and run the forward."""
         self.remove(plan.leaving)
-        hits = self.add(plan.admitted, plan.openings)
+        self._solo_move = plan.placements.solo_move
+        hits = self._start(plan.admitted, plan.openings, plan.placements)
         cached = {r.request_id: hits.get(r.request_id, 0) for r in plan.admitted}
         self.cap_prefill(plan.prefill_cap)
         if not plan.speculate:
             self.hold_drafts()
-        return RunnerOutput(tuple(self.step()), cached)
+        return RunnerOutput(tuple(self._step()), cached)
 
     def remove(self, request_ids: Iterable[str]) -> None:
         """Take requests out (finished or aborted); their blocks go to the prefix cache."""
@@ -457,12 +504,17 @@ class BatchRunner:
         return solo + [seq for seq, _ in self._side.values()]
 
     def step(self) -> list[TokenOutput]:
+        """One step outside a plan: the solo sequence moves as the placement rules
+        say for the runner as it is (``execute`` takes the plan's move)."""
+        self._solo_move = place((), self.layout()).solo_move
+        return self._step()
+
+    def _step(self) -> list[TokenOutput]:
         """One step: the solo sequence's, or a prefill chunk of the new prompts
         and one decode step of every sequence past its prompt (those whose
         prompt just ended included: their first token leaves in this step)."""
         self._stores.run()
-        if self._solo_decodes_faster_batched():
-            self._solo_to_batch()
+        self._move_solo()
         outputs, self._unreported = self._unreported, []
         if self._solo is not None and not self._solo.held:
             token = self._solo.step()
@@ -519,7 +571,7 @@ class BatchRunner:
         self._decode = DecodeBatch(self._model, self.strategy, self._batch_step)
         self._decode.num_draft, self._decode.spec_stats = old.num_draft, old.spec_stats
         self._decode.draft = self._proposer()
-        self._solo = self._solo_request = None
+        self._solo = self._solo_request = self._solo_move = None
         self._side.clear()
         self._unreported.clear()
         self._forks.clear()

@@ -3,8 +3,8 @@
 A lone request prefills here on a plain prompt cache: its prompt's last chunk
 samples the first token in the same forward, so the time to first token has no
 separate decode step. It then decodes in the batch (batch.py) when the model has
-a proven compiled batch step, which is faster even for one row (runner.py,
-``_solo_decodes_faster_batched``). Otherwise it decodes here, pipelined like
+a proven compiled batch step, which is faster even for one row (the plan moves
+it: scheduler/placement.py). Otherwise it decodes here, pipelined like
 mlx-lm's ``generate_step`` (the next token computes while the current one is
 handed out), its steps compiled when the model qualifies (compiled.py), and
 moves into the batch with its cache as soon as a second request arrives.

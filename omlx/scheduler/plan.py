@@ -1,10 +1,11 @@
 """One step's contract, as vLLM v1 and nano-vllm have it. Pure: no MLX.
 
-``Scheduler.schedule(memory, chunks, speculation) -> SchedulerOutput``: which
-requests start, which leave (preempted back to the queue, or ended by the memory
-gate), their cached tokens from the pure prefix index, the shared openings they
-prefill once, the cap on the step's prefill chunks, and whether the decoding rows
-verify drafts.
+``Scheduler.schedule(memory, chunks, speculation, layout=) -> SchedulerOutput``:
+which requests start, which leave (preempted back to the queue, or ended by the
+memory gate), their cached tokens from the pure prefix index, where each request
+runs (solo, batch row, side, image side, fork: placement.py) and whether the solo
+sequence moves, the shared openings they prefill once, each prefill chunk as the
+gate passed it and the cap on them, and whether the decoding rows verify drafts.
 ``Runner.execute(plan) -> RunnerOutput``: the forward. The scheduler's
 ``update_from_output`` then decides what each produced token means.
 """
@@ -17,6 +18,7 @@ from typing import Protocol
 
 from omlx.memory.throttle import PrefillShape
 from omlx.scheduler.openings import SharedOpening
+from omlx.scheduler.placement import Placements
 from omlx.scheduler.request import Request, TokenOutput
 
 
@@ -44,6 +46,9 @@ class SchedulerOutput:
     preempted: tuple[str, ...] = ()
     # Requests the memory gate ended (a lone request whose chunk can never fit now).
     ended: tuple[str, ...] = ()
+    # Requests that finished since the last plan (by token or stop string, aborted,
+    # failed): the runner still holds them.
+    finished: tuple[str, ...] = ()
     # The most tokens any prefill chunk runs (None: as planned; 0: prefill waits).
     prefill_cap: int | None = None
     # Shared openings among the admitted requests (each prefilled once), gated.
@@ -51,11 +56,19 @@ class SchedulerOutput:
     # Whether decoding rows may verify drafts this step (the memory gate's answer on
     # the verification width; False: plain decode).
     speculate: bool = True
+    # Where every running and starting request runs, and the solo sequence's move.
+    placements: Placements = field(default_factory=Placements)
+    # The step's prefill chunks as the memory gate passed them (capped; held: none).
+    # An admitted request's first chunk counts the prefix index's cached tokens.
+    chunks: tuple[PrefillChunk, ...] = ()
+    # The positions each drafting row verifies, as gated (empty: plain decode).
+    drafts: tuple[PrefillChunk, ...] = ()
 
     @property
     def leaving(self) -> tuple[str, ...]:
-        """Requests the runner drops before the step."""
-        return self.preempted + self.ended
+        """Requests the runner drops before the step (their blocks go to the prefix
+        cache at the start of its forward)."""
+        return self.finished + self.preempted + self.ended
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,14 +82,17 @@ class RunnerOutput:
 
 class MemoryView(Protocol):
     """What the scheduler asks about memory while it plans a step (the engine's
-    StepGate answers from fresh readings and the model's guard)."""
+    StepGate answers from fresh readings and the model's guard). The running load
+    comes with each question: the view holds no reference to the scheduler."""
 
     def kv_over_capacity(self, num_tokens_in_flight: int) -> bool: ...
-    def start_admission(self, chunks: Sequence[PrefillChunk]) -> None: ...
+    def start_admission(self, chunks: Sequence[PrefillChunk], num_running_tokens: int) -> None: ...
     def can_admit(self, request: Request, num_running: int) -> bool: ...
     def cached_tokens(self, request: Request) -> int: ...
     def sent_back(self, request: Request) -> None: ...
-    def shape_prefill(self, chunks: Sequence[PrefillChunk], num_running: int) -> PrefillShape: ...
+    def shape_prefill(
+        self, chunks: Sequence[PrefillChunk], num_running: int, num_running_tokens: int
+    ) -> PrefillShape: ...
     def settle(self, shape: PrefillShape, chunks: Sequence[PrefillChunk]) -> None: ...
-    def may_share(self, num_tokens: int, num_cached_tokens: int) -> bool: ...
-    def may_speculate(self, chunks: Sequence[PrefillChunk]) -> bool: ...
+    def may_share(self, num_tokens: int, num_cached_tokens: int, num_running: int) -> bool: ...
+    def may_speculate(self, chunks: Sequence[PrefillChunk], num_running: int) -> bool: ...

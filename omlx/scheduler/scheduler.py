@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from omlx.errors import QueueFullError
 from omlx.memory.throttle import PrefillShape
 from omlx.scheduler.openings import SharedOpening, plan_openings
+from omlx.scheduler.placement import RunnerLayout, place
 from omlx.scheduler.plan import MemoryView, PrefillChunk, SchedulerOutput
 from omlx.scheduler.request import Request, RequestStatus, RequestUpdate, TokenOutput
 
@@ -67,6 +68,9 @@ class Scheduler:
         self.preemptions: Counter[str] = Counter()
         self._waiting: OrderedDict[str, Request] = OrderedDict()
         self._running: dict[str, _Running] = {}
+        # Requests that left the running set since the last plan (finished, aborted,
+        # failed): the next plan drops them from the runner.
+        self._left: list[str] = []
 
     @property
     def num_waiting(self) -> int:
@@ -88,7 +92,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._left)
 
     def add(self, request: Request) -> None:
         """Queue a request; raises QueueFullError when the waiting queue is full."""
@@ -124,11 +128,13 @@ class Scheduler:
         chunks: Sequence[PrefillChunk] = (),
         speculation: Sequence[PrefillChunk] = (),
         *,
+        layout: RunnerLayout | None = None,
         now: float | None = None,
     ) -> SchedulerOutput:
         """Plan one step. ``chunks``: the prefill work the running requests have
         next (the runner's ``prefill_plan``); ``speculation``: the positions its
-        decoding rows would verify beyond one (drafts), gated like a chunk.
+        decoding rows would verify beyond one (drafts), gated like a chunk;
+        ``layout``: where the runner's requests run (default: an empty runner).
 
         While the running requests' KV (prompts plus output so far) is over the
         model's capacity, the newest is preempted. Waiting requests are admitted
@@ -137,31 +143,47 @@ class Scheduler:
         (theirs and the running ones'): capped, held, or, when a chunk does not
         fit even so, the newest running request gives way: a request admitted
         in this step goes back to the queue unstarted, an older one is preempted;
-        only a lone request whose chunk cannot fit is ended.
+        only a lone request whose chunk cannot fit is ended. The starting ones
+        are placed (placement.py) on the runner without the leaving ones (those
+        and the ones that finished since the last plan).
         """
+        finished = self.take_left()
         preempted = self._preempt_over_capacity(memory)
         running = [c for c in chunks if c.request_id in self._running]
-        admitted: list[Request] = []
-        if self._waiting and not preempted:  # short of KV this step: nothing starts
-            memory.start_admission(running)
-            admitted = self.admit(memory.can_admit, now=now)
+        # Short of KV this step (someone was preempted): nothing starts.
+        admitted = [] if preempted else self._admit_gated(memory, running, now)
         cached = {r.request_id: memory.cached_tokens(r) for r in admitted}
         planned = running + [c for r in admitted if (c := self._first_chunk(r, cached))]
-        shape = self._gate(memory, planned, admitted, preempted)
+        shape, planned = self._gate(memory, planned, admitted, preempted)
         for rid in shape.ended:
-            self.finish(rid, RequestStatus.FINISHED_ERROR)
+            del self._running[rid]  # in the plan's ``ended``, not left for the next
         started = tuple(r for r in admitted if r.request_id in self._running)
+        drafts = tuple(c for c in speculation if c.request_id in self._running)
+        speculate = memory.may_speculate(drafts, len(self._running))  # refused: plain decode
+        leaving = (*finished, *preempted, *shape.ended)
         return SchedulerOutput(
             admitted=started,
             cached={r.request_id: cached[r.request_id] for r in started},
             preempted=tuple(preempted),
             ended=shape.ended,
+            finished=finished,
             prefill_cap=shape.cap,
             openings=self._openings(memory, started, cached),
-            speculate=memory.may_speculate(
-                [c for c in speculation if c.request_id in self._running]
-            ),
+            speculate=speculate,
+            placements=place(started, (layout or RunnerLayout()).without(leaving)),
+            chunks=_passed(planned, shape),
+            drafts=drafts if speculate else (),
         )
+
+    def _admit_gated(
+        self, memory: MemoryView, running: list[PrefillChunk], now: float | None
+    ) -> list[Request]:
+        """Waiting requests admitted through the memory view (what the running ones'
+        chunks will still allocate counted)."""
+        if not self._waiting:
+            return []
+        memory.start_admission(running, self.num_running_tokens)
+        return self.admit(memory.can_admit, now=now)
 
     def _openings(
         self, memory: MemoryView, started: Sequence[Request], cached: dict[str, int]
@@ -173,7 +195,8 @@ class Scheduler:
             return ()
         text = [r for r in started if not r.images]
         planned = plan_openings(text, cached, self.prefill_step_size)
-        return tuple(o for o in planned if memory.may_share(o.num_tokens, o.start))
+        num_running = len(self._running)
+        return tuple(o for o in planned if memory.may_share(o.num_tokens, o.start, num_running))
 
     def _preempt_over_capacity(self, memory: MemoryView) -> list[str]:
         """Preempt the newest while the running requests' KV passes the capacity
@@ -193,18 +216,18 @@ class Scheduler:
         planned: list[PrefillChunk],
         admitted: list[Request],
         preempted: list[str],
-    ) -> PrefillShape:
+    ) -> tuple[PrefillShape, list[PrefillChunk]]:
         """The memory gate's shape for the step's chunks, the newest giving way
-        while a chunk does not fit and another request runs."""
-        shape = memory.shape_prefill(planned, len(self._running))
+        while a chunk does not fit and another request runs; and the chunks left."""
+        shape = memory.shape_prefill(planned, len(self._running), self.num_running_tokens)
         while shape.ended and len(self._running) > 1:
             victim = self._give_way(memory, admitted, preempted)
             if victim is None:
                 break
             planned = [c for c in planned if c.request_id != victim]
-            shape = memory.shape_prefill(planned, len(self._running))
+            shape = memory.shape_prefill(planned, len(self._running), self.num_running_tokens)
         memory.settle(shape, planned)
-        return shape
+        return shape, planned
 
     def _first_chunk(self, request: Request, cached: dict[str, int]) -> PrefillChunk | None:
         """An admitted request's first prefill chunk, as the runner will plan it
@@ -278,8 +301,9 @@ class Scheduler:
 
         Stop token ids finish with "stop" and are not visible; reaching
         ``max_tokens`` finishes with "length". Finished requests leave the
-        running set. Outputs for requests no longer running are ignored (a
-        runner may still produce one token for a request aborted this step).
+        running set, and the runner through the next plan. Outputs for requests
+        no longer running are ignored (a runner may still produce one token for a
+        request aborted this step).
         """
         updates = []
         for out in outputs:
@@ -298,6 +322,7 @@ class Scheduler:
                 status = RequestStatus.RUNNING
             if status.is_finished:
                 del self._running[out.request_id]
+                self._left.append(out.request_id)
             updates.append(
                 RequestUpdate(
                     out.request_id,
@@ -314,14 +339,22 @@ class Scheduler:
         """End a request early (stop string, abort, error).
 
         Returns where it was (WAITING or RUNNING), or None if it is unknown or
-        already finished, so the caller knows whether the runner holds it.
+        already finished. A running one leaves the runner through the next plan.
         """
         assert status.is_finished, status
         if self._waiting.pop(request_id, None) is not None:
             return RequestStatus.WAITING
         if self._running.pop(request_id, None) is not None:
+            self._left.append(request_id)
             return RequestStatus.RUNNING
         return None
+
+    def take_left(self) -> tuple[str, ...]:
+        """The requests that left the running set since the last plan (the runner
+        still holds them), now dropped from this list: the next plan's ``finished``,
+        or the engine's between steps when the runner must be settled now."""
+        left, self._left = tuple(self._left), []
+        return left
 
     def running_ids(self) -> list[str]:
         return list(self._running)
@@ -349,3 +382,13 @@ class Scheduler:
         self._waiting[request_id] = resumed
         self._waiting.move_to_end(request_id, last=False)
         return resumed
+
+
+def _passed(planned: Sequence[PrefillChunk], shape: PrefillShape) -> tuple[PrefillChunk, ...]:
+    """The chunks the step runs, as the gate passed them: capped, none when held."""
+    if shape.held:
+        return ()
+    kept = [c for c in planned if c.request_id not in shape.ended]
+    if shape.cap is None:
+        return tuple(kept)
+    return tuple(dataclasses.replace(c, num_tokens=min(c.num_tokens, shape.cap)) for c in kept)

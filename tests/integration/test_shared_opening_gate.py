@@ -160,7 +160,7 @@ def test_the_plan_asks_before_each_shared_forward_and_falls_back_when_refused(
     }
     asked: list[tuple[int, int]] = []
 
-    def refuse(num_tokens: int, num_cached: int) -> bool:
+    def refuse(num_tokens: int, num_cached: int, num_running: int) -> bool:
         asked.append((num_tokens, num_cached))
         return False
 

@@ -29,10 +29,15 @@ def make_request(rid: str, max_tokens: int = 4, stop_token_ids: Iterable[int] = 
 
 
 def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 200) -> list[Step]:
+    """The steps until every request finished. The engine's next step, whose plan
+    only drops the last finished ones from the runner, runs too (no token, no
+    update) and is not returned."""
     steps: list[Step] = []
-    while scheduler.has_work:
+    while scheduler.num_waiting or scheduler.num_running:
         assert len(steps) < max_steps, "scheduler never drained"
         steps.append(engine_step(scheduler, runner))
+    assert engine_step(scheduler, runner) == ([], [], [])
+    assert not scheduler.has_work and not runner.has_work
     return steps
 
 

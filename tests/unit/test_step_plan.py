@@ -128,7 +128,7 @@ def test_a_refused_opening_is_not_planned_and_nobody_is_ended() -> None:
     _burst(scheduler, 40, 10, 12)
     # Each request's own chunk (at most 64 tokens) fits; the 40-token opening does not.
     view = BudgetView(budget=10**6)
-    view.may_share = lambda num_tokens, num_cached: False  # type: ignore[method-assign]
+    view.may_share = lambda num_tokens, num_cached, num_running: False  # type: ignore[method-assign]
     plan = scheduler.schedule(view)
     assert plan.openings == () and len(plan.admitted) == 2 and plan.ended == ()
 
@@ -140,3 +140,23 @@ def test_no_openings_for_a_runner_that_cannot_share_or_prompts_that_differ() -> 
     sharing = Scheduler(max_running=4, max_waiting=8, prefill_step_size=64, share_openings=True)
     _burst(sharing, 0, 50, 50)  # nothing in common
     assert sharing.schedule(BudgetView(budget=10**6)).openings == ()
+
+
+def test_requests_that_left_reach_the_runner_through_the_next_plan_once() -> None:
+    """Finished by token, ended by a stop string or an abort while running: the next
+    plan's ``finished`` names each once (the runner drops them before its forward);
+    a request aborted while still queued never reached the runner."""
+    scheduler = Scheduler(max_running=3, max_waiting=8, prefill_step_size=64)
+    one = Request("a", tuple(range(3, 13)), SamplingParams(max_tokens=1), arrival_s=1.0)
+    scheduler.add(one)
+    for rid, t in (("b", 2.0), ("c", 3.0), ("queued", 4.0)):
+        scheduler.add(_request(rid, 10, t))
+    scheduler.schedule(BudgetView(budget=10**6))
+    updates = scheduler.update_from_output([TokenOutput("a", 7), TokenOutput("b", 8)])
+    assert [u.status for u in updates] == [RequestStatus.FINISHED_LENGTH, RequestStatus.RUNNING]
+    assert scheduler.finish("b", RequestStatus.FINISHED_STOPPED) is RequestStatus.RUNNING
+    assert scheduler.finish("queued", RequestStatus.FINISHED_ABORTED) is RequestStatus.WAITING
+    plan = scheduler.schedule(BudgetView(budget=10**6))
+    assert plan.finished == ("a", "b") and set(plan.leaving) == {"a", "b"}
+    assert scheduler.running_ids() == ["c"]
+    assert scheduler.schedule(BudgetView(budget=10**6)).finished == ()
