@@ -27,7 +27,7 @@ class PoolMemory:
         memory = settings.memory
         ram = total_ram_bytes()
         self._worker = worker
-        self.device_cap = _read_device_cap(worker)
+        self.device_cap = _read_device_cap()
         self.limits = memory_limits(memory, ram, self.device_cap)
         self.model_budget_bytes = _model_budget(memory.max_model_memory, self.limits.hard_bytes)
         # MLX's counters are sampled on the MLX thread after every turn and
@@ -66,14 +66,15 @@ class PoolMemory:
             self._worker.post(mlx_stats.apply_limits, self.limits)
 
 
-def _read_device_cap(worker: MLXWorker) -> DeviceCap:
-    """The GPU's cap, read on the MLX thread (no cap when MLX cannot answer in time)."""
+def _read_device_cap() -> DeviceCap:
+    """The GPU's cap, read once as the pool is built. On this thread, not the worker's:
+    the worker may not run yet (the server starts it later), and a device query
+    allocates nothing, before any request exists."""
     try:
-        cap: DeviceCap = worker.submit(mlx_stats.device_cap).result(timeout=30)
+        return mlx_stats.device_cap()
     except Exception as exc:  # a broken device query must not stop the server
         log.warning("memguard: could not read the GPU's memory cap (%s); none applied", exc)
         return DeviceCap()
-    return cap
 
 
 def _cap_words(cap: DeviceCap) -> str:

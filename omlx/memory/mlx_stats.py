@@ -1,7 +1,8 @@
 """MLX's own memory counters and limits: the only module that calls them.
 
 Every call here belongs on the MLX worker thread (seed 003: no MLX call on the
-HTTP path); the probe samples on that thread and publishes the numbers.
+HTTP path); the probe samples on that thread and publishes the numbers. The one
+exception is ``device_cap``: a device query, read once as the pool is built.
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ def device_cap(
     device_info: Callable[[], Mapping[str, Any]] | None = None,
     wired_limit: Callable[[], int | None] = wired_limit_bytes,
 ) -> DeviceCap:
-    """MLX thread: Metal's recommended working set (from MLX's device info) and the
-    macOS wired limit; neither exists on the CPU backend. ``device_info`` and
-    ``wired_limit`` stand in for MLX and the OS in tests."""
+    """Metal's recommended working set (from MLX's device info) and the macOS wired
+    limit, read at start (a query: no allocation, no request yet); neither exists on
+    the CPU backend. ``device_info`` and ``wired_limit`` stand in for MLX and the OS in
+    tests."""
     if device_info is None:
         import mlx.core as mx
 

@@ -60,3 +60,25 @@ def test_wired_limit_is_read_in_megabytes_and_zero_means_unset() -> None:
 
     assert wired_limit_bytes(broken) is None
     assert wired_limit_bytes() is None  # not a Mac
+
+
+def test_the_pool_reads_the_cap_without_waiting_for_the_worker(tmp_path) -> None:
+    """The server builds its pool before it starts the MLX worker: reading the cap must
+    not wait on that worker (it waited 30 s for it, at every start)."""
+    import threading
+
+    from omlx.engine.pool import EnginePool
+    from omlx.engine.worker import MLXWorker
+    from omlx.settings import Settings
+
+    (tmp_path / "models").mkdir()
+    settings = Settings(
+        base_path=tmp_path / "base",
+        models={"model_dirs": [str(tmp_path / "models")]},
+        cache={"enabled": False},
+    )
+    built: list[EnginePool] = []
+    thread = threading.Thread(target=lambda: built.append(EnginePool(settings, MLXWorker())))
+    thread.start()
+    thread.join(10)  # a hang detector: building takes well under a second
+    assert built and built[0].memory.device_cap.cap_bytes is None
