@@ -40,6 +40,14 @@ def minilm_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def profiles_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Auto-profiles shared by the session's servers (``live_server(profiles=...)``):
+    each model is measured once per settings, as a restart reuses it, instead of at
+    every test server's start. Tests of the measurement itself keep a fresh base."""
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="session")
 def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model dir with random tiny llama and qwen3 models, and a slower llama."""
     root = tmp_path_factory.mktemp("tiny-models")

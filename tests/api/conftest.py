@@ -11,11 +11,14 @@ from tests.fixtures.servers import live_server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(
+    tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator[Server]:
     with live_server(
         tmp_path_factory.mktemp("base"),
         tiny_models_dir,
         scheduler={"max_concurrent_requests": 16, "prefill_step_size": 64},
+        profiles=profiles_dir,
     ) as srv:
         yield srv
 

@@ -20,12 +20,15 @@ KEY = "sk-test-0123456789"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(
+    tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator[Server]:
     with live_server(
         tmp_path_factory.mktemp("admin-base"),
         tiny_models_dir,
         server={"api_key": KEY},
         cache={"enabled": False},
+        profiles=profiles_dir,
     ) as srv:
         yield srv
 
@@ -215,12 +218,14 @@ def test_cache_and_memory_endpoints(http: httpx.Client) -> None:
 
 
 def test_ten_wrong_logins_then_even_the_right_key_gets_429(
-    tiny_models_dir: Path, tmp_path: Path
+    tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path
 ) -> None:
     """Guessing the key through the login form is limited per client (its own server:
     the lock-out would otherwise leak into the other tests' logins)."""
     with (
-        live_server(tmp_path, tiny_models_dir, server={"api_key": KEY}) as srv,
+        live_server(
+            tmp_path, tiny_models_dir, server={"api_key": KEY}, profiles=profiles_dir
+        ) as srv,
         httpx.Client(base_url=srv.base_url, headers={"X-Omlx-Client": "test"}) as browser,
     ):
         for n in range(10):

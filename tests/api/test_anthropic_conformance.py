@@ -24,7 +24,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:The model .* is deprecated:Depre
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(
+    tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator[Server]:
     with live_server(
         tmp_path_factory.mktemp("base"),
         tiny_models_dir,
@@ -34,6 +36,7 @@ def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             "default_model": DEFAULT,
             "anthropic_aliases": {"claude-*": None, "gone-*": "deleted-model"},
         },
+        profiles=profiles_dir,
     ) as srv:
         yield srv
 

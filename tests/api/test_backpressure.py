@@ -16,11 +16,14 @@ SLOW = "slow-llama"
 CHAT = [{"role": "user", "content": "hello"}]
 
 
-def test_a_full_queue_answers_503_with_retry_after(tiny_models_dir: Path, tmp_path: Path) -> None:
+def test_a_full_queue_answers_503_with_retry_after(
+    tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path
+) -> None:
     with live_server(
         tmp_path,
         tiny_models_dir,
         scheduler={"max_concurrent_requests": 1, "max_queued_requests": 1},
+        profiles=profiles_dir,
     ) as server:
         url = server.base_url + "/v1/chat/completions"
         body = {"model": SLOW, "messages": CHAT, "max_tokens": 4000, "stream": True}
@@ -43,13 +46,14 @@ def test_a_full_queue_answers_503_with_retry_after(tiny_models_dir: Path, tmp_pa
 
 
 def test_long_prefill_streams_keepalive_comments_before_the_first_token(
-    tiny_models_dir: Path, tmp_path: Path
+    tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path
 ) -> None:
     with live_server(
         tmp_path,
         tiny_models_dir,
         server={"sse_keepalive_s": 0.05},
         scheduler={"prefill_step_size": 16},
+        profiles=profiles_dir,
     ) as server:
         long_prompt = [{"role": "user", "content": "the cache keeps blocks " * 150}]
         body = {"model": MODEL, "messages": long_prompt, "max_tokens": 3, "stream": True}

@@ -24,11 +24,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def client(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+def client(
+    smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator:
     with live_server(
         tmp_path_factory.mktemp("base"),
         smollm2_path.parent,
         scheduler={"max_concurrent_requests": 4},
+        profiles=profiles_dir,
     ) as server:
         yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
 

@@ -41,9 +41,13 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(
+    models_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator[Server]:
     base = tmp_path_factory.mktemp("crafted-base")
-    with live_server(base, models_dir, server={"api_key": KEY}, cache={"enabled": False}) as srv:
+    with live_server(
+        base, models_dir, server={"api_key": KEY}, cache={"enabled": False}, profiles=profiles_dir
+    ) as srv:
         yield srv
 
 

@@ -43,11 +43,13 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server_url(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server_url(
+    models_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator[str]:
     base = tmp_path_factory.mktemp("base")
     settings = ModelSettingsStore(base / "model_settings.json")
     settings.put("tiny-qwen3-judge", {"model_type": "rerank"})
-    with live_server(base, models_dir) as server:
+    with live_server(base, models_dir, profiles=profiles_dir) as server:
         yield server.base_url
 
 

@@ -21,11 +21,14 @@ CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(
+    tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator[Server]:
     with live_server(
         tmp_path_factory.mktemp("metrics"),
         tiny_models_dir,
         cache={"block_size": 16},
+        profiles=profiles_dir,
     ) as srv:
         yield srv
 
@@ -221,9 +224,11 @@ def _hold_stream(url: str, started: threading.Event, stop: threading.Event) -> N
 
 
 def test_queue_depth_and_in_flight_while_one_request_waits(
-    tiny_models_dir: Path, tmp_path: Path
+    tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path
 ) -> None:
-    with live_server(tmp_path, tiny_models_dir, scheduler={"max_concurrent_requests": 1}) as srv:
+    with live_server(
+        tmp_path, tiny_models_dir, scheduler={"max_concurrent_requests": 1}, profiles=profiles_dir
+    ) as srv:
         stop = threading.Event()
         first, second = threading.Event(), threading.Event()
         threads = [
@@ -254,9 +259,11 @@ def test_queue_depth_and_in_flight_while_one_request_waits(
 
 
 def test_metrics_and_stats_need_the_key_when_one_is_set(
-    tiny_models_dir: Path, tmp_path: Path
+    tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path
 ) -> None:
-    with live_server(tmp_path, tiny_models_dir, server={"api_key": "s3cret"}) as srv:
+    with live_server(
+        tmp_path, tiny_models_dir, server={"api_key": "s3cret"}, profiles=profiles_dir
+    ) as srv:
         for path in ("/metrics", "/admin/api/stats"):
             assert httpx.get(srv.base_url + path).status_code == 401
             wrong = httpx.get(srv.base_url + path, headers={"Authorization": "Bearer nope"})
@@ -267,12 +274,12 @@ def test_metrics_and_stats_need_the_key_when_one_is_set(
 
 
 def test_ssd_tier_saves_persisted_and_drops_are_exported(
-    tiny_models_dir: Path, tmp_path: Path
+    tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path
 ) -> None:
     """A write-through SSD tier writes every block: /metrics shows the saves, the
     ones on disk and the drops, as the store counts them."""
     cache = {"block_size": 16, "hot_cache_mode": "write-through"}
-    with live_server(tmp_path, tiny_models_dir, cache=cache) as srv:
+    with live_server(tmp_path, tiny_models_dir, cache=cache, profiles=profiles_dir) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
         chat(client, "Write these words to the disk tier, block after block. " * 4)
         store = srv.pool.engine(MODEL).prefix_cache

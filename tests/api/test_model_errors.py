@@ -12,7 +12,7 @@ from tests.fixtures.servers import live_server
 
 
 def test_unloadable_model_reports_why_and_others_still_work(
-    tiny_models_dir: Path, tmp_path: Path
+    tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path
 ) -> None:
     models = tmp_path / "models"
     shutil.copytree(tiny_models_dir / "tiny-llama", models / "tiny-llama")
@@ -21,7 +21,7 @@ def test_unloadable_model_reports_why_and_others_still_work(
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "model_type": "no-such-arch"}))
 
-    with live_server(tmp_path / "base", models) as server:
+    with live_server(tmp_path / "base", models, profiles=profiles_dir) as server:
         url = server.base_url + "/v1/chat/completions"
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         for _ in range(2):  # a failed load leaves nothing half-loaded behind

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -33,14 +34,16 @@ SETTINGS = f"/admin/api/models/{MODEL}/settings"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path) -> Iterator[Server]:
     models = tmp_path_factory.mktemp("models")
     folder = build_tiny_model(models / MODEL, "llama", seed=3)
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = QUIET + CHATML
     config_path.write_text(json.dumps(config))
-    with live_server(tmp_path_factory.mktemp("base"), models, cache={"enabled": False}) as srv:
+    with live_server(
+        tmp_path_factory.mktemp("base"), models, cache={"enabled": False}, profiles=profiles_dir
+    ) as srv:
         yield srv
 
 

@@ -50,7 +50,9 @@ TOOL = {
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(
+    tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("ollama-models")
     for name in ("tiny-llama", "tiny-qwen3", "slow-llama"):
         (root / name).symlink_to(tiny_models_dir / name, target_is_directory=True)
@@ -60,7 +62,10 @@ def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     config["chat_template"] = TOOL_THINK_TEMPLATE
     (thinker / "tokenizer_config.json").write_text(json.dumps(config))
     with live_server(
-        tmp_path_factory.mktemp("ollama-base"), root, scheduler={"prefill_step_size": 64}
+        tmp_path_factory.mktemp("ollama-base"),
+        root,
+        scheduler={"prefill_step_size": 64},
+        profiles=profiles_dir,
     ) as srv:
         yield srv
 
@@ -345,10 +350,12 @@ def test_wrong_types_and_unsupported_routes(server: Server) -> None:
     assert delete.status_code == 501 and "omlx models rm" in delete.json()["error"]
 
 
-def test_api_key_and_cors_as_on_v1(tiny_models_dir: Path, tmp_path: Path) -> None:
+def test_api_key_and_cors_as_on_v1(
+    tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path
+) -> None:
     site = "http://app.example:3000"
     settings = {"api_key": "sekret-key", "cors_origins": [site]}
-    with live_server(tmp_path, tiny_models_dir, server=settings) as srv:
+    with live_server(tmp_path, tiny_models_dir, server=settings, profiles=profiles_dir) as srv:
         with pytest.raises(ollama.ResponseError) as info:
             ollama.Client(host=srv.base_url).list()
         assert info.value.status_code == 401

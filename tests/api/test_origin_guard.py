@@ -25,12 +25,15 @@ CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], 
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(
+    tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator[Server]:
     with live_server(
         tmp_path_factory.mktemp("guard-base"),
         tiny_models_dir,
         server={"api_key": KEY, "allowed_hosts": [PROXY_NAME], "cors_origins": [LISTED_SITE]},
         cache={"enabled": False},
+        profiles=profiles_dir,
     ) as srv:
         yield srv
 
@@ -185,10 +188,13 @@ def test_a_listed_cors_origin_may_call_v1_only(http: httpx.Client) -> None:
 
 
 def test_a_wildcard_cors_origin_opens_v1_to_every_site_but_not_admin(
-    tiny_models_dir: Path, tmp_path: Path
+    tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path
 ) -> None:
     with live_server(
-        tmp_path, tiny_models_dir, server={"api_key": KEY, "cors_origins": ["*"]}
+        tmp_path,
+        tiny_models_dir,
+        server={"api_key": KEY, "cors_origins": ["*"]},
+        profiles=profiles_dir,
     ) as srv:
         site = {"Origin": "https://any.example", "Sec-Fetch-Site": "cross-site"}
         with httpx.Client(base_url=srv.base_url, timeout=60) as http:
@@ -296,9 +302,11 @@ def _an_interface_address() -> str | None:
 
 
 def test_bound_to_all_interfaces_the_machines_names_are_served(
-    tiny_models_dir: Path, tmp_path: Path
+    tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path
 ) -> None:
-    with live_server(tmp_path, tiny_models_dir, server={"host": "0.0.0.0", "api_key": KEY}) as srv:
+    with live_server(
+        tmp_path, tiny_models_dir, server={"host": "0.0.0.0", "api_key": KEY}, profiles=profiles_dir
+    ) as srv:
         url = f"http://127.0.0.1:{srv.settings.server.port}"
         port = srv.settings.server.port
         names = [socket.gethostname(), f"127.0.0.1:{port}", f"localhost:{port}"]

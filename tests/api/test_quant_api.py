@@ -43,8 +43,12 @@ def model_dir(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with live_server(tmp_path_factory.mktemp("quant-base"), model_dir) as srv:
+def server(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator[Server]:
+    with live_server(
+        tmp_path_factory.mktemp("quant-base"), model_dir, profiles=profiles_dir
+    ) as srv:
         yield srv
 
 
@@ -186,8 +190,10 @@ def test_cancel_removes_the_partial_folder(http: httpx.Client, model_dir: Path) 
     assert newest["id"] == task["id"] and newest["eta_s"] is None
 
 
-def test_quant_routes_need_the_key(model_dir: Path, tmp_path: Path) -> None:
-    with live_server(tmp_path, model_dir, server={"api_key": "sekrit"}) as srv:
+def test_quant_routes_need_the_key(model_dir: Path, tmp_path: Path, profiles_dir: Path) -> None:
+    with live_server(
+        tmp_path, model_dir, server={"api_key": "sekrit"}, profiles=profiles_dir
+    ) as srv:
         url = srv.base_url + QUANT + "/levels"
         assert httpx.get(url).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer sekrit"}).status_code == 200

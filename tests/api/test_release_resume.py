@@ -19,8 +19,12 @@ ASK = {"model": "slow-llama", "prompt": "Once upon a time", "max_tokens": 8, "te
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with live_server(tmp_path_factory.mktemp("release-base"), tiny_models_dir) as srv:
+def server(
+    tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator[Server]:
+    with live_server(
+        tmp_path_factory.mktemp("release-base"), tiny_models_dir, profiles=profiles_dir
+    ) as srv:
         yield srv
 
 

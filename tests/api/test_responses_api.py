@@ -48,7 +48,9 @@ def with_template(model: Path, template: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(
+    tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("responses-models")
     for name in (MODEL, SLOW):
         (root / name).symlink_to(tiny_models_dir / name, target_is_directory=True)
@@ -61,6 +63,7 @@ def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         root,
         cache={"block_size": BLOCK},
         generation={"max_context_window": WINDOW},
+        profiles=profiles_dir,
     ) as srv:
         yield srv
 
@@ -417,10 +420,13 @@ def test_tool_types_nobody_runs_are_400_naming_the_type(client: openai.OpenAI) -
 
 
 def test_auth_applies_like_the_openai_routes(
-    tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
 ) -> None:
     with live_server(
-        tmp_path_factory.mktemp("responses-auth"), tiny_models_dir, server={"api_key": "s3cret"}
+        tmp_path_factory.mktemp("responses-auth"),
+        tiny_models_dir,
+        server={"api_key": "s3cret"},
+        profiles=profiles_dir,
     ) as srv:
         url = srv.base_url + "/v1"
         with pytest.raises(openai.AuthenticationError):
@@ -446,17 +452,19 @@ def test_disconnect_mid_stream_aborts_the_request(client: openai.OpenAI, server:
     assert create(client, max_output_tokens=2).status == "incomplete"  # still serving
 
 
-def test_stored_responses_survive_a_restart(tiny_models_dir: Path, tmp_path: Path) -> None:
+def test_stored_responses_survive_a_restart(
+    tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path
+) -> None:
     base = tmp_path / "base"
 
     def client_of(srv: Server) -> openai.OpenAI:
         return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
 
-    with live_server(base, tiny_models_dir) as srv:
+    with live_server(base, tiny_models_dir, profiles=profiles_dir) as srv:
         kept = create(client_of(srv), max_output_tokens=4)
         gone = create(client_of(srv), store=False, max_output_tokens=4)
     assert (base / "responses.db").is_file()
-    with live_server(base, tiny_models_dir) as srv:
+    with live_server(base, tiny_models_dir, profiles=profiles_dir) as srv:
         client = client_of(srv)
         assert client.responses.retrieve(kept.id).model_dump() == kept.model_dump()
         with pytest.raises(openai.NotFoundError):
@@ -467,8 +475,12 @@ def test_stored_responses_survive_a_restart(tiny_models_dir: Path, tmp_path: Pat
         assert texts == ["Tell me about Paris.", kept.output_text, "More?"]
 
 
-def test_the_store_keeps_the_newest_responses(tiny_models_dir: Path, tmp_path: Path) -> None:
-    with live_server(tmp_path, tiny_models_dir, server={"responses_store_max_count": 2}) as srv:
+def test_the_store_keeps_the_newest_responses(
+    tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path
+) -> None:
+    with live_server(
+        tmp_path, tiny_models_dir, server={"responses_store_max_count": 2}, profiles=profiles_dir
+    ) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
         ids = [create(client, max_output_tokens=1).id for _ in range(3)]
         with pytest.raises(openai.NotFoundError):

@@ -51,8 +51,12 @@ def no_tracing() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with live_server(tmp_path_factory.mktemp("responses-tools"), tiny_models_dir) as srv:
+def server(
+    tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator[Server]:
+    with live_server(
+        tmp_path_factory.mktemp("responses-tools"), tiny_models_dir, profiles=profiles_dir
+    ) as srv:
         yield srv
 
 

@@ -28,8 +28,12 @@ PROMPT = list(range(3, 40)) * 3
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with live_server(tmp_path_factory.mktemp("spec"), tiny_models_dir) as srv:
+def server(
+    tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator[Server]:
+    with live_server(
+        tmp_path_factory.mktemp("spec"), tiny_models_dir, profiles=profiles_dir
+    ) as srv:
         yield srv
 
 

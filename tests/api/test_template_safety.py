@@ -44,9 +44,13 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(
+    models_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator[Server]:
     base = tmp_path_factory.mktemp("base")
-    with live_server(base, models_dir, server={"template_timeout_s": TIMEOUT_S}) as srv:
+    with live_server(
+        base, models_dir, server={"template_timeout_s": TIMEOUT_S}, profiles=profiles_dir
+    ) as srv:
         yield srv
 
 

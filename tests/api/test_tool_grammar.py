@@ -124,7 +124,10 @@ ADD_TOOL = function("add", ADD, "Add two integers", strict=False)
 
 @pytest.fixture(scope="module")
 def server(
-    smollm2_path: Path, tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    smollm2_path: Path,
+    tiny_models_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    profiles_dir: Path,
 ) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("tool-grammar-models")
     (root / MODEL).symlink_to(smollm2_path, target_is_directory=True)
@@ -135,7 +138,10 @@ def server(
     config["tool_parser_type"] = "qwen3_coder"
     config_path.write_text(json.dumps(config))
     with live_server(
-        tmp_path_factory.mktemp("tool-grammar-base"), root, scheduler={"max_concurrent_requests": 8}
+        tmp_path_factory.mktemp("tool-grammar-base"),
+        root,
+        scheduler={"max_concurrent_requests": 8},
+        profiles=profiles_dir,
     ) as srv:
         yield srv
 

@@ -45,7 +45,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def client(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+def client(
+    tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
+) -> Iterator:
     root = tmp_path_factory.mktemp("tool-models")
     model = root / "tool-qwen3"
     shutil.copytree(tiny_models_dir / "tiny-qwen3", model)
@@ -53,7 +55,7 @@ def client(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     config = json.loads(config_path.read_text())
     config["chat_template"] = TOOL_TEMPLATE
     config_path.write_text(json.dumps(config))
-    with live_server(tmp_path_factory.mktemp("tool-base"), root) as srv:
+    with live_server(tmp_path_factory.mktemp("tool-base"), root, profiles=profiles_dir) as srv:
         srv: Server
         yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
 

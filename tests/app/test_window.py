@@ -42,10 +42,10 @@ def _windows_named(display: str, name: str) -> list[str]:
 
 
 def test_admin_window_renders_the_admin_page_and_reopen_focuses(
-    display, tmp_path: Path, tiny_models_dir: Path, monkeypatch
+    display, tmp_path: Path, tiny_models_dir: Path, monkeypatch, profiles_dir: Path
 ):
     monkeypatch.setenv("DISPLAY", display)
-    with live_server(tmp_path / "base", tiny_models_dir) as server:
+    with live_server(tmp_path / "base", tiny_models_dir, profiles=profiles_dir) as server:
         window = AdminWindow(tmp_path / "base")
         try:
             assert window.open(server.base_url + ADMIN_PATH) is True

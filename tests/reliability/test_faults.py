@@ -99,10 +99,12 @@ async def _storm(url: str, num: int, concurrency: int) -> list[str]:
 
 
 def test_clients_leaving_mid_request_abort_it_and_free_everything(
-    tiny_models_dir: Path, tmp_path: Path, profile: Profile
+    tiny_models_dir: Path, tmp_path: Path, profile: Profile, profiles_dir: Path
 ) -> None:
     greedy = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
-    with live_server(tmp_path, tiny_models_dir, scheduler={"max_concurrent_requests": 16}) as srv:
+    with live_server(
+        tmp_path, tiny_models_dir, scheduler={"max_concurrent_requests": 16}, profiles=profiles_dir
+    ) as srv:
         url = srv.base_url
         before = httpx.post(url + "/v1/completions", json=greedy, timeout=120).json()
         wait_idle(url)

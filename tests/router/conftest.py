@@ -57,17 +57,34 @@ def shared_dir(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="package")
 def fleet(
-    shared_dir: Path, tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    shared_dir: Path,
+    tiny_models_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    profiles_dir: Path,
 ) -> Iterator[Fleet]:
     c_dir = model_dir(
         tmp_path_factory.mktemp("c-models"), tiny_models_dir, (*SHARED_MODELS, "tiny-qwen3")
     )
     cache = {"block_size": 16}
     with ExitStack() as stack:
-        a = stack.enter_context(live_server(tmp_path_factory.mktemp("a"), shared_dir, cache=cache))
-        b = stack.enter_context(live_server(tmp_path_factory.mktemp("b"), shared_dir, cache=cache))
+        a = stack.enter_context(
+            live_server(
+                tmp_path_factory.mktemp("a"), shared_dir, cache=cache, profiles=profiles_dir
+            )
+        )
+        b = stack.enter_context(
+            live_server(
+                tmp_path_factory.mktemp("b"), shared_dir, cache=cache, profiles=profiles_dir
+            )
+        )
         c = stack.enter_context(
-            live_server(tmp_path_factory.mktemp("c"), c_dir, cache=cache, server={"api_key": C_KEY})
+            live_server(
+                tmp_path_factory.mktemp("c"),
+                c_dir,
+                cache=cache,
+                server={"api_key": C_KEY},
+                profiles=profiles_dir,
+            )
         )
         specs = [BackendSpec(a.base_url), BackendSpec(b.base_url), BackendSpec(c.base_url, C_KEY)]
         router = start_router(specs, api_key=ROUTER_KEY)
