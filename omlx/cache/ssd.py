@@ -277,6 +277,9 @@ class SSDStore:
         self.flush(timeout_s)
         for path in _own_files(self.cache_dir):
             path.unlink(missing_ok=True)
+        with self._lock:
+            # The disk has the freed room now: the next save reads it, not a full disk.
+            self._free_bytes_snapshot = None
 
     def close(self, timeout_s: float = 5.0) -> bool:
         """Stop accepting puts, write what is queued within ``timeout_s``, stop the writer.

@@ -397,3 +397,19 @@ def test_a_fixed_size_shrinks_to_what_the_disk_has_until_space_returns(
         assert any("disk space returned" in r.message for r in caplog.records)
     finally:
         store.close()
+
+
+def test_clearing_a_full_disks_cache_gives_the_budget_back_at_once(tmp_path: Path) -> None:
+    """The disk filled up (free space read as 0), then the cache was cleared: the next
+    save must see the room the clear made, not the stale full-disk reading."""
+    free = {"bytes": 0}
+    store = open_store(tmp_path, max_size_bytes=1 << 30, free_bytes_fn=lambda _: free["bytes"])
+    try:
+        assert store.put(make_payload(0)) and store.flush()  # budget: what it holds
+        assert not store.contains(make_payload(0).key)  # nothing held, nothing free
+        free["bytes"] = 1 << 30  # the clear frees the disk (here: says so)
+        store.clear()
+        assert store.put(make_payload(1)) and store.flush()
+        assert store.contains(make_payload(1).key)
+    finally:
+        store.close()
