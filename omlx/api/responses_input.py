@@ -1,8 +1,8 @@
 """Responses API request parts in the shapes the chat pipeline takes: input items
 to chat messages, function and namespace tools to Chat Completions tools (hosted
-tools left out), ``tool_choice``
-to a ToolConstraint, ``text.format`` to a GrammarSpec, ``reasoning`` to template
-variables. Items are normalised (ids, statuses) so they can be stored and listed."""
+tools left out), ``tool_choice`` to a ToolConstraint, ``text.format`` to a
+GrammarSpec, ``reasoning`` to template variables. Items are normalised (ids,
+statuses) so they can be stored and listed."""
 
 from __future__ import annotations
 
