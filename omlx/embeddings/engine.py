@@ -128,7 +128,7 @@ class EmbeddingEngine:
         guard: EmbeddingGuard,
         probe: MemoryProbe,
         capacity: int,
-        baseline: Callable[[], int] = lambda: 0,
+        baseline: Callable[[], int],
     ):
         self.loaded = loaded
         # What the process holds with nothing in flight (the pool's live baseline).
