@@ -235,6 +235,16 @@ class EmbeddingEngine:
     def wait_s(self) -> float:
         return max(0.0, self._held_until - time.monotonic())
 
+    @property
+    def num_running(self) -> int:
+        """For the other models' gates (worker.py): none, since a batch's memory lives
+        only within its own step and nothing is held across turns."""
+        return 0
+
+    @property
+    def stalled(self) -> bool:
+        return False
+
     def _add(self, job: _Job) -> None:
         if self._closed and self._refusal is not None:
             _settle(job, error=copy.copy(self._refusal))

@@ -13,26 +13,35 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from omlx.engine.admission import AdmissionSwitch
 from omlx.memory import mlx_stats
 from omlx.memory.budget import MemoryReading, prefill_step_transient_bytes
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
-from omlx.memory.throttle import MAX_PREFILL_HOLD_S, PlannedChunk, PrefillShape, shape_prefill
+from omlx.memory.throttle import PlannedChunk, PrefillShape, shape_prefill
 from omlx.scheduler import Request
 from omlx.sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
 
+class Elsewhere(Protocol):
+    """The process's work besides this model's: other models' running requests and
+    tasks holding memory (prompt scoring). Memory is the process's, so "alone" and
+    "in flight" count them too (issue 40, defect 3)."""
+
+    def running(self) -> int: ...
+    def progressing(self) -> bool:
+        """Whether some of that work goes on (it will end and free memory)."""
+        ...
+
+
 class StepGate:
-    """``busy_elsewhere``: whether another model's requests are running (they end
-    and free memory too, so prefill may wait for them). ``image_bytes``: the
+    """``elsewhere``: the other models' work in flight. ``image_bytes``: the
     transient of encoding a request's images. ``cached_tokens``: a prompt's
     tokens the prefix index holds (0 without a prefix cache). ``admission``: the
     pool's one admission switch (the enforcer pauses it above the soft limit)."""
@@ -43,7 +52,7 @@ class StepGate:
         guard: MemoryGuard,
         probe: MemoryProbe,
         *,
-        busy_elsewhere: Callable[[], bool],
+        elsewhere: Elsewhere,
         image_bytes: Callable[[Request], int],
         cached_tokens: Callable[[Request], int] = lambda request: 0,
         admission: AdmissionSwitch,
@@ -51,7 +60,7 @@ class StepGate:
         self.name = name
         self.guard = guard
         self.probe = probe
-        self._busy_elsewhere = busy_elsewhere
+        self._elsewhere = elsewhere
         self._image_bytes = image_bytes
         self._cached_tokens = cached_tokens
         self._reading: MemoryReading | None = None  # the last shape's, for its log line
@@ -63,11 +72,14 @@ class StepGate:
         # Requests the gate ended.
         self.num_gated = 0
         # The gate's steps short of ending anything: MLX's cache handed back,
-        # chunks capped, prefill waiting for decoding requests (since when).
+        # chunks capped, prefill waiting for decoding requests.
         self.num_reclaims = 0
         self.num_throttled_steps = 0
         self.num_held_steps = 0
-        self._held_since: float | None = None
+        # The last step held all prefill with nothing decoding here: this model
+        # frees nothing until other work does (others do not wait for it).
+        self.stalled = False
+        self._decoding_here = False
         # Shared openings the gate held back (their requests prefilled them alone).
         self.num_unshared_openings = 0
         # Speculative steps the gate made decode without drafts.
@@ -129,8 +141,11 @@ class StepGate:
         )
 
     def can_admit(self, request: Request, num_running: int) -> bool:
-        """Memory admission for the head of the queue (never defers a lone request)."""
-        reason = None if num_running == 0 else self._deferral(request, num_running)
+        """Memory admission for the head of the queue, ``num_running`` requests
+        running here. Never defers a request alone in the process: nothing would
+        end and free memory, so waiting could deadlock the queue."""
+        in_flight = num_running + self._elsewhere.running()
+        reason = None if in_flight == 0 else self._deferral(request, num_running, in_flight)
         if reason is None:
             dims, n = self.guard.dims, request.num_prompt_tokens
             self._pending_bytes += dims.kv_bytes_per_token * n + (
@@ -153,8 +168,9 @@ class StepGate:
             request.num_prompt_tokens,
         )
 
-    def _deferral(self, request: Request, num_running: int) -> str | None:
-        """Why the head of the queue waits ("paused", "kv_capacity", "memory"), or None."""
+    def _deferral(self, request: Request, num_running: int, in_flight: int) -> str | None:
+        """Why the head of the queue waits ("paused", "kv_capacity", "memory"), or None.
+        ``in_flight``: the process's running work (this model's ``num_running``)."""
         n, running_tokens = request.num_prompt_tokens, self._running_tokens
         if self.admission_paused:
             log.info(
@@ -162,7 +178,7 @@ class StepGate:
                 "the soft limit) with %d in flight",
                 self.name,
                 n,
-                num_running,
+                in_flight,
             )
             return "paused"
         # The ones admitted earlier in this step count too.
@@ -181,7 +197,7 @@ class StepGate:
         join = self._join_copy_bytes(running_tokens + n)
         pending = self._pending_bytes + join + self._image_bytes(request)
         reading = plus(self.probe.reading(fresh=True), pending)
-        return None if self.guard.admit(n, num_running, reading) else "memory"
+        return None if self.guard.admit(n, in_flight, reading) else "memory"
 
     def _join_copy_bytes(self, num_tokens: int) -> int:
         """Rows joining the decode batch extend its KV (``num_tokens`` with theirs)
@@ -210,26 +226,36 @@ class StepGate:
         self, plan: Sequence[Any], num_running: int, num_running_tokens: int
     ) -> PrefillShape:
         reading = self._reading = self.probe.reading(fresh=True)
-        others = num_running > 1
+        others = self._others_in_flight(num_running)
         # Requests past their prompt: a row finishing its prompt joins (copies) their
         # batch; and they end and free their memory, so prefill may wait for them.
-        decoding_here = num_running > len(plan)
+        decoding_here = self._decoding_here = num_running > len(plan)
         if decoding_here and any(c.num_remaining <= c.num_tokens + 1 for c in plan):
             reading = plus(reading, self._join_copy_bytes(num_running_tokens))
-        decoding = decoding_here or self._busy_elsewhere()
-        held_for = 0.0 if self._held_since is None else time.monotonic() - self._held_since
+        # Prefill waits as long as other work goes on, however slow the machine: it
+        # is ended only when nothing else could free memory (issue 40, defect 13).
+        # Another model that waits for memory itself is no reason to wait: two
+        # models would wait for each other.
         return shape_prefill(
             plan,
             lambda tokens, cached: self.guard.gate(tokens, cached, reading, others=others),
-            may_hold=decoding and held_for < MAX_PREFILL_HOLD_S,
+            may_hold=decoding_here or self._elsewhere.progressing(),
         )
+
+    def _others_in_flight(self, num_running: int) -> bool:
+        """Whether work besides one request runs in the process (so its recent peak
+        may recur): this model's other rows, or another model's."""
+        return num_running > 1 or self._elsewhere.running() > 0
+
+    def others_running(self) -> bool:
+        """Whether another model's requests (or a scoring task) run in the process: a
+        lone request here whose chunk does not fit gives way to them (back to the
+        queue) instead of being ended."""
+        return self._elsewhere.running() > 0
 
     def settle(self, shape: PrefillShape, plan: Sequence[PlannedChunk]) -> None:
         """Record the shape the step runs with (and log it when it is not the plan)."""
-        if not shape.held:
-            self._held_since = None
-        elif self._held_since is None:
-            self._held_since = time.monotonic()
+        self.stalled = shape.held and not self._decoding_here
         if shape.cap is None or not plan or self._reading is None:
             return
         planned = max(c.num_tokens for c in plan)
@@ -250,7 +276,7 @@ class StepGate:
         each request prefills the opening in its own chunks, gated one by one, so
         they are served if memory allows and ended by that gate if not."""
         reading = self.probe.reading(fresh=True)
-        others = num_running > 1
+        others = self._others_in_flight(num_running)
         if self.guard.gate(num_tokens, num_cached_tokens, reading, others=others):
             return True
         self.num_unshared_openings += 1
@@ -271,7 +297,7 @@ class StepGate:
         reading = self.probe.reading(fresh=True)
         tokens = sum(c.num_tokens for c in plan)
         cached = max(c.num_context_tokens - c.num_tokens for c in plan)
-        others = num_running > 1
+        others = self._others_in_flight(num_running)
         if self.guard.gate(tokens, cached, reading, others=others):
             return True
         self.num_held_drafts += 1

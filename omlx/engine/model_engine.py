@@ -80,7 +80,8 @@ class Runner(Protocol):
 class Poster(Protocol):
     def post(self, fn: Callable[..., Any], *args: Any) -> None: ...
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]: ...
-    def busy_besides(self, engine: Steppable | None) -> bool: ...
+    def running_besides(self, engine: Steppable | None) -> int: ...
+    def progressing_besides(self, engine: Steppable | None) -> bool: ...
     def hold(self, holding: bool) -> None: ...
 
 
@@ -126,7 +127,7 @@ class ModelEngine:
             probe,
             # Nothing here refers back to the engine: an unloaded model's weights are
             # freed when its last reference goes, not at the next garbage collection.
-            busy_elsewhere=partial(_busy_besides, worker, weakref.ref(self)),
+            elsewhere=_Elsewhere(worker, weakref.ref(self)),
             image_bytes=partial(_image_bytes, loaded.vision, guard),
             cached_tokens=partial(_cached_tokens, prefix_cache),
             admission=admission or AdmissionSwitch(),
@@ -237,6 +238,16 @@ class ModelEngine:
         # The runner's own work too: the prefix-cache stores of finished requests
         # run now, not at the start of the next request's prefill.
         return self._scheduler.has_work or self._runner.has_work
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and not finished (the worker counts the process's)."""
+        return self._scheduler.num_running
+
+    @property
+    def stalled(self) -> bool:
+        """Its last step's prefill all waited for memory, with nothing decoding."""
+        return self.gate.stalled
 
     @property
     def wait_s(self) -> float:
@@ -526,8 +537,18 @@ def _image_bytes(vision: VisionEncoder | None, guard: MemoryGuard, request: Requ
     return image_bytes(vision.dims, shape, request.num_prompt_tokens, guard.profile)
 
 
-def _busy_besides(worker: Poster, engine: weakref.ref[ModelEngine]) -> bool:
-    return worker.busy_besides(engine())
+@dataclass(frozen=True, slots=True)
+class _Elsewhere:
+    """The process's work besides one engine's, as its gate asks (memory_gate.Elsewhere)."""
+
+    worker: Poster
+    engine: weakref.ref[ModelEngine]
+
+    def running(self) -> int:
+        return self.worker.running_besides(self.engine())
+
+    def progressing(self) -> bool:
+        return self.worker.progressing_besides(self.engine())
 
 
 def unloaded_error(name: str, why: str) -> ServiceUnavailableError:

@@ -27,6 +27,17 @@ class Steppable(Protocol):
         """Seconds before a step would do anything (0: now)."""
         ...
 
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and not finished (queued ones hold no memory)."""
+        ...
+
+    @property
+    def stalled(self) -> bool:
+        """Whether its last step ran nothing: every request's prefill waited for memory
+        and none was decoding (it frees nothing until someone else does)."""
+        ...
+
     def step(self) -> None: ...
 
 
@@ -74,9 +85,19 @@ class MLXWorker:
         turns, so no turn in between reads its memory as the idle baseline."""
         self._num_holding += 1 if holding else -1
 
-    def busy_besides(self, engine: Steppable | None) -> bool:
-        """MLX thread: whether an engine other than ``engine`` has requests in flight."""
-        return any(e.has_work for e in self._engines if e is not engine)
+    def running_besides(self, engine: Steppable | None) -> int:
+        """MLX thread: the requests engines other than ``engine`` run, and the tasks
+        holding memory: the process's work in flight that is not this model's."""
+        others = sum(e.num_running for e in self._engines if e is not engine)
+        return others + self._num_holding
+
+    def progressing_besides(self, engine: Steppable | None) -> bool:
+        """MLX thread: whether work in flight besides ``engine``'s goes on, and so will
+        end and free memory: a holding task, or an engine with running requests whose
+        last step was not stalled waiting for memory itself."""
+        if self._num_holding > 0:
+            return True
+        return any(e.num_running > 0 and not e.stalled for e in self._engines if e is not engine)
 
     @property
     def is_alive(self) -> bool:

@@ -4,9 +4,10 @@ When the forward gate says a step's prefill chunks would pass the hard limit,
 ending a request is the last resort. First every chunk of the step is capped
 (halving, down to ``MIN_PREFILL_CHUNK`` tokens): a smaller chunk allocates less
 KV and a smaller attention transient. If not even the floor fits and requests
-are decoding beside it (they end and free their KV), the prefill waits a step,
-for at most ``MAX_PREFILL_HOLD_S``. Only then are the chunks that do not fit
-ended, with a retryable error.
+are decoding beside it, or other work goes on in the process (they end and free
+their memory), the prefill waits a step: as many as it takes, since how long work
+takes on a loaded machine is not a memory fact. Only then are the chunks that do
+not fit ended (the scheduler first lets the newest request give way).
 
 One cap for the whole step, not one per request: rows prefilled in one batched
 forward are right-padded to the longest, so only a cap on all of them shrinks
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 __all__ = [
-    "MAX_PREFILL_HOLD_S",
     "MIN_PREFILL_CHUNK",
     "PlannedChunk",
     "PrefillShape",
@@ -29,9 +29,6 @@ __all__ = [
 
 # Below this a chunk costs more in per-forward overhead than it saves in memory.
 MIN_PREFILL_CHUNK = 32
-# How long prefill may wait for decoding requests to free memory before the
-# chunks that still do not fit are ended: every request ends within its bound.
-MAX_PREFILL_HOLD_S = 10.0
 
 # (tokens this step runs up to and including the chunk, the chunk's cached
 # tokens) -> does the chunk fit under the hard limit?

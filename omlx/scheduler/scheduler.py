@@ -143,7 +143,7 @@ class Scheduler:
         (theirs and the running ones'): capped, held, or, when a chunk does not
         fit even so, the newest running request gives way: a request admitted
         in this step goes back to the queue unstarted, an older one is preempted;
-        only a lone request whose chunk cannot fit is ended. The starting ones
+        only a request alone in the process whose chunk cannot fit is ended. The starting ones
         are placed (placement.py) on the runner without the leaving ones (those
         and the ones that finished since the last plan).
         """
@@ -218,9 +218,10 @@ class Scheduler:
         preempted: list[str],
     ) -> tuple[PrefillShape, list[PrefillChunk]]:
         """The memory gate's shape for the step's chunks, the newest giving way
-        while a chunk does not fit and another request runs; and the chunks left."""
+        while a chunk does not fit and another request runs, here or in another
+        model (the process's memory); and the chunks left."""
         shape = memory.shape_prefill(planned, len(self._running), self.num_running_tokens)
-        while shape.ended and len(self._running) > 1:
+        while shape.ended and (len(self._running) > 1 or memory.others_running()):
             victim = self._give_way(memory, admitted, preempted)
             if victim is None:
                 break
@@ -258,8 +259,11 @@ class Scheduler:
         return victim
 
     def _with_images(self) -> set[str]:
-        """Requests not preempted: a prompt with images cannot grow by its output."""
-        return {rid for rid, r in self._running.items() if r.request.images is not None}
+        """Requests not preempted: a prompt with images cannot grow by its output
+        (one still in its prompt resumes as it came, so it may give way)."""
+        return {
+            rid for rid, r in self._running.items() if r.request.images is not None and r.new_ids
+        }
 
     def _preempt(self, victim: str, reason: str) -> None:
         resumed = self.preempt(victim)

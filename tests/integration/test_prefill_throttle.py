@@ -3,13 +3,23 @@
 Near the ceiling the forward gate first hands MLX's cache back, then caps the
 step's prefill chunks, then lets prefill wait for decoding requests, and only
 then ends a request. A flood near the ceiling completes more requests than a
-gate that ends at once, under the same peak bound.
+gate that ends at once, under the same peak bound, and on a machine loaded by a
+CPU burner (issue 40, defect 13: how long work takes is not a memory fact, so
+no timer ends a request).
+
+Admission counts both models' work (issue 40, defect 3), so admitted prefills
+no longer outgrow the ceiling by themselves; the memory drifts as it does on a
+real machine: something else in the process allocates (a real MLX buffer, the
+"ballast") while the flood's prefills run, and lets go once the gate stepped in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,9 +48,43 @@ def two_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-async def _flood(pool, room_bytes: int):
-    """Both models flooded at once: neither engine's admission counts what the
-    other is about to allocate, so memory drifts under admitted prefills."""
+@pytest.fixture
+def cpu_burner() -> Iterator[None]:
+    """A process spinning on one core for the whole test: the machine is busy."""
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        burner.kill()
+        burner.wait()
+
+
+def _allocate(num_bytes: int) -> list:
+    import mlx.core as mx
+
+    ballast = mx.ones((num_bytes // 4,), dtype=mx.float32)
+    mx.eval(ballast)
+    return [ballast]
+
+
+def _stepped_in(engines) -> bool:
+    return sum(e.gate.num_throttled_steps + e.gate.num_held_steps for e in engines) > 0
+
+
+async def _ballast(pool, engines, num_bytes: int, flood: asyncio.Future) -> None:
+    """Something else in the process allocates ``num_bytes`` (on the MLX thread, as
+    every MLX allocation here) once the flood's prefills run, and lets go when the
+    gate has stepped in (or the flood is over)."""
+    while sum(e.num_running for e in engines) < 2 and not flood.done():
+        await asyncio.sleep(0.01)
+    held = await asyncio.wrap_future(pool.worker.submit(_allocate, num_bytes))
+    while not _stepped_in(engines) and not flood.done():
+        await asyncio.sleep(0.02)
+    await asyncio.wrap_future(pool.worker.submit(held.clear))
+
+
+async def _flood(pool, room_bytes: int, ballast_bytes: int):
+    """Both models flooded at once, with memory drifting under admitted prefills."""
     probe = pool.probe = MLXProbe()
     engines = [await pool.get_engine(name) for name in ("slow-a", "slow-b")]
     await asyncio.sleep(PEAK_WINDOW_S + 0.1)
@@ -64,25 +108,27 @@ async def _flood(pool, room_bytes: int):
     for engine in engines:
         engine.guard.publish(pool.limits)
     probe.max_peak = 0
-    results = await asyncio.gather(
+    flood = asyncio.gather(
         *(
             generate(engine, f"{engine.name}-{i}", p, max_tokens=24)
             for engine in engines
             for i, p in enumerate(_prompts())
         )
     )
+    await _ballast(pool, engines, ballast_bytes, flood)
+    results = await flood
     probe.reading(fresh=True)
     return engines, probe, hard, results
 
 
 def test_a_flood_near_the_ceiling_is_throttled_not_ended(
-    make_pool, two_models_dir: Path, caplog: pytest.LogCaptureFixture
+    make_pool, two_models_dir: Path, caplog: pytest.LogCaptureFixture, cpu_burner: None
 ) -> None:
     pool = make_pool(two_models_dir, max_concurrent_requests=8, prefill_step_size=512)
     caplog.set_level(logging.INFO, logger="omlx")
 
     async def main() -> None:
-        engines, probe, hard, results = await _flood(pool, room_bytes=8 * MB)
+        engines, probe, hard, results = await _flood(pool, 8 * MB, ballast_bytes=16 * MB)
         completed = [r for r, _ in results if r in ("stop", "length")]
         # Every request is served (the previous code refused some of these at a front
         # door frozen at load, or its gate, ending at once, ended them), the gate did

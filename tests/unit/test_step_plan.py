@@ -75,6 +75,23 @@ def test_only_a_lone_request_whose_chunk_cannot_fit_is_ended() -> None:
     assert plan.ended == ("a",) and plan.admitted == () and not scheduler.has_work
 
 
+def test_a_lone_request_gives_way_to_another_model_s_work_instead_of_ending() -> None:
+    """The memory is the process's (issue 40, defect 3): while another model runs,
+    a lone request here whose chunk cannot fit goes back to the queue, unstarted
+    or preempted, and starts again once it fits."""
+    scheduler = _scheduler()
+    scheduler.add(_request("a", 200, 1.0))
+    busy = BudgetView(budget=8, others_running=True)
+    plan = scheduler.schedule(busy)
+    assert plan.ended == () and plan.admitted == () and busy.sent == ["a"]
+    assert scheduler.num_waiting == 1
+    plan = scheduler.schedule(BudgetView(budget=10**6))
+    assert [r.request_id for r in plan.admitted] == ["a"]
+    # Mid-prompt, it is preempted (it resumes from its cache hit), not ended.
+    plan = scheduler.schedule(busy, [PrefillChunk("a", 64, 128, 136)])
+    assert plan.preempted == ("a",) and plan.ended == () and scheduler.num_waiting == 1
+
+
 def test_kv_over_capacity_preempts_the_newest_without_images() -> None:
     scheduler = _scheduler()
     scheduler.add(_request("a", 40, 1.0))
