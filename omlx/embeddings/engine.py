@@ -245,6 +245,10 @@ class EmbeddingEngine:
     def stalled(self) -> bool:
         return False
 
+    @property
+    def waiting_for_memory_since(self) -> float | None:
+        return None  # no admission queue: each batch waits in its own step
+
     def _add(self, job: _Job) -> None:
         if self._closed and self._refusal is not None:
             _settle(job, error=copy.copy(self._refusal))

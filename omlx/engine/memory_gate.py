@@ -39,6 +39,10 @@ class Elsewhere(Protocol):
         """Whether some of that work goes on (it will end and free memory)."""
         ...
 
+    def waiting_since(self) -> float | None:
+        """The earliest arrival of another model's request memory admission defers."""
+        ...
+
 
 class StepGate:
     """``elsewhere``: the other models' work in flight. ``image_bytes``: the
@@ -84,6 +88,9 @@ class StepGate:
         self.num_unshared_openings = 0
         # Speculative steps the gate made decode without drafts.
         self.num_held_drafts = 0
+        # The queue's head memory admission deferred (request id, arrival time):
+        # other models admit nothing that arrived later until it starts.
+        self.memory_wait: tuple[str, float] | None = None
         self._pending_bytes = 0
         # The running requests' KV tokens as admission goes (those admitted included).
         self._running_tokens = 0
@@ -146,6 +153,10 @@ class StepGate:
         end and free memory, so waiting could deadlock the queue."""
         in_flight = num_running + self._elsewhere.running()
         reason = None if in_flight == 0 else self._deferral(request, num_running, in_flight)
+        if reason == "memory":
+            self.memory_wait = (request.request_id, request.arrival_s)
+        elif reason is None and self.memory_wait and self.memory_wait[0] == request.request_id:
+            self.memory_wait = None
         if reason is None:
             dims, n = self.guard.dims, request.num_prompt_tokens
             self._pending_bytes += dims.kv_bytes_per_token * n + (
@@ -181,6 +192,15 @@ class StepGate:
                 in_flight,
             )
             return "paused"
+        earlier = self._elsewhere.waiting_since()
+        if earlier is not None and earlier < request.arrival_s:
+            log.info(
+                "memadmit %s: deferred a %d-token prompt: another model's request that "
+                "came first waits for memory",
+                self.name,
+                n,
+            )
+            return "memory"
         # The ones admitted earlier in this step count too.
         if not self.guard.kv_fits(running_tokens, n):
             log.info(

@@ -82,6 +82,7 @@ class Poster(Protocol):
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]: ...
     def running_besides(self, engine: Steppable | None) -> int: ...
     def progressing_besides(self, engine: Steppable | None) -> bool: ...
+    def waiting_besides(self, engine: Steppable | None) -> float | None: ...
     def hold(self, holding: bool) -> None: ...
 
 
@@ -248,6 +249,15 @@ class ModelEngine:
     def stalled(self) -> bool:
         """Its last step's prefill all waited for memory, with nothing decoding."""
         return self.gate.stalled
+
+    @property
+    def waiting_for_memory_since(self) -> float | None:
+        """The arrival time of the queue's head while memory admission defers it
+        (and it is still waiting: not aborted, not admitted since)."""
+        wait = self.gate.memory_wait
+        if wait is None or not self._scheduler.is_waiting(wait[0]):
+            return None
+        return wait[1]
 
     @property
     def wait_s(self) -> float:
@@ -549,6 +559,9 @@ class _Elsewhere:
 
     def progressing(self) -> bool:
         return self.worker.progressing_besides(self.engine())
+
+    def waiting_since(self) -> float | None:
+        return self.worker.waiting_besides(self.engine())
 
 
 def unloaded_error(name: str, why: str) -> ServiceUnavailableError:

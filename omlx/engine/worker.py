@@ -38,6 +38,11 @@ class Steppable(Protocol):
         and none was decoding (it frees nothing until someone else does)."""
         ...
 
+    @property
+    def waiting_for_memory_since(self) -> float | None:
+        """The arrival time of its queue's head while memory admission defers it."""
+        ...
+
     def step(self) -> None: ...
 
 
@@ -90,6 +95,13 @@ class MLXWorker:
         holding memory: the process's work in flight that is not this model's."""
         others = sum(e.num_running for e in self._engines if e is not engine)
         return others + self._num_holding
+
+    def waiting_besides(self, engine: Steppable | None) -> float | None:
+        """MLX thread: the earliest arrival among other engines' queue heads that
+        memory admission defers (None: none waits): admission is first come, first
+        served across models, so a busy model cannot starve another one."""
+        waits = (e.waiting_for_memory_since for e in self._engines if e is not engine)
+        return min((t for t in waits if t is not None), default=None)
 
     def progressing_besides(self, engine: Steppable | None) -> bool:
         """MLX thread: whether work in flight besides ``engine``'s goes on, and so will

@@ -360,6 +360,9 @@ class Scheduler:
         left, self._left = tuple(self._left), []
         return left
 
+    def is_waiting(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
     def running_ids(self) -> list[str]:
         return list(self._running)
 

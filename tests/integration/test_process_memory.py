@@ -98,3 +98,38 @@ def test_a_prompt_that_cannot_fit_beside_another_model_s_request_queues_for_it(
         assert probe.max_peak <= hard
 
     asyncio.run(main())
+
+
+def test_a_busy_model_does_not_overtake_another_model_s_waiting_request(
+    make_pool, two_models_dir: Path
+) -> None:
+    """First come, first served across models: while model a's request waits for
+    model b's memory, b's later short request (which would fit beside b's own)
+    waits behind it, so a steady stream of b's requests cannot starve a's."""
+    pool = make_pool(two_models_dir, max_concurrent_requests=8, prefill_step_size=512)
+
+    async def main() -> None:
+        probe = pool.probe = MLXProbe()
+        a, b = [await pool.get_engine(name) for name in ("slow-a", "slow-b")]
+        prompt_a, prompt_b = prompts(2)
+        short = prompt_b[:40]
+        solo = [
+            await generate(a, "solo-a", prompt_a, max_tokens=8),
+            await generate(b, "solo-short", short, max_tokens=4),
+        ]
+        await asyncio.sleep(PEAK_WINDOW_S + 0.1)
+        hard = _room_for_one(a, len(prompt_a), MARGIN + 8 * MB)
+        pool.limits = Limits(hard, int(hard * 0.99), MARGIN)
+        for engine in (a, b):
+            engine.guard.publish(pool.limits)
+        rest_b = await _decoding(b, "b", prompt_b, max_tokens=48)
+        waiting_a = asyncio.create_task(generate(a, "a", prompt_a, max_tokens=8))
+        while a.gate.memory_wait is None:  # a's request is deferred for b's memory
+            await asyncio.sleep(0.01)
+        rest_short = await _decoding(b, "short", short, max_tokens=4)
+        # The short request's first token came only after b's long one had ended.
+        assert rest_b.done()
+        assert [await waiting_a, await rest_short] == solo
+        assert b.gate.deferrals["memory"] > 0 and a.num_gated == b.num_gated == 0
+
+    asyncio.run(main())

@@ -17,6 +17,7 @@ class _Engine:
 
     num_running: int = 0
     stalled: bool = False
+    waiting_for_memory_since: float | None = None
     wait_s: float = 0.0
 
     @property
@@ -54,3 +55,14 @@ def test_work_that_waits_for_memory_itself_is_not_waited_for() -> None:
     assert not worker.progressing_besides(a)
     worker.hold(True)
     assert worker.progressing_besides(a)
+
+
+def test_the_earliest_request_another_model_defers_for_memory() -> None:
+    """Admission is first come, first served across models: a model admits nothing
+    that arrived after another model's deferred head (a busy model cannot starve
+    another)."""
+    a, b, c = _Engine(), _Engine(waiting_for_memory_since=7.5), _Engine()
+    worker = _worker(a, b, c)
+    assert worker.waiting_besides(a) == 7.5 and worker.waiting_besides(b) is None
+    c.waiting_for_memory_since = 0.0
+    assert worker.waiting_besides(a) == 0.0 and worker.waiting_besides(b) == 0.0
