@@ -298,6 +298,12 @@ def main() -> None:
     real.add_argument("--lengths", type=int, nargs="+", default=[64, 300, 800, 1500])
     real.add_argument("--timeout", type=float, default=600.0, help="per-request bound (s)")
     real.add_argument("--seed", type=int, default=0)
+    real.add_argument(
+        "--three-models",
+        action="store_true",
+        help="the second model and a vision model flooded beside SmolLM2 (issue 40)",
+    )
+    real.add_argument("--extra-clients", type=int, default=3, help="per extra model")
     args = ap.parse_args()
     if args.realistic:
         from flood_realistic import main_realistic

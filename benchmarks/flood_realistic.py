@@ -26,14 +26,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import flood_models
 import httpx
 import psutil
 from bench_cache import ROOT, ServerProc, conversation
 from bench_flood import MB, MODEL, RssSampler
+from flood_report import print_run, print_side_by_side
 
 SECOND = "bench-second-llama"
 # State-changing requests must prove they come from a real client (issue 22).
@@ -54,7 +55,7 @@ RELEASE_TAGS = ["kv_cache", "weights"]
 # -- setup: models, trees, settings ---------------------------------------------
 
 
-def prepare_models(source_dir: Path, work: Path) -> Path:
+def prepare_models(source_dir: Path, work: Path, three_models: bool = False) -> Path:
     """``<work>/models``: SmolLM2 (hard links to ``source_dir``'s copy, installed
     there first if missing) and the second model, so the server sees exactly two."""
     models = work / "models"
@@ -67,6 +68,8 @@ def prepare_models(source_dir: Path, work: Path) -> Path:
     from tests.fixtures.tiny_models import build_tiny_model
 
     build_tiny_model(models / SECOND, arch="slow-llama", seed=0)
+    if three_models:
+        flood_models.prepare(models)
     return models
 
 
@@ -134,11 +137,13 @@ def start_server(tree: Path, base: Path, models: Path, wanted: dict) -> tuple[Se
 # -- the probe and the ceiling ----------------------------------------------------
 
 
-def probe(models: Path, work: Path) -> Live:
-    """The current tree's server, default ceiling: what SmolLM2 loaded holds."""
+def probe(models: Path, work: Path, served: tuple[str, ...]) -> Live:
+    """The current tree's server, default ceiling: what the served models loaded hold."""
     wanted = {"cache": {"enabled": False}, "models": {"install_default_model": False}}
     server, _ = start_server(ROOT, work / "probe", models, wanted)
     try:
+        for name in served[1:]:
+            httpx.post(f"{server.url}/admin/api/models/{name}/load", headers=HEADERS, timeout=600)
         return _read_live(server.url)
     finally:
         server.stop()
@@ -176,10 +181,12 @@ class Plan:
     clients: list[list[Ask]]
     oversized: list[Ask]
     second: list[Ask]
+    # --three-models: the second and the vision model's clients, for the whole flood.
+    others: list[list[Ask]] = field(default_factory=list)
 
     @property
     def num_flood(self) -> int:
-        return sum(len(c) for c in self.clients) + len(self.oversized)
+        return sum(len(c) for c in self.clients + self.others) + len(self.oversized)
 
 
 def make_plan(args, tokenizer, p: Live, ceiling: int) -> Plan:
@@ -208,6 +215,9 @@ def make_plan(args, tokenizer, p: Live, ceiling: int) -> Plan:
         oversized.append(_single(index + 1, MODEL, f"over memory ~{by_memory}", words, 4))
     ship = "Tell me about ship {}."
     second = [_single(1000 + i, SECOND, "second", ship.format(i), 128, True) for i in range(3)]
+    if args.three_models:  # the second model serves all along instead
+        others = flood_models.clients(args, Ask, SECOND, first_index=2000)
+        return Plan(clients, oversized, [], others)
     return Plan(clients, oversized, second)
 
 
@@ -334,13 +344,14 @@ class Flood:
     async def timeline(self, plan: Plan) -> None:
         """Mid-flood: load the second model, send it requests, unload it while they
         run; later release the weights and KV cache of every model and resume."""
-        await self.progress.reach(LOAD_SECOND_AT)
-        await self.admin(f"load {SECOND}", f"/admin/api/models/{SECOND}/load", {})
-        second = [asyncio.create_task(self.ask(a)) for a in plan.second]
-        await asyncio.sleep(1.0)
-        unload = f"/admin/api/models/{SECOND}/unload"
-        await self.admin(f"unload {SECOND}", unload, {"drain_s": 0.5})
-        self.result.outcomes.extend(await asyncio.gather(*second))
+        if plan.second:
+            await self.progress.reach(LOAD_SECOND_AT)
+            await self.admin(f"load {SECOND}", f"/admin/api/models/{SECOND}/load", {})
+            second = [asyncio.create_task(self.ask(a)) for a in plan.second]
+            await asyncio.sleep(1.0)
+            unload = f"/admin/api/models/{SECOND}/unload"
+            await self.admin(f"unload {SECOND}", unload, {"drain_s": 0.5})
+            self.result.outcomes.extend(await asyncio.gather(*second))
         await self.progress.reach(RELEASE_AT)
         release = {"tags": RELEASE_TAGS, "timeout_s": 30}
         await self.admin("release", "/admin/api/memory/release", release)
@@ -367,15 +378,17 @@ async def flood(server: ServerProc, plan: Plan, args, result: RunResult, probed:
     timeout = httpx.Timeout(args.timeout + 60)  # the bound (wait_for) ends a request first
     client = httpx.AsyncClient(base_url=server.url, timeout=timeout, headers=HEADERS, limits=limits)
     async with client as http:
-        loaded = await http.post(f"/admin/api/models/{MODEL}/load", json={})
-        if loaded.status_code != 200:  # older code may refuse it under the ceiling
-            result.events.append(f"first load of {MODEL}: {loaded.status_code} {loaded.text[:160]}")
+        for name in _served(args):
+            loaded = await http.post(f"/admin/api/models/{name}/load", json={})
+            if loaded.status_code != 200:  # older code may refuse it under the ceiling
+                what = f"{loaded.status_code} {loaded.text[:160]}"
+                result.events.append(f"first load of {name}: {what}")
         sampler = RssSampler(server.proc.pid)
         sampler.start()
         done = asyncio.Event()
         watcher = asyncio.create_task(watch_memory(http, done, result.peaks))
         run = Flood(http, args.timeout, Progress(plan.num_flood), result)
-        clients = [[a] for a in plan.oversized] + plan.clients
+        clients = [[a] for a in plan.oversized] + plan.clients + plan.others
         await asyncio.gather(run.timeline(plan), *(run.client(asks) for asks in clients))
         result.seconds = time.perf_counter() - run.t0
         done.set()
@@ -384,6 +397,12 @@ async def flood(server: ServerProc, plan: Plan, args, result: RunResult, probed:
         sampler.join()
         result.max_rss, result.num_samples = sampler.max_rss, sampler.num_samples
         await recheck(http, result, args, probed)
+        await flood_models.recheck_alone(run, result, _served(args)[1:])
+
+
+def _served(args) -> tuple[str, ...]:
+    """The models loaded before the flood (the probe's reading holds them all)."""
+    return (MODEL, SECOND, flood_models.VISION) if args.three_models else (MODEL,)
 
 
 # -- the false-400 re-check ----------------------------------------------------------
@@ -518,70 +537,14 @@ def run_tree(label: str, tree: Path, work: Path, plan: Plan, probed: Live, args)
     return result
 
 
-def counts(result: RunResult) -> dict[str, int]:
-    found = Counter(o.label for o in result.outcomes)
-    return dict(sorted(found.items(), key=lambda kv: (kv[0] != "completed", kv[0])))
-
-
-def print_run(r: RunResult, bound_s: float) -> None:
-    print(f"\n== {r.label}: ceiling {r.ceiling / MB:.0f} MiB ==")
-    if r.dropped_settings:
-        print(f"  settings this code lacks (not passed): {', '.join(r.dropped_settings)}")
-    for event in r.events:
-        print(f"  {event}")
-    print(f"  outcomes ({len(r.outcomes)} requests, bound {bound_s:.0f} s): {counts(r)}")
-    by_kind: dict[str, list[int]] = {}
-    for o in r.outcomes:
-        kind = o.ask.kind.split(" ")[0] if o.ask.model == MODEL else "second model"
-        row = by_kind.setdefault(kind, [0, 0])
-        row[0] += o.label == "completed"
-        row[1] += 1
-    print("  completed by kind: " + ", ".join(f"{k} {a}/{b}" for k, (a, b) in by_kind.items()))
-    for label in counts(r):
-        ended = [o for o in r.outcomes if o.label == label and label != "completed"]
-        if ended:
-            kinds = sorted({o.ask.kind for o in ended})
-            print(f"    {label}: {', '.join(kinds)}; e.g. {ended[0].message[:150]!r}")
-    hung = sum(o.label == "hung" for o in r.outcomes)
-    print(f"  hung {hung} (target 0) {'ok' if hung == 0 else 'MISS'}")
-    print(f"  false 400s {r.num_false_400} (target 0) {'ok' if not r.num_false_400 else 'MISS'}")
-    for line in r.rechecks:
-        print(f"  {line}")
-    for name, value in (("max RSS", r.max_rss), ("max MLX/windowed peak", r.peaks.mlx)):
-        flag = "ok" if value <= r.ceiling else "OVER"
-        print(f"  {name} {value / MB:.0f} MiB = {value / r.ceiling:.3f} of the ceiling {flag}")
-    print(
-        f"  ({r.num_samples} RSS samples, {r.peaks.num_readings} server readings, server "
-        f"footprint max {r.peaks.footprint / MB:.0f} MiB); counters {r.counters}"
-    )
-    print(f"  wall time {r.seconds:.1f} s")
-
-
-def print_side_by_side(a: RunResult, b: RunResult) -> None:
-    labels = sorted({*counts(a), *counts(b)}, key=lambda k: (k != "completed", k))
-    rows = [(k, counts(a).get(k, 0), counts(b).get(k, 0)) for k in labels]
-    rows += [
-        ("false 400s", a.num_false_400, b.num_false_400),
-        ("max RSS (MiB)", a.max_rss // MB, b.max_rss // MB),
-        ("max MLX/windowed peak (MiB)", a.peaks.mlx // MB, b.peaks.mlx // MB),
-        ("wall time (s)", round(a.seconds, 1), round(b.seconds, 1)),
-    ]
-    print(f"\n| same ceiling {a.ceiling / MB:.0f} MiB | {a.label} | {b.label} |")
-    print("|---|---|---|")
-    for name, x, y in rows:
-        print(f"| {name} | {x} | {y} |")
-    more = counts(a).get("completed", 0) - counts(b).get("completed", 0)
-    print(f"completions: {more:+d} against {b.label} (target > 0) {'ok' if more > 0 else 'MISS'}")
-
-
 def main_realistic(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     work = Path(tempfile.mkdtemp(prefix="omlx-flood-realistic-"))
     print(f"work folder (models, settings, server logs; kept): {work}", flush=True)
-    args.models = prepare_models(args.model_dir, work)
+    args.models = prepare_models(args.model_dir, work, args.three_models)
     tokenizer = AutoTokenizer.from_pretrained(str(args.models / MODEL))
-    p = probe(args.models, work)
+    p = probe(args.models, work, _served(args))
     ceiling = args.ceiling_bytes = ceiling_bytes(args, p)
     print(
         f"SmolLM2 loaded holds {p.resident / MB:.0f} MiB (margin {p.margin / MB:.0f} MiB, step "
@@ -589,7 +552,9 @@ def main_realistic(args: argparse.Namespace) -> None:
         flush=True,
     )
     plan = make_plan(args, tokenizer, p, ceiling)
-    print(f"plan: {plan.num_flood} flood requests + {len(plan.second)} to {SECOND}", flush=True)
+    print(
+        f"plan: {plan.num_flood} flood requests, {len(plan.second)} to {SECOND} later", flush=True
+    )
     results = [run_tree("working tree", ROOT, work, plan, p, args)]
     if args.compare_ref:
         tree = extract_ref(args.compare_ref, work / "ref-tree")
