@@ -370,8 +370,8 @@ class ModelEngine:
     def _gated_error(self) -> MemoryPressureError:
         return MemoryPressureError(
             "the server ended this request before its next prefill step: memory is "
-            f"at the {format_bytes(self.guard.limits.hard_bytes)} limit because of "
-            "other work; retry shortly, or send a shorter prompt"
+            f"at the {format_bytes(self.guard.limits.hard_bytes)} limit and no other "
+            "request is running that would free it; retry shortly, or send a shorter prompt"
         )
 
     def _update(self, outputs: list[TokenOutput], outbox: Outbox) -> None:
