@@ -23,7 +23,6 @@ is taken: a prefill holds only its newest one outside the hot tier's budget.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
 import time
@@ -39,6 +38,7 @@ from omlx.cache.prefix_index import NO_HIT, HitSpan, PrefixIndex, PrefixMatch
 from omlx.cache.safetensors_io import BlockPayload
 from omlx.cache.ssd import PUT_TIMEOUT_S as SSD_PUT_TIMEOUT_S
 from omlx.cache.ssd import SSDStore
+from omlx.cache.weights_digest import weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +72,16 @@ class PrefixStats:
 AgreeHits = Callable[[list[HitSpan]], list[int]]
 
 
-def model_identity(name: str, path: Path) -> str:
+def model_identity(name: str, path: Path, digests: Path | None) -> str:
     """The model's name plus a digest of what decides its KV values: the config
-    and the weight files' names and sizes. Changed weights -> other blocks."""
+    and the weight files' names and contents (models/weights_digest.py; their
+    hashes kept in ``digests``). Other weights, even of the same sizes -> other
+    blocks; the old ones age out (the SSD store drops them when it opens)."""
     digest = hashlib.blake2b(digest_size=8)
     config = path / "config.json"
     if config.is_file():
         digest.update(config.read_bytes())
-    for weights in sorted(path.glob("*.safetensors")):
-        digest.update(json.dumps([weights.name, weights.stat().st_size]).encode())
+    digest.update(weights_digest(path, digests).encode())
     return f"{name}@{digest.hexdigest()}"
 
 

@@ -69,7 +69,7 @@ def make_prefix_cache(
         kinds = sorted({type(c).__name__ for c in layers})
         log.warning("prefix cache off for %s: cache types %s are not supported", name, kinds)
         return None
-    identity = model_identity(name, loaded.info.path)
+    identity = model_identity(name, loaded.info.path, settings.base_path / "weight-hashes")
     ssd = None
     if cfg.hot_cache_mode != "hot-only":
         ssd = open_ssd_store(settings, name, identity, layout, shard)

@@ -109,7 +109,7 @@ def test_a_busy_model_does_not_overtake_another_model_s_waiting_request(
     pool = make_pool(two_models_dir, max_concurrent_requests=8, prefill_step_size=512)
 
     async def main() -> None:
-        probe = pool.probe = MLXProbe()
+        pool.probe = MLXProbe()
         a, b = [await pool.get_engine(name) for name in ("slow-a", "slow-b")]
         prompt_a, prompt_b = prompts(2)
         short = prompt_b[:40]
