@@ -13,6 +13,7 @@ import mlx.core as mx
 from omlx.cache.hot import HotTier
 from omlx.cache.setup import make_prefix_cache
 from omlx.engine.admission import AdmissionSwitch
+from omlx.engine.kv_measure import with_measured_kv
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.profile_cache import ProfileCache, ProfileInputs, profile_model
 from omlx.engine.runner import BatchRunner
@@ -77,6 +78,8 @@ def build_engine(
     )
     if cluster is not None:
         dims = cluster.rank_dims(dims)  # each rank holds its share of heads or layers
+    else:
+        dims = with_measured_kv(dims, loaded.model, loaded.info.name)
     guard = MemoryGuard(
         loaded.info.name,
         dims,

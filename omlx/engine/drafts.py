@@ -134,7 +134,9 @@ def attach_draft(engine: Any, info: ModelInfo | None) -> AttachedDraft | None:
     draft_dims = guard_dims(
         loaded.config, kv_dtype_bytes=loaded.activation_bytes(), model=info.name
     )
-    kv = draft_dims.kv_bytes_per_token
+    from omlx.engine.kv_measure import with_measured_kv
+
+    kv = with_measured_kv(draft_dims, loaded.model, info.name).kv_bytes_per_token
     engine.guard.dims = dataclasses.replace(dims, draft_kv_bytes_per_token=kv)
     engine.use_draft(loaded.model)
     log.info("%s drafts with %s (%d KV bytes per token more)", engine.name, info.name, kv)

@@ -35,10 +35,15 @@ class ModelDims:
     kv_dtype_bytes: int = 2  # bf16/fp16 on Metal; callers pass 4 for float32
     # A draft model's KV per token (speculative decoding): every request holds both.
     draft_kv_bytes_per_token: int = 0
+    # What the model's cache grows by per token, measured at load
+    # (engine/kv_measure.py): it wins over the config's figure (hybrids, MLA).
+    measured_kv_bytes_per_token: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
-        own = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+        own = self.measured_kv_bytes_per_token
+        if own is None:
+            own = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
         return own + self.draft_kv_bytes_per_token
 
 

@@ -267,6 +267,8 @@ class MemoryGuard:
             f"{format_bytes(lim.transient_margin_bytes)} ({self.margin_source}), baseline "
             f"{format_bytes(self.baseline_bytes)}; dims layers={d.num_layers} "
             f"kv_heads={d.num_kv_heads} head_dim={d.head_dim} heads={d.num_attention_heads}"
-            f", KV {d.kv_bytes_per_token} B/token, prefill chunk {self.chunk_tokens}; "
+            f", KV {d.kv_bytes_per_token} B/token"
+            f"{' (measured)' if d.measured_kv_bytes_per_token is not None else ''}"
+            f", prefill chunk {self.chunk_tokens}; "
             f"{profile}"
         )

@@ -1,0 +1,83 @@
+"""What a model's cache really holds per token, read from the model (issue 41, defect 5).
+
+The guard's dimensions come from config.json (memory/dims.py), and config names
+describe attention models: a hybrid's convolution or SSM layers hold a fixed
+state, not KV; a latent-attention (MLA) cache is smaller than heads x head_dim;
+some configs name no layer count at all and the guard falls back to a 70B-class
+guess. So at load the model prefills a few tokens into a fresh mlx-lm cache (its
+own cache types: KV, rotating windows, quantized KV, SSM states, cache lists) and
+the bytes per token slot of the buffers it made are the guard's KV per token. A
+cache of fixed states only (a pure SSM) grows nothing per token: the guard keeps
+the config's figure for it. MLX thread only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import mlx.core as mx
+
+from omlx.memory.dims import ModelDims
+from omlx.mlx_types import LanguageModel, prompt_cache
+
+log = logging.getLogger(__name__)
+
+# Tokens of the one forward that fills the caches' buffers (short: no window or
+# segfault-prone kernel is reached).
+PROBE_TOKENS = 8
+
+
+def cache_bytes_per_token(model: LanguageModel) -> int:
+    """Bytes the model's cache grows by per prompt token (0 for a model whose cache
+    holds only fixed states). Raises what the model's forward raises."""
+    cache = prompt_cache(model)
+    ids = mx.arange(1, 1 + PROBE_TOKENS, dtype=mx.int32).reshape(1, -1)
+    mx.eval(model(ids, cache=cache))
+    return sum(_per_token(layer) for layer in cache)
+
+
+def _per_token(layer: Any) -> int:
+    """One layer cache's bytes per token slot. Its K/V buffers (plain, rotating,
+    chunked or quantized: their arrays keep the sequence on axis -2) give it; a
+    window is counted as if it grew (conservative); a cache list sums its parts;
+    a cache without K/V (convolution, SSM states) holds a fixed state."""
+    parts = getattr(layer, "caches", None)
+    if parts is not None:
+        return sum(_per_token(part) for part in parts)
+    if getattr(layer, "keys", None) is None:
+        return 0
+    arrays = [a for a in _leaves([layer.keys, layer.values]) if isinstance(a, mx.array)]
+    slots = arrays[0].shape[-2]
+    return sum(a.nbytes for a in arrays) // slots
+
+
+def _leaves(tree: Any) -> list[Any]:
+    """The leaves of nested lists and tuples (a quantized cache's K/V are tuples)."""
+    if isinstance(tree, list | tuple):
+        return [leaf for part in tree for leaf in _leaves(part)]
+    return [tree]
+
+
+def with_measured_kv(dims: ModelDims, model: LanguageModel, name: str) -> ModelDims:
+    """``dims`` with the KV per token the model's cache really grows by; the config's
+    figure (logged beside it) when the measurement cannot run."""
+    try:
+        measured = cache_bytes_per_token(model)
+    except Exception as exc:  # the guard still has the config's (or fallback) figure
+        log.warning("memguard %s: KV per token not measured (%s): config figure kept", name, exc)
+        return dims
+    if measured == 0:
+        # A cache of fixed states only (SSM, convolution): the guard models memory
+        # per token, so the config's (or the fallback's) figure stays: conservative.
+        log.info("memguard %s: no KV grows per token; the config figure is kept", name)
+        return dims
+    if measured != dims.kv_bytes_per_token:
+        log.info(
+            "memguard %s: KV %d B/token measured from the model's cache (config: %d B/token)",
+            name,
+            measured,
+            dims.kv_bytes_per_token,
+        )
+    return dataclasses.replace(dims, measured_kv_bytes_per_token=measured)
