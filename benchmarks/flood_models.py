@@ -5,7 +5,8 @@ for the whole flood, so the one ceiling is shared all along: the second model (a
 random llama of the tests' ``slow-llama`` shape: text prompts of mixed lengths)
 and ``bench-vision``, a random llava whose prompts carry an image (its vision
 tower and projector run inside the flood). The mid-flood load and unload of the
-second model is left out (it serves from the start); the release and resume stay.
+second model and the release and resume are left out: this flood is about the
+memory guard across models, and a 503 for released memory would hide its figures.
 
 Each 400 ``prefill_memory_exceeded`` a request of these two models got is re-sent
 alone after the flood: if it then completes, the 400 was false (SmolLM2's 400s

@@ -344,6 +344,8 @@ class Flood:
     async def timeline(self, plan: Plan) -> None:
         """Mid-flood: load the second model, send it requests, unload it while they
         run; later release the weights and KV cache of every model and resume."""
+        if plan.others:  # --three-models: the guard across models, nothing released
+            return
         if plan.second:
             await self.progress.reach(LOAD_SECOND_AT)
             await self.admin(f"load {SECOND}", f"/admin/api/models/{SECOND}/load", {})
