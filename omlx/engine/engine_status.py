@@ -31,7 +31,7 @@ def engine_status(engine: ModelEngine | EmbeddingEngine | None) -> dict[str, Any
         "num_deferrals": engine.num_deferrals,
         "num_gated": engine.num_gated,
         "memory_guard": engine.guard_counters(),
-        "batching": engine.batch_stats() if isinstance(engine, EmbeddingEngine) else None,
+        "batching": _batching(engine),
         "speculative": _speculative(engine),
     }
 
@@ -56,3 +56,11 @@ def _speculative(engine: ModelEngine | EmbeddingEngine) -> dict[str, Any] | None
         "draft_kv_bytes_per_token": draft.kv_bytes_per_token if draft is not None else 0,
         **engine.speculative_stats(),
     }
+
+
+def _batching(engine: ModelEngine | EmbeddingEngine) -> dict[str, Any]:
+    """An embedding model's batch counters; an LLM's batching: whether it serves one
+    request at a time, and why (engine/unbatched.py)."""
+    if isinstance(engine, EmbeddingEngine):
+        return engine.batch_stats()
+    return {"one_at_a_time": engine.unbatched is not None, "reason": engine.unbatched}

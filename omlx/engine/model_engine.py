@@ -12,21 +12,20 @@ import copy
 import logging
 import threading
 import time
-import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from omlx.cache.hot import ClearTier
 from omlx.cache.prefix import PrefixCache
 from omlx.engine.admission import AdmissionSwitch
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from omlx.engine.memory_gate import StepGate
+from omlx.engine.gate_inputs import request_image_bytes, step_gate
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
 from omlx.engine.token_text import LogprobEntry, TokenText
+from omlx.engine.unbatched import serve_one_at_a_time
 from omlx.errors import (
     EngineError,
     InvalidRequestError,
@@ -38,7 +37,6 @@ from omlx.errors import (
 from omlx.grammar.processor import MAX_STEP_CPU_S
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
-from omlx.memory.vision import image_bytes
 from omlx.mlx_types import LanguageModel
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
@@ -49,7 +47,6 @@ from omlx.sizes import format_bytes
 if TYPE_CHECKING:
     from omlx.engine.drafts import AttachedDraft
     from omlx.engine.worker import Steppable
-    from omlx.models.vlm import VisionEncoder
 
 # Events the MLX thread hands to their streams' event loops at the end of a step.
 Outbox = list[tuple[RequestStream, StreamEvent]]
@@ -119,20 +116,12 @@ class ModelEngine:
         self._runner = runner
         # The draft model proposing tokens (omlx.engine.drafts.AttachedDraft, or None).
         self.draft: AttachedDraft | None = None
+        # Why this model serves one request at a time (None: it batches).
+        self.unbatched: str | None = None
         self._scheduler = scheduler
         self._worker = worker
         self._live: dict[str, _Live] = {}
-        self.gate = StepGate(
-            self.name,
-            guard,
-            probe,
-            # Nothing here refers back to the engine: an unloaded model's weights are
-            # freed when its last reference goes, not at the next garbage collection.
-            elsewhere=_Elsewhere(worker, weakref.ref(self)),
-            image_bytes=partial(_image_bytes, loaded.vision, guard),
-            cached_tokens=partial(_cached_tokens, prefix_cache),
-            admission=admission or AdmissionSwitch(),
-        )
+        self.gate = step_gate(self, worker, admission or AdmissionSwitch())
         # Front-door count of submitted, unfinished requests (event loop + MLX thread).
         self._lock = threading.Lock()
         self._num_in_flight = 0
@@ -186,7 +175,7 @@ class ModelEngine:
         for request, _ in pairs:
             self.guard.check_prefill(
                 request.num_prompt_tokens,
-                image_bytes=_image_bytes(self.loaded.vision, self.guard, request),
+                image_bytes=request_image_bytes(self.loaded.vision, self.guard, request),
             )
         with self._lock:
             if self._refusal is not None:
@@ -352,11 +341,27 @@ class ModelEngine:
                 if isinstance(exc, ServiceUnavailableError)
                 else EngineError(f"generation failed: {exc}")
             )
-            self._fail_all(error, outbox)
+            if isinstance(error, EngineError) and self._batch_failed():
+                self._go_one_at_a_time(exc, error, outbox)
+            else:
+                self._fail_all(error, outbox)
         else:
             self._announce_admitted(plan.admitted, output.cached)
             self._update(list(output.tokens), outbox)
         self._flush(outbox)
+
+    def _batch_failed(self) -> bool:
+        """A step of several requests failed on a model that still batches."""
+        return self.unbatched is None and self._scheduler.num_running > 1
+
+    def _go_one_at_a_time(self, exc: Exception, error: OmlxError, outbox: Outbox) -> None:
+        """The model cannot batch: its requests run one at a time from now on, the
+        running ones resume from the queue (unbatched.py)."""
+        self.unbatched, stuck = serve_one_at_a_time(self._scheduler, self.name, exc)
+        for rid in stuck:
+            self._fail_request(rid, error, outbox)
+        self._runner.reset()
+        self._scheduler.take_left()  # the reset dropped them
 
     def _end_gated(self, ended: Sequence[str], outbox: Outbox) -> None:
         """End the requests the memory gate ended (a lone request whose chunk
@@ -529,39 +534,6 @@ class ModelEngine:
         self._live.clear()
         self._runner.close()
         self._flush(outbox)
-
-
-def _cached_tokens(prefix_cache: PrefixCache | None, request: Request) -> int:
-    """Prompt tokens the prefix index holds for ``request`` (MLX thread)."""
-    if prefix_cache is None:
-        return 0
-    keys = request.images.keys if request.images is not None else ()
-    return prefix_cache.match(request.prompt_ids, keys)
-
-
-def _image_bytes(vision: VisionEncoder | None, guard: MemoryGuard, request: Request) -> int:
-    """The transient of encoding the request's images at prefill (0: none)."""
-    if request.images is None or vision is None:
-        return 0
-    shape = request.images.pixel_values.shape
-    return image_bytes(vision.dims, shape, request.num_prompt_tokens, guard.profile)
-
-
-@dataclass(frozen=True, slots=True)
-class _Elsewhere:
-    """The process's work besides one engine's, as its gate asks (memory_gate.Elsewhere)."""
-
-    worker: Poster
-    engine: weakref.ref[ModelEngine]
-
-    def running(self) -> int:
-        return self.worker.running_besides(self.engine())
-
-    def progressing(self) -> bool:
-        return self.worker.progressing_besides(self.engine())
-
-    def waiting_since(self) -> float | None:
-        return self.worker.waiting_besides(self.engine())
 
 
 def unloaded_error(name: str, why: str) -> ServiceUnavailableError:

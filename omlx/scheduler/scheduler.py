@@ -374,6 +374,17 @@ class Scheduler:
             return None
         return max(candidates, key=lambda r: r.arrival_s).request_id
 
+    def requeue_running(self) -> list[str]:
+        """Put every running request back at the head of the queue, oldest first
+        (each resumes from its output so far, as a preempted one does). Returns
+        those that cannot: a prompt with images that has output."""
+        stuck = self._with_images()
+        newest_first = sorted(self._running.values(), key=lambda r: -r.request.arrival_s)
+        for state in newest_first:
+            if state.request.request_id not in stuck:
+                self.preempt(state.request.request_id)
+        return sorted(stuck)
+
     def preempt(self, request_id: str) -> Request:
         """Put a running request back at the head of the queue, its output so far
         appended to its prompt (``Request.num_resumed_tokens``): it resumes from

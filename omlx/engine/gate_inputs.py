@@ -1,0 +1,81 @@
+"""What one engine's memory gate (memory_gate.StepGate) is told besides its own
+model: the process's other work in flight (the MLX worker's other engines and
+scoring tasks), a request's image transient and its cached prompt tokens.
+
+Nothing here refers back to the engine strongly: an unloaded model's weights are
+freed when its last reference goes, not at the next garbage collection.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Protocol
+
+from omlx.cache.prefix import PrefixCache
+from omlx.engine.admission import AdmissionSwitch
+from omlx.engine.memory_gate import StepGate
+from omlx.memory.guard import MemoryGuard
+from omlx.memory.vision import image_bytes
+from omlx.scheduler import Request
+
+if TYPE_CHECKING:
+    from omlx.engine.model_engine import ModelEngine
+    from omlx.engine.worker import Steppable
+    from omlx.models.vlm import VisionEncoder
+
+
+class ProcessWork(Protocol):
+    """The MLX worker's view of the process's work (engine/worker.py)."""
+
+    def running_besides(self, engine: Steppable | None) -> int: ...
+    def progressing_besides(self, engine: Steppable | None) -> bool: ...
+    def waiting_besides(self, engine: Steppable | None) -> float | None: ...
+
+
+def step_gate(engine: ModelEngine, worker: ProcessWork, admission: AdmissionSwitch) -> StepGate:
+    """The memory gate of ``engine``'s steps."""
+    loaded, guard = engine.loaded, engine.guard
+    return StepGate(
+        engine.name,
+        guard,
+        engine.probe,
+        elsewhere=_Elsewhere(worker, weakref.ref(engine)),
+        image_bytes=partial(request_image_bytes, loaded.vision, guard),
+        cached_tokens=partial(_cached_tokens, engine.prefix_cache),
+        admission=admission,
+    )
+
+
+def _cached_tokens(prefix_cache: PrefixCache | None, request: Request) -> int:
+    """Prompt tokens the prefix index holds for ``request`` (MLX thread)."""
+    if prefix_cache is None:
+        return 0
+    keys = request.images.keys if request.images is not None else ()
+    return prefix_cache.match(request.prompt_ids, keys)
+
+
+def request_image_bytes(vision: VisionEncoder | None, guard: MemoryGuard, request: Request) -> int:
+    """The transient of encoding the request's images at prefill (0: none)."""
+    if request.images is None or vision is None:
+        return 0
+    shape = request.images.pixel_values.shape
+    return image_bytes(vision.dims, shape, request.num_prompt_tokens, guard.profile)
+
+
+@dataclass(frozen=True, slots=True)
+class _Elsewhere:
+    """The process's work besides one engine's, as its gate asks (memory_gate.Elsewhere)."""
+
+    worker: ProcessWork
+    engine: weakref.ref[ModelEngine]
+
+    def running(self) -> int:
+        return self.worker.running_besides(self.engine())
+
+    def progressing(self) -> bool:
+        return self.worker.progressing_besides(self.engine())
+
+    def waiting_since(self) -> float | None:
+        return self.worker.waiting_besides(self.engine())
