@@ -4,6 +4,7 @@ proven. MLX thread only (the pool calls it inside a load)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from omlx.engine.model_engine import ModelEngine
 from omlx.engine.profile_cache import ProfileCache, ProfileInputs, profile_model
 from omlx.engine.runner import BatchRunner
 from omlx.engine.strategy import ExecutionStrategy
+from omlx.engine.unbatched import batch_probe
 from omlx.engine.worker import MLXWorker
 from omlx.memory.budget import KVProfile, Limits, ModelDims, guard_dims
 from omlx.memory.guard import MemoryGuard
@@ -25,6 +27,8 @@ from omlx.memory.probe import MemoryProbe
 from omlx.models.loader import LoadedModel
 from omlx.scheduler import Scheduler
 from omlx.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +77,7 @@ def build_engine(
         share_openings=runner.shares_openings,
         name=loaded.info.name,
     )
+    unbatched = _probe_batching(loaded, scheduler) if cluster is None else None
     dims = guard_dims(
         loaded.config, kv_dtype_bytes=loaded.activation_bytes(), model=loaded.info.name
     )
@@ -88,7 +93,9 @@ def build_engine(
         chunk_tokens=sched.prefill_step_size,
     )
     if cluster is None:
-        profile, reused = _profile(loaded, parts, dims, window, explicit_kv_tokens)
+        profile, reused = _profile(
+            loaded, parts, dims, window, explicit_kv_tokens, scheduler.max_running
+        )
         guard.set_profile(profile)
         kv_profile = "reused" if reused else "measured"
     else:
@@ -112,7 +119,24 @@ def build_engine(
         prefix_cache=prefix,
         admission=parts.admission,
     )
+    engine.unbatched = unbatched
     return engine, facts
+
+
+def _probe_batching(loaded: LoadedModel, scheduler: Scheduler) -> str | None:
+    """A model that cannot batch runs one request at a time from the start
+    (unbatched.py): the reason, or None."""
+    if scheduler.max_running < 2:
+        return None
+    reason = batch_probe(loaded.model, loaded.vocab_size)
+    if reason is not None:
+        scheduler.max_running = 1
+        log.warning(
+            "model %s cannot batch: %s; serving its requests one at a time",
+            loaded.info.name,
+            reason,
+        )
+    return reason
 
 
 def _profile(
@@ -121,17 +145,18 @@ def _profile(
     dims: ModelDims,
     window: int,
     explicit_kv_tokens: int | None,
+    batch_size: int,
 ) -> tuple[KVProfile, bool]:
     """The auto-profile: reused from an earlier start when nothing it depends on
     changed (profile_cache.py), else measured now and kept."""
     sched = parts.settings.scheduler
     inputs = ProfileInputs(
         chunk_tokens=sched.prefill_step_size,
-        batch_size=sched.max_concurrent_requests,
+        batch_size=batch_size,
         vocab_size=loaded.vocab_size,
         explicit_tokens=explicit_kv_tokens,
         # Validation holds the KV that can really be in flight at once.
-        max_tokens_in_flight=window * sched.max_concurrent_requests,
+        max_tokens_in_flight=window * batch_size,
     )
     return profile_model(
         parts.profile_cache, loaded.info, loaded.model, dims, parts.probe, parts.limits, inputs,

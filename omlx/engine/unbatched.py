@@ -3,9 +3,11 @@
 Some mlx-lm model files and cache types cannot batch: gpt_bigcode builds its
 position ids from one offset, llama4's ChunkedKVCache "cannot be batched". Each
 request alone works; several at once raise inside the forward, and every request
-of the batch would get the error. The first such failure (more than one request
-running) turns the model to one request at a time for as long as it stays
-loaded: the running requests go back to the head of the queue, oldest first, and
+of the batch would get the error. A short probe at load (two rows of the runner's
+batched prefill on fresh caches, which is where both fail) finds most such
+models before any request; otherwise the first such failure (more than one
+request running) turns the model to one request at a time for as long as it
+stays loaded: the running requests go back to the head of the queue, oldest first, and
 resume from what they already streamed (a preemption: the same tokens), so none
 of them sees the error. A failure with one request running is that request's own
 and ends it as before. The reason is in the log and in /health (``batching``).
@@ -15,9 +17,36 @@ from __future__ import annotations
 
 import logging
 
+import mlx.core as mx
+
+from omlx.engine.batch import PrefillBatch, Row
+from omlx.mlx_types import LanguageModel, prompt_cache
 from omlx.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+# Prompt tokens of each probe row (past the chunk: the batch's cache is built).
+PROBE_TOKENS = 8
+
+
+def batch_probe(model: LanguageModel, vocab_size: int) -> str | None:
+    """Run one step of the runner's batched prefill over two fresh rows (mlx-lm
+    merges their caches into a batch cache). None when it runs; else why the
+    model cannot batch."""
+    batch = PrefillBatch(model, PROBE_TOKENS)
+    try:
+        for i in range(2):
+            prompt = [(i * 31 + j * 7) % (vocab_size - 1) + 1 for j in range(PROBE_TOKENS + 1)]
+            batch.add(Row(f"batch-probe-{i}", _greedy, []), prompt_cache(model), 0, prompt)
+        _, cache = batch.step()
+        mx.eval([c.state for c in cache])
+    except Exception as exc:  # the model file's or cache type's own refusal
+        return f"a batch of two failed at load ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _greedy(logits: mx.array) -> mx.array:
+    return mx.argmax(logits, axis=-1)
 
 
 def serve_one_at_a_time(

@@ -1,8 +1,9 @@
 """A model that cannot batch serves its requests one at a time (issue 41, defect 1),
-with a real tiny gpt_bigcode: mlx-lm's own model file raises when several requests
-share a step ("Only length-1 arrays can be converted to Python scalars"), each alone
-works. Four requests at once all complete with their solo answers; the model is
-marked one-at-a-time with the reason (/health's ``batching``) and stays so."""
+with real tiny models whose mlx-lm code raises when several requests share a step,
+each alone working: gpt_bigcode ("Only length-1 arrays can be converted to Python
+scalars") and llama4 ("ChunkedKVCache does not yet support batching with history").
+The load-time probe finds it; four requests at once all complete with their solo
+answers, and /health's ``batching`` says why."""
 
 from __future__ import annotations
 
@@ -11,36 +12,68 @@ from pathlib import Path
 
 import pytest
 
+from omlx.engine import assembly, profile
 from omlx.engine.engine_status import engine_status
 from tests.fixtures.tiny_models import build_tiny_model
 from tests.integration.test_memory_admission import generate
 
+ERRORS = {
+    "gpt_bigcode": "Only length-1 arrays",
+    "llama4": "ChunkedKVCache'> does not yet support batching",
+}
+
 
 @pytest.fixture(scope="module")
-def bigcode_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("unbatched")
-    build_tiny_model(root / "bigcode", "gpt_bigcode")
+    for arch in ERRORS:
+        build_tiny_model(root / arch, arch)
     return root
 
 
-def test_a_model_that_cannot_batch_serves_four_at_once_one_at_a_time(
-    make_pool, bigcode_dir: Path
-) -> None:
-    pool = make_pool(bigcode_dir, max_concurrent_requests=8)
+async def _four_at_once_as_alone(engine) -> None:
     prompts = [[5 + (i * 7 + j) % 300 for j in range(40 + 10 * i)] for i in range(4)]
+    solo = [await generate(engine, f"solo-{i}", p, 12) for i, p in enumerate(prompts)]
+    for round_ in range(2):
+        together = await asyncio.gather(
+            *(generate(engine, f"r{round_}-{i}", p, 12) for i, p in enumerate(prompts))
+        )
+        assert together == solo
+    assert engine.finish_counts["error"] == 0
+
+
+@pytest.mark.parametrize("arch", list(ERRORS))
+def test_a_model_that_cannot_batch_is_found_at_load_and_serves_one_at_a_time(
+    make_pool, models_dir: Path, arch: str
+) -> None:
+    pool = make_pool(models_dir, max_concurrent_requests=8)
 
     async def main() -> None:
-        engine = await pool.get_engine("bigcode")
-        solo = [await generate(engine, f"solo-{i}", p, 12) for i, p in enumerate(prompts)]
-        assert engine_status(engine)["batching"] == {"one_at_a_time": False, "reason": None}
-        for round_ in range(2):
-            together = await asyncio.gather(
-                *(generate(engine, f"r{round_}-{i}", p, 12) for i, p in enumerate(prompts))
-            )
-            assert together == solo
+        engine = await pool.get_engine(arch)
         batching = engine_status(engine)["batching"]
-        assert batching["one_at_a_time"] and "a batch of" in batching["reason"]
-        assert "Only length-1 arrays" in batching["reason"]
-        assert engine.finish_counts["error"] == 0
+        assert batching["one_at_a_time"] and "failed at load" in batching["reason"]
+        assert ERRORS[arch] in batching["reason"]
+        await _four_at_once_as_alone(engine)
+
+    asyncio.run(main())
+
+
+def test_a_batch_that_fails_after_load_is_served_again_one_at_a_time(
+    make_pool, models_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """For a model the load-time checks miss (none is known here, so the probe and
+    the profile's batched pass are switched off: a stand-in for a failure only a
+    later step meets), the first failed step of several requests requeues them and
+    none sees the error."""
+    monkeypatch.setattr(assembly, "batch_probe", lambda model, vocab_size: None)
+    monkeypatch.setattr(profile, "BATCH_STRESS_BUDGET_S", 0.0)
+    pool = make_pool(models_dir, max_concurrent_requests=8)
+
+    async def main() -> None:
+        engine = await pool.get_engine("gpt_bigcode")
+        assert engine_status(engine)["batching"] == {"one_at_a_time": False, "reason": None}
+        await _four_at_once_as_alone(engine)
+        batching = engine_status(engine)["batching"]
+        assert batching["one_at_a_time"] and "a batch of 4 requests failed" in batching["reason"]
 
     asyncio.run(main())
