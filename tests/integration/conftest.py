@@ -52,7 +52,9 @@ def make_pool(tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path) -> Iter
         **scheduler: float,
     ) -> EnginePool:
         if not fresh_profile:
-            share_profiles(tmp_path, profiles_dir, str(model_dir), cache, memory, scheduler)
+            share_profiles(
+                tmp_path, profiles_dir, str(model_dir), {"memory": memory, "scheduler": scheduler}
+            )
         worker = MLXWorker()
         worker.start()
         settings = pool_settings(tmp_path, model_dir, cache, memory, **scheduler)
