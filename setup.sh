@@ -85,6 +85,9 @@ python_env() {
     # Point mlx[cpu]'s bundled reference BLAS at OpenBLAS, behind omlx's small-batch
     # matmul (same bits; figures: benchmarks/README.md, "Figures behind design choices").
     "$PY" -m omlx.blas link
+    # Byte-compile omlx (quick when up to date): where PYTHONDONTWRITEBYTECODE is set,
+    # every process (each server a test starts) would compile every module from source.
+    "$PY" -m compileall -q omlx >/dev/null
 }
 
 aider_python() {

@@ -9,7 +9,9 @@ import pytest
 
 from omlx.engine.pool import EnginePool
 from omlx.engine.worker import MLXWorker
+from omlx.memory.probe import MemoryProbe
 from omlx.settings import Settings
+from tests.fixtures.servers import share_profiles
 
 
 def pool_settings(
@@ -30,11 +32,15 @@ def pool_settings(
 
 
 @pytest.fixture
-def make_pool(tiny_models_dir: Path, tmp_path: Path) -> Iterator:
+def make_pool(tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path) -> Iterator:
     """Build an EnginePool on a running MLX worker; everything is torn down after.
     The prefix cache is off unless ``cache`` settings are given; ``clock`` and
-    ``busy_wait_s`` go to the pool's constructor."""
-    made: list[tuple[EnginePool, MLXWorker]] = []
+    ``busy_wait_s`` go to the pool's constructor.
+
+    Models reuse the session's auto-profiles for the same settings, as a restart
+    would. ``fresh_profile``: measure at load (tests of the measurement, and tests
+    that swap in a probe of their own: its readings must not reach other tests)."""
+    made: list[tuple[EnginePool, MLXWorker, bool]] = []
 
     def make(
         model_dir: Path = tiny_models_dir,
@@ -42,16 +48,23 @@ def make_pool(tiny_models_dir: Path, tmp_path: Path) -> Iterator:
         memory: dict | None = None,
         clock: Callable[[], float] = time.monotonic,
         busy_wait_s: float = 30.0,
+        fresh_profile: bool = False,
         **scheduler: float,
     ) -> EnginePool:
+        if not fresh_profile:
+            inputs = {"memory": memory, "scheduler": scheduler}  # as live_server's groups
+            share_profiles(tmp_path, profiles_dir, {k: v for k, v in inputs.items() if v})
         worker = MLXWorker()
         worker.start()
         settings = pool_settings(tmp_path, model_dir, cache, memory, **scheduler)
         pool = EnginePool(settings, worker, clock, busy_wait_s=busy_wait_s)
-        made.append((pool, worker))
+        made.append((pool, worker, not fresh_profile))
         return pool
 
     yield make
-    for pool, worker in made:
+    for pool, worker, _ in made:
         asyncio.run(pool.close())
         worker.stop()
+    for pool, _, shared in made:
+        own_probe = type(pool.probe) is not MemoryProbe
+        assert not (shared and own_probe), "a test's own probe: make_pool(fresh_profile=True)"

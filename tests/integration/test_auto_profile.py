@@ -41,7 +41,7 @@ def _capacity(guard: MemoryGuard, attempt: int) -> int:
 
 
 def test_load_measures_a_capacity_the_admin_api_shows(make_pool) -> None:
-    pool = make_pool(max_concurrent_requests=4, prefill_step_size=256)
+    pool = make_pool(fresh_profile=True, max_concurrent_requests=4, prefill_step_size=256)
 
     async def main() -> None:
         engine = await pool.get_engine("tiny-llama")
@@ -63,7 +63,7 @@ def test_load_measures_a_capacity_the_admin_api_shows(make_pool) -> None:
 
 
 def test_capacity_follows_the_limits_in_force(make_pool) -> None:
-    pool = make_pool(prefill_step_size=256)
+    pool = make_pool(fresh_profile=True, prefill_step_size=256)
 
     async def main() -> None:
         engine = await pool.get_engine("tiny-llama")
@@ -76,7 +76,7 @@ def test_capacity_follows_the_limits_in_force(make_pool) -> None:
 
 
 def test_explicit_max_kv_tokens_keeps_one_stress_pass(make_pool) -> None:
-    pool = make_pool(memory={"max_kv_tokens": 5000}, prefill_step_size=256)
+    pool = make_pool(fresh_profile=True, memory={"max_kv_tokens": 5000}, prefill_step_size=256)
     pool.model_settings.update("tiny-qwen3", {"max_kv_tokens": 700})
 
     async def main() -> None:
@@ -103,6 +103,7 @@ def test_an_explicit_capacity_too_large_for_the_limit_fails_the_load(make_pool) 
     # Room for the weights and one step, not for 4096 tokens of slow-llama's KV (64 MB).
     hard = psutil.Process().memory_info().rss + 40 * MB
     pool = make_pool(
+        fresh_profile=True,
         memory={"max_process_memory": hard, "max_kv_tokens": 100_000},
         prefill_step_size=256,
     )
@@ -127,7 +128,7 @@ def test_the_batched_prefill_is_stressed_at_max_concurrent_requests_rows(
     # Time out of the picture: how many rows the budget affords depends on the host's
     # speed at that moment; this test is about what eight rows' pass is counted for.
     monkeypatch.setattr(profile_module, "BATCH_STRESS_BUDGET_S", 60.0)
-    pool = make_pool(max_concurrent_requests=8, prefill_step_size=256)
+    pool = make_pool(fresh_profile=True, max_concurrent_requests=8, prefill_step_size=256)
 
     async def main() -> None:
         engine = await pool.get_engine("tiny-llama")
@@ -144,7 +145,7 @@ def test_the_batched_prefill_is_stressed_at_max_concurrent_requests_rows(
 
 
 def test_prompts_queue_by_kv_capacity_and_all_complete(make_pool) -> None:
-    pool = make_pool(max_concurrent_requests=4, prefill_step_size=256)
+    pool = make_pool(fresh_profile=True, max_concurrent_requests=4, prefill_step_size=256)
     # Room for one 600-token request's KV at a time (prompt + 8 new tokens), not two.
     pool.model_settings.update("slow-llama", {"max_kv_tokens": 1000})
     prompts = [[5 + (i * 11 + j) % 300 for j in range(600)] for i in range(3)]
@@ -163,7 +164,7 @@ def test_prompts_queue_by_kv_capacity_and_all_complete(make_pool) -> None:
 
 
 def test_a_prompt_over_capacity_is_refused_at_the_front_door(make_pool) -> None:
-    pool = make_pool()
+    pool = make_pool(fresh_profile=True)
     pool.model_settings.update("tiny-llama", {"max_kv_tokens": 300})
 
     async def main() -> None:
@@ -183,6 +184,7 @@ def test_no_room_for_one_chunk_fails_the_load_naming_every_knob(make_pool) -> No
     # A ceiling a few MB above this process: the weights fit, a prefill chunk does not.
     hard = psutil.Process().memory_info().rss + 4 * MB
     pool = make_pool(
+        fresh_profile=True,
         memory={"max_process_memory": hard, "prefill_transient_margin": "1MB"},
         prefill_step_size=512,
     )
@@ -222,7 +224,7 @@ class SpikyProbe(MemoryProbe):
 
 
 def test_a_failed_validation_shrinks_capacity_by_five_percent(make_pool) -> None:
-    pool = make_pool(prefill_step_size=256)
+    pool = make_pool(fresh_profile=True, prefill_step_size=256)
     # The first validation peaks over the hard limit.
     probe = pool.probe = SpikyProbe({4: pool.limits.hard_bytes})
 
@@ -237,7 +239,7 @@ def test_a_failed_validation_shrinks_capacity_by_five_percent(make_pool) -> None
 
 
 def test_validation_failing_every_retry_fails_the_load(make_pool) -> None:
-    pool = make_pool(prefill_step_size=256)
+    pool = make_pool(fresh_profile=True, prefill_step_size=256)
     # Every validation peaks over the hard limit: 1 try + 3 retries, then give up.
     probe = pool.probe = SpikyProbe({n: pool.limits.hard_bytes for n in range(4, 10)})
 

@@ -29,7 +29,9 @@ def models_dir(tiny_models_dir: Path, tmp_path: Path) -> Path:
 
 def test_a_draft_step_over_the_limit_decodes_without_drafts(make_pool, models_dir) -> None:
     async def main() -> None:
-        engine, drafted = await roomy_then_tight(make_pool(models_dir), MODEL, DRAFT)
+        engine, drafted = await roomy_then_tight(
+            make_pool(models_dir, fresh_profile=True), MODEL, DRAFT
+        )
         assert engine.draft is not None and engine.draft.name == "tiny-llama-twin"
         # The reading rises once the first token reaches the event loop; a step the
         # MLX thread ran before that may still draft (one step: num_tokens drafts).

@@ -37,7 +37,7 @@ def models(tmp_path: Path, minilm_path: Path, tiny_models_dir: Path) -> Path:
 
 
 def test_an_input_that_cannot_fit_alone_is_400_and_one_that_can_waits(make_pool, models) -> None:
-    pool = make_pool(model_dir=models, memory={"max_kv_tokens": 4096})
+    pool = make_pool(fresh_profile=True, model_dir=models, memory={"max_kv_tokens": 4096})
     probe = pool.probe = SetProbe()
     probe.bytes = HELD
 

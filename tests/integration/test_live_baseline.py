@@ -138,7 +138,7 @@ def test_a_prompt_being_scored_is_work_in_flight_not_the_idle_baseline(
     from omlx.engine.scoring import PromptScorer
     from tests.integration.test_pool import SetProbe
 
-    pool = make_pool(prefill_step_size=64, memory={"max_kv_tokens": 4096})
+    pool = make_pool(fresh_profile=True, prefill_step_size=64, memory={"max_kv_tokens": 4096})
     probe = pool.probe = SetProbe()
     probe.bytes = 100_000_000
     close = PromptScorer.close

@@ -71,7 +71,7 @@ def prompts(n: int) -> list[list[int]]:
 
 
 def test_concurrent_prompts_that_cannot_all_fit_queue_and_all_complete(make_pool) -> None:
-    pool = make_pool(max_concurrent_requests=8, prefill_step_size=512)
+    pool = make_pool(fresh_profile=True, max_concurrent_requests=8, prefill_step_size=512)
 
     async def main() -> None:
         # Room for two of these prompts at once, not three.
@@ -92,7 +92,7 @@ def test_concurrent_prompts_that_cannot_all_fit_queue_and_all_complete(make_pool
 
 
 def test_an_ample_ceiling_defers_nothing(make_pool) -> None:
-    pool = make_pool(max_concurrent_requests=8, prefill_step_size=512)
+    pool = make_pool(fresh_profile=True, max_concurrent_requests=8, prefill_step_size=512)
 
     async def main() -> None:
         engine, _, _ = await load_with_ceiling(pool, room_bytes=4000 * MB)
@@ -106,7 +106,7 @@ def test_an_ample_ceiling_defers_nothing(make_pool) -> None:
 
 
 def test_the_gate_ends_a_prefill_when_memory_drifted(make_pool) -> None:
-    pool = make_pool(max_concurrent_requests=8, prefill_step_size=128)
+    pool = make_pool(fresh_profile=True, max_concurrent_requests=8, prefill_step_size=128)
 
     async def main() -> None:
         engine, probe, hard = await load_with_ceiling(pool, room_bytes=120 * MB)

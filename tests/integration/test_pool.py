@@ -237,7 +237,7 @@ class SetProbe(MemoryProbe):
 def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool):
     # The readings are made up (a few MB): a pinned KV capacity replaces the load-time
     # auto-profile's measured one, which would rightly refuse such a ceiling.
-    pool = make_pool(memory={"max_kv_tokens": 4096})
+    pool = make_pool(fresh_profile=True, memory={"max_kv_tokens": 4096})
     probe = pool.probe = SetProbe()
 
     async def main() -> None:
@@ -289,7 +289,9 @@ class WeightsProbe(SetProbe):
 def test_the_enforcer_reads_again_after_an_eviction_before_ending_anything(make_pool):
     """Over the hard limit with the cache off, an idle model evicted gets memory under
     it: the running request goes on (the stale reading used to end it)."""
-    pool = make_pool(memory={"max_kv_tokens": 4096})  # made-up readings: see above
+    pool = make_pool(
+        fresh_profile=True, memory={"max_kv_tokens": 4096}
+    )  # made-up readings: see above
     probe = pool.probe = WeightsProbe(pool)
 
     async def main() -> None:
@@ -315,7 +317,9 @@ def test_the_enforcer_reads_again_after_an_eviction_before_ending_anything(make_
 def test_a_pause_above_the_soft_limit_is_counted_and_its_deferrals_logged(
     make_pool, caplog: pytest.LogCaptureFixture
 ):
-    pool = make_pool(memory={"max_kv_tokens": 4096})  # made-up readings: see above
+    pool = make_pool(
+        fresh_profile=True, memory={"max_kv_tokens": 4096}
+    )  # made-up readings: see above
     probe = pool.probe = SetProbe()
     caplog.set_level(logging.INFO, logger="omlx")
 

@@ -124,7 +124,9 @@ async def _flood(pool, room_bytes: int, ballast_bytes: int):
 def test_a_flood_near_the_ceiling_is_throttled_not_ended(
     make_pool, two_models_dir: Path, caplog: pytest.LogCaptureFixture, cpu_burner: None
 ) -> None:
-    pool = make_pool(two_models_dir, max_concurrent_requests=8, prefill_step_size=512)
+    pool = make_pool(
+        two_models_dir, fresh_profile=True, max_concurrent_requests=8, prefill_step_size=512
+    )
     caplog.set_level(logging.INFO, logger="omlx")
 
     async def main() -> None:

@@ -92,7 +92,7 @@ def test_a_shared_opening_held_back_by_the_gate_is_prefilled_per_request(make_po
     forward is not run (today it runs without a reading, and the chunks' gate then
     ends every request); each request prefills the opening in its own gated chunks
     and all are served with the output they get alone."""
-    pool = make_pool(max_concurrent_requests=8, prefill_step_size=512)
+    pool = make_pool(fresh_profile=True, max_concurrent_requests=8, prefill_step_size=512)
 
     async def main() -> None:
         engine, probe, solo = await setup(pool)
@@ -112,7 +112,7 @@ def test_no_shared_forward_runs_while_memory_is_at_the_limit(make_pool) -> None:
     reading said so (the shared opening's forward would grow MLX by its KV and
     activations); the gate sends the newest requests back to the queue instead of
     ending them, and every request completes with the output it gets alone."""
-    pool = make_pool(max_concurrent_requests=8, prefill_step_size=512)
+    pool = make_pool(fresh_profile=True, max_concurrent_requests=8, prefill_step_size=512)
 
     async def main() -> None:
         engine, probe, solo = await setup(pool)
@@ -130,7 +130,7 @@ def test_memory_at_the_limit_whatever_runs_ends_the_burst_with_503(make_pool) ->
     """Memory stays at the limit however few requests run: preempting cannot help
     a lone request, so each ends with the gate's retryable 503, and no forward ran
     at the limit."""
-    pool = make_pool(max_concurrent_requests=8, prefill_step_size=512)
+    pool = make_pool(fresh_profile=True, max_concurrent_requests=8, prefill_step_size=512)
 
     async def main() -> None:
         engine, probe, _ = await setup(pool)

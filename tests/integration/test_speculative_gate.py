@@ -74,7 +74,9 @@ async def roomy_then_tight(pool, model: str, speculative: dict) -> tuple[Any, in
 
 def test_a_speculative_step_over_the_limit_decodes_without_drafts(make_pool) -> None:
     async def main() -> None:
-        engine, drafted = await roomy_then_tight(make_pool(), "tiny-llama", {"method": "ngram"})
+        engine, drafted = await roomy_then_tight(
+            make_pool(fresh_profile=True), "tiny-llama", {"method": "ngram"}
+        )
         assert engine.speculative_stats()["drafted"] == drafted
 
     asyncio.run(main())
