@@ -316,7 +316,9 @@ class BatchRunner:
 
     def speculation_plan(self) -> list[PrefillChunk]:
         """The positions the next decode step may verify per drafting request
-        (its token and drafts), as chunks for the memory gate."""
+        (its token and drafts, and its draft model's forwards), as chunks for the
+        memory gate. Rows that join the batch after this plan do not draft in the
+        step: the next plan has them."""
         return [
             PrefillChunk(rid, width, context + width, width)
             for rid, width, context in self._decode.speculation_plan()
