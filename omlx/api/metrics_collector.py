@@ -264,6 +264,7 @@ def _memory_guard(snap: Snapshot) -> Iterator[Metric]:
         ("reclaims", "Times the gate handed MLX's free cache back before deciding"),
         ("unshared_openings", "Shared openings the gate held back (prefilled per request)"),
         ("held_drafts", "Speculative steps the gate ran without drafts (plain decode)"),
+        ("held_encodes", "Image encodes the gate held back (their requests waited or ended)"),
     ):
         yield _counter(f"omlx_memory_{key}", doc, ["model"], {n: g[key] for n, g in guards.items()})
     yield _gauge(

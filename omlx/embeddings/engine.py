@@ -179,6 +179,7 @@ class EmbeddingEngine:
             "reclaims": 0,
             "unshared_openings": 0,
             "held_drafts": 0,
+            "held_encodes": 0,
         }
 
     def batch_stats(self) -> dict[str, int]:

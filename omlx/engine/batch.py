@@ -298,6 +298,9 @@ class DecodeBatch:
         self.spec_stats = SpecStats()
         # Set by the memory gate for the next step: verify no drafts (plain decode).
         self.hold_drafts = False
+        # The rows and draft limit of the last ``speculation_plan`` (what the gate
+        # saw), for the next step only; None: no plan (a runner driven by hand).
+        self._planned: tuple[frozenset[str], int] | None = None
         # A draft model proposes instead of prompt lookup (None: prompt lookup).
         self.draft: DraftProposer | None = None
 
@@ -336,12 +339,14 @@ class DecodeBatch:
 
     def step(self) -> list[TokenOutput]:
         """One forward of every row; the tokens handed out."""
+        planned, self._planned = self._planned, None
+        held, self.hold_drafts = self.hold_drafts, False
         if not self.rows:
             return []
         if self.draft_limit() and self._trimmable():
             # Drafts need every token so far: pipelining stops while speculating.
             out = self._outputs_fresh()
-            drafts = self._propose()
+            drafts = None if held or not self._as_planned(planned) else self._propose()
             if drafts is not None:
                 return out + self._speculate(drafts)
             return out + self._decode()
@@ -409,16 +414,36 @@ class DecodeBatch:
     def speculation_plan(self) -> list[tuple[str, int, int]]:
         """(request id, positions, context tokens) per row the next step may
         verify more than one position of (for the memory gate; an upper bound:
-        whether a row drafts is known only in the step)."""
+        whether a row drafts is known only in the step). The next step drafts
+        only as planned here (``_as_planned``)."""
         limit = self.draft_limit() if self._trimmable() else 0
+        self._planned = (frozenset(row.request_id for row in self.rows), limit)
         if not self.rows or not limit:
             return []
         context = columns(self._cache[0]) if self._cache else 0
         width = verify_width(limit + 1)
+        # A draft model's forwards of a row (its catch-up, its drafts) count with the
+        # row's verified positions, under the row's id: the scheduler gates its rows.
         drafting = self.draft.planned_positions(self.rows, limit) if self.draft else []
+        extra = {rid: n for rid, n, _ in drafting}
         return [
-            (row.request_id, width, context) for row in self.rows if row.drafter is not None
-        ] + [(f"{rid} (draft model)", n, ctx) for rid, n, ctx in drafting]
+            (row.request_id, width + extra.get(row.request_id, 0), context)
+            for row in self.rows
+            if row.drafter is not None
+        ]
+
+    def _as_planned(self, planned: tuple[frozenset[str], int] | None) -> bool:
+        """Whether this step may draft as the gate saw it: no row joined since the
+        plan (a joining row's draft catch-up and verified positions were not in it)
+        and no more drafts per row than planned (rows that left raise the limit).
+        A step without a plan (a runner driven by hand) drafts freely."""
+        if planned is None:
+            return True
+        rows, limit = planned
+        if all(row.request_id in rows for row in self.rows) and self.draft_limit() <= limit:
+            return True
+        self.spec_stats.unplanned_steps += 1
+        return False
 
     def draft_limit(self) -> int:
         """Tokens each row may draft this step: ``num_draft``, cut so that the
@@ -432,9 +457,7 @@ class DecodeBatch:
     def _propose(self) -> list[list[int]] | None:
         """Each row's drafts (at most ``draft_limit()``), or None when no row drafts."""
         limit = self.draft_limit()
-        drafting = limit and not self.hold_drafts
-        self.hold_drafts = False
-        if not drafting:
+        if not limit:
             return None
         if self.draft is not None:
             budgets = [limit if row.drafter is not None else 0 for row in self.rows]

@@ -1,8 +1,10 @@
 """A prompt with images as a sequence the runner prefills on the side. MLX thread only.
 
 The vision tower and projector turn the prompt's image tokens into input
-embeddings once; the sequence feeds them a gated chunk per step (solo.py), and at
-its last (text) token it joins the decode batch like any side sequence.
+embeddings once, when the request starts (the scheduler starts it only in a step
+whose memory gate passed the encode: ``StepGate.may_encode``); the sequence feeds
+them a gated chunk per step (solo.py), and at its last (text) token it joins the
+decode batch like any side sequence.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Admission of the queue's head (``can_admit``), the forward gate on the step's
 prefill chunks (``shape_prefill``: hand MLX's free cache back, cap the chunks,
 hold prefill for decoding requests; the pure rules are in memory/throttle.py),
-the gate of a burst's shared opening, and the KV-capacity check. It is the
+the gates of a burst's shared opening, of a speculative step and of a prompt's
+image encode, and the KV-capacity check. It is the
 ``MemoryView`` the scheduler plans each step with (scheduler/plan.py), which
 acts on the answers (preempts, ends); this module counts what the guard did
 (admin API, /metrics) and writes the ``memadmit`` / ``memgate`` log lines.
@@ -24,6 +25,7 @@ from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
 from omlx.memory.throttle import PlannedChunk, PrefillShape, shape_prefill
 from omlx.scheduler import Request
+from omlx.scheduler.plan import EncodeVerdict
 from omlx.sizes import format_bytes
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,8 @@ class StepGate:
         # The queue's head memory admission deferred (request id, arrival time):
         # other models admit nothing that arrived later until it starts.
         self.memory_wait: tuple[str, float] | None = None
+        # Image encodes the gate did not let run (their requests waited or ended).
+        self.num_held_encodes = 0
         self._pending_bytes = 0
         # The running requests' KV tokens as admission goes (those admitted included).
         self._running_tokens = 0
@@ -110,6 +114,7 @@ class StepGate:
             "reclaims": self.num_reclaims,
             "unshared_openings": self.num_unshared_openings,
             "held_drafts": self.num_held_drafts,
+            "held_encodes": self.num_held_encodes,
         }
 
     # ---- before the step ----------------------------------------------------
@@ -323,6 +328,31 @@ class StepGate:
         self.num_held_drafts += 1
         self.log_over_limit(f"decoding without drafts ({tokens} positions)", reading)
         return False
+
+    def may_encode(self, request: Request, num_running: int) -> EncodeVerdict:
+        """The gate for a prompt's image encode (the vision tower runs when the
+        request starts): its transient over a fresh reading, like a chunk's. Refused,
+        the request waits while other work (here or on another model) may free
+        memory, and is ended only alone in the process."""
+        num_bytes = self._image_bytes(request)
+        if not num_bytes:
+            return "run"
+        reading, limits = self.probe.reading(fresh=True), self.guard.limits
+        added = num_bytes + self.guard.unmodeled_bytes
+        peak = reading.resident_bytes + added + limits.transient_margin_bytes
+        others = self._others_in_flight(num_running)
+        if others:  # the recent peak may recur beside the encode (as in ``gate``)
+            peak = max(peak, reading.recent_peak_bytes + added)
+        if peak <= limits.hard_bytes:
+            return "run"
+        self.num_held_encodes += 1
+        waits = others  # it holds nothing while it waits in the queue
+        what = "waits for other work" if waits else "cannot run alone: ending its request"
+        self.log_over_limit(f"a {format_bytes(num_bytes)} image encode {what}", reading)
+        if waits:
+            return "wait"
+        self.num_gated += 1
+        return "end"
 
     def log_over_limit(self, what: str, reading: MemoryReading) -> None:
         """The ``memgate`` line: what the gate did, and the numbers that made it."""

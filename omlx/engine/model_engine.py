@@ -323,6 +323,7 @@ class ModelEngine:
         the runner executes it, and its tokens become stream events."""
         outbox: Outbox = []
         try:
+            self._store_before_reading()
             self.gate.reclaim_near_limit()
             runner = self._runner
             plan = self._scheduler.schedule(
@@ -362,6 +363,13 @@ class ModelEngine:
             self._fail_request(rid, error, outbox)
         self._runner.reset()
         self._scheduler.take_left()  # the reset dropped them
+
+    def _store_before_reading(self) -> None:
+        """The requests that finished since the last plan leave the runner, and every
+        prefix-cache store owed so far runs, before the gate reads memory: a store
+        turns a request's KV into RAM-tier bytes, which this step's reading must hold."""
+        self._settle()
+        self._runner.flush_cache_stores()
 
     def _end_gated(self, ended: Sequence[str], outbox: Outbox) -> None:
         """End the requests the memory gate ended (a lone request whose chunk

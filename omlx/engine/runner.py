@@ -316,7 +316,9 @@ class BatchRunner:
 
     def speculation_plan(self) -> list[PrefillChunk]:
         """The positions the next decode step may verify per drafting request
-        (its token and drafts), as chunks for the memory gate."""
+        (its token and drafts, and its draft model's forwards), as chunks for the
+        memory gate. Rows that join the batch after this plan do not draft in the
+        step: the next plan has them."""
         return [
             PrefillChunk(rid, width, context + width, width)
             for rid, width, context in self._decode.speculation_plan()
@@ -554,7 +556,14 @@ class BatchRunner:
 
     def flush_cache_stores(self) -> None:
         """Store now what ended requests left for the prefix cache (stores wait for
-        the next step so responses leave first; a clear must find those blocks)."""
+        the next step so responses leave first; the gate's reading and a clear must
+        find those blocks). The lone sequence's queued forward runs first: a store
+        reads its cache, which that forward wrote lazily, and a rank of a split model
+        that skips a store (it holds the blocks) would leave the others alone in that
+        forward's collectives."""
+        if self._solo is not None:
+            with mx.stream(self._stream):
+                self._solo.settle()
         self._stores.run()
 
     def clear_prefix_cache(self, tier: ClearTier) -> None:

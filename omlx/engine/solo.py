@@ -186,6 +186,12 @@ class SoloSequence:
             return None
         return pending.to_python([token], [self.logprobs or 0])[0]
 
+    def settle(self) -> None:
+        """Evaluate the decode forward queued at the end of the last step (its cache
+        holds that forward's KV, lazily, until then)."""
+        if self._y is not None:
+            mx.eval(self._y, *(self._y_logprobs.arrays() if self._y_logprobs else []))
+
     def handoff(self) -> Handoff:
         """Stop here and describe the state the batch continues from."""
         rest = (self._sampler, self._processors)

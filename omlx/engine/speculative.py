@@ -211,6 +211,9 @@ class SpecStats:
     drafted: int = 0  # tokens proposed
     accepted: int = 0  # of them kept
     tokens: int = 0  # tokens handed out by them (kept drafts + one per row)
+    # Steps decoded without drafts because rows joined (or left) after the memory
+    # gate passed the step's speculation plan: the next plan gates them.
+    unplanned_steps: int = 0
 
     def add(self, drafts: Sequence[Sequence[int]], verdicts: Sequence[Verdict]) -> None:
         self.steps += 1

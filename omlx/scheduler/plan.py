@@ -14,12 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from omlx.memory.throttle import PrefillShape
 from omlx.scheduler.openings import SharedOpening
 from omlx.scheduler.placement import Placements
 from omlx.scheduler.request import Request, TokenOutput
+
+# The gate's answer on a prompt's image encode: run it now, wait (back to the queue
+# while other work may free memory), or end the request (it is alone and cannot fit).
+EncodeVerdict = Literal["run", "wait", "end"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +48,8 @@ class SchedulerOutput:
     cached: Mapping[str, int] = field(default_factory=dict)
     # Running requests put back at the head of the queue (they resume later).
     preempted: tuple[str, ...] = ()
-    # Requests the memory gate ended (a lone request whose chunk can never fit now).
+    # Requests the memory gate ended (a lone request whose chunk, or image encode,
+    # cannot fit now).
     ended: tuple[str, ...] = ()
     # Requests that finished since the last plan (by token or stop string, aborted,
     # failed): the runner still holds them.
@@ -100,3 +105,5 @@ class MemoryView(Protocol):
         """Whether other models' work runs in the process (a lone request here gives
         way to it instead of being ended)."""
         ...
+
+    def may_encode(self, request: Request, num_running: int) -> EncodeVerdict: ...

@@ -143,7 +143,9 @@ class Scheduler:
         (theirs and the running ones'): capped, held, or, when a chunk does not
         fit even so, the newest running request gives way: a request admitted
         in this step goes back to the queue unstarted, an older one is preempted;
-        only a request alone in the process whose chunk cannot fit is ended. The starting ones
+        only a request alone in the process whose chunk cannot fit is ended. An
+        admitted prompt with images starts only if the gate passes its image encode
+        (else it waits in the queue, or, alone in the process, is ended). The starting ones
         are placed (placement.py) on the runner without the leaving ones (those
         and the ones that finished since the last plan).
         """
@@ -157,21 +159,22 @@ class Scheduler:
         shape, planned = self._gate(memory, planned, admitted, preempted)
         for rid in shape.ended:
             del self._running[rid]  # in the plan's ``ended``, not left for the next
+        ended = (*shape.ended, *self._gate_encodes(memory, admitted, shape))
         started = tuple(r for r in admitted if r.request_id in self._running)
         drafts = tuple(c for c in speculation if c.request_id in self._running)
         speculate = memory.may_speculate(drafts, len(self._running))  # refused: plain decode
-        leaving = (*finished, *preempted, *shape.ended)
+        leaving = (*finished, *preempted, *ended)
         return SchedulerOutput(
             admitted=started,
             cached={r.request_id: cached[r.request_id] for r in started},
             preempted=tuple(preempted),
-            ended=shape.ended,
+            ended=ended,
             finished=finished,
             prefill_cap=shape.cap,
             openings=self._openings(memory, started, cached),
             speculate=speculate,
             placements=place(started, (layout or RunnerLayout()).without(leaving)),
-            chunks=_passed(planned, shape),
+            chunks=_passed([c for c in planned if c.request_id in self._running], shape),
             drafts=drafts if speculate else (),
         )
 
@@ -229,6 +232,32 @@ class Scheduler:
             shape = memory.shape_prefill(planned, len(self._running), self.num_running_tokens)
         memory.settle(shape, planned)
         return shape, planned
+
+    def _gate_encodes(
+        self, memory: MemoryView, admitted: list[Request], shape: PrefillShape
+    ) -> tuple[str, ...]:
+        """A prompt with images runs its vision tower when it starts: each admitted
+        one's encode passes the memory gate first (never in a step that holds
+        prefill). Refused, it goes back to the head of the queue unstarted while
+        other work may free memory, or is ended when it is alone. Returns the ended."""
+        ended: list[str] = []
+        waiting: list[Request] = []
+        for request in admitted:
+            rid = request.request_id
+            if request.images is None or rid not in self._running:
+                continue
+            verdict = "wait" if shape.held else memory.may_encode(request, len(self._running))
+            if verdict == "run":
+                continue
+            state = self._running.pop(rid)
+            if verdict == "end":
+                ended.append(rid)
+            else:
+                waiting.append(state.request)
+        for request in reversed(waiting):  # back at the head, in arrival order
+            self._waiting[request.request_id] = request
+            self._waiting.move_to_end(request.request_id, last=False)
+        return tuple(ended)
 
     def _first_chunk(self, request: Request, cached: dict[str, int]) -> PrefillChunk | None:
         """An admitted request's first prefill chunk, as the runner will plan it

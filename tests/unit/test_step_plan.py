@@ -177,3 +177,46 @@ def test_requests_that_left_reach_the_runner_through_the_next_plan_once() -> Non
     assert plan.finished == ("a", "b") and set(plan.leaving) == {"a", "b"}
     assert scheduler.running_ids() == ["c"]
     assert scheduler.schedule(BudgetView(budget=10**6)).finished == ()
+
+
+def _with_images(rid: str, arrival: float) -> Request:
+    """A prompt with images (the scheduler only asks whether it has any)."""
+    return _request(rid, 40, arrival, images=object())
+
+
+def test_an_image_prompt_whose_encode_does_not_fit_waits_at_the_head_unstarted() -> None:
+    """Issue 40, item 1: the vision tower runs when a request starts, so the gate's
+    "wait" on its encode keeps it out of the step (no chunk, no placement) and at
+    the head of the queue; the next step that passes it starts it."""
+    scheduler = _scheduler()
+    scheduler.add(_with_images("v", 1.0))
+    scheduler.add(_request("t", 40, 2.0))
+    view = BudgetView(budget=10**6, encode="wait")
+    plan = scheduler.schedule(view)
+    assert [r.request_id for r in plan.admitted] == ["t"] and plan.ended == ()
+    assert [c.request_id for c in plan.chunks] == ["t"] and "v" not in plan.placements.where
+    assert view.encodes_asked == ["v"] and scheduler.num_waiting == 1
+    view.encode = "run"
+    plan = scheduler.schedule(view, [PrefillChunk("t", 39, 40, 39)])
+    assert [r.request_id for r in plan.admitted] == ["v"]
+
+
+def test_an_image_prompt_whose_encode_cannot_fit_alone_is_ended() -> None:
+    scheduler = _scheduler()
+    scheduler.add(_with_images("v", 1.0))
+    plan = scheduler.schedule(BudgetView(budget=10**6, encode="end"))
+    assert plan.admitted == () and plan.ended == ("v",) and "v" in plan.leaving
+    assert scheduler.num_running == 0 and scheduler.num_waiting == 0
+
+
+def test_no_image_encode_runs_in_a_step_that_holds_prefill() -> None:
+    """The gate held every chunk (others decode): an image prompt admitted in that
+    step goes back to the queue without its encode being asked about, let alone run."""
+    scheduler = _scheduler()
+    scheduler.add(_request("a", 200, 1.0))
+    view = BudgetView(budget=10, hold=True)
+    scheduler.schedule(BudgetView(budget=10**6))
+    scheduler.add(_with_images("v", 2.0))
+    plan = scheduler.schedule(view, [PrefillChunk("a", 64, 64, 200)])
+    assert plan.prefill_cap == 0 and plan.admitted == () and plan.ended == ()
+    assert view.encodes_asked == [] and scheduler.num_waiting == 1
