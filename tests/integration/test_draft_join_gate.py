@@ -88,7 +88,7 @@ def _tight_limits(engine: Any, held: int) -> Limits:
 
 def test_a_draft_row_joining_mid_step_waits_for_the_gate(make_pool, models_dir) -> None:
     async def main() -> None:
-        pool = make_pool(models_dir, cache={"enabled": True, "block_size": 16})
+        pool = make_pool(models_dir, cache={"enabled": True, "block_size": 16}, fresh_profile=True)
         probe = pool.probe = FrozenProbe()
         pool.model_settings.update(MODEL, {"speculative": DRAFT})
         engine = await pool.get_engine(MODEL)

@@ -1,7 +1,8 @@
 """Issue 40, item 1: a prompt's image encode (the vision tower runs when the
 request starts) passes the forward gate with a fresh reading before it runs.
 While another model's work holds the memory it needs, the request waits (not
-ended) and the encode does not run; once memory frees, the request completes."""
+ended: at its encode's gate, or already at admission, which counts every model's
+work in flight) and the encode does not run; once memory frees, it completes."""
 
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ async def _collect(stream: RequestStream) -> str:
 
 def test_an_image_encode_waits_for_memory_another_model_holds(make_pool, models_dir) -> None:
     async def main() -> None:
-        pool = make_pool(models_dir)
+        pool = make_pool(models_dir, fresh_profile=True)
         probe = pool.probe = FrozenProbe()
         text_engine = await pool.get_engine("tiny-llama")
         engine = await pool.get_engine("tiny-llava")
@@ -141,7 +142,10 @@ def test_an_image_encode_waits_for_memory_another_model_holds(make_pool, models_
             if engine.gate.num_held_encodes or task.done():
                 break
             await asyncio.sleep(0.01)
-        assert engine.gate.num_held_encodes > 0 and not task.done()
+        # It waits: held at its encode, or (the process's work counted at admission,
+        # issue 40 #3) kept queued before it ever starts.
+        waited = engine.gate.num_held_encodes + engine.gate.deferrals["memory"]
+        assert waited > 0 and not task.done()
 
         probe.held = tight_at - 200 * MB  # the other work freed memory
         assert await task == roomy
@@ -167,7 +171,7 @@ def test_an_image_encode_that_cannot_fit_alone_ends_its_request(make_pool, model
     retryable error, before its vision tower runs."""
 
     async def main() -> None:
-        pool = make_pool(models_dir)
+        pool = make_pool(models_dir, fresh_profile=True)
         probe = pool.probe = FrozenProbe()
         engine = await pool.get_engine("tiny-llava")
         encodes = _encodes_seen_by(engine, probe)

@@ -64,7 +64,7 @@ def test_a_finished_requests_stores_run_before_the_gate_reads(make_pool) -> None
     step already holds them."""
 
     async def main() -> None:
-        pool = make_pool(cache={"enabled": True, "block_size": 16})
+        pool = make_pool(cache={"enabled": True, "block_size": 16}, fresh_profile=True)
         probe = pool.probe = StoreWatch()
         engine = await pool.get_engine("tiny-llama")
         probe.watch_steps(engine)
