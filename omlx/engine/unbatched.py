@@ -3,7 +3,7 @@
 Some mlx-lm model files and cache types cannot batch: gpt_bigcode builds its
 position ids from one offset, llama4's ChunkedKVCache "cannot be batched". Each
 request alone works; several at once raise inside the forward, and every request
-of the batch would get the error. A short probe at load (two rows of the runner's
+of the batch would get the error. A short probe at load (three rows of the runner's
 batched prefill on fresh caches, which is where both fail) finds most such
 models before any request; otherwise the first such failure (more than one
 request running) turns the model to one request at a time for as long as it
@@ -27,21 +27,23 @@ log = logging.getLogger(__name__)
 
 # Prompt tokens of each probe row (past the chunk: the batch's cache is built).
 PROBE_TOKENS = 8
+PROBE_ROWS = 3
 
 
 def batch_probe(model: LanguageModel, vocab_size: int) -> str | None:
-    """Run one step of the runner's batched prefill over two fresh rows (mlx-lm
-    merges their caches into a batch cache). None when it runs; else why the
-    model cannot batch."""
+    """Run one step of the runner's batched prefill over three fresh rows (mlx-lm
+    merges their caches into a batch cache; three, since gemma2's batched mask
+    only fails to broadcast when the rows differ from its KV heads, often two).
+    None when it runs; else why the model cannot batch."""
     batch = PrefillBatch(model, PROBE_TOKENS)
     try:
-        for i in range(2):
+        for i in range(PROBE_ROWS):
             prompt = [(i * 31 + j * 7) % (vocab_size - 1) + 1 for j in range(PROBE_TOKENS + 1)]
             batch.add(Row(f"batch-probe-{i}", _greedy, []), prompt_cache(model), 0, prompt)
         _, cache = batch.step()
         mx.eval([c.state for c in cache])
     except Exception as exc:  # the model file's or cache type's own refusal
-        return f"a batch of two failed at load ({type(exc).__name__}: {exc})"
+        return f"a batch of {PROBE_ROWS} failed at load ({type(exc).__name__}: {exc})"
     return None
 
 

@@ -1,7 +1,8 @@
 """A model that cannot batch serves its requests one at a time (issue 41, defect 1),
 with real tiny models whose mlx-lm code raises when several requests share a step,
 each alone working: gpt_bigcode ("Only length-1 arrays can be converted to Python
-scalars") and llama4 ("ChunkedKVCache does not yet support batching with history").
+scalars"), llama4 ("ChunkedKVCache does not yet support batching with history") and
+gemma2 (a batch mask that does not broadcast against its grouped scores).
 The load-time probe finds it; four requests at once all complete with their solo
 answers, and /health's ``batching`` says why."""
 
@@ -20,6 +21,8 @@ from tests.integration.test_memory_admission import generate
 ERRORS = {
     "gpt_bigcode": "Only length-1 arrays",
     "llama4": "ChunkedKVCache'> does not yet support batching",
+    # mlx-lm's gemma2 masks (B, 1, L, L) against scores (B, kv, rep, L, L).
+    "gguf-gemma2": "cannot be broadcast",
 }
 
 
