@@ -12,6 +12,7 @@ from typing import Any
 import mlx.core as mx
 
 from omlx.cache.hot import HotTier
+from omlx.cache.prefix import PrefixCache
 from omlx.cache.setup import make_prefix_cache
 from omlx.engine.admission import AdmissionSwitch
 from omlx.engine.kv_measure import with_measured_kv
@@ -51,11 +52,28 @@ def build_engine(
     loaded: LoadedModel, parts: EngineParts, *, window: int, explicit_kv_tokens: int | None
 ) -> tuple[ModelEngine, dict[str, Any]]:
     """The engine, and how its load went (``kv_profile``: measured or reused,
-    ``compiled_steps``) for /health."""
-    sched = parts.settings.scheduler
+    ``compiled_steps``) for /health. A load that fails leaves no prefix cache
+    attached to the shared RAM tier (the next load of the model starts clean)."""
     cluster = parts.cluster
     shard = cluster.cache_shard() if cluster is not None else ""
     prefix = make_prefix_cache(parts.settings, parts.hot_cache, loaded, shard)
+    try:
+        return _assemble(loaded, parts, prefix, window, explicit_kv_tokens)
+    except BaseException:
+        if prefix is not None:
+            prefix.close()
+        raise
+
+
+def _assemble(
+    loaded: LoadedModel,
+    parts: EngineParts,
+    prefix: PrefixCache | None,
+    window: int,
+    explicit_kv_tokens: int | None,
+) -> tuple[ModelEngine, dict[str, Any]]:
+    sched = parts.settings.scheduler
+    cluster = parts.cluster
     strategy = ExecutionStrategy.choose(sched.execution_strategy, mx.default_device().type.name)
     if cluster is not None:
         strategy = strategy.split()

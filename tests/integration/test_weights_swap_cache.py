@@ -14,11 +14,13 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
+from omlx.errors import InsufficientMemoryError
 from tests.fixtures.tiny_models import build_tiny_model
-from tests.integration.test_memory_admission import generate
+from tests.integration.test_memory_admission import MLXProbe, generate
 
 NAME = "swapped"
 PROMPT = [5 + (j * 7) % 300 for j in range(200)]
@@ -86,3 +88,22 @@ def test_same_size_weights_swapped_in_never_hit_the_old_blocks(make_pool, tmp_pa
     build_tiny_model(tmp_path / "again", "llama", seed=1)
     _swap(models, tmp_path / "again" / "model.safetensors")
     asyncio.run(ssd_tier(old_answer, hit=False))
+
+
+def test_a_failed_load_leaves_the_ram_tier_as_it_was(make_pool, tmp_path: Path) -> None:
+    """A load that fails after its prefix cache was made (here its auto-profile: the
+    readings say the ceiling is all but reached, ``MLXProbe`` drifted) detaches it
+    from the shared RAM tier, so loading the model again fails the same way (507),
+    not with "already attached"."""
+    models = tmp_path / "models"
+    build_tiny_model(models / NAME, "llama", seed=1)
+    pool = make_pool(models, cache=CACHE, fresh_profile=True)
+    probe = pool.probe = MLXProbe()
+    probe.drifted_to = pool.limits.hard_bytes - 1_000_000
+
+    async def main() -> None:
+        for _ in range(2):
+            with pytest.raises(InsufficientMemoryError):
+                await pool.get_engine(NAME)
+
+    asyncio.run(main())
