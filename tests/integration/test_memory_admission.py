@@ -25,20 +25,23 @@ MARGIN = 64 * MB
 
 
 class MLXProbe(MemoryProbe):
-    """Real MLX readings without the process footprint; remembers the highest peak.
-    With ``drifted_to`` set, the readings say that much is held (something else grew)."""
+    """Real MLX readings without the process footprint; remembers the highest peak
+    (of the real readings). With ``drifted_to`` set, the readings say that much is
+    held; with ``drift_bytes``, that much more than MLX holds (something else grew)."""
 
     def __init__(self) -> None:
         super().__init__(max_age_s=0.0)
         self.max_peak = 0
         self.drifted_to: int | None = None
+        self.drift_bytes = 0
 
     def _sample(self) -> tuple[int, int, int]:
         active, _, peak = super()._sample()
         self.max_peak = max(self.max_peak, peak, active)
         if self.drifted_to is not None:
             return self.drifted_to, self.drifted_to, peak
-        return active, active, peak
+        held = active + self.drift_bytes
+        return held, held, max(peak, held)
 
 
 async def generate(engine, request_id: str, prompt: list[int], max_tokens: int = 4):
