@@ -557,10 +557,8 @@ class BatchRunner:
     def flush_cache_stores(self) -> None:
         """Store now what ended requests left for the prefix cache (stores wait for
         the next step so responses leave first; the gate's reading and a clear must
-        find those blocks). The lone sequence's queued forward runs first: a store
-        reads its cache, which that forward wrote lazily, and a rank of a split model
-        that skips a store (it holds the blocks) would leave the others alone in that
-        forward's collectives."""
+        find those blocks). The lone sequence's lazily queued forward runs first, on
+        every rank of a split model alike: a store reads the cache it writes."""
         if self._solo is not None:
             with mx.stream(self._stream):
                 self._solo.settle()

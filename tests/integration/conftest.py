@@ -12,6 +12,7 @@ from omlx.engine.worker import MLXWorker
 from omlx.memory.probe import MemoryProbe
 from omlx.settings import Settings
 from tests.fixtures.servers import share_profiles
+from tests.fixtures.tiny_models import build_tiny_model
 
 
 def pool_settings(
@@ -68,3 +69,12 @@ def make_pool(tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path) -> Iter
     for pool, _, shared in made:
         own_probe = type(pool.probe) is not MemoryProbe
         assert not (shared and own_probe), "a test's own probe: make_pool(fresh_profile=True)"
+
+
+@pytest.fixture(scope="session")
+def two_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two slow-llama models (different weights): tests of one ceiling shared by two."""
+    root = tmp_path_factory.mktemp("two-slow")
+    build_tiny_model(root / "slow-a", "slow-llama", seed=2)
+    build_tiny_model(root / "slow-b", "slow-llama", seed=3)
+    return root

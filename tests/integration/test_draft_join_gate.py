@@ -16,33 +16,14 @@ import pytest
 
 from omlx.engine.stream import RequestStream
 from omlx.memory.budget import Limits, MemoryReading
-from omlx.memory.probe import MemoryProbe
 from omlx.scheduler import Request, SamplingParams
+from tests.fixtures.frozen_probe import FrozenProbe
 
 MODEL = "tiny-llama"
 DRAFT: dict[str, Any] = {"method": "draft", "num_tokens": 4, "draft_model": "tiny-llama-twin"}
 PROMPT = list(range(3, 40)) * 3  # 111 tokens: the draft's catch-up is the whole history
 MB = 1_000_000
 GREEDY = SamplingParams(temperature=0.0, max_tokens=30)
-
-
-class FrozenProbe(MemoryProbe):
-    """Real readings until ``frozen`` is set, then that many bytes held, always: a
-    fake, because a real reading moves with every allocation and the test needs a
-    ceiling that passes a short prefill chunk and refuses a long catch-up."""
-
-    def __init__(self) -> None:
-        super().__init__(max_age_s=0.0)
-        self.frozen: int | None = None
-
-    def _sample(self) -> tuple[int, int, int]:
-        if self.frozen is None:
-            return super()._sample()
-        self._mlx_cache_bytes = 0
-        return self.frozen, self.frozen, self.frozen
-
-    def _footprint_bytes(self) -> int:
-        return super()._footprint_bytes() if self.frozen is None else self.frozen
 
 
 @pytest.fixture
@@ -106,8 +87,8 @@ def test_a_draft_row_joining_mid_step_waits_for_the_gate(make_pool, models_dir) 
         pool.worker.post(hold.wait)
         stream = RequestStream("tight", asyncio.get_running_loop())
         engine.submit(Request("tight", tuple(PROMPT), GREEDY), stream)
-        probe.frozen = probe.reading().resident_bytes
-        pool.limits = _tight_limits(engine, probe.frozen)
+        probe.held = probe.reading().resident_bytes
+        pool.limits = _tight_limits(engine, probe.held)
         engine.guard.publish(pool.limits)
         hold.set()
         assert await _collect(stream) == plain

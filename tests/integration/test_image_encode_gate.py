@@ -21,33 +21,14 @@ from omlx.api.images import ImagePart, process
 from omlx.engine.stream import RequestStream
 from omlx.errors import MemoryPressureError
 from omlx.memory.budget import Limits, MemoryReading
-from omlx.memory.probe import MemoryProbe
 from omlx.memory.vision import image_bytes
 from omlx.scheduler import Request, SamplingParams
+from tests.fixtures.frozen_probe import FrozenProbe
 from tests.fixtures.tiny_vlms import build_tiny_vlm
 
 MB = 1_000_000
 MARGIN = 64 * MB
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
-
-
-class FrozenProbe(MemoryProbe):
-    """Real readings until ``held`` is set, then that many bytes held, always: a
-    fake, because a real reading moves with every allocation and the test needs a
-    ceiling that passes the image prompt's prefill chunk but not its encode."""
-
-    def __init__(self) -> None:
-        super().__init__(max_age_s=0.0)
-        self.held: int | None = None
-
-    def _sample(self) -> tuple[int, int, int]:
-        if self.held is None:
-            return super()._sample()
-        self._mlx_cache_bytes = 0
-        return self.held, self.held, self.held
-
-    def _footprint_bytes(self) -> int:
-        return super()._footprint_bytes() if self.held is None else self.held
 
 
 @pytest.fixture

@@ -29,7 +29,6 @@ from omlx.api.metrics_collector import PoolCollector
 from omlx.api.state import ServerState
 from omlx.memory.budget import CANARY_FRACTION, Limits, held_tokens_peak_bytes
 from omlx.memory.probe import PEAK_WINDOW_S
-from tests.fixtures.tiny_models import build_tiny_model
 from tests.integration.test_memory_admission import MARGIN, MB, MLXProbe, generate
 
 # Mixed lengths, so long prefills run beside requests already decoding.
@@ -38,14 +37,6 @@ LENGTHS = (1500, 300, 1200, 200, 900, 1500, 250, 700)
 
 def _prompts() -> list[list[int]]:
     return [[5 + (i * 7 + j) % 400 for j in range(n)] for i, n in enumerate(LENGTHS)]
-
-
-@pytest.fixture(scope="module")
-def two_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("two-slow")
-    build_tiny_model(root / "slow-a", "slow-llama", seed=2)
-    build_tiny_model(root / "slow-b", "slow-llama", seed=3)
-    return root
 
 
 @pytest.fixture

@@ -13,22 +13,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pytest
-
 from omlx.engine.stream import RequestStream
 from omlx.memory.budget import CANARY_FRACTION, Limits, held_tokens_peak_bytes
 from omlx.memory.probe import PEAK_WINDOW_S
 from omlx.scheduler import Request, SamplingParams
-from tests.fixtures.tiny_models import build_tiny_model
 from tests.integration.test_memory_admission import MARGIN, MB, MLXProbe, generate, prompts
-
-
-@pytest.fixture(scope="module")
-def two_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("two-models")
-    build_tiny_model(root / "slow-a", "slow-llama", seed=2)
-    build_tiny_model(root / "slow-b", "slow-llama", seed=3)
-    return root
 
 
 async def _decoding(engine, request_id: str, prompt: list[int], max_tokens: int):
