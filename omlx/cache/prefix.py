@@ -9,7 +9,7 @@ A model split across ranks (omlx serve --distributed) has a PrefixCache per rank
 each holding its own KV shard under the same block keys; ``lookup_together`` cuts
 each hit to a length every rank restored (their tiers evict on their own).
 
-Models with recurrent layers or sliding windows (see kv_codec) need the
+Models with recurrent layers, sliding windows or chunked attention (see kv_codec) need the
 state at a block's end; ``snapshot`` records it during prefill, keyed by
 request id, and ``forget`` drops a request's snapshots once it has stored (or
 left). A block whose end has no snapshot (e.g. output tokens decoded in the
@@ -235,7 +235,8 @@ class PrefixCache:
     def snapshot(self, request_id: str, position: int, layers: Sequence[Any]) -> None:
         """Record the non-KV state (recurrent, sliding window) right after token
         ``position - 1``."""
-        self._snapshots.setdefault(request_id, {})[position] = kv_codec.snapshot(layers)
+        since = position - (position - 1) % self.block_size - 1  # the block's first token
+        self._snapshots.setdefault(request_id, {})[position] = kv_codec.snapshot(layers, since)
 
     def snapshot_positions(self, request_id: str) -> list[int]:
         return sorted(self._snapshots.get(request_id, {}))
