@@ -24,6 +24,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
 
+from omlx.cache import kv_codec
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.stream import RequestStream
 from omlx.scheduler import Request, SamplingParams
@@ -218,3 +219,26 @@ def test_answers_that_leave_the_batch_are_cached_up_to_their_last_fed_token(
         assert await generate(engine, follow) == (warm, 0)
 
     asyncio.run(main())
+
+
+def test_a_snapshot_that_fails_never_fails_the_request(
+    make_pool, models_dir: Path, expected: dict, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """The cache is an optimisation: a boundary snapshot that raises (here: made to)
+    during a prefill is logged, and the request answers as mlx-lm, uncached."""
+
+    def broken(layers, since=0):
+        raise ValueError("a snapshot that cannot be taken")
+
+    monkeypatch.setattr(kv_codec, "snapshot", broken)
+    prompt, answer = expected["llama4"]
+    pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
+
+    async def main() -> None:
+        engine = await pool.get_engine("llama4")
+        for _ in range(2):
+            assert await generate(engine, prompt) == (answer, 0)
+            await settle(engine)
+
+    asyncio.run(main())
+    assert "prefix cache snapshot or store failed" in caplog.text
