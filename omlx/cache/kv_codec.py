@@ -57,10 +57,8 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from omlx.cache.kv_bytes import cut_payload, from_bytes, joined, to_bytes
+from omlx.cache.kv_bytes import from_bytes, joined, to_bytes
 from omlx.cache.safetensors_io import Tensors
-
-__all__ = ["cut_payload", "layer_layout", "quantized_kind", "restore", "snapshot"]
 
 KV = "kv"
 ARRAYS = "arrays"

@@ -34,6 +34,7 @@ from typing import Any
 from omlx.cache import kv_codec
 from omlx.cache.blocks import block_keys, chain_key
 from omlx.cache.hot import ClearTier, HotTier
+from omlx.cache.kv_bytes import cut_payload
 from omlx.cache.prefix_index import NO_HIT, HitSpan, PrefixIndex, PrefixMatch
 from omlx.cache.safetensors_io import BlockPayload
 from omlx.cache.ssd import PUT_TIMEOUT_S as SSD_PUT_TIMEOUT_S
@@ -209,7 +210,7 @@ class PrefixCache:
             if held >= num_tokens:
                 break
             if held + payload.num_tokens > num_tokens:  # sliceable KV only (the span)
-                payload = kv_codec.cut_payload(payload, num_tokens - held)
+                payload = cut_payload(payload, num_tokens - held)
             kept.append(payload)
             held += payload.num_tokens
         return self._restore(kept, new_cache(), room)
@@ -227,7 +228,7 @@ class PrefixCache:
                 break
             payloads.append(payload)
         if payloads and len(payloads) == len(found.keys) and found.cut:
-            payloads[-1] = kv_codec.cut_payload(payloads[-1], found.cut)
+            payloads[-1] = cut_payload(payloads[-1], found.cut)
         return payloads
 
     # -- store -------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from omlx.cache import kv_codec
+from omlx.cache.kv_bytes import cut_payload
 from omlx.cache.safetensors_io import BlockPayload
 from tests.fixtures.tiny_models import build_tiny_model
 
@@ -165,7 +166,7 @@ def test_quantized_kv_round_trips_and_cuts() -> None:
     # Room for the next tokens, as for plain KV.
     assert restored.keys[0].shape[2] % QuantizedKVCache.step == 0
     payload = BlockPayload("ab" * 8, "m", BLOCK, BLOCK, ("quantized:8:32",), blocks[1])
-    cut = kv_codec.cut_payload(payload, 5)
+    cut = cut_payload(payload, 5)
     half = kv_codec.restore([QuantizedKVCache(group_size=32, bits=8)], [blocks[0], cut.tensors])[0]
     assert half.offset == BLOCK + 5
     got_keys, _ = half.keys_and_values()
