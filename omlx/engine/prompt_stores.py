@@ -65,8 +65,11 @@ class PromptStores:
         rid, prompt, size = request.request_id, request.prompt_ids, prefix.block_size
 
         def hook(position: int, layers: list[Any]) -> None:
-            prefix.snapshot(rid, position, layers)
-            prefix.store(rid, prompt, layers, position - position % size, tail=False)
+            try:
+                prefix.snapshot(rid, position, layers)
+                prefix.store(rid, prompt, layers, position - position % size, tail=False)
+            except Exception:  # as in ``run``: never fail the prefill over the cache
+                log.exception("prefix cache snapshot or store failed")
 
         return hook
 

@@ -33,6 +33,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from omlx.cache.hot import ClearTier
+from omlx.cache.kv_codec import num_tokens_held
 from omlx.cache.prefix import AgreeHits, CacheHit, PrefixCache
 from omlx.cache.prefix_index import NO_HIT
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
@@ -478,7 +479,7 @@ class BatchRunner:
                 self._start_batched(self._row(r, ()), prompt_cache(self._model), 0, r.prompt_ids)
             leaving.update(self._prefill.remove(request_ids, extract=keep_caches))
             for rid, layers in self._decode.remove(request_ids, extract=keep_caches).items():
-                leaving[rid] = (layers, _cache_length(layers))
+                leaving[rid] = (layers, num_tokens_held(layers))
         for rid, held in leaving.items():
             self._stores.leave(rid, held)
 
@@ -589,12 +590,3 @@ class BatchRunner:
             mx.synchronize(self._stream)
             mx.set_wired_limit(self._old_wired_limit)
             self._old_wired_limit = None
-
-
-def _cache_length(layers: list[CacheLayer]) -> int:
-    """Tokens held by an extracted cache (its KV layers' offset; -1 if it has none)."""
-    for layer in layers:
-        offset = getattr(layer, "offset", None)
-        if isinstance(offset, int):
-            return offset
-    return -1
