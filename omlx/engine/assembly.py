@@ -15,17 +15,21 @@ from omlx.cache.hot import HotTier
 from omlx.cache.prefix import PrefixCache
 from omlx.cache.setup import make_prefix_cache
 from omlx.engine.admission import AdmissionSwitch
+from omlx.engine.compiled_batch import CompiledSteps
 from omlx.engine.kv_measure import with_measured_kv
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.profile_cache import ProfileCache, ProfileInputs, profile_model
+from omlx.engine.quantized_cache import install as install_quantized_kv
 from omlx.engine.runner import BatchRunner
 from omlx.engine.strategy import ExecutionStrategy
 from omlx.engine.unbatched import batch_probe
 from omlx.engine.worker import MLXWorker
+from omlx.errors import SettingsError
 from omlx.memory.budget import KVProfile, Limits, ModelDims, guard_dims
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
 from omlx.models.loader import LoadedModel
+from omlx.models.model_settings import KVQuantSpec
 from omlx.scheduler import Scheduler
 from omlx.settings import Settings
 
@@ -49,20 +53,49 @@ class EngineParts:
 
 
 def build_engine(
-    loaded: LoadedModel, parts: EngineParts, *, window: int, explicit_kv_tokens: int | None
+    loaded: LoadedModel,
+    parts: EngineParts,
+    *,
+    window: int,
+    explicit_kv_tokens: int | None,
+    kv_quant: KVQuantSpec | None = None,
 ) -> tuple[ModelEngine, dict[str, Any]]:
     """The engine, and how its load went (``kv_profile``: measured or reused,
     ``compiled_steps``) for /health. A load that fails leaves no prefix cache
-    attached to the shared RAM tier (the next load of the model starts clean)."""
+    attached to the shared RAM tier (the next load of the model starts clean).
+    ``kv_quant``: the model's KV cache is quantized (quantized_cache.py)."""
     cluster = parts.cluster
     shard = cluster.cache_shard() if cluster is not None else ""
-    prefix = make_prefix_cache(parts.settings, parts.hot_cache, loaded, shard)
+    prefix = None
+    if kv_quant is not None:
+        _quantize_kv(loaded, kv_quant, cluster)
+    else:
+        prefix = make_prefix_cache(parts.settings, parts.hot_cache, loaded, shard)
     try:
-        return _assemble(loaded, parts, prefix, window, explicit_kv_tokens)
+        engine, facts = _assemble(loaded, parts, prefix, window, explicit_kv_tokens, kv_quant)
+        engine.kv_quant = kv_quant
+        return engine, facts
     except BaseException:
         if prefix is not None:
             prefix.close()
         raise
+
+
+def _quantize_kv(loaded: LoadedModel, spec: KVQuantSpec, cluster: Any) -> None:
+    """Every cache of the model quantized from here on; the prefix cache off (its
+    codec stores plain KV layers) and the compiled steps eager (they trace plain KV)."""
+    name = loaded.info.name
+    if cluster is not None:
+        raise SettingsError(
+            f"kv_bits: a model split across ranks keeps full-precision KV; clear {name}'s kv_bits",
+            param="kv_bits",
+        )
+    install_quantized_kv(loaded.model, spec, name)
+    log.info(
+        "%s for %s: prefix cache off, compiled decode steps off, no speculative decoding",
+        spec.describe(),
+        name,
+    )
 
 
 def _assemble(
@@ -71,6 +104,7 @@ def _assemble(
     prefix: PrefixCache | None,
     window: int,
     explicit_kv_tokens: int | None,
+    kv_quant: KVQuantSpec | None = None,
 ) -> tuple[ModelEngine, dict[str, Any]]:
     sched = parts.settings.scheduler
     cluster = parts.cluster
@@ -85,6 +119,7 @@ def _assemble(
         strategy=strategy,
         vision=loaded.vision,
         shared_hits=cluster.shared_hits() if cluster is not None else None,
+        compiled=CompiledSteps() if kv_quant is not None else None,
     )
     scheduler = Scheduler(
         sched.max_concurrent_requests,

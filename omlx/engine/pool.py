@@ -240,6 +240,8 @@ class EnginePool:
                 engine.context_window = self.context_window_for(engine.loaded)
                 if isinstance(engine, ModelEngine):
                     engine.num_draft = self.catalog.num_draft_tokens(engine.name)
+                    if engine.kv_quant != self.catalog.kv_quant(engine.name):
+                        log.info("%s: the new kv_bits applies at its next load", engine.name)
                     if self.builder.draft_changed(engine):
                         redrafted.append(engine)
         swaps = [self.worker.submit(self.builder.redraft, e) for e in redrafted]

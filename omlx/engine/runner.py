@@ -29,7 +29,6 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from omlx.cache.hot import ClearTier
@@ -45,6 +44,7 @@ from omlx.engine.image_prefill import image_sequence
 from omlx.engine.ngram import drafter_for, speculates
 from omlx.engine.openings import share_openings, shares_openings
 from omlx.engine.prompt_stores import PromptStores
+from omlx.engine.quantized_cache import joins_batch
 from omlx.engine.sampling import make_request_processors, make_request_sampler
 from omlx.engine.solo import SoloSequence
 from omlx.engine.strategy import ExecutionStrategy
@@ -404,13 +404,11 @@ class BatchRunner:
 
     def _solo_state(self, solo: SoloSequence, request: Request) -> SoloState:
         """The lone sequence as the placement rules see it (movable: its first token
-        is out and its cache is plain KV layers, which the batch can take)."""
+        is out and its cache is plain or quantized KV layers, which the batch can take)."""
         return SoloState(
             solo.request_id,
             solo.num_pending,
-            movable=not solo.num_pending
-            and solo.decoding
-            and all(type(layer) is KVCache for layer in solo.cache),
+            movable=not solo.num_pending and solo.decoding and joins_batch(solo.cache),
             would_draft=self.num_draft > 0 and speculates(request),
         )
 

@@ -48,6 +48,21 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_DRAFT_TOKENS = 16
 
 
+# mlx-lm's default KV quantization group (generate.py's --kv-group-size).
+DEFAULT_KV_GROUP_SIZE = 64
+
+
+@dataclass(frozen=True, slots=True)
+class KVQuantSpec:
+    """How a model's KV cache is quantized (mlx-lm's ``kv_bits``, ``kv_group_size``)."""
+
+    bits: int
+    group_size: int
+
+    def describe(self) -> str:
+        return f"{self.bits}-bit KV (groups of {self.group_size})"
+
+
 class SpeculativeSettings(BaseModel):
     """Speculative decoding for one model: ``ngram`` drafts by prompt lookup
     (copying what followed the same tokens earlier in the prompt or output);
@@ -112,6 +127,18 @@ class ModelSettings(BaseModel):
     force_sampling: bool = False
     # Speculative decoding (None: off); requests opt out with "speculative": false.
     speculative: SpeculativeSettings | None = None
+    # KV cache quantization (mlx-lm's QuantizedKVCache) from a sequence's first token:
+    # bits per value (None: full precision) and values per quantization group (mlx-lm's
+    # kv_bits, kv_group_size; None: mlx-lm's 64). Applied at the model's next load.
+    kv_bits: Literal[4, 8] | None = None
+    kv_group_size: Literal[32, 64, 128] | None = None
+
+    @property
+    def kv_quant(self) -> KVQuantSpec | None:
+        """The model's KV quantization (None: full-precision KV)."""
+        if self.kv_bits is None:
+            return None
+        return KVQuantSpec(self.kv_bits, self.kv_group_size or DEFAULT_KV_GROUP_SIZE)
 
     @property
     def draft_model(self) -> str | None:
