@@ -23,7 +23,8 @@ class Family:
     prefills in one forward with its last token, as mlx-vlm's generate does for
     it (a prompt that attends as one). ``one_at_a_time``: why the family
     cannot share the decode batch (None: it can). ``no_prefix_cache``: why its
-    prompts' KV cannot be reused by another prompt (None: it can)."""
+    prompts' KV cannot be reused by another prompt (None: it can). ``max_images``:
+    the most images one prompt may carry (None: the API's limit)."""
 
     image_text: str | None = None
     mrope: bool = False
@@ -31,6 +32,7 @@ class Family:
     whole_prompt: bool = False
     one_at_a_time: str | None = None
     no_prefix_cache: str | None = None
+    max_images: int | None = None
 
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -64,6 +66,8 @@ FAMILIES: dict[str, Family] = {
         "would attend the other rows' padding",
         no_prefix_cache="paligemma attends bidirectionally: a token's KV depends on the "
         "tokens after it, so no other prompt can reuse it",
+        # mlx-vlm places one image's features at the prompt's first tokens.
+        max_images=1,
     ),
     # A llama decoder; the processor writes each image between fake-token markers.
     "idefics3": Family(),

@@ -157,3 +157,23 @@ def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     got = chat(client, model, ask(png(60, size), text=text), MAX_TOKENS)
     assert got.usage.prompt_tokens > 64
     assert answer(client, model, ask(png(60, size), text=text)) == expected
+
+
+@pytest.mark.parametrize("model", [m for m in MODELS if m != "tiny-paligemma"])
+def test_two_images_and_text_alone_answer(client: openai.OpenAI, model: str) -> None:
+    two = chat(client, model, ask(png(70), png(71), text="compare them"), MAX_TOKENS)
+    one = chat(client, model, ask(png(70), text="compare them"), MAX_TOKENS)
+    text_only = chat(client, model, [{"role": "user", "content": "tell me a story"}], MAX_TOKENS)
+    assert two.usage.prompt_tokens > one.usage.prompt_tokens > text_only.usage.prompt_tokens
+    for reply in (two, one, text_only):
+        assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_paligemma_takes_one_image_a_request_and_says_so(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, "tiny-paligemma", ask(png(72), png(73)), MAX_TOKENS)
+    error = info.value.response.json()["error"]
+    assert error["param"] == "messages[0].content[2]"
+    assert "at most 1 image" in error["message"] and "paligemma" in error["message"]
+    text_only = chat(client, "tiny-paligemma", [{"role": "user", "content": "hi"}], MAX_TOKENS)
+    assert text_only.choices[0].finish_reason in ("length", "stop")
