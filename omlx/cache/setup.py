@@ -63,6 +63,10 @@ def make_prefix_cache(
     if hot is None:
         return None
     name = loaded.info.name
+    family = loaded.vision.family if loaded.vision is not None else None
+    if family is not None and family.no_prefix_cache:
+        log.warning("prefix cache off for %s: %s", name, family.no_prefix_cache)
+        return None
     layers = prompt_cache(loaded.model)
     layout = layer_layout(layers)
     if layout is None:

@@ -181,7 +181,9 @@ def _probe_batching(loaded: LoadedModel, scheduler: Scheduler) -> str | None:
     (unbatched.py): the reason, or None."""
     if scheduler.max_running < 2:
         return None
-    reason = batch_probe(loaded.model, loaded.vocab_size)
+    family = loaded.vision.family if loaded.vision is not None else None
+    reason = family.one_at_a_time if family is not None else None
+    reason = reason or batch_probe(loaded.model, loaded.vocab_size)
     if reason is not None:
         scheduler.max_running = 1
         log.warning(

@@ -270,6 +270,8 @@ class BatchRunner:
                 processors=make_request_processors(request),
                 prefill_step_size=self._prefill_step_size,
                 hit=hit,
+                block_size=self._prefix.block_size if self._prefix is not None else 0,
+                on_boundary=self._stores.boundary_hook(request),
             )
         self._side[rid] = (sequence, request)
         return hit.num_tokens if hit is not None else 0
@@ -516,13 +518,16 @@ class BatchRunner:
         prompt just ended included: their first token leaves in this step)."""
         self._stores.run()
         self._move_solo()
-        outputs, self._unreported = self._unreported, []
+        outputs: list[TokenOutput] = []
         if self._solo is not None and not self._solo.held:
             token = self._solo.step()
             if token is not None:
                 solo = self._solo
                 outputs.append(TokenOutput(solo.request_id, token, solo.last_logprobs))
+        # A side sequence that sampled its first token hands it over as it joins:
+        # out before the batch's next token for it.
         self._step_side()
+        outputs, self._unreported = [*self._unreported, *outputs], []
         with mx.stream(self._stream):
             if self._prefill:
                 done, cache = self._prefill.step()
@@ -534,7 +539,7 @@ class BatchRunner:
 
     def _step_side(self) -> None:
         """One prefill chunk for each side sequence; those down to their last
-        prompt token join the batch (which samples their first token)."""
+        prompt token (or past it: a whole-prompt pass) join the batch."""
         for rid, (seq, request) in list(self._side.items()):
             if seq.held:
                 continue
