@@ -72,18 +72,21 @@ def _first_difference(
 
 def _greedy(runner: BatchRunner, prompts: list[list[int]]) -> list[list[TokenLogprob]]:
     """Each prompt's first ``NUM_STEPS`` greedy tokens with their logprobs, all
-    started together on ``runner``."""
+    started together on ``runner`` (closed after: on a Mac it set the wired limit)."""
     params = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS, logprobs=_TOP)
     ids = [f"output-probe-{i}" for i in range(len(prompts))]
-    runner.add(Request(rid, tuple(p), params) for rid, p in zip(ids, prompts, strict=True))
     got: dict[str, list[TokenLogprob]] = {rid: [] for rid in ids}
-    for _ in range(_MAX_STEPS):
-        if all(len(steps) >= NUM_STEPS for steps in got.values()):
-            break
-        for token in runner.step():
-            assert token.logprobs is not None  # every request asked
-            got[token.request_id].append(token.logprobs)
-    runner.remove(ids)
+    try:
+        runner.add(Request(rid, tuple(p), params) for rid, p in zip(ids, prompts, strict=True))
+        for _ in range(_MAX_STEPS):
+            if all(len(steps) >= NUM_STEPS for steps in got.values()):
+                break
+            for token in runner.step():
+                assert token.logprobs is not None  # every request asked
+                got[token.request_id].append(token.logprobs)
+        runner.remove(ids)
+    finally:
+        runner.close()
     if any(len(steps) < NUM_STEPS for steps in got.values()):
         raise RuntimeError(f"{_MAX_STEPS} steps gave fewer than {NUM_STEPS} tokens a row")
     return [got[rid][:NUM_STEPS] for rid in ids]
