@@ -4,9 +4,11 @@ proven. MLX thread only (the pool calls it inside a load)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -18,6 +20,7 @@ from omlx.engine.admission import AdmissionSwitch
 from omlx.engine.compiled_batch import CompiledSteps
 from omlx.engine.kv_measure import with_measured_kv
 from omlx.engine.model_engine import ModelEngine
+from omlx.engine.output_probe import output_probe
 from omlx.engine.profile_cache import ProfileCache, ProfileInputs, profile_model
 from omlx.engine.quantized_cache import install as install_quantized_kv
 from omlx.engine.runner import BatchRunner
@@ -130,7 +133,11 @@ def _assemble(
         share_openings=runner.shares_openings,
         name=loaded.info.name,
     )
-    unbatched = _probe_batching(loaded, scheduler) if cluster is None else None
+    unbatched = (
+        _probe_batching(loaded, scheduler, partial(_probe_runner, loaded, parts, strategy))
+        if cluster is None
+        else None
+    )
     dims = guard_dims(
         loaded.config, kv_dtype_bytes=loaded.activation_bytes(), model=loaded.info.name
     )
@@ -176,14 +183,21 @@ def _assemble(
     return engine, facts
 
 
-def _probe_batching(loaded: LoadedModel, scheduler: Scheduler) -> str | None:
-    """A model that cannot batch runs one request at a time from the start
-    (unbatched.py): the reason, or None."""
+def _probe_batching(
+    loaded: LoadedModel, scheduler: Scheduler, new_runner: Callable[[], BatchRunner]
+) -> str | None:
+    """A model that cannot batch, or whose batch gives other tokens than each
+    request alone, runs one request at a time from the start (unbatched.py,
+    output_probe.py): the reason, or None."""
     if scheduler.max_running < 2:
         return None
     family = loaded.vision.family if loaded.vision is not None else None
     reason = family.one_at_a_time if family is not None else None
-    reason = reason or batch_probe(loaded.model, loaded.vocab_size)
+    reason = (
+        reason
+        or batch_probe(loaded.model, loaded.vocab_size)
+        or output_probe(new_runner, loaded.vocab_size, loaded.activation_bytes())
+    )
     if reason is not None:
         scheduler.max_running = 1
         log.warning(
@@ -192,6 +206,19 @@ def _probe_batching(loaded: LoadedModel, scheduler: Scheduler) -> str | None:
             reason,
         )
     return reason
+
+
+def _probe_runner(
+    loaded: LoadedModel, parts: EngineParts, strategy: ExecutionStrategy
+) -> BatchRunner:
+    """A runner like the engine's for the output probe: no prefix cache, eager."""
+    return BatchRunner(
+        loaded.model,
+        prefill_step_size=parts.settings.scheduler.prefill_step_size,
+        stream=parts.worker.stream,
+        strategy=dataclasses.replace(strategy, compiled=False),
+        vision=loaded.vision,
+    )
 
 
 def _profile(
