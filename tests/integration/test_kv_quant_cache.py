@@ -98,3 +98,29 @@ def test_8_bit_blocks_restore_into_the_models_own_layers(tiny_models_dir) -> Non
     assert all(type(layer) is QuantizedLayer for layer in restored)
     nxt = mx.array([[prompt[-1]]])
     assert mx.array_equal(model(nxt, cache=restored), model(nxt, cache=held))
+
+
+def test_8_bit_hits_of_requests_that_arrive_together_answer_as_each_alone(make_pool) -> None:
+    """Four prompts sharing a cached opening, at once: each restores it (quantized
+    layers) and joins the batch (a BatchQuantizedKVCache) with its answer alone."""
+    pool = make_pool(cache=CACHE, prefill_step_size=32)
+    pool.model_settings.put(MODEL, {"kv_bits": 8})
+
+    async def main() -> None:
+        engine = await pool.get_engine(MODEL)
+        assert engine.prefix_cache is not None
+        shared = list(engine.tokenizer.encode(TEXT))
+        prompts = [shared + list(engine.tokenizer.encode(f" Question {i}?")) for i in range(4)]
+        alone = []
+        for prompt in prompts:  # each computed from nothing
+            engine.prefix_cache.clear("both")
+            answer, cached = await _served(engine, prompt)
+            assert cached == 0
+            alone.append(answer)
+        engine.prefix_cache.clear("both")
+        await _served(engine, shared)
+        together = await asyncio.gather(*(generate(engine, p) for p in prompts))
+        assert [answer for answer, _ in together] == alone
+        assert all(cached >= len(shared) // BLOCK * BLOCK for _, cached in together)
+
+    asyncio.run(main())
