@@ -336,10 +336,16 @@ def install(model: Any, spec: KVQuantSpec, name: str) -> None:
     """Every cache made for ``model`` from now on quantizes its plain KV layers.
     mlx-lm's own hook (``make_prompt_cache`` defers to ``model.make_cache``): every
     path that makes a cache for the model goes through it. Raises ``SettingsError``
-    when the model's head dimension does not split into ``spec``'s groups."""
+    when the model's head dimension does not split into ``spec``'s groups, or its
+    forward cannot attend over quantized K/V (e.g. gemma4's KV-shared layers, which
+    take an earlier layer's K/V as plain arrays)."""
     make_cache = quantized_cache_factory(model, spec)
     try:
-        mx.eval(model(mx.array([[1, 2]]), cache=make_cache()))
+        # Two forwards: the first attends in full precision, the second over the
+        # quantized K/V, which is where such a model fails.
+        cache = make_cache()
+        mx.eval(model(mx.array([[1, 2]]), cache=cache))
+        mx.eval(model(mx.array([[3]]), cache=cache))
     except Exception as exc:  # the model's forward: any error is the setting's
         raise _refused(name, spec, exc) from None
     model.make_cache = make_cache

@@ -224,3 +224,28 @@ def test_a_group_size_the_heads_cannot_split_is_refused(make_pool, tiny_models_d
     pool.model_settings.put("tiny-llama", {"kv_bits": 8})
     with pytest.raises(SettingsError, match="kv_group_size: 32 does not divide"):
         asyncio.run(pool.get_engine("tiny-llama"))
+
+
+def test_a_model_that_cannot_attend_over_quantized_kv_is_refused() -> None:
+    """gemma4's KV-shared layers attend over an earlier layer's K/V as plain arrays
+    (mlx-lm's own quantized KV fails there too). Its first forward attends in full
+    precision and passes; the check at load runs a second, and refuses the setting."""
+    from mlx_lm.models import gemma4_text
+
+    args = gemma4_text.ModelArgs(
+        hidden_size=64,
+        num_hidden_layers=6,
+        sliding_window_pattern=2,
+        intermediate_size=64,
+        num_attention_heads=2,
+        head_dim=32,
+        global_head_dim=64,
+        vocab_size=128,
+        vocab_size_per_layer_input=128,
+        num_key_value_heads=1,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8,
+        sliding_window=16,
+    )
+    with pytest.raises(SettingsError, match="kv_bits: gemma4 cannot run with a quantized KV"):
+        install(gemma4_text.Model(args), KVQuantSpec(8, 32), "gemma4")
