@@ -11,9 +11,10 @@ tokens/s at 1 and 8 streams, and logprob drift.
 - Decode: the runner as the server builds it (full precision: compiled steps when the
   model qualifies; quantized: eager), greedy, 1 and 8 chat prompts prefilled, then
   ``--steps`` decode steps timed; the median of ``--rounds`` blocks, in tokens/s.
-- Drift: mean and max |logprob difference| against full-precision KV, read in one
-  forward over (a) the model's own greedy answer to a question, (b) prose it did not
-  write (tests/integration/test_kv_quant.py's text).
+- Drift: mean and max |logprob difference| against full-precision KV, read as a
+  request reads them (the prompt in one forward, then one token per forward) over
+  (a) the model's own greedy answer to a question, (b) prose it did not write.
+  ``--drift-only``: drift and KV bytes per token at groups of 32, 64 and 128.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ from omlx.engine.kv_measure import cache_bytes_per_token  # noqa: E402
 from omlx.engine.quantized_cache import install  # noqa: E402
 from omlx.engine.runner import BatchRunner  # noqa: E402
 from omlx.engine.strategy import ExecutionStrategy  # noqa: E402
+from omlx.errors import SettingsError  # noqa: E402
 from omlx.memory.dims import guard_dims  # noqa: E402
 from omlx.memory.fit import estimate_fit  # noqa: E402
 from omlx.models.builtin import install_default_model  # noqa: E402
-from omlx.models.model_settings import KVQuantSpec  # noqa: E402
+from omlx.models.model_settings import DEFAULT_KV_GROUP_SIZE, KVQuantSpec  # noqa: E402
 from omlx.scheduler import Request, SamplingParams  # noqa: E402
 
 MODES = (None, 8, 4)
@@ -70,38 +72,62 @@ PROMPTS = [
 ]
 
 
-def model_for(path: Path, bits: int | None):
+def model_for(path: Path, bits: int | None, group_size: int = DEFAULT_KV_GROUP_SIZE):
     model, tokenizer = load(str(path))
     if bits is not None:
-        install(model, KVQuantSpec(bits, 64), path.name)
+        install(model, KVQuantSpec(bits, group_size), path.name)
     return model, tokenizer
 
 
-def token_logprobs(model, ids: list[int]) -> mx.array:
+def decode_logprobs(model, prompt: list[int], continuation: list[int]) -> mx.array:
+    """The logprob of each token of ``continuation`` as a request reads it: the prompt
+    in one forward, then one token per forward (a quantized cache attends over its
+    quantized K/V from the second forward on: quantized_cache.py)."""
     from omlx.mlx_types import prompt_cache
 
-    logits = model(mx.array(ids)[None], cache=prompt_cache(model))[0, :-1].astype(mx.float32)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return mx.take_along_axis(logprobs, mx.array(ids[1:])[:, None], axis=-1)[:, 0]
+    cache = prompt_cache(model)
+    logits = [model(mx.array(prompt)[None], cache=cache)[0, -1]]
+    for token in continuation[:-1]:
+        logits.append(model(mx.array([[token]]), cache=cache)[0, -1])
+        mx.eval(logits[-1])
+    stacked = mx.stack(logits).astype(mx.float32)
+    logprobs = stacked - mx.logsumexp(stacked, axis=-1, keepdims=True)
+    return mx.take_along_axis(logprobs, mx.array(continuation)[:, None], axis=-1)[:, 0]
 
 
-def drift(path: Path, answer_tokens: int) -> dict:
+def drift_texts(path: Path, answer_tokens: int) -> dict[str, tuple[list[int], list[int]]]:
+    """(prompt, continuation) pairs: the model's own greedy answer to QUESTION, and
+    PROSE it did not write (its first 16 tokens the prompt)."""
     full, tokenizer = model_for(path, None)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": QUESTION}], add_generation_prompt=True
     )
     answer = [int(t) for t, _ in generate_step(mx.array(prompt), full, max_tokens=answer_tokens)]
-    texts = {"answer": (prompt + answer, len(prompt) - 1), "prose": (tokenizer.encode(PROSE), 0)}
-    reference = {k: token_logprobs(full, ids)[start:] for k, (ids, start) in texts.items()}
+    prose = tokenizer.encode(PROSE)
+    return {"answer": (prompt, answer), "prose": (prose[:16], prose[16:])}
+
+
+def drift(path: Path, answer_tokens: int, group_sizes: tuple[int, ...]) -> dict:
+    texts = drift_texts(path, answer_tokens)
+    full, _ = model_for(path, None)
+    reference = {k: decode_logprobs(full, *pair) for k, pair in texts.items()}
     out: dict = {}
-    for bits in (8, 4):
-        model, _ = model_for(path, bits)
-        for kind, (ids, start) in texts.items():
-            d = mx.abs(token_logprobs(model, ids)[start:] - reference[kind])
-            out[f"{bits}-bit {kind} ({d.size} tokens)"] = {
-                "mean": round(mx.mean(d).item(), 4),
-                "max": round(mx.max(d).item(), 3),
-            }
+    for group in group_sizes:
+        for bits in (8, 4):
+            try:
+                model, _ = model_for(path, bits, group)
+            except SettingsError as exc:  # e.g. groups of 128 on heads of 64
+                out[f"{bits}-bit g{group}"] = exc.message
+                continue
+            for kind, pair in texts.items():
+                d = mx.abs(decode_logprobs(model, *pair) - reference[kind])
+                key = f"{bits}-bit g{group} {kind} ({d.size} tokens)"
+                out[key] = {
+                    "mean": round(mx.mean(d).item(), 4),
+                    "max": round(mx.max(d).item(), 3),
+                    "kv_bytes_per_token": cache_bytes_per_token(model),
+                }
+                print(key, out[key], file=sys.stderr, flush=True)  # a long run's progress
     return out
 
 
@@ -154,7 +180,7 @@ def capacity(path: Path, ceiling: int) -> dict:
             limit_bytes=ceiling,
             concurrency=1,
             context_tokens=10_000_000,
-            kv_quant=None if bits is None else (bits, 64),
+            kv_quant=None if bits is None else (bits, DEFAULT_KV_GROUP_SIZE),
         )
         out[label(bits)] = fit.max_context_tokens
     out["config KV B/token (full)"] = dims.kv_bytes_per_token
@@ -171,8 +197,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--answer-tokens", type=int, default=160)
+    parser.add_argument(
+        "--drift-only", action="store_true", help="drift and bytes at groups 32/64/128"
+    )
     args = parser.parse_args()
     path = install_default_model(Path(tempfile.mkdtemp(prefix="bench-kvq-")))
+    if args.drift_only:
+        print(json.dumps(drift(path, args.answer_tokens, (32, 64, 128)), indent=2))
+        return
     per_token, rates = {}, {}
     for bits in MODES:
         model, tokenizer = model_for(path, bits)
@@ -189,7 +221,7 @@ def main() -> None:
             path, int(args.ceiling_gb * 1e9)
         ),
         "decode_tokens_per_s": rates,
-        "logprob_drift_vs_full": drift(path, args.answer_tokens),
+        "logprob_drift_vs_full": drift(path, args.answer_tokens, (DEFAULT_KV_GROUP_SIZE,)),
         "device": mx.default_device().type.name,
     }
     print(json.dumps(report, indent=2, default=str))

@@ -8,7 +8,10 @@ layout never match) and stored as tensors named ``<layer>.<part>``:
 - ``kv`` (``KVCache``): keys/values of shape (1, heads, tokens, dim); a block
   is the slice of tokens [start, end), so blocks concatenate back into a cache.
 - ``quantized:<bits>:<group_size>`` (``QuantizedKVCache``): the same, for each of
-  the packed keys/values' three arrays (data, scales, biases; ``keys.0`` ...).
+  the packed keys/values' three arrays (data, scales, biases; ``keys.0`` ...). A
+  subclass whose class names ``stores_as = QuantizedKVCache`` (omlx's quantized layer
+  for a model's ``kv_bits``, which adds batching, not state) is stored as one, and
+  restored into the template's own layers (what the model's ``make_cache`` makes).
 - ``arrays:<n>`` (``ArraysCache``: recurrent state of gated-delta / mamba
   layers): state that cannot be cut at a token position. A block carries a
   snapshot of the whole state as it was right after the block's last token
@@ -81,10 +84,16 @@ def layer_layout(layers: Sequence[Any]) -> tuple[str, ...] | None:
     return None if None in kinds else tuple(k for k in kinds if k is not None)
 
 
+def _stored_type(layer: Any) -> type:
+    """The mlx-lm type ``layer`` is stored as. Exact types, as subclasses store
+    differently, unless the class says it stores as its base (``stores_as``)."""
+    kind: type = getattr(type(layer), "stores_as", type(layer))
+    return kind
+
+
 def layer_kind(layer: Any) -> str | None:
-    """One layer's layout string (None: a cache type the codec cannot store). Exact
-    types: subclasses store differently."""
-    kind = type(layer)
+    """One layer's layout string (None: a cache type the codec cannot store)."""
+    kind = _stored_type(layer)
     if kind is KVCache:
         return KV
     if kind is QuantizedKVCache:
@@ -180,7 +189,7 @@ def block_tensors(layers: Sequence[Any], start: int, end: int, state: Snapshot |
     taken right after token ``end - 1``) for the other layers."""
     pieces: dict[str, mx.array] = {}
     for name, layer in _leaves(layers):
-        kind = type(layer)
+        kind = _stored_type(layer)
         if kind in (KVCache, QuantizedKVCache):
             pieces.update(_kv_slice(name, layer, start, end))
         elif state is None or name not in state:
@@ -194,7 +203,7 @@ def block_tensors(layers: Sequence[Any], start: int, end: int, state: Snapshot |
 
 
 def _kv_slice(name: str, layer: Any, start: int, end: int) -> dict[str, mx.array]:
-    packed = type(layer) is QuantizedKVCache  # keys/values: (data, scales, biases)
+    packed = _stored_type(layer) is QuantizedKVCache  # keys/values: (data, scales, biases)
     out = {}
     for part, held in (("keys", layer.keys), ("values", layer.values)):
         if packed:
@@ -238,7 +247,7 @@ def restore(
     layers = list(template)
     last = blocks[-1]
     for name, layer in _leaves(layers):
-        kind = type(layer)
+        kind = _stored_type(layer)
         if kind in (KVCache, QuantizedKVCache):
             _restore_kv(layer, name, blocks, room)
         elif kind is ArraysCache:
@@ -331,7 +340,7 @@ def num_tokens_held(layers: Sequence[Any]) -> int:
 
 
 def _arrays(layer: Any) -> list[Any]:
-    kind = type(layer)
+    kind = _stored_type(layer)
     if kind is QuantizedKVCache:
         return [*layer.keys, *layer.values]
     if kind is ArraysCache:

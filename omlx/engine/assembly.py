@@ -69,11 +69,10 @@ def build_engine(
     ``kv_quant``: the model's KV cache is quantized (quantized_cache.py)."""
     cluster = parts.cluster
     shard = cluster.cache_shard() if cluster is not None else ""
-    prefix = None
     if kv_quant is not None:
         _quantize_kv(loaded, kv_quant, cluster)
-    else:
-        prefix = make_prefix_cache(parts.settings, parts.hot_cache, loaded, shard)
+    # After _quantize_kv: its layers (the model's make_cache) are the cache's layout.
+    prefix = make_prefix_cache(parts.settings, parts.hot_cache, loaded, shard)
     try:
         engine, facts = _assemble(loaded, parts, prefix, window, explicit_kv_tokens, kv_quant)
         engine.kv_quant = kv_quant
@@ -85,8 +84,8 @@ def build_engine(
 
 
 def _quantize_kv(loaded: LoadedModel, spec: KVQuantSpec, cluster: Any) -> None:
-    """Every cache of the model quantized from here on; the prefix cache off (its
-    codec stores plain KV layers) and the compiled steps eager (they trace plain KV)."""
+    """Every cache of the model quantized from here on; the compiled steps eager
+    (they trace plain KV)."""
     name = loaded.info.name
     if cluster is not None:
         raise SettingsError(
@@ -95,7 +94,7 @@ def _quantize_kv(loaded: LoadedModel, spec: KVQuantSpec, cluster: Any) -> None:
         )
     install_quantized_kv(loaded.model, spec, name)
     log.info(
-        "%s for %s: prefix cache off, compiled decode steps off, no speculative decoding",
+        "%s for %s: compiled decode steps off, no speculative decoding",
         spec.describe(),
         name,
     )

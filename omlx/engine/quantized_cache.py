@@ -12,6 +12,15 @@ every part holding the sequence on axis 2. ``QuantizedLayer`` is mlx-lm's
 A token's K/V vector is quantized on its own (groups run along the head dimension),
 so a row's quantized values are the same alone or batched.
 
+A sequence's first forward attends in full precision, as mlx-lm's own generate does
+with ``kv_bits`` (``quantized_kv_start=0``): it runs that forward on a plain
+``KVCache`` and quantizes the cache after it (``maybe_quantize_kv_cache``). Our layers
+store the first forward's K/V quantized at once (the same values ``to_quantized``
+makes) but hand that forward its K/V as computed, and hide ``bits`` from its
+attention (mlx-lm's ``scaled_dot_product_attention`` picks the quantized kernel by
+``hasattr(cache, "bits")``). Quantizing a prompt's own attention as well drifted
+further from full-precision KV and from mlx-lm (benchmarks/README.md, "KV quantization").
+
 ``install(model, spec)`` makes the model's caches quantized (mlx-lm's
 ``make_prompt_cache`` asks ``model.make_cache``), so every cache made for it (a
 request's, the prefix template, the load-time measurements) is.
@@ -40,8 +49,49 @@ Triple = tuple[mx.array, mx.array, mx.array]
 _STEP = 256
 
 
-class QuantizedLayer(QuantizedKVCache):
-    """mlx-lm's ``QuantizedKVCache`` that merges into a ``BatchQuantizedKVCache``."""
+class _FirstForwardPlain:
+    """``bits`` as mlx-lm's attention sees it: absent once, right after the update
+    that filled an empty cache (that forward attends in full precision), then there.
+    The one read that follows an update is the attention's ``hasattr``."""
+
+    _bits: int
+    _fresh: bool = False
+
+    @property
+    def bits(self) -> int:
+        if self._fresh:
+            self._fresh = False
+            raise AttributeError("bits")  # hasattr(cache, "bits") is False: plain SDPA
+        return self._bits
+
+    @bits.setter
+    def bits(self, value: int) -> None:
+        self._bits = value
+
+
+class QuantizedLayer(_FirstForwardPlain, QuantizedKVCache):
+    """mlx-lm's ``QuantizedKVCache`` that merges into a ``BatchQuantizedKVCache``,
+    its first forward attending in full precision (the module's docstring). Its
+    state is a ``QuantizedKVCache``'s: the prefix cache stores it as one (kv_codec)."""
+
+    stores_as = QuantizedKVCache
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        first = self.keys is None
+        self._fresh = False
+        fetched: tuple[Any, Any] = super().update_and_fetch(keys, values)  # type: ignore[no-untyped-call]
+        if not first:
+            return fetched
+        self._fresh = True
+        return keys, values
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return self.keys, self.values, self.offset, self.group_size, self._bits
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        self.keys, self.values, self.offset, self.group_size, self._bits = v
 
     def size(self) -> int:
         return int(self.offset)
@@ -56,8 +106,9 @@ def _empty(shape: tuple[int, ...], like: Triple) -> Triple:
     return tuple(mx.zeros((*shape, x.shape[-1]), dtype=x.dtype) for x in like)  # type: ignore[return-value]
 
 
-class BatchQuantizedKVCache:
-    """mlx-lm's ``BatchKVCache`` (read it for the padding rules) with quantized K/V.
+class BatchQuantizedKVCache(_FirstForwardPlain):
+    """mlx-lm's ``BatchKVCache`` (read it for the padding rules) with quantized K/V,
+    its first forward attending in full precision (the module's docstring).
     ``offset``: per row, tokens held (negative while only padding is);
     ``left_padding``: per row, the padding columns before its first token."""
 
@@ -72,9 +123,18 @@ class BatchQuantizedKVCache:
         self._right_padding: mx.array | None = None
 
     def _quantize(self, x: mx.array) -> Triple:
-        return mx.quantize(x, group_size=self.group_size, bits=self.bits)
+        return mx.quantize(x, group_size=self.group_size, bits=self._bits)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Triple, Triple]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        first = self.keys is None
+        self._fresh = False
+        fetched = self._store(keys, values)
+        if not first:
+            return fetched
+        self._fresh = True
+        return keys, values
+
+    def _store(self, keys: mx.array, values: mx.array) -> tuple[Triple, Triple]:
         prev, num = self._idx, keys.shape[2]
         q_keys, q_values = self._quantize(keys), self._quantize(values)
         if self.keys is None or self.values is None or prev + num > self.keys[0].shape[2]:
@@ -203,7 +263,7 @@ class BatchQuantizedKVCache:
 
     def extract(self, idx: int) -> QuantizedLayer:
         """Row ``idx`` as a one-sequence cache (a copy, its padding dropped)."""
-        layer = QuantizedLayer(group_size=self.group_size, bits=self.bits)
+        layer = QuantizedLayer(group_size=self.group_size, bits=self._bits)
         padding = int_list(self.left_padding)[idx]
         layer.keys, layer.values = tree_map(
             lambda x: mx.contiguous(x[idx : idx + 1, :, padding : self._idx]),
@@ -218,7 +278,7 @@ class BatchQuantizedKVCache:
         first = caches[0]
         lengths = [int(c.offset) for c in caches]
         longest = max(lengths)
-        batch = cls([longest - n for n in lengths], first.group_size, first.bits)
+        batch = cls([longest - n for n in lengths], first.group_size, first._bits)
         filled = [c for c in caches if c.keys is not None]
         if longest == 0 or not filled:
             return batch
@@ -276,10 +336,16 @@ def install(model: Any, spec: KVQuantSpec, name: str) -> None:
     """Every cache made for ``model`` from now on quantizes its plain KV layers.
     mlx-lm's own hook (``make_prompt_cache`` defers to ``model.make_cache``): every
     path that makes a cache for the model goes through it. Raises ``SettingsError``
-    when the model's head dimension does not split into ``spec``'s groups."""
+    when the model's head dimension does not split into ``spec``'s groups, or its
+    forward cannot attend over quantized K/V (e.g. gemma4's KV-shared layers, which
+    take an earlier layer's K/V as plain arrays)."""
     make_cache = quantized_cache_factory(model, spec)
     try:
-        mx.eval(model(mx.array([[1, 2]]), cache=make_cache()))
+        # Two forwards: the first attends in full precision, the second over the
+        # quantized K/V, which is where such a model fails.
+        cache = make_cache()
+        mx.eval(model(mx.array([[1, 2]]), cache=cache))
+        mx.eval(model(mx.array([[3]]), cache=cache))
     except Exception as exc:  # the model's forward: any error is the setting's
         raise _refused(name, spec, exc) from None
     model.make_cache = make_cache

@@ -64,7 +64,7 @@ def test_the_built_in_model_answers_with_8_bit_kv(http) -> None:
         assert reply.status_code == 200
         assert "Paris" in reply.json()["choices"][0]["message"]["content"]
         loaded = {m["name"]: m for m in http.get("/health").json()["loaded_models"]}
-        assert loaded[MODEL]["kv_bits"] == 8
+        assert loaded[MODEL]["kv_bits"] == 8, (loaded, http.get(SETTINGS).text)
         assert "kv_bits" in " ".join(fit["notes"])
     finally:
         assert http.delete(SETTINGS).status_code == 200
