@@ -157,9 +157,8 @@ class ArchitectureProbe:
         self._judge(info, key, outcome)
 
     def _judge(self, info: ModelInfo, key: ArchitectureKey, outcome: ChildOutcome) -> None:
-        timed_out = outcome.returncode is None
-        how = f"no answer in {self._timeout_s:.0f} s" if timed_out else outcome.crash()
-        if how is None:
+        how = outcome.crash()
+        if how is None and outcome.returncode is not None:
             log.info(
                 "%s's architecture probe: exit %s in %.2f s",
                 info.name, outcome.returncode, outcome.seconds,
@@ -169,10 +168,15 @@ class ArchitectureProbe:
             return
         log.error(
             "%s's architecture probe failed (%s) after %.2f s; its stderr ends:\n%s",
-            info.name, how, outcome.seconds, outcome.stderr[-_STDERR_TAIL:],
+            info.name, how or "timed out", outcome.seconds, outcome.stderr[-_STDERR_TAIL:],
         )  # fmt: skip
-        if not timed_out:  # a timeout may be a slow disk: not cached
-            self._record(key, {"verdict": "crashed", "model": info.name, "how": how})
+        if how is None:  # timed out: a slow disk or a busy machine, maybe; not kept
+            raise ArchitectureCrashError(
+                f"model '{info.name}' (architecture {key.model_type}) did not finish its "
+                f"first forward in the probe process within {self._timeout_s:.0f} s; omlx "
+                "will not load it in the server process (the next load probes it again)"
+            )
+        self._record(key, {"verdict": "crashed", "model": info.name, "how": how})
         raise ArchitectureCrashError(_message(info, key, how))
 
     def _read(self) -> dict[str, dict[str, Any]]:

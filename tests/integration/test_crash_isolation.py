@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from omlx.engine.arch_probe import ArchitectureKey, ArchitectureProbe
+from omlx.errors import ArchitectureCrashError
 from omlx.models.discovery import discover_models
 from omlx.settings import Settings
 from tests.fixtures.breadth_models import build_breadth_model
@@ -113,3 +114,18 @@ def test_another_mlx_version_probes_the_architecture_again(
     assert len(_probed(caplog)) == 2
     verdicts = json.loads(probe.path.read_text())["verdicts"]
     assert set(verdicts) == {older, key.text()}
+
+
+def test_a_probe_that_times_out_fails_the_load_and_is_not_kept(
+    tmp_path: Path, crash_models: Path
+) -> None:
+    """A child that has not finished when the timeout comes (here 50 ms, well before
+    its imports are done) is killed; the load fails, and the next load probes again."""
+    info = discover_models([crash_models])["tiny-llama"]
+    settings = Settings(base_path=tmp_path, models={"model_dirs": [crash_models], **PROBE_ON})
+    probe = ArchitectureProbe(settings, timeout_s=0.05)
+    with pytest.raises(ArchitectureCrashError) as refused:
+        asyncio.run(probe.verify(info))
+    assert refused.value.http_status == 501
+    assert "did not finish its first forward in the probe process within 0 s" in str(refused.value)
+    assert not probe.path.exists()
