@@ -167,7 +167,7 @@ function row(model, refresh, navigate) {
     { dataset: { model: model.name, state: model.state } },
     h("td", h("div", h("strong", model.id), model.is_default ? h("span.badge.accent", { style: "margin-left:8px" }, "default") : null), h("div.muted.small", model.alias ? `folder ${model.name}` : model.model_type)),
     h("td", { dataset: { col: "kind" } }, h("span.badge", model.kind), (model.capabilities ?? []).includes("vision") ? h("span.badge.accent", { style: "margin-left:4px", title: "Takes images in chat" }, "vision") : null),
-    h("td", stateBadge(model.state)),
+    h("td", stateBadge(model.state, model.error)),
     h("td.nowrap", formatBytes(model.size_bytes)),
     h("td.nowrap", loaded ? formatBytes(model.memory_bytes) : "–"),
     h("td", loaded ? String(model.requests_in_flight) : "–"),
