@@ -4,6 +4,7 @@ estimate for it counts the quantized bytes."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,8 +50,16 @@ def test_bad_values_are_a_400_naming_the_field(http, body, field, allowed) -> No
 
 
 def test_the_built_in_model_answers_with_8_bit_kv(http) -> None:
+    # kv_bits takes effect at the model's next load. The server loads the model at
+    # start: let that load finish, then unload it once the setting is in, so the
+    # request's own load is the one that reads it.
+    deadline = time.monotonic() + 300
+    while http.get("/health").json()["models_state"] == "loading":
+        assert time.monotonic() < deadline, "the start-up load did not finish"
+        time.sleep(0.2)
     assert http.put(SETTINGS, json={"kv_bits": 8}).status_code == 200
     try:
+        assert http.post(f"/admin/api/models/{MODEL}/unload").status_code == 200
         fit = http.post("/admin/api/models/fit", json={"model": MODEL}).json()
         reply = http.post(
             "/v1/chat/completions",
