@@ -17,16 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import signal
 import sys
 import time
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 from typing import Any
 
-import omlx
 from omlx.engine.arch_child import RAISED
 from omlx.errors import ArchitectureCrashError
 from omlx.models.discovery import ModelInfo
@@ -98,13 +95,9 @@ class ChildOutcome:
 async def run_child(info: ModelInfo, chunk: int, timeout_s: float = TIMEOUT_S) -> ChildOutcome:
     """Run arch_child.py on ``info``'s folder and wait for it (killed at the timeout)."""
     spec = json.dumps(_spec(info))
-    # The parent's own omlx first on the path: the child runs the code the server runs.
-    root = str(Path(omlx.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "omlx.engine.arch_child", spec, str(chunk),
-        env=env,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
