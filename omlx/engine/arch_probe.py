@@ -36,7 +36,8 @@ TIMEOUT_S = 300.0
 _STDERR_TAIL = 2000
 
 
-def _version(package: str) -> str:
+def package_version(package: str) -> str:
+    """An installed distribution's version; "none" when it is not installed."""
     try:
         return version(package)
     except PackageNotFoundError:
@@ -63,8 +64,10 @@ class ArchitectureKey:
 
     @classmethod
     def of(cls, info: ModelInfo) -> ArchitectureKey:
-        vlm = _version("mlx-vlm") if info.kind == "vlm" else "-"
-        return cls(info.model_type, _version("mlx-lm"), vlm, _version("mlx"), mlx_backend())
+        vlm = package_version("mlx-vlm") if info.kind == "vlm" else "-"
+        return cls(
+            info.model_type, package_version("mlx-lm"), vlm, package_version("mlx"), mlx_backend()
+        )
 
     def text(self) -> str:
         return (

@@ -17,6 +17,7 @@ from omlx.cache.hot import HotTier
 from omlx.cache.prefix import PrefixCache
 from omlx.cache.setup import make_prefix_cache
 from omlx.engine.admission import AdmissionSwitch
+from omlx.engine.batching_verdict import BatchingVerdicts, batching_key
 from omlx.engine.compiled_batch import CompiledSteps
 from omlx.engine.kv_measure import with_measured_kv
 from omlx.engine.model_engine import ModelEngine
@@ -133,9 +134,7 @@ def _assemble(
         name=loaded.info.name,
     )
     unbatched = (
-        _probe_batching(loaded, scheduler, partial(_probe_runner, loaded, parts, strategy))
-        if cluster is None
-        else None
+        _probe_batching(loaded, parts, scheduler, strategy, kv_quant) if cluster is None else None
     )
     dims = guard_dims(
         loaded.config, kv_dtype_bytes=loaded.activation_bytes(), model=loaded.info.name
@@ -183,20 +182,36 @@ def _assemble(
 
 
 def _probe_batching(
-    loaded: LoadedModel, scheduler: Scheduler, new_runner: Callable[[], BatchRunner]
+    loaded: LoadedModel,
+    parts: EngineParts,
+    scheduler: Scheduler,
+    strategy: ExecutionStrategy,
+    kv_quant: KVQuantSpec | None,
 ) -> str | None:
     """A model that cannot batch, or whose batch gives other tokens than each
     request alone, runs one request at a time from the start (unbatched.py,
-    output_probe.py): the reason, or None."""
+    output_probe.py; the verdict kept between starts, batching_verdict.py): the
+    reason, or None."""
     if scheduler.max_running < 2:
         return None
     family = loaded.vision.family if loaded.vision is not None else None
     reason = family.one_at_a_time if family is not None else None
-    reason = (
-        reason
-        or batch_probe(loaded.model, loaded.vocab_size)
-        or output_probe(new_runner, loaded.vocab_size, loaded.activation_bytes())
-    )
+    if reason is None:
+        new_runner = partial(_probe_runner, loaded, parts, strategy)
+        runner_facts = {
+            "activation_bytes": loaded.activation_bytes(),
+            "kv_quant": kv_quant.describe() if kv_quant is not None else None,
+            "prefill_step_size": parts.settings.scheduler.prefill_step_size,
+            "strategy": strategy.name,
+        }
+        reason, _ = BatchingVerdicts(parts.profile_cache.folder).probe_or_reuse(
+            batching_key(loaded.info, runner_facts),
+            loaded.info.path,
+            lambda: (
+                batch_probe(loaded.model, loaded.vocab_size)
+                or output_probe(new_runner, loaded.vocab_size, loaded.activation_bytes())
+            ),
+        )
     if reason is not None:
         scheduler.max_running = 1
         log.warning(

@@ -11,6 +11,8 @@ longcat_flash_ngram, whose own ``batch_generate`` differs from its solo output).
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -109,7 +111,8 @@ def test_a_batch_that_fails_after_load_is_served_again_one_at_a_time(
     monkeypatch.setattr(assembly, "batch_probe", lambda model, vocab_size: None)
     monkeypatch.setattr(assembly, "output_probe", lambda *args: None)
     monkeypatch.setattr(profile, "BATCH_STRESS_BUDGET_S", 0.0)
-    pool = make_pool(models_dir, max_concurrent_requests=8)
+    # Fresh: a verdict stored by the tests above would skip the (switched off) probes.
+    pool = make_pool(models_dir, max_concurrent_requests=8, fresh_profile=True)
 
     async def main() -> None:
         engine = await pool.get_engine("gpt_bigcode")
@@ -119,3 +122,33 @@ def test_a_batch_that_fails_after_load_is_served_again_one_at_a_time(
         assert batching["one_at_a_time"] and "a batch of 4 requests failed" in batching["reason"]
 
     asyncio.run(main())
+
+
+def test_the_verdict_is_kept_for_the_next_load_until_a_model_file_changes(
+    make_pool, models_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart reuses the load-time verdict (batching_verdict.py) without running
+    the probes' forwards again; a changed weight file probes again."""
+    models = tmp_path / "models"
+    shutil.copytree(models_dir / "afm7", models / "afm7")
+    probes: list[str] = []
+    real_probe = assembly.output_probe
+
+    def counted_probe(*args: object) -> str | None:
+        probes.append("output")
+        return real_probe(*args)
+
+    monkeypatch.setattr(assembly, "output_probe", counted_probe)
+
+    def reason_at_load() -> str:
+        pool = make_pool(models, max_concurrent_requests=8, fresh_profile=True)
+        engine = asyncio.run(pool.get_engine("afm7"))
+        return engine_status(engine)["batching"]["reason"]
+
+    first = reason_at_load()
+    assert first.startswith("batched output differs from solo") and probes == ["output"]
+    assert reason_at_load() == first and probes == ["output"]  # reused: no probe
+    weights = next(models.glob("afm7/*.safetensors"))
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert reason_at_load() == first and probes == ["output", "output"]
