@@ -46,7 +46,7 @@ def image_sequence(
     # follows the last image is text at plain positions, whatever the family).
     if vision.image_token_id in prompt[done:]:
         embedded = vision.embed(prompt, images.pixel_values, images.extras)
-        mx.eval(embedded.embeddings)
+        mx.eval(embedded.arrays())
     return SoloSequence(
         model,
         request.request_id,

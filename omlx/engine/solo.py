@@ -174,7 +174,7 @@ class SoloSequence:
             # (async_eval) first put its cost on the CPU backend straight onto the
             # time to first token (benchmarks/README.md, "Figures behind design
             # choices"). The next step starts it.
-            y, pending = self._forward(mx.array(self._prompt))
+            y, pending = self._forward(mx.array(self._prompt), embedded=self._whole_rest())
             self._cached.extend(self._prompt)
             self._prompt = []
             token = item_int(y)
@@ -248,11 +248,18 @@ class SoloSequence:
         return self._whole_prompt and not capped and len(self._prompt) > 1
 
     def _prefill_whole(self) -> None:
-        assert self._embeddings is not None
-        embedded = self._embeddings[:, len(self._cached) :]
+        embedded = self._whole_rest()
         self._y, self._y_logprobs = self._forward(mx.array(self._prompt), embedded=embedded)
         self._cached.extend(self._prompt)
         self._prompt = []
+
+    def _whole_rest(self) -> mx.array | None:
+        """A whole-prompt sequence's embedded rest of the prompt: its last token too
+        goes with the prompt's inputs (mllama's cross-attention mask row), also
+        after the gate's cap chunked the prompt."""
+        if not self._whole_prompt or self._embeddings is None:
+            return None
+        return self._embeddings[:, len(self._cached) :]
 
     def next_prefill_tokens(self) -> int:
         """Prompt tokens the next step will prefill (0 once decoding)."""

@@ -28,12 +28,16 @@ class VisionDims:
     # The language model's width: the input embeddings of the whole prompt.
     text_hidden_size: int
     dtype_bytes: int
+    # mllama: the tower attends over all of an image's tiles at once, and its output
+    # (a text-wide row per patch) stays beside the prompt for the cross-attention layers.
+    tiled_cross_attention: bool = False
 
 
 def vision_dims(config: Mapping[str, Any], text_hidden_size: int, dtype_bytes: int) -> VisionDims:
     """From a VLM's config.json (its ``vision_config``), with families' defaults
     for what a config leaves out."""
     vision = config.get("vision_config") or {}
+    text = config.get("text_config") or {}
     # Qwen2-VL names the tower's width embed_dim (its hidden_size is the merger's output).
     hidden = int(max(vision.get("hidden_size") or 0, vision.get("embed_dim") or 0) or 1024)
     patch = vision.get("patch_size") or 14
@@ -44,6 +48,7 @@ def vision_dims(config: Mapping[str, Any], text_hidden_size: int, dtype_bytes: i
         patch_size=int(patch if isinstance(patch, int) else 14),
         text_hidden_size=text_hidden_size,
         dtype_bytes=dtype_bytes,
+        tiled_cross_attention=bool(text.get("cross_attention_layers")),
     )
 
 
@@ -54,21 +59,28 @@ def vision_transient_bytes(
     width; the processor pads a batch to its largest image) for a prompt of
     ``num_prompt_tokens`` tokens. An upper bound: every image counted at the
     batch's size, scores in float32. Qwen2-VL's processor gives flat patches
-    (patches, features): counted as one image of all of them (an upper bound)."""
+    (patches, features): counted as one image of all of them (an upper bound).
+    Crops or tiles (llava_next, mllama: (..., tiles, channels, height, width)) count
+    as images, except mllama's, whose tower attends over an image's tiles at once."""
     if len(pixel_shape) == 2:
         num_images, patches = 1, int(pixel_shape[0])
     elif len(pixel_shape) < 3:
         return 0
     else:
-        num_images = pixel_shape[0] if len(pixel_shape) >= 4 else 1
+        num_images = _prod(pixel_shape[:-3])
         height, width = pixel_shape[-2], pixel_shape[-1]
         patches = max(1, (height // dims.patch_size) * (width // dims.patch_size)) + 1
+    if dims.tiled_cross_attention and len(pixel_shape) >= 5:
+        num_images, patches = num_images // pixel_shape[-4], patches * pixel_shape[-4]
     pixels = _prod(pixel_shape) * _FLOAT32
     per_patch = _LIVE_HIDDEN_COPIES * dims.hidden_size + dims.intermediate_size
     activations = num_images * patches * per_patch * dims.dtype_bytes
     scores = num_images * dims.num_heads * patches * patches * _FLOAT32
     embeddings = num_prompt_tokens * dims.text_hidden_size * dims.dtype_bytes
-    return pixels + activations + scores + embeddings
+    # mllama's cross-attention states: a text-wide row per patch of every tile.
+    held = num_images * patches if dims.tiled_cross_attention else 0
+    states = held * dims.text_hidden_size * dims.dtype_bytes
+    return pixels + activations + scores + embeddings + states
 
 
 def measured_transient_bytes(estimate: int, measured_peak: int, measured_estimate: int) -> int:

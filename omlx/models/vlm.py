@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from omlx.errors import ModelLoadError
@@ -36,24 +36,58 @@ log = logging.getLogger(__name__)
 # images only, and the prefix cache keys image prompts by their images' hashes.
 
 
-class TextModel(nn.Module):
-    """A VLM's language model in mlx-lm's shape: ``model(ids, cache=...)`` -> logits."""
+class CrossAttentionStates(ArraysCache):
+    """The cache of a cross-attention layer (mllama): the prompt's image states
+    (rows, image tokens, hidden), which mlx-vlm's generate gives the language
+    model with every decode step. Held in the cache, they travel with the
+    sequence into the decode batch and out of it. ``offset`` 0: mllama's layer
+    reads it, and takes its text-only path when a prompt has no image."""
 
-    def __init__(self, language_model: Any, mrope: bool = False):
+    offset = 0
+
+    def __init__(self, size: int = 1, left_padding: list[int] | None = None):
+        super().__init__(size, left_padding)
+
+    @property
+    def states(self) -> mx.array | None:
+        return self.cache[0]
+
+    def hold(self, states: mx.array) -> None:
+        self[0] = states
+
+    def extract(self, idx: int) -> CrossAttentionStates:
+        row = CrossAttentionStates()
+        row.cache = [c[idx : idx + 1] if c is not None else None for c in self.cache]
+        return row
+
+
+class TextModel(nn.Module):
+    """A VLM's language model in mlx-lm's shape: ``model(ids, cache=...)`` -> logits.
+    ``cross_layers``: the layers that cross-attend image states (mllama)."""
+
+    def __init__(
+        self, language_model: Any, mrope: bool = False, cross_layers: tuple[int, ...] = ()
+    ):
         super().__init__()
         self.language_model = language_model
         # M-RoPE: positions are always passed, never left to the model's own state
         # (it keeps the last prompt's rope deltas, wrong for other rows of a batch).
         self._mrope = mrope
+        self._cross_layers = cross_layers
 
     @property
     def layers(self) -> list[Any]:
         return list(self.language_model.layers)
 
-    def make_cache(self) -> list[KVCache | RotatingKVCache]:
+    def make_cache(self) -> list[KVCache | RotatingKVCache | CrossAttentionStates]:
         # mlx-lm's cache types in the language model's own layout (sliding windows
         # included): the batch and the prefix cache know them.
-        return [_mlx_lm_cache(c) for c in _vlm_caches(self.language_model)]
+        caches: list[KVCache | RotatingKVCache | CrossAttentionStates] = [
+            _mlx_lm_cache(c) for c in _vlm_caches(self.language_model)
+        ]
+        for i in self._cross_layers:
+            caches[i] = CrossAttentionStates()
+        return caches
 
     def __call__(
         self,
@@ -66,6 +100,8 @@ class TextModel(nn.Module):
         """``positions``: an image prompt's chunk of (3, 1, tokens) M-RoPE positions;
         ``prompt_inputs``: PromptEmbedding.prompt_inputs, with each of its chunks."""
         kwargs = dict(prompt_inputs)
+        if self._cross_layers and cache is not None:
+            self._cross_attend(cache, kwargs)
         if self._mrope:
             kwargs["position_ids"] = (
                 positions if positions is not None else _index_positions(inputs, cache)
@@ -73,6 +109,17 @@ class TextModel(nn.Module):
         out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **kwargs)
         logits: mx.array = out.logits if hasattr(out, "logits") else out
         return logits
+
+    def _cross_attend(self, cache: list[Any], kwargs: dict[str, Any]) -> None:
+        """A prefill chunk brings the image states: the first cross layer's cache
+        keeps them; later steps (decode) get them from there, as mlx-vlm's
+        generate passes them (without the prompt's masks) at every step."""
+        held: CrossAttentionStates = cache[self._cross_layers[0]]
+        states = kwargs.get("cross_attention_states")
+        if states is not None:
+            held.hold(states)
+        elif held.states is not None:
+            kwargs["cross_attention_states"] = held.states
 
 
 def _vlm_caches(language_model: Any) -> list[Any]:
@@ -111,6 +158,12 @@ class PromptEmbedding:
     embeddings: mx.array
     positions: mx.array | None
     prompt_inputs: dict[str, Any]
+
+    def arrays(self) -> list[mx.array]:
+        """What encoding computes, to evaluate at once (mllama's tower output is
+        its cross-attention states, not the embeddings)."""
+        held = [v for v in self.prompt_inputs.values() if isinstance(v, mx.array)]
+        return [self.embeddings, *held]
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +262,9 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     encoder = VisionEncoder(model, processor, traits, token, token_id, dims)
     tokenizer = TokenizerWrapper(getattr(processor, "tokenizer", processor))
     log.info("loaded vision-language model %s in %.2f s", info.name, time.perf_counter() - start)
-    return TextModel(model.language_model, traits.mrope), tokenizer, config, encoder
+    cross = tuple(config["text_config"].get("cross_attention_layers") or ())
+    text_model = TextModel(model.language_model, traits.mrope, cross)
+    return text_model, tokenizer, config, encoder
 
 
 def _require_served_caches(info: ModelInfo, language_model: Any) -> None:

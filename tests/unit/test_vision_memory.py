@@ -76,3 +76,28 @@ def test_qwen2_vl_flat_patches_are_priced_as_one_image_of_them_all() -> None:
     two = vision_transient_bytes(dims, (2048, 1176), 300)
     scores = 16 * 1024 * 1024 * 4  # heads x patches^2 in float32
     assert one > scores and two > 3 * scores  # quadratic in the patches
+
+
+# Llama-3.2-11B-Vision's config.json (the fields the guard reads).
+MLLAMA = {
+    "model_type": "mllama",
+    "text_config": {"hidden_size": 4096, "cross_attention_layers": [3, 8, 13, 18, 23, 28, 33, 38]},
+    "vision_config": {"hidden_size": 1280, "intermediate_size": 5120, "num_attention_heads": 16,
+                      "patch_size": 14, "image_size": 560, "max_num_tiles": 4},
+}  # fmt: skip
+
+
+def test_mllama_tiles_attend_as_one_image_and_its_states_are_priced() -> None:
+    dims = vision_dims(MLLAMA, text_hidden_size=4096, dtype_bytes=2)
+    assert dims.tiled_cross_attention
+    # (batch, images, tiles, channels, height, width): the processor pads to 4 tiles.
+    one = vision_transient_bytes(dims, (1, 1, 4, 3, 560, 560), 20)
+    two = vision_transient_bytes(dims, (1, 2, 4, 3, 560, 560), 30)
+    patches = 4 * (40 * 40 + 1)  # the tower attends over all 4 tiles' patches at once
+    scores = 16 * patches * patches * 4
+    states = patches * 4096 * 2  # kept for every decode step beside the prompt's KV
+    assert one > scores + states
+    assert two > 2 * (scores + states)
+    # Counted as 4 separate tiles, the scores would be a quarter of that.
+    per_tile = vision_dims({**MLLAMA, "text_config": {}}, text_hidden_size=4096, dtype_bytes=2)
+    assert vision_transient_bytes(per_tile, (1, 1, 4, 3, 560, 560), 20) < scores
