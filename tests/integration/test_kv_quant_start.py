@@ -124,7 +124,7 @@ def test_four_at_once_quantize_when_the_longest_row_reaches_n(
     """Four prompts shorter than N = 16, at once: the batch quantizes every row at the
     step its longest row reaches 16 (README, "quantized_kv_start"), so a row ``d`` tokens
     shorter than the longest is quantized at 16 - d tokens: each row answers as it
-    does alone with N = 16 - d (and differs from alone with N = 16 only by that)."""
+    does alone with N = 16 - d."""
     n = 24
     requests = [_request(i, tokenizer.encode(t), n) for i, t in enumerate(TEXTS)]
     longest = max(r.num_prompt_tokens for r in requests)
