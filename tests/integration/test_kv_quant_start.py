@@ -129,7 +129,13 @@ def test_four_at_once_quantize_when_the_longest_row_reaches_n(
     requests = [_request(i, tokenizer.encode(t), n) for i, t in enumerate(TEXTS)]
     longest = max(r.num_prompt_tokens for r in requests)
     assert longest < START
-    together = _serve(_runner(_installed(smollm2_path, START)), [requests], n)
+    model = _installed(smollm2_path, START)
+    together = _serve(_runner(model), [requests], n)
+    # One alone, the others arriving while it decodes: its cache moves into theirs
+    # (a full-precision or quantized row meeting the others' full-precision ones).
+    joined = _serve(_runner(model), [requests[:1], requests[1:]], n)
+    assert sorted(joined) == sorted(together)
+    assert all(len(tokens) == n for tokens in joined.values())
     for r in requests:
         start = START - (longest - r.num_prompt_tokens)
         alone = _serve(_runner(_installed(smollm2_path, start)), [[r]], n)
