@@ -35,12 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from omlx.engine.compiled_batch import CompiledSteps  # noqa: E402
-from omlx.engine.kv_measure import cache_bytes_per_token  # noqa: E402
+from omlx.engine.kv_measure import cache_bytes_per_token, with_kv_start  # noqa: E402
 from omlx.engine.quantized_cache import install  # noqa: E402
 from omlx.engine.runner import BatchRunner  # noqa: E402
 from omlx.engine.strategy import ExecutionStrategy  # noqa: E402
 from omlx.errors import SettingsError  # noqa: E402
-from omlx.memory.dims import guard_dims  # noqa: E402
+from omlx.memory.dims import ModelDims, guard_dims  # noqa: E402
 from omlx.memory.fit import estimate_fit  # noqa: E402
 from omlx.models.builtin import install_default_model  # noqa: E402
 from omlx.models.model_settings import DEFAULT_KV_GROUP_SIZE, KVQuantSpec  # noqa: E402
@@ -72,10 +72,12 @@ PROMPTS = [
 ]
 
 
-def model_for(path: Path, bits: int | None, group_size: int = DEFAULT_KV_GROUP_SIZE):
+def model_for(
+    path: Path, bits: int | None, group_size: int = DEFAULT_KV_GROUP_SIZE, start: int = 0
+):
     model, tokenizer = load(str(path))
     if bits is not None:
-        install(model, KVQuantSpec(bits, group_size), path.name)
+        install(model, KVQuantSpec(bits, group_size, start), path.name)
     return model, tokenizer
 
 
@@ -166,9 +168,9 @@ def decode_rate(model, tokenizer, bits: int | None, streams: int, steps: int) ->
     return tokens / (time.perf_counter() - start)
 
 
-def capacity(path: Path, ceiling: int) -> dict:
+def capacity(path: Path, ceiling: int, start: int = 0) -> dict:
     """The fit estimate's longest context for one request under ``ceiling`` (float32
-    KV, as the model runs on the CPU backend)."""
+    KV, as the model runs on the CPU backend), quantized from ``start`` tokens on."""
     config = json.loads((path / "config.json").read_text())
     weights = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     dims = guard_dims(config, kv_dtype_bytes=4, model=path.name)
@@ -180,10 +182,29 @@ def capacity(path: Path, ceiling: int) -> dict:
             limit_bytes=ceiling,
             concurrency=1,
             context_tokens=10_000_000,
-            kv_quant=None if bits is None else (bits, DEFAULT_KV_GROUP_SIZE),
+            kv_quant=None if bits is None else (bits, DEFAULT_KV_GROUP_SIZE, start),
         )
         out[label(bits)] = fit.max_context_tokens
     out["config KV B/token (full)"] = dims.kv_bytes_per_token
+    return out
+
+
+def start_prices(path: Path, start: int, rows: int, chunk: int) -> dict:
+    """The guard's price per KV token (memory/dims.py, ``kv_quantized_start``) for
+    ``rows`` requests and prefill chunks of ``chunk`` with a ``quantized_kv_start`` of
+    ``start``, from the per-token bytes measured in the model's own cache, against
+    full precision, at a few token totals."""
+    out: dict[str, dict[str, str]] = {}
+    for bits in (8, 4):
+        model, _ = model_for(path, bits, start=start)
+        quantized = cache_bytes_per_token(model)
+        full = cache_bytes_per_token(model, full=True)
+        base = ModelDims(1, 1, 1, 1, 1, measured_kv_bytes_per_token=quantized)
+        dims = with_kv_start(base, model, start, rows=rows, chunk_tokens=chunk)
+        out[label(bits)] = {
+            f"{tokens} tokens": f"{dims.kv_bytes(tokens) / tokens / full:.2f}x full"
+            for tokens in (1024, 16_384, 65_536, 262_144)
+        }
     return out
 
 
@@ -200,8 +221,20 @@ def main() -> None:
     parser.add_argument(
         "--drift-only", action="store_true", help="drift and bytes at groups 32/64/128"
     )
+    parser.add_argument(
+        "--start", type=int, default=0, help="quantized_kv_start: the guard's price and fit"
+    )
     args = parser.parse_args()
     path = install_default_model(Path(tempfile.mkdtemp(prefix="bench-kvq-")))
+    if args.start:
+        report = {
+            "guard_price_8_requests_chunks_of_512": start_prices(path, args.start, 8, 512),
+            f"max_context_tokens_under_{args.ceiling_gb:g}GB": capacity(
+                path, int(args.ceiling_gb * 1e9), args.start
+            ),
+        }
+        print(json.dumps(report, indent=2))
+        return
     if args.drift_only:
         print(json.dumps(drift(path, args.answer_tokens, (32, 64, 128)), indent=2))
         return

@@ -34,7 +34,7 @@ from omlx.api.responses_store import ResponseStore
 from omlx.api.state import ServerState
 from omlx.api.stats_routes import install_metrics
 from omlx.api.web_routes import install_web
-from omlx.engine.engine_status import kv_bits
+from omlx.engine.engine_status import kv_bits, quantized_kv_start
 from omlx.engine.pool import EnginePool
 from omlx.settings import Settings
 
@@ -142,6 +142,7 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
                     "requests_in_flight": e.num_in_flight,
                     "finished": dict(e.finish_counts),
                     "kv_bits": kv_bits(e),
+                    "quantized_kv_start": quantized_kv_start(e),
                 }
                 for e in state.pool.loaded()
             ],

@@ -55,7 +55,7 @@ async def model_fit(body: FitBody, request: Request) -> dict[str, Any]:
         own = state.pool.model_settings.get(name)
         own_window = own.max_context_window
         spec = own.kv_quant
-        kv_quant = (spec.bits, spec.group_size) if spec is not None else None
+        kv_quant = (spec.bits, spec.group_size, spec.start) if spec is not None else None
     else:
         folder = _model_folder(body.path)
     config, weights = await asyncio.to_thread(_read_model, folder)

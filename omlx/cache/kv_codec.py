@@ -12,6 +12,9 @@ layout never match) and stored as tensors named ``<layer>.<part>``:
   subclass whose class names ``stores_as = QuantizedKVCache`` (omlx's quantized layer
   for a model's ``kv_bits``, which adds batching, not state) is stored as one, and
   restored into the template's own layers (what the model's ``make_cache`` makes).
+  Before its ``quantized_kv_start`` that layer holds full-precision K/V: its tokens
+  are stored quantized all the same (its ``stored_kv``), so a model's blocks are one
+  kind, and a hit restores them quantized.
 - ``arrays:<n>`` (``ArraysCache``: recurrent state of gated-delta / mamba
   layers): state that cannot be cut at a token position. A block carries a
   snapshot of the whole state as it was right after the block's last token
@@ -97,7 +100,8 @@ def layer_kind(layer: Any) -> str | None:
     if kind is KVCache:
         return KV
     if kind is QuantizedKVCache:
-        return quantized_kind(layer.bits, layer.group_size)
+        # omlx's layer hides ``bits`` from attention while it holds full precision.
+        return quantized_kind(getattr(layer, "kv_bits", None) or layer.bits, layer.group_size)
     if kind is ArraysCache:
         return f"{ARRAYS}:{len(layer.cache)}"
     if kind is RotatingKVCache:
@@ -205,6 +209,14 @@ def block_tensors(layers: Sequence[Any], start: int, end: int, state: Snapshot |
 def _kv_slice(name: str, layer: Any, start: int, end: int) -> dict[str, mx.array]:
     packed = _stored_type(layer) is QuantizedKVCache  # keys/values: (data, scales, biases)
     out = {}
+    # omlx's quantized layer still holding full precision (before its quantized_kv_start)
+    # stores its tokens quantized, as the layout says: a model's blocks are one kind.
+    stored = getattr(layer, "stored_kv", None)
+    if stored is not None:
+        held_kv = stored(start, end)
+        for part, held in zip(("keys", "values"), held_kv, strict=True):
+            out.update({f"{name}.{part}.{j}": a for j, a in enumerate(held)})
+        return out
     for part, held in (("keys", layer.keys), ("values", layer.values)):
         if packed:
             out.update({f"{name}.{part}.{j}": a[..., start:end, :] for j, a in enumerate(held)})

@@ -19,7 +19,7 @@ from omlx.cache.setup import make_prefix_cache
 from omlx.engine.admission import AdmissionSwitch
 from omlx.engine.batching_verdict import BatchingVerdicts, batching_key
 from omlx.engine.compiled_batch import CompiledSteps
-from omlx.engine.kv_measure import with_measured_kv
+from omlx.engine.kv_measure import with_kv_start, with_measured_kv
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.output_probe import output_probe
 from omlx.engine.profile_cache import ProfileCache, ProfileInputs, profile_model
@@ -143,6 +143,14 @@ def _assemble(
         dims = cluster.rank_dims(dims)  # each rank holds its share of heads or layers
     else:
         dims = with_measured_kv(dims, loaded.model, loaded.info.name)
+        if kv_quant is not None:
+            dims = with_kv_start(
+                dims,
+                loaded.model,
+                kv_quant.start,
+                rows=scheduler.max_running,
+                chunk_tokens=sched.prefill_step_size,
+            )
     guard = MemoryGuard(
         loaded.info.name,
         dims,

@@ -23,6 +23,7 @@ def engine_status(engine: ModelEngine | EmbeddingEngine | None) -> dict[str, Any
             "batching": None,
             "speculative": None,
             "kv_bits": None,
+            "quantized_kv_start": None,
         }
     return {
         "requests_in_flight": engine.num_in_flight,
@@ -35,6 +36,7 @@ def engine_status(engine: ModelEngine | EmbeddingEngine | None) -> dict[str, Any
         "batching": _batching(engine),
         "speculative": _speculative(engine),
         "kv_bits": kv_bits(engine),
+        "quantized_kv_start": quantized_kv_start(engine),
     }
 
 
@@ -42,6 +44,14 @@ def kv_bits(engine: ModelEngine | EmbeddingEngine) -> int | None:
     """The bits of the engine's KV cache as loaded (None: full precision, or no KV)."""
     if isinstance(engine, ModelEngine) and engine.kv_quant is not None:
         return engine.kv_quant.bits
+    return None
+
+
+def quantized_kv_start(engine: ModelEngine | EmbeddingEngine) -> int | None:
+    """The tokens a sequence's KV stays full precision for before it is quantized, as
+    loaded (0: from the first; None: no quantized KV)."""
+    if isinstance(engine, ModelEngine) and engine.kv_quant is not None:
+        return engine.kv_quant.start
     return None
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from omlx.memory.dims import ModelDims
+from omlx.memory.dims import ModelDims, kv_quantized_start
 from omlx.mlx_types import LanguageModel, prompt_cache
 
 log = logging.getLogger(__name__)
@@ -29,28 +29,59 @@ log = logging.getLogger(__name__)
 PROBE_TOKENS = 8
 
 
-def cache_bytes_per_token(model: LanguageModel) -> int:
+def cache_bytes_per_token(model: LanguageModel, *, full: bool = False) -> int:
     """Bytes the model's cache grows by per prompt token (0 for a model whose cache
-    holds only fixed states). Raises what the model's forward raises."""
+    holds only fixed states). A quantized KV layer (a model's ``kv_bits``) counts
+    quantized, or with ``full`` as it is held before its ``quantized_kv_start``.
+    Raises what the model's forward raises."""
     cache = prompt_cache(model)
     ids = mx.arange(1, 1 + PROBE_TOKENS, dtype=mx.int32).reshape(1, -1)
     mx.eval(model(ids, cache=cache))
-    return sum(_per_token(layer) for layer in cache)
+    return sum(_per_token(layer, full) for layer in cache)
 
 
-def _per_token(layer: Any) -> int:
+def _per_token(layer: Any, full: bool = False) -> int:
     """One layer cache's bytes per token slot. Its K/V buffers (plain, rotating,
     chunked or quantized: their arrays keep the sequence on axis -2) give it; a
     window is counted as if it grew (conservative); a cache list sums its parts;
     a cache without K/V (convolution, SSM states) holds a fixed state."""
     parts = getattr(layer, "caches", None)
     if parts is not None:
-        return sum(_per_token(part) for part in parts)
+        return sum(_per_token(part, full) for part in parts)
     if getattr(layer, "keys", None) is None:
         return 0
+    if hasattr(layer, "stored_kv"):  # omlx's quantized layer, in either of its phases
+        return _quantized_layer_per_token(layer, full)
     arrays = [a for a in _leaves([layer.keys, layer.values]) if isinstance(a, mx.array)]
     slots = arrays[0].shape[-2]
     return sum(a.nbytes for a in arrays) // slots
+
+
+def _quantized_layer_per_token(layer: Any, full: bool) -> int:
+    """A quantized KV layer's token: quantized (what it stores), or at full precision
+    (its K/V dtype, ``bits`` per element unpacked from the quantized data's words)."""
+    held = int(layer.offset)
+    keys, values = layer.stored_kv(0, held)
+    if not full:
+        return int(sum(a.nbytes for a in (*keys, *values))) // held
+    per_word = 32 // layer.kv_bits
+    elements = sum(data.size * per_word for data, _, _ in (keys, values)) // held
+    return int(elements * keys[1].itemsize)
+
+
+def with_kv_start(
+    dims: ModelDims, model: LanguageModel, start: int, *, rows: int, chunk_tokens: int
+) -> ModelDims:
+    """``dims`` (their KV per token quantized) for a ``quantized_kv_start`` of ``start``:
+    the full-precision copy it keeps priced (memory/dims.py, ``kv_quantized_start``)."""
+    if start <= 0:
+        return dims
+    try:
+        full = cache_bytes_per_token(model, full=True)
+    except Exception as exc:  # the config's figure, at the KV dtype: the unquantized size
+        log.warning("memguard: full-precision KV per token not measured (%s)", exc)
+        full = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * dims.kv_dtype_bytes
+    return kv_quantized_start(dims, full, start, rows=rows, chunk_tokens=chunk_tokens)
 
 
 def _leaves(tree: Any) -> list[Any]:

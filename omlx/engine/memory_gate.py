@@ -146,7 +146,7 @@ class StepGate:
         self._running_tokens = num_running_tokens
         dims, extra = self.guard.dims, self.guard.unmodeled_bytes
         self._pending_bytes = sum(
-            dims.kv_bytes_per_token * c.num_remaining
+            dims.kv_bytes(c.num_remaining)
             + prefill_step_transient_bytes(dims, c.num_tokens, c.num_context_tokens)
             + extra
             for c in plan
@@ -164,7 +164,7 @@ class StepGate:
             self.memory_wait = None
         if reason is None:
             dims, n = self.guard.dims, request.num_prompt_tokens
-            self._pending_bytes += dims.kv_bytes_per_token * n + (
+            self._pending_bytes += dims.kv_bytes(n) + (
                 prefill_step_transient_bytes(dims, min(n, self.guard.chunk_tokens), n)
                 + self.guard.unmodeled_bytes
             )
@@ -227,7 +227,7 @@ class StepGate:
     def _join_copy_bytes(self, num_tokens: int) -> int:
         """Rows joining the decode batch extend its KV (``num_tokens`` with theirs)
         into new buffers: the old and the new batch are alive together for a moment."""
-        return self.guard.dims.kv_bytes_per_token * num_tokens
+        return self.guard.dims.kv_bytes(num_tokens)
 
     # ---- the forward gate ---------------------------------------------------
 

@@ -246,7 +246,7 @@ class EnginePool:
                 if isinstance(engine, ModelEngine):
                     engine.num_draft = self.catalog.num_draft_tokens(engine.name)
                     if engine.kv_quant != self.catalog.kv_quant(engine.name):
-                        log.info("%s: the new kv_bits applies at its next load", engine.name)
+                        log.info("%s: new KV quantization applies at its next load", engine.name)
                     if self.builder.draft_changed(engine):
                         redrafted.append(engine)
         swaps = [self.worker.submit(self.builder.redraft, e) for e in redrafted]

@@ -234,7 +234,7 @@ def prefill_step_transient_bytes(
     prefilled in one batch stack these, so admission counts one per request
     that will be prefilling next to the one it admits."""
     _positive(chunk_tokens, "chunk_tokens")
-    kv_copy = dims.kv_bytes_per_token * num_context_tokens
+    kv_copy = dims.kv_bytes(num_context_tokens)
     activations = 4 * chunk_tokens * dims.hidden_size * max(dims.kv_dtype_bytes, 4)
     return kv_copy + activations
 
@@ -289,10 +289,10 @@ def estimate_prefill(
     )
     return PrefillEstimate(
         current_bytes=reading.current_bytes(others_in_flight=others_in_flight),
-        kv_bytes=dims.kv_bytes_per_token * num_new_tokens,
+        kv_bytes=dims.kv_bytes(num_new_tokens),
         attention_bytes=attention,
         margin_bytes=limits.transient_margin_bytes,
-        growth_bytes=dims.kv_bytes_per_token * (num_cached_tokens + num_new_tokens),
+        growth_bytes=dims.kv_bytes(num_cached_tokens + num_new_tokens),
         unmodeled_bytes=unmodeled_bytes,
     )
 
@@ -416,8 +416,8 @@ def gate(
     attention = attention_transient_bytes(
         dims, chunk_tokens=chunk_tokens, num_context_tokens=num_cached_tokens + chunk_tokens
     )
-    chunk_kv = dims.kv_bytes_per_token * chunk_tokens
-    growth = dims.kv_bytes_per_token * (num_cached_tokens + chunk_tokens)
+    chunk_kv = dims.kv_bytes(chunk_tokens)
+    growth = dims.kv_bytes(num_cached_tokens + chunk_tokens)
     peak = (
         fresh_reading.resident_bytes
         + chunk_kv
@@ -498,7 +498,7 @@ def held_tokens_peak_bytes(
         others_in_flight=False,
         unmodeled_bytes=unmodeled_bytes,
     )
-    step = baseline_bytes + dims.kv_bytes_per_token * tokens + max(0, overhead_bytes)
+    step = baseline_bytes + dims.kv_bytes(tokens) + max(0, overhead_bytes)
     return max(estimate.peak_bytes, step)
 
 
@@ -542,8 +542,7 @@ def kv_capacity_tokens(
 def unmodeled_transient_bytes(dims: ModelDims, *, chunk_tokens: int, measured_bytes: int) -> int:
     """What a measured prefill chunk held beyond its KV that the estimate's own terms
     (attention transient, KV growth copy) do not cover: added to every estimate."""
-    modeled = (
-        attention_transient_bytes(dims, chunk_tokens=chunk_tokens, num_context_tokens=chunk_tokens)
-        + dims.kv_bytes_per_token * chunk_tokens
-    )
+    modeled = attention_transient_bytes(
+        dims, chunk_tokens=chunk_tokens, num_context_tokens=chunk_tokens
+    ) + dims.kv_bytes(chunk_tokens)
     return max(0, measured_bytes - modeled)

@@ -11,7 +11,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelDims", "conservative_dims", "guard_dims", "model_dims", "rank_share"]
+__all__ = [
+    "ModelDims",
+    "conservative_dims",
+    "guard_dims",
+    "kv_quantized_start",
+    "model_dims",
+    "rank_share",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +45,10 @@ class ModelDims:
     # What the model's cache grows by per token, measured at load
     # (engine/kv_measure.py): it wins over the config's figure (hybrids, MLA).
     measured_kv_bytes_per_token: int | None = None
+    # A quantized KV cache with a quantized_kv_start (kv_quantized_start below): what a
+    # token costs on top while held in full precision, and the most tokens held so.
+    full_kv_bytes_per_token: int = 0
+    full_kv_tokens: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -45,6 +56,13 @@ class ModelDims:
         if own is None:
             own = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
         return own + self.draft_kv_bytes_per_token
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        """What ``num_tokens`` KV tokens (of all the model's requests together) can hold:
+        ``kv_bytes_per_token`` each, plus the full-precision copy of the ones a
+        ``quantized_kv_start`` keeps (kv_quantized_start)."""
+        full = self.full_kv_bytes_per_token * min(num_tokens, self.full_kv_tokens)
+        return self.kv_bytes_per_token * num_tokens + full
 
 
 def quantized_kv_dims(dims: ModelDims, bits: int, group_size: int) -> ModelDims:
@@ -54,6 +72,31 @@ def quantized_kv_dims(dims: ModelDims, bits: int, group_size: int) -> ModelDims:
     per_vector = dims.head_dim * bits // 8 + 2 * groups * dims.kv_dtype_bytes
     per_token = 2 * dims.num_layers * dims.num_kv_heads * per_vector
     return dataclasses.replace(dims, measured_kv_bytes_per_token=per_token)
+
+
+def kv_quantized_start(
+    dims: ModelDims, full_bytes_per_token: int, start: int, *, rows: int, chunk_tokens: int
+) -> ModelDims:
+    """``dims`` (their KV per token the quantized one) for a cache that holds a
+    sequence's first ``start`` tokens in full precision (``full_bytes_per_token`` each),
+    then quantizes all of them (mlx-lm's ``quantized_kv_start``; engine/quantized_cache.py).
+
+    An upper bound on what N tokens hold at any moment: Q x N + F x min(N, rows x
+    (start - 1 + chunk_tokens)), Q and F a token's quantized and full-precision bytes.
+    A cache quantizes after the forward that leaves one of its rows ``start`` tokens or
+    more, so before it every row held fewer than ``start`` and that forward added at
+    most one prefill chunk: at most start - 1 + chunk_tokens full-precision tokens a
+    row, ``rows`` rows (the model's concurrency). The forward that quantizes holds both
+    copies of those (F + Q each); every token is held quantized at most once (Q);
+    rows quantized as they join a quantized batch or restored quantized from the prefix
+    cache never held more. ``start`` 0 quantizes every forward's K/V: ``dims``."""
+    if start <= 0:
+        return dims
+    return dataclasses.replace(
+        dims,
+        full_kv_bytes_per_token=full_bytes_per_token,
+        full_kv_tokens=max(1, rows) * (start - 1 + chunk_tokens),
+    )
 
 
 def model_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int) -> ModelDims | None:

@@ -28,7 +28,12 @@ from omlx.memory.budget import (
     prefill_step_transient_bytes,
     resolve_limits,
 )
-from omlx.memory.dims import conservative_dims, model_dims, quantized_kv_dims
+from omlx.memory.dims import (
+    conservative_dims,
+    kv_quantized_start,
+    model_dims,
+    quantized_kv_dims,
+)
 from omlx.settings import Settings
 from omlx.sizes import format_bytes
 
@@ -106,28 +111,32 @@ def estimate_fit(
     context_tokens: int | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     transient_margin_bytes: int | None = None,
-    kv_quant: tuple[int, int] | None = None,
+    kv_quant: tuple[int, int, int] | None = None,
 ) -> FitEstimate:
     """The fit of a model (its config.json dict and weight bytes) under ``limit_bytes``.
 
     ``context_tokens`` None: the config's own context length. ``transient_margin_bytes``
     None is the "auto" margin: the estimated step transient x1.25, as the guard
-    derives it from the measured one. ``kv_quant``: (bits, group size) of a quantized
-    KV cache (the model's kv_bits). Raises ValueError naming a bad argument.
+    derives it from the measured one. ``kv_quant``: (bits, group size, quantized_kv_start)
+    of a quantized KV cache (the model's kv_bits). Raises ValueError naming a bad argument.
     """
     _check_args(weights_bytes, limit_bytes, concurrency, baseline_bytes, context_tokens)
     notes: list[str] = []
     dims = _dims(config, notes)
     if kv_quant is not None:
-        dims = quantized_kv_dims(dims, *kv_quant)
-        notes.append(f"KV cache quantized to {kv_quant[0]} bits (the model's kv_bits)")
+        bits, group_size, start = kv_quant
+        full = dims.kv_bytes_per_token
+        dims = quantized_kv_dims(dims, bits, group_size)
+        dims = kv_quantized_start(dims, full, start, rows=concurrency, chunk_tokens=chunk_tokens)
+        after = f" after {start} tokens (its quantized_kv_start)" if start else ""
+        notes.append(f"KV cache quantized to {bits} bits{after} (the model's kv_bits)")
     if context_tokens is None:
         context_tokens = native_context_tokens(config) or _assumed_context(notes)
     limits = _limits(limit_bytes, transient_margin_bytes, dims, chunk_tokens)
     resident = baseline_bytes + weights_bytes
     tokens = context_tokens * concurrency
     total = _peak_bytes(limits, dims, tokens, resident, chunk_tokens)
-    kv = dims.kv_bytes_per_token * tokens
+    kv = dims.kv_bytes(tokens)
     verdict: Verdict = "fits"
     fitting: int | None = context_tokens
     if total > limit_bytes:
@@ -157,7 +166,7 @@ def fit_for_settings(
     context_tokens: int | None = None,
     total_ram_bytes: int | None = None,
     device_cap: DeviceCap = NO_DEVICE_CAP,
-    kv_quant: tuple[int, int] | None = None,
+    kv_quant: tuple[int, int, int] | None = None,
 ) -> FitEstimate:
     """``estimate_fit`` under the settings: the limit resolved as the guard resolves
     it (under the running server's ``device_cap``), scheduler.max_concurrent_requests,

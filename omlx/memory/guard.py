@@ -269,6 +269,16 @@ class MemoryGuard:
             f"kv_heads={d.num_kv_heads} head_dim={d.head_dim} heads={d.num_attention_heads}"
             f", KV {d.kv_bytes_per_token} B/token"
             f"{' (measured)' if d.measured_kv_bytes_per_token is not None else ''}"
-            f", prefill chunk {self.chunk_tokens}; "
+            f"{_full_kv(d)}, prefill chunk {self.chunk_tokens}; "
             f"{profile}"
         )
+
+
+def _full_kv(dims: ModelDims) -> str:
+    """The full-precision KV a quantized_kv_start adds to the price (memory/dims.py)."""
+    if not dims.full_kv_tokens:
+        return ""
+    return (
+        f" + {dims.full_kv_bytes_per_token} B/token full precision for up to "
+        f"{dims.full_kv_tokens} tokens (quantized_kv_start)"
+    )

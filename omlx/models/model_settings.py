@@ -26,6 +26,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StrictInt,
     ValidationError,
     field_validator,
     model_serializer,
@@ -58,13 +59,17 @@ DEFAULT_KV_GROUP_SIZE = 32
 
 @dataclass(frozen=True, slots=True)
 class KVQuantSpec:
-    """How a model's KV cache is quantized (mlx-lm's ``kv_bits``, ``kv_group_size``)."""
+    """How a model's KV cache is quantized (mlx-lm's ``kv_bits``, ``kv_group_size``,
+    ``quantized_kv_start``: a sequence's KV stays full precision until a forward leaves
+    it ``start`` tokens or more; 0: quantized from its first forward on)."""
 
     bits: int
     group_size: int
+    start: int = 0
 
     def describe(self) -> str:
-        return f"{self.bits}-bit KV (groups of {self.group_size})"
+        after = f", from {self.start} tokens on" if self.start else ""
+        return f"{self.bits}-bit KV (groups of {self.group_size}{after})"
 
 
 class SpeculativeSettings(BaseModel):
@@ -131,18 +136,26 @@ class ModelSettings(BaseModel):
     force_sampling: bool = False
     # Speculative decoding (None: off); requests opt out with "speculative": false.
     speculative: SpeculativeSettings | None = None
-    # KV cache quantization (mlx-lm's QuantizedKVCache) from a sequence's first token:
-    # bits per value (None: full precision) and values per quantization group (mlx-lm's
-    # kv_bits, kv_group_size; None: DEFAULT_KV_GROUP_SIZE). Applied at the model's next load.
+    # KV cache quantization (mlx-lm's QuantizedKVCache), from a sequence's first token
+    # unless quantized_kv_start says later: bits per value (None: full precision) and
+    # values per quantization group (mlx-lm's kv_bits, kv_group_size; None:
+    # DEFAULT_KV_GROUP_SIZE). Applied at the model's next load.
     kv_bits: Literal[4, 8] | None = None
     kv_group_size: Literal[32, 64, 128] | None = None
+    # mlx-lm's quantized_kv_start: a sequence's KV stays full precision until it holds
+    # this many tokens, then all of it is quantized (None: 0, from the first token).
+    quantized_kv_start: StrictInt | None = Field(None, ge=0)
 
     @property
     def kv_quant(self) -> KVQuantSpec | None:
         """The model's KV quantization (None: full-precision KV)."""
         if self.kv_bits is None:
             return None
-        return KVQuantSpec(self.kv_bits, self.kv_group_size or DEFAULT_KV_GROUP_SIZE)
+        return KVQuantSpec(
+            self.kv_bits,
+            self.kv_group_size or DEFAULT_KV_GROUP_SIZE,
+            self.quantized_kv_start or 0,
+        )
 
     @property
     def draft_model(self) -> str | None:

@@ -40,7 +40,12 @@ def http(server: Server) -> Iterator[httpx.Client]:
 
 @pytest.mark.parametrize(
     ("body", "field", "allowed"),
-    [({"kv_bits": 6}, "kv_bits", "4 or 8"), ({"kv_group_size": 100}, "kv_group_size", "32, 64")],
+    [
+        ({"kv_bits": 6}, "kv_bits", "4 or 8"),
+        ({"kv_group_size": 100}, "kv_group_size", "32, 64"),
+        ({"kv_bits": 8, "quantized_kv_start": -1}, "quantized_kv_start", "greater than or equal"),
+        ({"kv_bits": 8, "quantized_kv_start": 2.5}, "quantized_kv_start", "valid integer"),
+    ],
 )
 def test_bad_values_are_a_400_naming_the_field(http, body, field, allowed) -> None:
     reply = http.put(SETTINGS, json=body)
@@ -49,15 +54,16 @@ def test_bad_values_are_a_400_naming_the_field(http, body, field, allowed) -> No
     assert message.startswith(f"{field}: ") and allowed in message
 
 
-def test_the_built_in_model_answers_with_8_bit_kv(http) -> None:
-    # kv_bits takes effect at the model's next load. The server loads the model at
-    # start: let that load finish, then unload it once the setting is in, so the
-    # request's own load is the one that reads it.
+def _served_with(http, settings: dict) -> tuple[str, dict, dict]:
+    """The model's answer about France's capital, its /health entry and its fit
+    estimate with ``settings`` (cleared after). KV settings take effect at the model's
+    next load. The server loads the model at start: let that load finish, then unload
+    it once the settings are in, so the request's own load is the one that reads them."""
     deadline = time.monotonic() + 300
     while http.get("/health").json()["models_state"] == "loading":
         assert time.monotonic() < deadline, "the start-up load did not finish"
         time.sleep(0.2)
-    assert http.put(SETTINGS, json={"kv_bits": 8}).status_code == 200
+    assert http.put(SETTINGS, json=settings).status_code == 200
     try:
         assert http.post(f"/admin/api/models/{MODEL}/unload").status_code == 200
         fit = http.post("/admin/api/models/fit", json={"model": MODEL}).json()
@@ -71,10 +77,26 @@ def test_the_built_in_model_answers_with_8_bit_kv(http) -> None:
             },
         )
         assert reply.status_code == 200
-        assert "Paris" in reply.json()["choices"][0]["message"]["content"]
         loaded = {m["name"]: m for m in http.get("/health").json()["loaded_models"]}
-        assert loaded[MODEL]["kv_bits"] == 8, (loaded, http.get(SETTINGS).text)
-        assert "kv_bits" in " ".join(fit["notes"])
+        return reply.json()["choices"][0]["message"]["content"], loaded[MODEL], fit
     finally:
         assert http.delete(SETTINGS).status_code == 200
         http.post(f"/admin/api/models/{MODEL}/unload")
+
+
+def test_the_built_in_model_answers_with_8_bit_kv(http) -> None:
+    answer, health, fit = _served_with(http, {"kv_bits": 8})
+    assert "Paris" in answer
+    assert health["kv_bits"] == 8, health
+    assert health["quantized_kv_start"] == 0
+    assert "kv_bits" in " ".join(fit["notes"])
+
+
+def test_quantized_kv_start_is_served_and_shown_beside_kv_bits(http) -> None:
+    """8-bit KV from the 8th token on (the chat's prompt is longer: it is quantized
+    after its prefill): the model answers, /health shows the start beside kv_bits, and
+    the fit estimate names it."""
+    answer, health, fit = _served_with(http, {"kv_bits": 8, "quantized_kv_start": 8})
+    assert "Paris" in answer
+    assert (health["kv_bits"], health["quantized_kv_start"]) == (8, 8)
+    assert "after 8 tokens" in " ".join(fit["notes"])

@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm import load
 
 from omlx.cache import kv_codec
+from omlx.engine.engine_status import engine_status
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.quantized_cache import QuantizedLayer, install
 from omlx.mlx_types import prompt_cache
@@ -122,5 +123,66 @@ def test_8_bit_hits_of_requests_that_arrive_together_answer_as_each_alone(make_p
         together = await asyncio.gather(*(generate(engine, p) for p in prompts))
         assert [answer for answer, _ in together] == alone
         assert all(cached >= len(shared) // BLOCK * BLOCK for _, cached in together)
+
+    asyncio.run(main())
+
+
+def test_blocks_across_quantized_kv_start_are_one_kind(tiny_models_dir) -> None:
+    """``quantized_kv_start`` 40: blocks cut while the cache still holds full precision
+    (32 tokens) are stored quantized, tensor for tensor what a cache quantized from the
+    first token stores after the same forward; past 40 the cache is quantized and its
+    blocks are the same kind; all of them restore into quantized layers whose next
+    forward equals the next forward over the cache they were cut from."""
+    model, tokenizer = load(str(tiny_models_dir / MODEL))
+    install(model, KVQuantSpec(8, 64, 40), MODEL)
+    from_first = load(str(tiny_models_dir / MODEL))[0]
+    install(from_first, KVQuantSpec(8, 64), MODEL)
+    prompt = list(tokenizer.encode(TEXT))[: 3 * BLOCK]
+    held, reference = prompt_cache(model), prompt_cache(from_first)
+    model(mx.array(prompt[: 2 * BLOCK])[None], cache=held)
+    from_first(mx.array(prompt[: 2 * BLOCK])[None], cache=reference)
+    assert not any(layer.quantized for layer in held)
+    early = [kv_codec.block_tensors(held, s, s + BLOCK, None) for s in (0, BLOCK)]
+    for ours, theirs in zip(
+        early,
+        [kv_codec.block_tensors(reference, s, s + BLOCK, None) for s in (0, BLOCK)],
+        strict=True,
+    ):
+        assert ours.keys() == theirs.keys()
+        assert ours == theirs  # (dtype, shape, bytes) per tensor
+    model(mx.array(prompt[2 * BLOCK :])[None], cache=held)  # crosses 40
+    assert all(layer.quantized for layer in held)
+    late = kv_codec.block_tensors(held, 2 * BLOCK, 3 * BLOCK, None)
+    assert late.keys() == early[0].keys()
+    assert {k: late[k][:2] for k in late} == {k: early[0][k][:2] for k in early[0]}
+    restored = kv_codec.restore(prompt_cache(model), [*early, late], len(prompt))
+    assert all(type(layer) is QuantizedLayer and layer.quantized for layer in restored)
+    nxt = mx.array([[prompt[-1]]])
+    assert mx.array_equal(model(nxt, cache=restored), model(nxt, cache=held))
+
+
+def test_a_hit_past_quantized_kv_start_answers_as_uncached(make_pool) -> None:
+    """A prompt longer than the model's ``quantized_kv_start`` (prefilled in chunks of
+    32: full precision, then quantized), then again: a hit on every full block, the
+    same answer; a prompt shorter than it (its cache never quantized) stores blocks
+    a later request hits."""
+    pool = make_pool(cache=CACHE, prefill_step_size=32)
+    pool.model_settings.put(MODEL, {"kv_bits": 8, "quantized_kv_start": 3 * BLOCK + 8})
+
+    async def main() -> None:
+        engine = await pool.get_engine(MODEL)
+        assert engine.kv_quant == KVQuantSpec(8, 32, 3 * BLOCK + 8)
+        assert engine_status(engine)["quantized_kv_start"] == 3 * BLOCK + 8
+        assert engine.prefix_cache is not None
+        assert set(engine.prefix_cache.layout) == {"quantized:8:32"}
+        prompt = list(engine.tokenizer.encode(TEXT))
+        assert len(prompt) > 6 * BLOCK
+        uncached, cached = await _served(engine, prompt)
+        assert cached == 0
+        assert await _served(engine, prompt) == (uncached, len(prompt) - 1)
+        engine.prefix_cache.clear("both")
+        short = prompt[: 2 * BLOCK + 1]
+        assert (await _served(engine, short))[1] == 0
+        assert (await _served(engine, prompt))[1] == 2 * BLOCK
 
     asyncio.run(main())

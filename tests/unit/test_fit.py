@@ -122,13 +122,33 @@ def test_a_quantized_kv_cache_counts_its_quantized_bytes() -> None:
             LLAMA_8B_4BIT_WEIGHTS,
             limit_bytes=12 * GB,
             concurrency=1,
-            kv_quant=(bits, 64),
+            kv_quant=(bits, 64, 0),
         )
         assert fit.kv_bytes == 2 * 32 * 8 * per_vector * fit.context_tokens
         assert fit.kv_bytes <= (0.55 if bits == 8 else 0.3) * full.kv_bytes
         assert fit.max_context_tokens is not None and full.max_context_tokens is not None
         assert fit.max_context_tokens > 1.8 * full.max_context_tokens
         assert "kv_bits" in " ".join(fit.notes)
+
+
+def test_a_quantized_kv_start_prices_the_full_precision_tokens_and_the_conversion() -> None:
+    """kv_bits 8 from 4096 tokens on, two requests, chunks of 2048: every token at its
+    quantized size plus, for up to 2 x (4096 - 1 + 2048) tokens, the full-precision size
+    (held before the cache quantizes, and beside the quantized copy at the forward that
+    does): memory/dims.py's ``kv_quantized_start``."""
+    full_per_token = 2 * 32 * 8 * 128 * 2  # llama 3.1 8B, bf16 K/V
+    quantized_per_token = 2 * 32 * 8 * (128 + 8)
+    kwargs = {"limit_bytes": 24 * GB, "concurrency": 2, "chunk_tokens": 2048}
+    plain = estimate_fit(LLAMA_8B_4BIT, LLAMA_8B_4BIT_WEIGHTS, **kwargs)
+    from_first = estimate_fit(LLAMA_8B_4BIT, LLAMA_8B_4BIT_WEIGHTS, kv_quant=(8, 64, 0), **kwargs)
+    late = estimate_fit(LLAMA_8B_4BIT, LLAMA_8B_4BIT_WEIGHTS, kv_quant=(8, 64, 4096), **kwargs)
+    tokens = 2 * late.context_tokens
+    held_full = min(tokens, 2 * (4096 - 1 + 2048))
+    assert late.kv_bytes == quantized_per_token * tokens + full_per_token * held_full
+    assert from_first.kv_bytes == quantized_per_token * tokens
+    # Long contexts still gain from it, less than quantizing from the first token.
+    assert from_first.kv_bytes < late.kv_bytes < plain.kv_bytes
+    assert "after 4096 tokens" in " ".join(late.notes)
 
 
 def test_text_config_nesting_is_read_like_a_flat_config() -> None:

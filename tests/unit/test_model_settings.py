@@ -112,6 +112,9 @@ def test_reset_forgets_a_model(store, path):
         ("kv_bits", 5),
         ("kv_bits", "8"),
         ("kv_group_size", 48),
+        ("quantized_kv_start", -1),
+        ("quantized_kv_start", 1.5),
+        ("quantized_kv_start", "16"),
         ("model_type", "diffusion"),
         ("alias", ""),
         ("alias", "/qwen"),
@@ -147,6 +150,19 @@ def test_kv_quantization_is_off_by_default_and_groups_default_to_32(store, path)
     assert store.get("m").kv_quant == KVQuantSpec(bits=4, group_size=64)
     store.update("m", {"kv_bits": None})
     assert store.get("m").kv_quant is None
+
+
+def test_quantized_kv_start_is_kept_beside_kv_bits_and_defaults_to_0(store, path):
+    """mlx-lm's quantized_kv_start: None (the default) is 0, quantized from the first
+    token; a whole number of tokens, never negative or fractional."""
+    store.put("m", {"kv_bits": 8, "quantized_kv_start": 4096})
+    assert ModelSettingsStore(path).get("m").kv_quant == KVQuantSpec(8, 32, 4096)
+    store.update("m", {"quantized_kv_start": None})
+    assert store.get("m").kv_quant == KVQuantSpec(8, 32, 0)
+    with pytest.raises(SettingsError, match=r"^quantized_kv_start: Input should be greater"):
+        store.update("m", {"quantized_kv_start": -16})
+    with pytest.raises(SettingsError, match=r"^quantized_kv_start: Input should be a valid int"):
+        store.update("m", {"quantized_kv_start": 16.0})
 
 
 def test_a_failed_update_keeps_the_old_settings(store):

@@ -17,6 +17,7 @@ const FIELDS = [
   { name: "strict_max_tokens", label: "Strict max tokens", type: "checkbox", help: "Refuse a max_tokens larger than the room the prompt leaves, instead of clamping it to that room." },
   { name: "max_kv_tokens", label: "Max KV tokens", type: "number", step: "1", help: "Pins the KV capacity; empty: measured at load." },
   { name: "kv_bits", label: "KV cache bits", type: "number", step: "4", help: "4 or 8: quantize the KV cache (about half or a quarter of its memory; no speculative decoding); empty: full precision. Applied at the next load." },
+  { name: "quantized_kv_start", label: "Quantize KV after (tokens)", type: "number", step: "1", help: "With KV cache bits: a request's KV stays full precision until it holds this many tokens, then all of it is quantized (mlx-lm's quantized_kv_start); empty or 0: from the first token. Applied at the next load." },
   { name: "kv_group_size", label: "KV quantization group", type: "number", step: "32", help: "32, 64 or 128 values per group; empty: 32 (64: fewer bytes on bf16 models, a little more drift)." },
   { name: "temperature", label: "Temperature", type: "number", step: "any" },
   { name: "top_p", label: "Top p", type: "number", step: "any" },
