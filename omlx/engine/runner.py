@@ -17,6 +17,15 @@ scheduler/placement.py):
 - FORK: ``forks.ChoiceForks`` holds it until its leader's prompt is in, then it
   joins the ``DecodeBatch`` with a copy of the leader's cache.
 
+What it holds, one owner each: batch rows in ``batch.py``'s two batches, waiting
+choices in ``forks.ChoiceForks``, one ``sequences.Running`` record (its placement, its
+sequence, its request) per request running as a sequence of its own (solo, side, image
+side), and what it owes the prefix cache in ``prompt_stores.PromptStores``. The plan
+decides where each request runs and when the solo sequence moves; the runner decides
+only what follows from running: a side sequence joins the batch at its last prompt
+token, a fork when its leader's prompt is in, and each chunk's size under the plan's
+cap (prefill step size, solo one-pass).
+
 MLX thread only. The runner knows nothing about finish reasons: the scheduler
 decides those, and the next plan drops the finished requests.
 """
@@ -67,9 +76,9 @@ class BatchRunner:
     model is split across ranks, each with its own cache; every rank restores the hit
     length all of them hold (omlx/distributed/shared_hits.py).
 
-    Where each request runs is the plan's (scheduler/placement.py): a lone request
-    prefills as a ``SoloSequence`` (and decodes there when the model has no proven
-    compiled batch step; otherwise it moves to the batch after its first token).
+    Where each request runs is the plan's (scheduler/placement.py; ``execute``): a lone
+    request prefills as a ``SoloSequence`` (and decodes there when the model has no
+    proven compiled batch step; otherwise it moves to the batch after its first token).
     Once several run, new prompts prefill together (``PrefillBatch``) and every
     sequence past its prompt decodes in one ``DecodeBatch``; a solo sequence moves
     over with its cache.
@@ -107,15 +116,14 @@ class BatchRunner:
         self._shared_hits = shared_hits
         self._prefill_step_size = prefill_step_size
         self._stream = stream
-        self._prefill = PrefillBatch(model, prefill_step_size)
         # A lone sequence's decode step and the batch's, compiled (None when the
         # model does not qualify or the strategy runs eager).
         if compiled is None:
             compiled = CompiledSteps.for_model(model, strategy)
         self._decoder, self._batch_step = compiled.solo, compiled.batch
-        self._decode = DecodeBatch(model, strategy, self._batch_step)
         # The draft model proposing tokens (None: prompt lookup).
         self._draft: DraftModel | None = None
+        self._prefill, self._decode = self._new_batches()
         # A request's choices (same prompt, started together) wait for one to prefill
         # it, when it is longer than the shared opening covers.
         self._forks = ChoiceForks(self._row)
@@ -553,14 +561,18 @@ class BatchRunner:
     def reset(self) -> None:
         """Drop every sequence (after an MLX error left the batch unusable)."""
         self._stores.reset()
-        self._prefill = PrefillBatch(self._model, self._prefill_step_size)
         old = self._decode
-        self._decode = DecodeBatch(self._model, self.strategy, self._batch_step)
+        self._prefill, self._decode = self._new_batches()
         self._decode.num_draft, self._decode.spec_stats = old.num_draft, old.spec_stats
-        self._decode.draft = self._proposer()
         self._sequences.clear()
         self._unreported.clear()
         self._forks.clear()
+
+    def _new_batches(self) -> tuple[PrefillBatch, DecodeBatch]:
+        """Empty batches (at the start, and after an MLX error)."""
+        decode = DecodeBatch(self._model, self.strategy, self._batch_step)
+        decode.draft = self._proposer()
+        return PrefillBatch(self._model, self._prefill_step_size), decode
 
     def close(self) -> None:
         self._stores.run()
