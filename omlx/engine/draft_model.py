@@ -36,7 +36,7 @@ from omlx.mlx_types import (
     prompt_cache,
 )
 
-__all__ = ["DraftProposer", "Drafts", "plain_kv_model"]
+__all__ = ["DraftModel", "DraftProposer", "Drafts", "plain_kv_model"]
 
 
 def plain_kv_model(model: LanguageModel) -> bool:
@@ -70,6 +70,20 @@ class _Fed:
     unseen: list[int]  # committed tokens fed per row
     fed_drafts: list[int]  # drafts fed per row (the last one of a row is never fed)
     positions: int  # positions fed per row
+
+
+@dataclass(frozen=True, slots=True)
+class DraftModel:
+    """A draft model as a runner holds it: the model, the target's logit rows and the
+    draft's proven compiled batch step (None: its forwards run eager)."""
+
+    model: LanguageModel
+    target_vocab: int
+    compiled: CompiledBatchStep | None = None
+
+    def proposer(self, chunk_tokens: int) -> DraftProposer:
+        """A fresh proposer for a new decode batch."""
+        return DraftProposer(self.model, self.target_vocab, chunk_tokens, compiled=self.compiled)
 
 
 class DraftProposer:

@@ -17,6 +17,15 @@ scheduler/placement.py):
 - FORK: ``forks.ChoiceForks`` holds it until its leader's prompt is in, then it
   joins the ``DecodeBatch`` with a copy of the leader's cache.
 
+What it holds, one owner each: batch rows in ``batch.py``'s two batches, waiting
+choices in ``forks.ChoiceForks``, one ``sequences.Running`` record (its placement, its
+sequence, its request) per request running as a sequence of its own (solo, side, image
+side), and what it owes the prefix cache in ``prompt_stores.PromptStores``. The plan
+decides where each request runs and when the solo sequence moves; the runner decides
+only what follows from running: a side sequence joins the batch at its last prompt
+token, a fork when its leader's prompt is in, and each chunk's size under the plan's
+cap (prefill step size, solo one-pass).
+
 MLX thread only. The runner knows nothing about finish reasons: the scheduler
 decides those, and the next plan drops the finished requests.
 """
@@ -38,7 +47,7 @@ from omlx.cache.prefix_index import NO_HIT
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
 from omlx.engine.compiled import CompiledDecode
 from omlx.engine.compiled_batch import CompiledBatchStep, CompiledSteps
-from omlx.engine.draft_model import DraftProposer
+from omlx.engine.draft_model import DraftModel, DraftProposer
 from omlx.engine.forks import FORK_PAST_OPENING, ChoiceForks
 from omlx.engine.image_prefill import image_sequence
 from omlx.engine.ngram import drafter_for, speculates
@@ -46,6 +55,7 @@ from omlx.engine.openings import share_openings, shares_openings
 from omlx.engine.prompt_stores import PromptStores
 from omlx.engine.quantized_cache import joins_batch
 from omlx.engine.sampling import make_request_processors, make_request_sampler
+from omlx.engine.sequences import Running, Sequences
 from omlx.engine.solo import SoloSequence
 from omlx.engine.strategy import ExecutionStrategy
 from omlx.mlx_types import CacheLayer, LanguageModel, prompt_cache
@@ -66,9 +76,9 @@ class BatchRunner:
     model is split across ranks, each with its own cache; every rank restores the hit
     length all of them hold (omlx/distributed/shared_hits.py).
 
-    Where each request runs is the plan's (scheduler/placement.py): a lone request
-    prefills as a ``SoloSequence`` (and decodes there when the model has no proven
-    compiled batch step; otherwise it moves to the batch after its first token).
+    Where each request runs is the plan's (scheduler/placement.py; ``execute``): a lone
+    request prefills as a ``SoloSequence`` (and decodes there when the model has no
+    proven compiled batch step; otherwise it moves to the batch after its first token).
     Once several run, new prompts prefill together (``PrefillBatch``) and every
     sequence past its prompt decodes in one ``DecodeBatch``; a solo sequence moves
     over with its cache.
@@ -106,32 +116,26 @@ class BatchRunner:
         self._shared_hits = shared_hits
         self._prefill_step_size = prefill_step_size
         self._stream = stream
-        self._prefill = PrefillBatch(model, prefill_step_size)
         # A lone sequence's decode step and the batch's, compiled (None when the
         # model does not qualify or the strategy runs eager).
         if compiled is None:
             compiled = CompiledSteps.for_model(model, strategy)
         self._decoder, self._batch_step = compiled.solo, compiled.batch
-        self._decode = DecodeBatch(model, strategy, self._batch_step)
-        # The draft model proposing tokens, the target's logit rows and the draft's
-        # compiled batch step (None: prompt lookup).
-        self._draft: tuple[LanguageModel, int, CompiledBatchStep | None] | None = None
+        # The draft model proposing tokens (None: prompt lookup).
+        self._draft: DraftModel | None = None
+        self._prefill, self._decode = self._new_batches()
         # A request's choices (same prompt, started together) wait for one to prefill
         # it, when it is longer than the shared opening covers.
         self._forks = ChoiceForks(self._row)
         # On a Mac, keep the weights wired as mlx-lm's generators do (None elsewhere).
         self._old_wired_limit = maybe_set_recommended_wired_limit()
-        # A lone request runs unbatched (see solo.py); None while batching.
-        self._solo: SoloSequence | None = None
-        self._solo_request: Request | None = None
-        # Where the plan moves the solo sequence this step (None: it stays).
-        self._solo_move: Placement | None = None
-        # Tokens sampled by a solo sequence just before it joined the batch.
+        # The requests running as sequences of their own (sequences.py): a lone
+        # request unbatched (solo.py), and those prefilling on the side (models whose
+        # cache cannot be cut later, prompts with images) until they join the batch.
+        self._sequences = Sequences()
+        # Tokens sampled by a solo or side sequence just before it joined the batch
+        # (out first in the step's outputs).
         self._unreported: list[TokenOutput] = []
-        # Models whose cache cannot be cut later (recurrent, sliding window) prefill
-        # requests that join a batch here, a chunk per step with a snapshot at
-        # each block boundary, then move into the batch at their last token.
-        self._side: dict[str, tuple[SoloSequence, Request]] = {}
         # What the prefix cache gets from each request, at the start of the next step.
         self._stores = PromptStores(prefix_cache, self._layers_of)
 
@@ -153,7 +157,7 @@ class BatchRunner:
     @property
     def compiled_draft_step(self) -> CompiledBatchStep | None:
         """The draft model's compiled step (None: no draft model, or it runs eager)."""
-        return self._draft[2] if self._draft is not None else None
+        return self._draft.compiled if self._draft is not None else None
 
     def prove_compiled(self) -> None:
         """Run the compiled steps' one-time checks now (the pool does at model
@@ -169,8 +173,7 @@ class BatchRunner:
         return bool(
             self._decode
             or self._prefill
-            or self._solo
-            or self._side
+            or self._sequences
             or self._unreported
             or self._stores.pending
         )
@@ -182,18 +185,20 @@ class BatchRunner:
         (``execute`` takes the plan's placements instead); returns the prompt tokens
         each got from the prefix cache. ``openings``: shared openings among them."""
         requests = list(requests)
-        placed = place(requests, self.layout())
-        self._solo_move = placed.solo_move
-        return self._start(requests, openings, placed)
+        return self._start(requests, openings, place(requests, self.layout()))
 
     def _start(
         self, requests: Sequence[Request], openings: Sequence[SharedOpening], placed: Placements
     ) -> dict[str, int]:
-        """Start requests as placed (and move the solo sequence as planned); returns
-        the prompt tokens each got from the prefix cache."""
+        """Start requests as placed, moving the solo sequence first as planned (no
+        requests: the step moves it); returns the prompt tokens each got from the
+        prefix cache."""
+        if not requests:
+            return {}
         if any(r.num_resumed_tokens for r in requests):
             # A preempted request's blocks were stored on its way out: now, so it hits.
             self._stores.run()
+        self._move_solo(placed.solo_move)
         where = placed.where
         with_images = {
             r.request_id: self._start_with_images(r)
@@ -211,13 +216,10 @@ class BatchRunner:
         hits = self._lookup(text, room)
         for r in text:
             self._stores.track(r)
-        self._move_solo()
-        for r in solo:
-            assert self._solo is None, "two solo sequences planned"
-            self._solo, self._solo_request = self._sequence(r, hits[r.request_id]), r
         for r in text:
-            if where[r.request_id] is Placement.SIDE:
-                self._side[r.request_id] = (self._sequence(r, hits[r.request_id]), r)
+            if where[r.request_id] in (Placement.SOLO, Placement.SIDE):
+                sequence = self._sequence(r, hits[r.request_id])
+                self._sequences.start(where[r.request_id], sequence, r)
         rows = [r for r in text if where[r.request_id] in (Placement.BATCH, Placement.FORK)]
         if rows:
             self._start_rows(rows, openings, hits, placed.leaders)
@@ -253,9 +255,8 @@ class BatchRunner:
         """A prompt with images prefills on the side (image_prefill.py). Its blocks
         are keyed by the images' hashes: their tokens' ids are the same whatever
         the image. Returns the prompt tokens the prefix cache held."""
-        self._move_solo()
         assert self._vision is not None, "images reached a text-only model"
-        rid, keys = request.request_id, request.images.keys
+        keys = request.images.keys
         hit = None
         self._stores.track(request, keys)
         if self._prefix is not None:
@@ -273,7 +274,7 @@ class BatchRunner:
                 block_size=self._prefix.block_size if self._prefix is not None else 0,
                 on_boundary=self._stores.boundary_hook(request),
             )
-        self._side[rid] = (sequence, request)
+        self._sequences.start(Placement.IMAGE_SIDE, sequence, request)
         return hit.num_tokens if hit is not None else 0
 
     @staticmethod
@@ -308,14 +309,11 @@ class BatchRunner:
             if compiled is not None:
                 with mx.stream(self._stream):
                     compiled.prove()
-            self._draft = (model, target_vocab, compiled)
+            self._draft = DraftModel(model, target_vocab, compiled)
         self._decode.draft = self._proposer()
 
     def _proposer(self) -> DraftProposer | None:
-        if self._draft is None:
-            return None
-        model, vocab, compiled = self._draft
-        return DraftProposer(model, vocab, self._prefill_step_size, compiled=compiled)
+        return self._draft.proposer(self._prefill_step_size) if self._draft else None
 
     def speculation_plan(self) -> list[PrefillChunk]:
         """The positions the next decode step may verify per drafting request
@@ -385,14 +383,11 @@ class BatchRunner:
         (scheduler/placement.py decides; the plan carries the decision)."""
         placed = {row.request_id: Placement.BATCH for row in self._prefill.rows}
         placed.update({row.request_id: Placement.BATCH for row in self._decode.rows})
-        for rid, (_, request) in self._side.items():
-            placed[rid] = Placement.IMAGE_SIDE if request.images else Placement.SIDE
+        placed.update(self._sequences.placed())
         leaders = self._forks.leaders()
         placed.update(dict.fromkeys(leaders, Placement.FORK))
-        solo = None
-        if self._solo is not None and self._solo_request is not None:
-            placed[self._solo.request_id] = Placement.SOLO
-            solo = self._solo_state(self._solo, self._solo_request)
+        running = self._sequences.solo
+        solo = self._solo_state(running) if running is not None else None
         step = self._batch_step
         return RunnerLayout(
             placed=placed,
@@ -404,9 +399,10 @@ class BatchRunner:
             min_fork_prompt=self._prefill_step_size + FORK_PAST_OPENING,
         )
 
-    def _solo_state(self, solo: SoloSequence, request: Request) -> SoloState:
+    def _solo_state(self, running: Running) -> SoloState:
         """The lone sequence as the placement rules see it (movable: its first token
         is out and its cache is plain or quantized KV layers, which the batch can take)."""
+        solo, request = running.sequence, running.request
         return SoloState(
             solo.request_id,
             solo.num_pending,
@@ -414,25 +410,19 @@ class BatchRunner:
             would_draft=self.num_draft > 0 and speculates(request),
         )
 
-    def _move_solo(self) -> None:
-        """The solo sequence moves where the plan said (once; nothing planned: it stays)."""
-        move, self._solo_move = self._solo_move, None
-        if move is None or self._solo is None or self._solo_request is None:
+    def _move_solo(self, move: Placement | None) -> None:
+        """The solo sequence moves where the plan said (None: it stays)."""
+        running = self._sequences.solo
+        if move is None or running is None:
             return
         if move is Placement.SIDE:
-            self._side[self._solo.request_id] = (self._solo, self._solo_request)
-            self._solo = self._solo_request = None
+            self._sequences.to_side(running)
         else:
-            self._solo_to_batch()
+            self._join(self._sequences.pop(running.request_id))
 
-    def _solo_to_batch(self) -> None:
-        assert self._solo is not None and self._solo_request is not None
-        solo, request = self._solo, self._solo_request
-        self._solo = self._solo_request = None
-        self._join(solo, request)
-
-    def _join(self, sequence: SoloSequence, request: Request) -> None:
+    def _join(self, running: Running) -> None:
         """A solo or side sequence continues batched, with its cache."""
+        sequence, request = running.sequence, running.request
         state = sequence.handoff()
         rid = sequence.request_id
         drafter = drafter_for(request, [*state.cached_tokens, *state.feed])
@@ -452,25 +442,20 @@ class BatchRunner:
         their cache hits and shared openings), move the solo sequence if it says
         so, cap the prefill chunks as the memory gate said, and run the forward."""
         self.remove(plan.leaving)
-        self._solo_move = plan.placements.solo_move
         hits = self._start(plan.admitted, plan.openings, plan.placements)
         cached = {r.request_id: hits.get(r.request_id, 0) for r in plan.admitted}
         self.cap_prefill(plan.prefill_cap)
         if not plan.speculate:
             self.hold_drafts()
-        return RunnerOutput(tuple(self._step()), cached)
+        # Starting requests moved the solo sequence; else the step moves it.
+        move = None if plan.admitted else plan.placements.solo_move
+        return RunnerOutput(tuple(self._step(move)), cached)
 
     def remove(self, request_ids: Iterable[str]) -> None:
         """Take requests out (finished or aborted); their blocks go to the prefix cache."""
         request_ids = set(request_ids)
         leaving: dict[str, tuple[list[CacheLayer], int] | None] = dict.fromkeys(request_ids)
-        if self._solo is not None and self._solo.request_id in request_ids:
-            solo = self._solo
-            self._solo = self._solo_request = None
-            leaving[solo.request_id] = (solo.cache, solo.num_cached)
-        for rid in request_ids & self._side.keys():
-            side, _ = self._side.pop(rid)
-            leaving[rid] = (side.cache, side.num_cached)
+        leaving.update(self._sequences.remove(request_ids))
         self._unreported = [t for t in self._unreported if t.request_id not in request_ids]
         keep_caches = self._prefix is not None
         orphans = self._forks.drop(request_ids)
@@ -488,7 +473,7 @@ class BatchRunner:
         gate). A batched chunk is planned as attending over the whole prompt: an
         upper bound (rows are right-padded to the longest chunk)."""
         plan = []
-        for seq in self._prefilling():
+        for seq in self._sequences.prefilling():
             if n := seq.next_prefill_tokens():
                 plan.append(PrefillChunk(seq.request_id, n, seq.num_cached + n, seq.num_pending))
         for rid, n, left, whole in self._prefill.plan():
@@ -498,31 +483,28 @@ class BatchRunner:
     def cap_prefill(self, cap: int | None) -> None:
         """The memory gate's cap on the next step's prefill chunks (None: as
         planned; 0: prefill waits this step while decoding goes on)."""
-        for seq in self._prefilling():
+        for seq in self._sequences.prefilling():
             seq.cap_next_chunk(cap)
         self._prefill.cap_next_chunk(cap)
-
-    def _prefilling(self) -> list[SoloSequence]:
-        solo = [self._solo] if self._solo is not None else []
-        return solo + [seq for seq, _ in self._side.values()]
 
     def step(self) -> list[TokenOutput]:
         """One step outside a plan: the solo sequence moves as the placement rules
         say for the runner as it is (``execute`` takes the plan's move)."""
-        self._solo_move = place((), self.layout()).solo_move
-        return self._step()
+        return self._step(place((), self.layout()).solo_move)
 
-    def _step(self) -> list[TokenOutput]:
-        """One step: the solo sequence's, or a prefill chunk of the new prompts
-        and one decode step of every sequence past its prompt (those whose
-        prompt just ended included: their first token leaves in this step)."""
+    def _step(self, move: Placement | None) -> list[TokenOutput]:
+        """One step: the solo sequence moves as planned (``move``); then its step,
+        or a prefill chunk of the new prompts and one decode step of every sequence
+        past its prompt (those whose prompt just ended included: their first token
+        leaves in this step)."""
         self._stores.run()
-        self._move_solo()
+        self._move_solo(move)
         outputs: list[TokenOutput] = []
-        if self._solo is not None and not self._solo.held:
-            token = self._solo.step()
+        running = self._sequences.solo
+        if running is not None and not running.sequence.held:
+            solo = running.sequence
+            token = solo.step()
             if token is not None:
-                solo = self._solo
                 outputs.append(TokenOutput(solo.request_id, token, solo.last_logprobs))
         # A side sequence that sampled its first token hands it over as it joins:
         # out before the batch's next token for it.
@@ -540,21 +522,22 @@ class BatchRunner:
     def _step_side(self) -> None:
         """One prefill chunk for each side sequence; those down to their last
         prompt token (or past it: a whole-prompt pass) join the batch."""
-        for rid, (seq, request) in list(self._side.items()):
+        for running in self._sequences.sides():
+            seq = running.sequence
             if seq.held:
                 continue
             if seq.num_pending > 1:
                 seq.step()
             if seq.num_pending <= 1:
-                del self._side[rid]
-                self._join(seq, request)
+                self._join(self._sequences.pop(running.request_id))
 
     # -- prefix cache ------------------------------------------------------
 
     def _layers_of(self, request_id: str) -> list[CacheLayer] | None:
         """A running request's cache layers (None: it has none now)."""
-        if self._solo is not None and self._solo.request_id == request_id:
-            return self._solo.cache
+        running = self._sequences.solo
+        if running is not None and running.request_id == request_id:
+            return running.sequence.cache
         with mx.stream(self._stream):
             return self._decode.extract(request_id)
 
@@ -563,9 +546,10 @@ class BatchRunner:
         the next step so responses leave first; the gate's reading and a clear must
         find those blocks). The lone sequence's lazily queued forward runs first, on
         every rank of a split model alike: a store reads the cache it writes."""
-        if self._solo is not None:
+        running = self._sequences.solo
+        if running is not None:
             with mx.stream(self._stream):
-                self._solo.settle()
+                running.sequence.settle()
         self._stores.run()
 
     def clear_prefix_cache(self, tier: ClearTier) -> None:
@@ -577,15 +561,18 @@ class BatchRunner:
     def reset(self) -> None:
         """Drop every sequence (after an MLX error left the batch unusable)."""
         self._stores.reset()
-        self._prefill = PrefillBatch(self._model, self._prefill_step_size)
         old = self._decode
-        self._decode = DecodeBatch(self._model, self.strategy, self._batch_step)
+        self._prefill, self._decode = self._new_batches()
         self._decode.num_draft, self._decode.spec_stats = old.num_draft, old.spec_stats
-        self._decode.draft = self._proposer()
-        self._solo = self._solo_request = self._solo_move = None
-        self._side.clear()
+        self._sequences.clear()
         self._unreported.clear()
         self._forks.clear()
+
+    def _new_batches(self) -> tuple[PrefillBatch, DecodeBatch]:
+        """Empty batches (at the start, and after an MLX error)."""
+        decode = DecodeBatch(self._model, self.strategy, self._batch_step)
+        decode.draft = self._proposer()
+        return PrefillBatch(self._model, self._prefill_step_size), decode
 
     def close(self) -> None:
         self._stores.run()

@@ -16,6 +16,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from omlx.cache.hot import HotTier
+from omlx.cache.kv_codec import layer_layout
 from omlx.cache.prefix import PrefixCache
 from omlx.engine.runner import BatchRunner
 from omlx.engine.sampling import make_request_sampler
@@ -24,6 +25,7 @@ from omlx.engine.strategy import ExecutionStrategy
 from omlx.engine.stream import RequestStream
 from omlx.scheduler import Request, SamplingParams
 from omlx.scheduler.openings import plan_openings
+from omlx.scheduler.placement import Placement
 from tests.fixtures.tiny_models import build_tiny_model
 
 
@@ -382,3 +384,48 @@ def test_a_clear_right_after_a_request_ends_drops_its_blocks_too(llama) -> None:
     run(runner, 2)  # nothing left to land after the clear
     assert hot.stats().hot_blocks == 0
     runner.close()
+
+
+def test_a_lone_prompt_still_prefilling_moves_aside_when_others_arrive(tmp_path: Path) -> None:
+    """A model whose caches need block-boundary snapshots (lfm2's convolution state):
+    a lone request prefilling on its own moves to the side when two more arrive, keeps
+    prefilling there a chunk per step, joins the batch at its last prompt token, and
+    every request samples the tokens it samples alone (seeded: a random tiny model's
+    greedy tokens hardly depend on the prompt)."""
+    model, _ = load(str(build_tiny_model(tmp_path / "lfm2", "lfm2", seed=8)))
+    layout = layer_layout(make_prompt_cache(model))
+    assert layout is not None
+
+    def snapshotting_runner() -> BatchRunner:
+        prefix = PrefixCache("lfm2@0", layout, 16, HotTier(1 << 26, mode="hot-only"), None)
+        assert prefix.needs_snapshots
+        return BatchRunner(
+            model,
+            prefill_step_size=32,
+            stream=mx.new_stream(mx.cpu),
+            prefix_cache=prefix,
+            strategy=ExecutionStrategy.fast_paths(pipelined=False),
+        )
+
+    def sampled(rid: str, prompt: list[int]) -> Request:
+        return Request(rid, tuple(prompt), SamplingParams(temperature=1.0, seed=5, max_tokens=8))
+
+    names = ["lone", "b", "c"]
+    prompts = {
+        rid: [(11 * k + 7 * i) % 180 + 4 for k in range(90 + 15 * i)] for i, rid in enumerate(names)
+    }
+    runner = snapshotting_runner()
+    runner.add([sampled("lone", prompts["lone"])])
+    steps = run(runner, 1)
+    assert runner.layout().placed == {"lone": Placement.SOLO}
+    runner.add([sampled(rid, prompts[rid]) for rid in ("b", "c")])
+    assert runner.layout().placed == dict.fromkeys(prompts, Placement.SIDE)
+    steps += run(runner, 20)  # 16-token chunks (block boundaries): c's prompt in 8
+    assert runner.layout().placed == dict.fromkeys(prompts, Placement.BATCH)
+    got = tokens_of(steps)
+    runner.close()
+    for rid, prompt in prompts.items():
+        alone = snapshotting_runner()
+        alone.add([sampled(rid, prompt)])
+        assert got[rid][:8] == tokens_of(run(alone, 24))[rid][:8], rid
+        alone.close()
