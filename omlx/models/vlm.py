@@ -23,7 +23,7 @@ from omlx.errors import ModelLoadError
 from omlx.memory.vision import VisionDims, vision_dims
 from omlx.mlx_types import flat_parameters
 from omlx.models.discovery import ModelInfo
-from omlx.models.vlm_families import SUPPORTED_FAMILIES, Family, family
+from omlx.models.vlm_families import Family, family, refusal
 
 log = logging.getLogger(__name__)
 
@@ -244,10 +244,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     """(text model, tokenizer, config, vision encoder); failures are ModelLoadError."""
     traits = family(info.model_type)
     if traits is None:
-        raise ModelLoadError(
-            f"cannot load '{info.name}': vision-language family '{info.model_type}' is not "
-            f"supported yet (supported: {', '.join(sorted(SUPPORTED_FAMILIES))})"
-        )
+        raise ModelLoadError(f"cannot load '{info.name}': {refusal(info.model_type)}")
     from mlx_vlm.utils import load  # deferred: heavy import
 
     start = time.perf_counter()

@@ -52,6 +52,12 @@ FAMILIES: dict[str, Family] = {
         mrope=True,
         prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds"),
     ),
+    # Qwen3-VL with a mixture-of-experts decoder (mlx-lm's switch layers batch as any).
+    "qwen3_vl_moe": Family(
+        image_text=_QWEN_IMAGE,
+        mrope=True,
+        prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds"),
+    ),
     # Sliding-window layers: mlx-lm's RotatingKVCache, which batches and caches.
     "gemma3": Family(image_text="<start_of_image>"),
     # The images first: mlx-vlm places the image features at the prompt's first
@@ -93,6 +99,130 @@ FAMILIES: dict[str, Family] = {
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 MROPE_FAMILIES = frozenset(name for name, f in FAMILIES.items() if f.mrope)
 
+# Every other model type of mlx-vlm 0.7.10 with a vision tower, and why omlx refuses
+# it (tests/api/test_vision_families.py fails when mlx-vlm adds one in neither table).
+# Not chat: the model answers with something other than a conversation's next tokens.
+_OCR = "an OCR / document-parsing model (page in, text or layout out), not a chat model"
+_DETECT = "a detection / segmentation model (boxes, masks, poses), not a chat model"
+_EMBED = "an embedding model (vectors, not text): serve it as an embedding model"
+_STATES = (
+    "its language model keeps {} layers ({}), which omlx's image path (mlx-lm's KVCache "
+    "and RotatingKVCache layers only) does not take yet"
+)
+_LINEAR = _STATES.format("ArraysCache", "linear-attention / SSM states")
+_UNTRIED = "not yet checked against mlx-vlm's own generate on a tiny model"
+REFUSED: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "deepseekocr",
+            "deepseekocr_2",
+            "dots_ocr",
+            "falcon_ocr",
+            "glm_ocr",
+            "got",
+            "indic_ocr",
+            "nemotron_parse",
+            "paddleocr_vl",
+            "unlimited_ocr",
+        ),
+        _OCR,
+    ),
+    **dict.fromkeys(
+        (
+            "falcon_perception",
+            "locateanything",
+            "pp_doclayout_v3",
+            "rfdetr",
+            "rt_detr_v2",
+            "sam3",
+            "sam3_1",
+            "sam3d_body",
+            "sam3d_objects",
+        ),
+        _DETECT,
+    ),
+    **dict.fromkeys(("embedding_gemma2", "llama_nemotron_vl_embedding", "siglip"), _EMBED),
+    "florence2": "a task-prompt encoder-decoder (captions, OCR, boxes), not a chat model",
+    "diffusion_gemma": "a diffusion language model (it denoises blocks of tokens), not "
+    "token-by-token decoding",
+    "moss_image": "an image generation model, not a chat model",
+    "d1_omni": "a decision model (a yes/no readout over images and audio), not a chat model",
+    # Chat families omlx does not serve yet.
+    **dict.fromkeys(
+        (
+            "glm5_next",
+            "inkling",
+            "kimi_k3",
+            "lfm2_vl",
+            "minicpmv4_6",
+            "minicpmv4_7",
+            "nemotron_h_nano_omni",
+            "plamo2vl",
+            "qwen3_5",
+            "qwen3_5_moe",
+            "qwen3_5_text",
+            "qwen4_exp",
+            "zaya1_vl",
+        ),
+        _LINEAR,
+    ),
+    "llama4": _STATES.format("ChunkedKVCache", "chunked attention"),
+    "deepseek_v41": _STATES.format("CacheList", "compressed attention pools"),
+    **dict.fromkeys(
+        (
+            "aya_vision",
+            "cohere_compass",
+            "deepseek_vl_v2",
+            "ernie4_5_moe_vl",
+            "fastvlm",
+            "gemma3n",
+            "gemma4",
+            "gemma4_unified",
+            "glm4v",
+            "glm4v_moe",
+            "granite4_vision",
+            "granite_vision",
+            "hunyuan_vl",
+            "idefics2",
+            "internvl",
+            "internvl_chat",
+            "jina_vlm",
+            "kimi_k25",
+            "kimi_vl",
+            "llava_bunny",
+            "llava_onevision",
+            "llmjpvl",
+            "mage_vl",
+            "mimo_v2",
+            "minicpmo",
+            "minimax_m3_vl",
+            "mistral_large3",
+            "molmo",
+            "molmo2",
+            "molmo_point",
+            "moondream2",
+            "moondream3",
+            "multi_modality",
+            "muse_glimmer",
+            "muse_spark",
+            "phi3_v",
+            "phi4_siglip",
+            "phi4mm",
+            "qwen3_omni_moe",
+            "step3p7",
+            "youtu_vl",
+        ),
+        _UNTRIED,
+    ),
+}
+
 
 def family(model_type: str) -> Family | None:
     return FAMILIES.get(model_type)
+
+
+def refusal(model_type: str) -> str:
+    """Why omlx does not serve a vision model of ``model_type``, for its load error."""
+    why = REFUSED.get(model_type, "not a family mlx-vlm 0.7.10 has")
+    served = ", ".join(sorted(SUPPORTED_FAMILIES))
+    return f"vision-language family '{model_type}' is not supported: {why} (served: {served})"

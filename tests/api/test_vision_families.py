@@ -15,7 +15,10 @@ import pytest
 from omlx.api.server import Server
 from omlx.engine.engine_status import engine_status
 from omlx.engine.token_text import TokenText
-from omlx.models.vlm_families import FAMILIES
+from omlx.errors import ModelLoadError
+from omlx.models.discovery import ModelInfo
+from omlx.models.vlm import load_vlm
+from omlx.models.vlm_families import FAMILIES, REFUSED
 from tests.api.test_vision import ask, chat, png
 from tests.fixtures.tiny_vlms import build_tiny_vlm
 
@@ -25,6 +28,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-idefics3": ("idefics3", 56, None),
     "tiny-smolvlm": ("smolvlm", 56, None),
     "tiny-qwen3-vl": ("qwen3_vl", 96, None),
+    "tiny-qwen3-vl-moe": ("qwen3_vl_moe", 96, None),
     "tiny-paligemma": ("paligemma", 28, "bidirectional"),
     "tiny-mllama": ("mllama", 28, "cross-attention"),
 }
@@ -189,3 +193,36 @@ def test_paligemma_takes_one_image_a_request_and_says_so(client: openai.OpenAI) 
     assert "at most 1 image" in error["message"] and "paligemma" in error["message"]
     text_only = chat(client, "tiny-paligemma", [{"role": "user", "content": "hi"}], MAX_TOKENS)
     assert text_only.choices[0].finish_reason in ("length", "stop")
+
+
+def _vision_model_types() -> set[str]:
+    """mlx-vlm's model packages with a vision tower (text-only decoders it carries
+    for its VLMs, such as ministral3, have none): what a user may load as a VLM."""
+    import mlx_vlm.models
+
+    found = set()
+    for package in Path(mlx_vlm.models.__file__).parent.iterdir():
+        sources = [f.read_text(encoding="utf-8") for f in package.glob("*.py")]
+        if any("vision_config" in s or "class VisionModel" in s for s in sources):
+            found.add(package.name)
+    return found
+
+
+def test_every_mlx_vlm_vision_family_is_served_or_refused_with_a_reason() -> None:
+    # A new mlx-vlm with another family fails here until the family is tried: served
+    # (FAMILIES, checked above) or refused with the reason (REFUSED).
+    assert not set(FAMILIES) & set(REFUSED)
+    assert _vision_model_types() == set(FAMILIES) | set(REFUSED)
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_a_refused_family_is_a_load_error_naming_it_and_why(
+    model_type: str, tmp_path: Path
+) -> None:
+    (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    info = ModelInfo("some-vlm", tmp_path, model_type, "vlm", 1)
+    with pytest.raises(ModelLoadError) as error:
+        load_vlm(info)
+    message = str(error.value)
+    assert "'some-vlm'" in message and f"'{model_type}'" in message
+    assert REFUSED[model_type] in message and "qwen3_vl" in message
