@@ -75,6 +75,8 @@ FAMILIES: dict[str, Family] = {
         # mlx-vlm places one image's features at the prompt's first tokens.
         max_images=1,
     ),
+    # A cohere2 decoder: sliding-window layers, as gemma3's.
+    "aya_vision": Family(),
     # A llama decoder; the processor writes each image between fake-token markers.
     "idefics3": Family(),
     "smolvlm": Family(),
@@ -170,7 +172,6 @@ REFUSED: dict[str, str] = {
     "deepseek_v41": _STATES.format("CacheList", "compressed attention pools"),
     **dict.fromkeys(
         (
-            "aya_vision",
             "cohere_compass",
             "deepseek_vl_v2",
             "ernie4_5_moe_vl",

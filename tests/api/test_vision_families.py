@@ -29,6 +29,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-smolvlm": ("smolvlm", 56, None),
     "tiny-qwen3-vl": ("qwen3_vl", 96, None),
     "tiny-qwen3-vl-moe": ("qwen3_vl_moe", 96, None),
+    "tiny-aya-vision": ("aya_vision", 56, None),
     "tiny-paligemma": ("paligemma", 28, "bidirectional"),
     "tiny-mllama": ("mllama", 28, "cross-attention"),
 }
