@@ -41,6 +41,8 @@ _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 FAMILIES: dict[str, Family] = {
     "llava": Family(),
     "llava_next": Family(),
+    # AnyRes tiles with a newline row each (the processor counts them); a qwen2 decoder.
+    "llava_onevision": Family(),
     "mistral3": Family(),
     "pixtral": Family(),
     "qwen2_vl": Family(image_text=_QWEN_IMAGE, mrope=True),
@@ -77,7 +79,9 @@ FAMILIES: dict[str, Family] = {
     ),
     # A cohere2 decoder: sliding-window layers, as gemma3's.
     "aya_vision": Family(),
-    # A llama decoder; the processor writes each image between fake-token markers.
+    # A llama decoder; the processor writes each image between fake-token markers
+    # (idefics2: a perceiver resamples its features to a fixed number of tokens).
+    "idefics2": Family(),
     "idefics3": Family(),
     "smolvlm": Family(),
     # Llama 3.2 Vision: no image tokens in the sequence; cross-attention layers attend
@@ -184,14 +188,12 @@ REFUSED: dict[str, str] = {
             "granite4_vision",
             "granite_vision",
             "hunyuan_vl",
-            "idefics2",
             "internvl",
             "internvl_chat",
             "jina_vlm",
             "kimi_k25",
             "kimi_vl",
             "llava_bunny",
-            "llava_onevision",
             "llmjpvl",
             "mage_vl",
             "mimo_v2",

@@ -25,11 +25,13 @@ from tests.fixtures.tiny_vlms import build_tiny_vlm
 # model name -> (family, the processor's image side, why it runs one at a time or None)
 MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-gemma3": ("gemma3", 56, None),
+    "tiny-idefics2": ("idefics2", 56, None),
     "tiny-idefics3": ("idefics3", 56, None),
     "tiny-smolvlm": ("smolvlm", 56, None),
     "tiny-qwen3-vl": ("qwen3_vl", 96, None),
     "tiny-qwen3-vl-moe": ("qwen3_vl_moe", 96, None),
     "tiny-aya-vision": ("aya_vision", 56, None),
+    "tiny-llava-onevision": ("llava_onevision", 28, None),
     "tiny-paligemma": ("paligemma", 28, "bidirectional"),
     "tiny-mllama": ("mllama", 28, "cross-attention"),
 }
