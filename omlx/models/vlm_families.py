@@ -79,6 +79,8 @@ FAMILIES: dict[str, Family] = {
     ),
     # A cohere2 decoder: sliding-window layers, as gemma3's.
     "aya_vision": Family(),
+    # InternVL: "<image>" becomes the image's tiles of context tokens between <img> markers.
+    "internvl_chat": Family(image_text="<image>"),
     # A llama decoder; the processor writes each image between fake-token markers
     # (idefics2: a perceiver resamples its features to a fixed number of tokens).
     "idefics2": Family(),
@@ -189,7 +191,6 @@ REFUSED: dict[str, str] = {
             "granite_vision",
             "hunyuan_vl",
             "internvl",
-            "internvl_chat",
             "jina_vlm",
             "kimi_k25",
             "kimi_vl",

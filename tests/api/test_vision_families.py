@@ -32,6 +32,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-qwen3-vl-moe": ("qwen3_vl_moe", 96, None),
     "tiny-aya-vision": ("aya_vision", 56, None),
     "tiny-llava-onevision": ("llava_onevision", 28, None),
+    "tiny-internvl": ("internvl_chat", 56, None),
     "tiny-paligemma": ("paligemma", 28, "bidirectional"),
     "tiny-mllama": ("mllama", 28, "cross-attention"),
 }
