@@ -81,6 +81,8 @@ FAMILIES: dict[str, Family] = {
     "aya_vision": Family(),
     # InternVL: "<image>" becomes the image's tiles of context tokens between <img> markers.
     "internvl_chat": Family(image_text="<image>"),
+    # A deepseek_v3 decoder (MLA, experts) over MoonViT patches merged 2x2.
+    "kimi_vl": Family(),
     # A llama decoder; the processor writes each image between fake-token markers
     # (idefics2: a perceiver resamples its features to a fixed number of tokens).
     "idefics2": Family(),
@@ -193,7 +195,6 @@ REFUSED: dict[str, str] = {
             "internvl",
             "jina_vlm",
             "kimi_k25",
-            "kimi_vl",
             "llava_bunny",
             "llmjpvl",
             "mage_vl",
