@@ -60,6 +60,9 @@ FAMILIES: dict[str, Family] = {
         mrope=True,
         prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds"),
     ),
+    # Qwen2-VL's image layout and M-RoPE (its positions kept on the language model).
+    "glm4v": Family(image_text="<|begin_of_image|><|image|><|end_of_image|>", mrope=True),
+    "glm4v_moe": Family(image_text="<|begin_of_image|><|image|><|end_of_image|>", mrope=True),
     # Sliding-window layers: mlx-lm's RotatingKVCache, which batches and caches.
     "gemma3": Family(image_text="<start_of_image>"),
     # The images first: mlx-vlm places the image features at the prompt's first
@@ -176,6 +179,9 @@ REFUSED: dict[str, str] = {
         ),
         _LINEAR,
     ),
+    "phi3_v": "its processor numbers each image (<|image_1|>, <|image_2|>, ...) and marks "
+    "the image's tokens with negative ids, not one image token id as omlx's prompt path "
+    "takes",
     "llama4": _STATES.format("ChunkedKVCache", "chunked attention"),
     "deepseek_v41": _STATES.format("CacheList", "compressed attention pools"),
     **dict.fromkeys(
@@ -187,8 +193,6 @@ REFUSED: dict[str, str] = {
             "gemma3n",
             "gemma4",
             "gemma4_unified",
-            "glm4v",
-            "glm4v_moe",
             "granite4_vision",
             "granite_vision",
             "hunyuan_vl",
@@ -210,7 +214,6 @@ REFUSED: dict[str, str] = {
             "multi_modality",
             "muse_glimmer",
             "muse_spark",
-            "phi3_v",
             "phi4_siglip",
             "phi4mm",
             "qwen3_omni_moe",

@@ -34,6 +34,8 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-llava-onevision": ("llava_onevision", 28, None),
     "tiny-internvl": ("internvl_chat", 56, None),
     "tiny-kimi-vl": ("kimi_vl", 28, None),
+    "tiny-glm4v": ("glm4v", 84, None),
+    "tiny-glm4v-moe": ("glm4v_moe", 84, None),
     "tiny-paligemma": ("paligemma", 28, "bidirectional"),
     "tiny-mllama": ("mllama", 28, "cross-attention"),
 }
@@ -155,7 +157,7 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
     assert first.choices[0].message.content == again.choices[0].message.content
 
 
-@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-qwen3-vl"])
+@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-qwen3-vl", "tiny-glm4v"])
 def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     client: openai.OpenAI, server: Server, model: str, tmp_path: Path
 ) -> None:
