@@ -182,6 +182,8 @@ REFUSED: dict[str, str] = {
     "phi3_v": "its processor numbers each image (<|image_1|>, <|image_2|>, ...) and marks "
     "the image's tokens with negative ids, not one image token id as omlx's prompt path "
     "takes",
+    "mistral_large3": "mlx-vlm loads its processor through transformers' PixtralProcessor, "
+    "which needs PyTorch (omlx installs none)",
     "llama4": _STATES.format("ChunkedKVCache", "chunked attention"),
     "deepseek_v41": _STATES.format("CacheList", "compressed attention pools"),
     **dict.fromkeys(
@@ -205,7 +207,6 @@ REFUSED: dict[str, str] = {
             "mimo_v2",
             "minicpmo",
             "minimax_m3_vl",
-            "mistral_large3",
             "molmo",
             "molmo2",
             "molmo_point",

@@ -36,6 +36,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-kimi-vl": ("kimi_vl", 28, None),
     "tiny-glm4v": ("glm4v", 84, None),
     "tiny-glm4v-moe": ("glm4v_moe", 84, None),
+    "tiny-mistral3": ("mistral3", 56, None),
     "tiny-paligemma": ("paligemma", 28, "bidirectional"),
     "tiny-mllama": ("mllama", 28, "cross-attention"),
 }
