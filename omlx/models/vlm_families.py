@@ -179,6 +179,12 @@ REFUSED: dict[str, str] = {
         ),
         _LINEAR,
     ),
+    **dict.fromkeys(
+        ("fastvlm", "llava_bunny", "phi4_siglip"),
+        "an image is one placeholder id (-200) that the model splices its features into, "
+        "so the embeddings outnumber the prompt's tokens: omlx's prefill and prefix cache "
+        "take one embedding per token",
+    ),
     "phi3_v": "its processor numbers each image (<|image_1|>, <|image_2|>, ...) and marks "
     "the image's tokens with negative ids, not one image token id as omlx's prompt path "
     "takes",
@@ -191,7 +197,6 @@ REFUSED: dict[str, str] = {
             "cohere_compass",
             "deepseek_vl_v2",
             "ernie4_5_moe_vl",
-            "fastvlm",
             "gemma3n",
             "gemma4",
             "gemma4_unified",
@@ -201,7 +206,6 @@ REFUSED: dict[str, str] = {
             "internvl",
             "jina_vlm",
             "kimi_k25",
-            "llava_bunny",
             "llmjpvl",
             "mage_vl",
             "mimo_v2",
@@ -215,7 +219,6 @@ REFUSED: dict[str, str] = {
             "multi_modality",
             "muse_glimmer",
             "muse_spark",
-            "phi4_siglip",
             "phi4mm",
             "qwen3_omni_moe",
             "step3p7",
