@@ -65,6 +65,11 @@ FAMILIES: dict[str, Family] = {
     "glm4v_moe": Family(image_text="<|begin_of_image|><|image|><|end_of_image|>", mrope=True),
     # Sliding-window layers: mlx-lm's RotatingKVCache, which batches and caches.
     "gemma3": Family(image_text="<start_of_image>"),
+    # Gemma 4: sliding-window layers as gemma3's; the processor expands each image to its
+    # own number of soft tokens between the image markers. Per-layer inputs (E2B, E4B):
+    # mlx-vlm computes the prompt's from its text tokens only (image tokens as 0), the
+    # model slices them by its cache offset; decode steps compute them from their ids.
+    "gemma4": Family(prompt_inputs=("per_layer_inputs",)),
     # The images first: mlx-vlm places the image features at the prompt's first
     # tokens, and the processor puts images there (then BOS) when the text names none.
     # Bidirectional attention (mlx-vlm's default for PaliGemma: no mask at all): a
@@ -198,7 +203,6 @@ REFUSED: dict[str, str] = {
             "deepseek_vl_v2",
             "ernie4_5_moe_vl",
             "gemma3n",
-            "gemma4",
             "gemma4_unified",
             "granite4_vision",
             "granite_vision",

@@ -37,6 +37,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-glm4v": ("glm4v", 84, None),
     "tiny-glm4v-moe": ("glm4v_moe", 84, None),
     "tiny-mistral3": ("mistral3", 56, None),
+    "tiny-gemma4": ("gemma4", 64, None),
     "tiny-paligemma": ("paligemma", 28, "bidirectional"),
     "tiny-mllama": ("mllama", 28, "cross-attention"),
 }
@@ -158,12 +159,13 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
     assert first.choices[0].message.content == again.choices[0].message.content
 
 
-@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-qwen3-vl", "tiny-glm4v"])
+@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-gemma4", "tiny-qwen3-vl", "tiny-glm4v"])
 def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     client: openai.OpenAI, server: Server, model: str, tmp_path: Path
 ) -> None:
     # ~60 text tokens, then the image: the 64-token chunks cut its tokens (qwen3_vl's
-    # deepstack features and positions are sliced per chunk; gemma3's window wraps).
+    # deepstack features and positions, gemma4's per-layer inputs, are sliced per
+    # chunk; gemma3's window wraps).
     text = "tell me about the colours and the shapes " * 6
     size = (300, 300)
     expected = mlx_vlm_answer(server, model, 60, tmp_path, text, size)
