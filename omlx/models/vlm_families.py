@@ -37,7 +37,9 @@ class Family:
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
-# Tested against mlx-vlm's own generate on tiny random models (tests/api/test_vision.py).
+# Tested against mlx-vlm's own generate on tiny random models (tests/api/test_vision.py,
+# tests/api/test_vision_families.py), but llava_next: its tiny model leaves mlx-vlm's
+# generate after a few tokens, outside omlx too (README says so).
 FAMILIES: dict[str, Family] = {
     "llava": Family(),
     "llava_next": Family(),
