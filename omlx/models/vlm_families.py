@@ -93,6 +93,7 @@ FAMILIES: dict[str, Family] = {
     "internvl_chat": Family(image_text="<image>"),
     # A deepseek_v3 decoder (MLA, experts) over MoonViT patches merged 2x2.
     "kimi_vl": Family(),
+    "kimi_k25": Family(),
     # A llama decoder; the processor writes each image between fake-token markers
     # (idefics2: a perceiver resamples its features to a fixed number of tokens).
     "idefics2": Family(),
@@ -211,7 +212,6 @@ REFUSED: dict[str, str] = {
             "hunyuan_vl",
             "internvl",
             "jina_vlm",
-            "kimi_k25",
             "llmjpvl",
             "mage_vl",
             "mimo_v2",
