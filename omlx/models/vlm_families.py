@@ -91,6 +91,8 @@ FAMILIES: dict[str, Family] = {
     "aya_vision": Family(),
     # InternVL: "<image>" becomes the image's tiles of context tokens between <img> markers.
     "internvl_chat": Family(image_text="<image>"),
+    # InternVL as transformers ships it: the same processor over a qwen3 decoder.
+    "internvl": Family(image_text="<image>"),
     # A deepseek_v3 decoder (MLA, experts) over MoonViT patches merged 2x2.
     "kimi_vl": Family(),
     "kimi_k25": Family(),
@@ -210,7 +212,6 @@ REFUSED: dict[str, str] = {
             "granite4_vision",
             "granite_vision",
             "hunyuan_vl",
-            "internvl",
             "jina_vlm",
             "llmjpvl",
             "mage_vl",

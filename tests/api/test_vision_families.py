@@ -33,6 +33,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-aya-vision": ("aya_vision", 56, None),
     "tiny-llava-onevision": ("llava_onevision", 28, None),
     "tiny-internvl": ("internvl_chat", 56, None),
+    "tiny-internvl-hf": ("internvl", 56, None),
     "tiny-kimi-vl": ("kimi_vl", 28, None),
     "tiny-kimi-k25": ("kimi_k25", 28, None),
     "tiny-glm4v": ("glm4v", 84, None),
