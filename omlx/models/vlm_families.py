@@ -38,11 +38,9 @@ class Family:
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 # Tested against mlx-vlm's own generate on tiny random models (tests/api/test_vision.py,
-# tests/api/test_vision_families.py), but llava_next: its tiny model leaves mlx-vlm's
-# generate at its second token (README says so; granite_vision, refused, likewise).
+# tests/api/test_vision_families.py).
 FAMILIES: dict[str, Family] = {
     "llava": Family(),
-    "llava_next": Family(),
     # AnyRes tiles with a newline row each (the processor counts them); a qwen2 decoder.
     "llava_onevision": Family(),
     "mistral3": Family(),
@@ -195,9 +193,14 @@ REFUSED: dict[str, str] = {
         "so the embeddings outnumber the prompt's tokens: omlx's prefill and prefix cache "
         "take one embedding per token",
     ),
-    "granite_vision": "a tiny model served by omlx leaves mlx-vlm's own generate at its "
-    "second token, as llava_next's does (the same processor and image path); cause not "
-    "found",
+    # A tiny model: 24 image tokens from the processor, 40 feature rows from the model.
+    **dict.fromkeys(
+        ("llava_next", "granite_vision"),
+        "mlx-vlm's model splices more image features (every tile's patches, then a "
+        "newline block a tile) than its processor writes image tokens: the embeddings "
+        "outnumber the prompt's tokens, and omlx's prefill and prefix cache take one "
+        "embedding per token",
+    ),
     "phi3_v": "its processor numbers each image (<|image_1|>, <|image_2|>, ...) and marks "
     "the image's tokens with negative ids, not one image token id as omlx's prompt path "
     "takes",
