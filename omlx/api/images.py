@@ -151,11 +151,23 @@ def process(
             param=parts[-1].where,
         )
     count = sum(1 for t in ids if t == image_token_id)
-    extras = {k: v for k, v in out.items() if k not in _TEXT_FIELDS}
-    return ids, PromptImages(out["pixel_values"], tuple(p.key for p in parts), count, extras)
+    extras = {k: _on_host(v) for k, v in out.items() if k not in _TEXT_FIELDS}
+    pixels = _on_host(out["pixel_values"])
+    return ids, PromptImages(pixels, tuple(p.key for p in parts), count, extras)
 
 
 _TEXT_FIELDS = ("input_ids", "attention_mask", "pixel_values")
+
+
+def _on_host(value: Any) -> Any:
+    """An MLX array as numpy: some processors return MLX arrays whatever
+    ``return_tensors`` asks (InternVL's), made on this render thread's stream, which
+    the engine's MLX thread cannot evaluate."""
+    if type(value).__module__.startswith("mlx"):
+        import numpy as np
+
+        return np.asarray(value)
+    return value
 
 
 def _without_double_bos(processor: Any, text: str) -> str:

@@ -23,7 +23,7 @@ from omlx.errors import ModelLoadError
 from omlx.memory.vision import VisionDims, vision_dims
 from omlx.mlx_types import flat_parameters
 from omlx.models.discovery import ModelInfo
-from omlx.models.vlm_families import SUPPORTED_FAMILIES, Family, family
+from omlx.models.vlm_families import Family, family, refusal
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +195,8 @@ class VisionEncoder:
         inputs = {name: getattr(features, name) for name in self.family.prompt_inputs}
         if not self.family.mrope:
             return PromptEmbedding(embeds, None, inputs)
-        positions, deltas = features.position_ids, features.rope_deltas
-        shifted = (positions - deltas.reshape(1, -1, 1)).astype(mx.int32)
+        positions, deltas = _mrope_positions(self.model, features)
+        shifted = (positions - mx.array(deltas).reshape(1, -1, 1)).astype(mx.int32)
         return PromptEmbedding(embeds, shifted, inputs)
 
     def stress_inputs(self) -> tuple[list[int], Any, dict[str, Any]]:
@@ -213,6 +213,19 @@ class VisionEncoder:
 
 
 _TEXT_FIELDS = ("input_ids", "attention_mask", "pixel_values")
+
+
+def _mrope_positions(model: Any, features: Any) -> tuple[mx.array, Any]:
+    """An image prompt's (3, 1, tokens) positions and its rope delta, from the
+    embedding output (qwen2_vl ...) or, where the family keeps them on its language
+    model for its own next call (glm4v), from there."""
+    positions = getattr(features, "position_ids", None)
+    if positions is not None:
+        return positions, features.rope_deltas
+    language_model = model.language_model
+    return language_model._position_ids, language_model._rope_deltas
+
+
 # The image pass's side when a processor names no size; and at most (a larger image
 # costs more, and its attention is quadratic in the patches, as the formula has it).
 _DEFAULT_SIDE = 336
@@ -244,10 +257,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     """(text model, tokenizer, config, vision encoder); failures are ModelLoadError."""
     traits = family(info.model_type)
     if traits is None:
-        raise ModelLoadError(
-            f"cannot load '{info.name}': vision-language family '{info.model_type}' is not "
-            f"supported yet (supported: {', '.join(sorted(SUPPORTED_FAMILIES))})"
-        )
+        raise ModelLoadError(f"cannot load '{info.name}': {refusal(info.model_type)}")
     from mlx_vlm.utils import load  # deferred: heavy import
 
     start = time.perf_counter()

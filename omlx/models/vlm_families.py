@@ -37,10 +37,12 @@ class Family:
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
-# Tested against mlx-vlm's own generate on tiny random models (tests/api/test_vision.py).
+# Tested against mlx-vlm's own generate on tiny random models (tests/api/test_vision.py,
+# tests/api/test_vision_families.py).
 FAMILIES: dict[str, Family] = {
     "llava": Family(),
-    "llava_next": Family(),
+    # AnyRes tiles with a newline row each (the processor counts them); a qwen2 decoder.
+    "llava_onevision": Family(),
     "mistral3": Family(),
     "pixtral": Family(),
     "qwen2_vl": Family(image_text=_QWEN_IMAGE, mrope=True),
@@ -52,8 +54,22 @@ FAMILIES: dict[str, Family] = {
         mrope=True,
         prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds"),
     ),
+    # Qwen3-VL with a mixture-of-experts decoder (mlx-lm's switch layers batch as any).
+    "qwen3_vl_moe": Family(
+        image_text=_QWEN_IMAGE,
+        mrope=True,
+        prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds"),
+    ),
+    # Qwen2-VL's image layout and M-RoPE (its positions kept on the language model).
+    "glm4v": Family(image_text="<|begin_of_image|><|image|><|end_of_image|>", mrope=True),
+    "glm4v_moe": Family(image_text="<|begin_of_image|><|image|><|end_of_image|>", mrope=True),
     # Sliding-window layers: mlx-lm's RotatingKVCache, which batches and caches.
     "gemma3": Family(image_text="<start_of_image>"),
+    # Gemma 4: sliding-window layers as gemma3's; the processor expands each image to its
+    # own number of soft tokens between the image markers. Per-layer inputs (E2B, E4B):
+    # mlx-vlm computes the prompt's from its text tokens only (image tokens as 0), the
+    # model slices them by its cache offset; decode steps compute them from their ids.
+    "gemma4": Family(prompt_inputs=("per_layer_inputs",)),
     # The images first: mlx-vlm places the image features at the prompt's first
     # tokens, and the processor puts images there (then BOS) when the text names none.
     # Bidirectional attention (mlx-vlm's default for PaliGemma: no mask at all): a
@@ -69,7 +85,18 @@ FAMILIES: dict[str, Family] = {
         # mlx-vlm places one image's features at the prompt's first tokens.
         max_images=1,
     ),
-    # A llama decoder; the processor writes each image between fake-token markers.
+    # A cohere2 decoder: sliding-window layers, as gemma3's.
+    "aya_vision": Family(),
+    # InternVL: "<image>" becomes the image's tiles of context tokens between <img> markers.
+    "internvl_chat": Family(image_text="<image>"),
+    # InternVL as transformers ships it: the same processor over a qwen3 decoder.
+    "internvl": Family(image_text="<image>"),
+    # A deepseek_v3 decoder (MLA, experts) over MoonViT patches merged 2x2.
+    "kimi_vl": Family(),
+    "kimi_k25": Family(),
+    # A llama decoder; the processor writes each image between fake-token markers
+    # (idefics2: a perceiver resamples its features to a fixed number of tokens).
+    "idefics2": Family(),
     "idefics3": Family(),
     "smolvlm": Family(),
     # Llama 3.2 Vision: no image tokens in the sequence; cross-attention layers attend
@@ -93,6 +120,133 @@ FAMILIES: dict[str, Family] = {
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 MROPE_FAMILIES = frozenset(name for name, f in FAMILIES.items() if f.mrope)
 
+# Every other model type of mlx-vlm 0.7.10 with a vision tower, and why omlx refuses
+# it (tests/api/test_vision_families.py fails when mlx-vlm adds one in neither table).
+# Not chat: the model answers with something other than a conversation's next tokens.
+_OCR = "an OCR / document-parsing model (page in, text or layout out), not a chat model"
+_DETECT = "a detection / segmentation model (boxes, masks, poses), not a chat model"
+_EMBED = "an embedding model (vectors, not text): serve it as an embedding model"
+_STATES = (
+    "its language model keeps {} layers ({}), which omlx's image path (mlx-lm's KVCache "
+    "and RotatingKVCache layers only) does not take yet"
+)
+_LINEAR = _STATES.format("ArraysCache", "linear-attention / SSM states")
+_UNTRIED = "not yet checked against mlx-vlm's own generate on a tiny model"
+REFUSED: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "deepseekocr",
+            "deepseekocr_2",
+            "dots_ocr",
+            "falcon_ocr",
+            "glm_ocr",
+            "got",
+            "indic_ocr",
+            "nemotron_parse",
+            "paddleocr_vl",
+            "unlimited_ocr",
+        ),
+        _OCR,
+    ),
+    **dict.fromkeys(
+        (
+            "falcon_perception",
+            "locateanything",
+            "pp_doclayout_v3",
+            "rfdetr",
+            "rt_detr_v2",
+            "sam3",
+            "sam3_1",
+            "sam3d_body",
+            "sam3d_objects",
+        ),
+        _DETECT,
+    ),
+    **dict.fromkeys(("embedding_gemma2", "llama_nemotron_vl_embedding", "siglip"), _EMBED),
+    "florence2": "a task-prompt encoder-decoder (captions, OCR, boxes), not a chat model",
+    "diffusion_gemma": "a diffusion language model (it denoises blocks of tokens), not "
+    "token-by-token decoding",
+    "moss_image": "an image generation model, not a chat model",
+    "d1_omni": "a decision model (a yes/no readout over images and audio), not a chat model",
+    # Chat families omlx does not serve yet.
+    **dict.fromkeys(
+        (
+            "glm5_next",
+            "inkling",
+            "kimi_k3",
+            "lfm2_vl",
+            "minicpmv4_6",
+            "minicpmv4_7",
+            "nemotron_h_nano_omni",
+            "plamo2vl",
+            "qwen3_5",
+            "qwen3_5_moe",
+            "qwen3_5_text",
+            "qwen4_exp",
+            "zaya1_vl",
+        ),
+        _LINEAR,
+    ),
+    **dict.fromkeys(
+        ("fastvlm", "llava_bunny", "phi4_siglip"),
+        "an image is one placeholder id (-200) that the model splices its features into, "
+        "so the embeddings outnumber the prompt's tokens: omlx's prefill and prefix cache "
+        "take one embedding per token",
+    ),
+    # A tiny model: 24 image tokens from the processor, 40 feature rows from the model.
+    **dict.fromkeys(
+        ("llava_next", "granite_vision"),
+        "mlx-vlm's model splices more image features (every tile's patches, then a "
+        "newline block a tile) than its processor writes image tokens: the embeddings "
+        "outnumber the prompt's tokens, and omlx's prefill and prefix cache take one "
+        "embedding per token",
+    ),
+    "phi3_v": "its processor numbers each image (<|image_1|>, <|image_2|>, ...) and marks "
+    "the image's tokens with negative ids, not one image token id as omlx's prompt path "
+    "takes",
+    "mistral_large3": "mlx-vlm loads its processor through transformers' PixtralProcessor, "
+    "which needs PyTorch (omlx installs none)",
+    "llama4": _STATES.format("ChunkedKVCache", "chunked attention"),
+    "deepseek_v41": _STATES.format("CacheList", "compressed attention pools"),
+    **dict.fromkeys(
+        (
+            "cohere_compass",
+            "deepseek_vl_v2",
+            "ernie4_5_moe_vl",
+            "gemma3n",
+            "gemma4_unified",
+            "granite4_vision",
+            "hunyuan_vl",
+            "jina_vlm",
+            "llmjpvl",
+            "mage_vl",
+            "mimo_v2",
+            "minicpmo",
+            "minimax_m3_vl",
+            "molmo",
+            "molmo2",
+            "molmo_point",
+            "moondream2",
+            "moondream3",
+            "multi_modality",
+            "muse_glimmer",
+            "muse_spark",
+            "phi4mm",
+            "qwen3_omni_moe",
+            "step3p7",
+            "youtu_vl",
+        ),
+        _UNTRIED,
+    ),
+}
+
 
 def family(model_type: str) -> Family | None:
     return FAMILIES.get(model_type)
+
+
+def refusal(model_type: str) -> str:
+    """Why omlx does not serve a vision model of ``model_type``, for its load error."""
+    why = REFUSED.get(model_type, "not a family mlx-vlm 0.7.10 has")
+    served = ", ".join(sorted(SUPPORTED_FAMILIES))
+    return f"vision-language family '{model_type}' is not supported: {why} (served: {served})"

@@ -44,11 +44,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     build_tiny_vlm(root / "tiny-qwen2-vl", "qwen2_vl", seed=3, image_size=84)
     build_tiny_vlm(root / "tiny-qwen25-vl", "qwen2_5_vl", seed=4, image_size=84)
     build_tiny_model(root / "tiny-llama", "llama", seed=0)
-    # A family not served (idefics2: not tested against mlx-vlm): discovered as a VLM, not loaded.
-    idefics2 = root / "tiny-idefics2"
-    idefics2.mkdir()
-    (idefics2 / "config.json").write_text('{"model_type": "idefics2", "vision_config": {}}')
-    (idefics2 / "model.safetensors").write_bytes(b"\0" * 64)
+    # A family not served (florence2: not a chat model): discovered as a VLM, not loaded.
+    florence2 = root / "tiny-florence2"
+    florence2.mkdir()
+    (florence2 / "config.json").write_text('{"model_type": "florence2", "vision_config": {}}')
+    (florence2 / "model.safetensors").write_bytes(b"\0" * 64)
     with live_server(
         tmp_path_factory.mktemp("base"),
         root,
@@ -564,8 +564,9 @@ def test_qwen_image_tokens_across_prefill_chunks_match_mlx_vlm(
 
 def test_a_vlm_family_not_served_is_a_clear_load_error(client: openai.OpenAI) -> None:
     listed = {m.id: m.model_dump() for m in client.models.list().data}
-    assert listed["tiny-idefics2"]["kind"] == "vlm"
+    assert listed["tiny-florence2"]["kind"] == "vlm"
     with pytest.raises(openai.APIStatusError) as info:
-        chat(client, "tiny-idefics2", ask(png(150)))
+        chat(client, "tiny-florence2", ask(png(150)))
     message = error_of(info.value)["message"]
-    assert "idefics2" in message and "not supported" in message and "qwen3_vl" in message
+    assert "florence2" in message and "not supported" in message and "qwen3_vl" in message
+    assert "not a chat model" in message  # the reason (vlm_families.REFUSED)

@@ -15,7 +15,10 @@ import pytest
 from omlx.api.server import Server
 from omlx.engine.engine_status import engine_status
 from omlx.engine.token_text import TokenText
-from omlx.models.vlm_families import FAMILIES
+from omlx.errors import ModelLoadError
+from omlx.models.discovery import ModelInfo
+from omlx.models.vlm import load_vlm
+from omlx.models.vlm_families import FAMILIES, REFUSED
 from tests.api.test_vision import ask, chat, png
 from tests.fixtures.tiny_vlms import build_tiny_vlm
 
@@ -27,6 +30,19 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-qwen3-vl": ("qwen3_vl", 96, None),
     "tiny-paligemma": ("paligemma", 28, "bidirectional"),
     "tiny-mllama": ("mllama", 28, "cross-attention"),
+    # Families added since (after the first ones, so theirs keep their seeds).
+    "tiny-idefics2": ("idefics2", 56, None),
+    "tiny-qwen3-vl-moe": ("qwen3_vl_moe", 96, None),
+    "tiny-aya-vision": ("aya_vision", 56, None),
+    "tiny-llava-onevision": ("llava_onevision", 28, None),
+    "tiny-internvl": ("internvl_chat", 56, None),
+    "tiny-internvl-hf": ("internvl", 56, None),
+    "tiny-kimi-vl": ("kimi_vl", 28, None),
+    "tiny-kimi-k25": ("kimi_k25", 28, None),
+    "tiny-glm4v": ("glm4v", 84, None),
+    "tiny-glm4v-moe": ("glm4v_moe", 84, None),
+    "tiny-mistral3": ("mistral3", 56, None),
+    "tiny-gemma4": ("gemma4", 64, None),
 }
 MAX_TOKENS = 10
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.
@@ -146,12 +162,13 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
     assert first.choices[0].message.content == again.choices[0].message.content
 
 
-@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-qwen3-vl"])
+@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-gemma4", "tiny-qwen3-vl", "tiny-glm4v"])
 def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     client: openai.OpenAI, server: Server, model: str, tmp_path: Path
 ) -> None:
     # ~60 text tokens, then the image: the 64-token chunks cut its tokens (qwen3_vl's
-    # deepstack features and positions are sliced per chunk; gemma3's window wraps).
+    # deepstack features and positions, gemma4's per-layer inputs, are sliced per
+    # chunk; gemma3's window wraps).
     text = "tell me about the colours and the shapes " * 6
     size = (300, 300)
     expected = mlx_vlm_answer(server, model, 60, tmp_path, text, size)
@@ -189,3 +206,36 @@ def test_paligemma_takes_one_image_a_request_and_says_so(client: openai.OpenAI) 
     assert "at most 1 image" in error["message"] and "paligemma" in error["message"]
     text_only = chat(client, "tiny-paligemma", [{"role": "user", "content": "hi"}], MAX_TOKENS)
     assert text_only.choices[0].finish_reason in ("length", "stop")
+
+
+def _vision_model_types() -> set[str]:
+    """mlx-vlm's model packages with a vision tower (text-only decoders it carries
+    for its VLMs, such as ministral3, have none): what a user may load as a VLM."""
+    import mlx_vlm.models
+
+    found = set()
+    for package in Path(mlx_vlm.models.__file__).parent.iterdir():
+        sources = [f.read_text(encoding="utf-8") for f in package.glob("*.py")]
+        if any("vision_config" in s or "class VisionModel" in s for s in sources):
+            found.add(package.name)
+    return found
+
+
+def test_every_mlx_vlm_vision_family_is_served_or_refused_with_a_reason() -> None:
+    # A new mlx-vlm with another family fails here until the family is tried: served
+    # (FAMILIES, checked above) or refused with the reason (REFUSED).
+    assert not set(FAMILIES) & set(REFUSED)
+    assert _vision_model_types() == set(FAMILIES) | set(REFUSED)
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_a_refused_family_is_a_load_error_naming_it_and_why(
+    model_type: str, tmp_path: Path
+) -> None:
+    (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    info = ModelInfo("some-vlm", tmp_path, model_type, "vlm", 1)
+    with pytest.raises(ModelLoadError) as error:
+        load_vlm(info)
+    message = str(error.value)
+    assert "'some-vlm'" in message and f"'{model_type}'" in message
+    assert REFUSED[model_type] in message and "qwen3_vl" in message
