@@ -229,6 +229,17 @@ class ArchitectureCrashError(ModelLoadError):
     code = "model_architecture_crashed"
 
 
+class ImageEmbeddingMismatchError(OmlxError):
+    """A vision model embedded a prompt into more (or fewer) rows than the prompt has
+    tokens: omlx prefills one row per token, so it refuses the request rather than
+    answer from cut-off embeddings. Not the request's fault and nothing crashed: this
+    model's image path is one omlx cannot run (the other requests go on)."""
+
+    http_status = 501
+    error_type = "invalid_request_error"
+    code = "image_embedding_mismatch"
+
+
 class ImportFailedError(OmlxError):
     """A GGUF (or other) import cannot be done; the message says why."""
 

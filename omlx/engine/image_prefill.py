@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from omlx.cache.prefix import CacheHit
 from omlx.engine.solo import BoundaryHook, SoloSequence
+from omlx.errors import ImageEmbeddingMismatchError
 from omlx.mlx_types import LanguageModel
 from omlx.scheduler import Request
 
@@ -46,6 +47,7 @@ def image_sequence(
     # follows the last image is text at plain positions, whatever the family).
     if vision.image_token_id in prompt[done:]:
         embedded = vision.embed(prompt, images.pixel_values, images.extras)
+        _require_row_per_token(vision, embedded.embeddings.shape[1], len(prompt))
         mx.eval(embedded.arrays())
     return SoloSequence(
         model,
@@ -63,4 +65,19 @@ def image_sequence(
         logprobs=request.sampling.logprobs,
         block_size=block_size,
         on_boundary=on_boundary,
+    )
+
+
+def _require_row_per_token(vision: VisionEncoder, num_rows: int, num_tokens: int) -> None:
+    """The prefill and the prefix cache take one embedding row per prompt token: a
+    model that splices more (or fewer) image features than its processor wrote image
+    tokens fails the request (this one only) rather than answer from cut-off rows.
+    Checked before the embeddings are evaluated: their shape is known already."""
+    if num_rows == num_tokens:
+        return
+    raise ImageEmbeddingMismatchError(
+        "the model's image embedding does not match its prompt: mlx-vlm's "
+        f"'{vision.family_name}' model embedded {num_rows} rows for the prompt's "
+        f"{num_tokens} tokens, and omlx prefills one row per token; this model's image "
+        "path is not supported: send the prompt without images, or use another model"
     )

@@ -350,6 +350,8 @@ class ModelEngine:
             else:
                 self._fail_all(error, outbox)
         else:
+            for rid, failure in output.failed.items():
+                self._fail_request(rid, failure, outbox)
             self._announce_admitted(plan.admitted, output.cached)
             self._update(list(output.tokens), outbox)
         self._flush(outbox)

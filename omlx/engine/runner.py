@@ -58,6 +58,7 @@ from omlx.engine.sampling import make_request_processors, make_request_sampler
 from omlx.engine.sequences import Running, Sequences
 from omlx.engine.solo import SoloSequence
 from omlx.engine.strategy import ExecutionStrategy
+from omlx.errors import ImageEmbeddingMismatchError, OmlxError
 from omlx.mlx_types import CacheLayer, LanguageModel, prompt_cache
 from omlx.scheduler import Request, TokenOutput
 from omlx.scheduler.openings import SharedOpening
@@ -136,6 +137,8 @@ class BatchRunner:
         # Tokens sampled by a solo or side sequence just before it joined the batch
         # (out first in the step's outputs).
         self._unreported: list[TokenOutput] = []
+        # Requests that failed to start since the last step's output (its ``failed``).
+        self._failed: dict[str, OmlxError] = {}
         # What the prefix cache gets from each request, at the start of the next step.
         self._stores = PromptStores(prefix_cache, self._layers_of)
 
@@ -263,17 +266,22 @@ class BatchRunner:
             template = prompt_cache(self._model)
             hit = self._prefix.lookup(request.prompt_ids, template, extra_keys=keys)
         with mx.stream(self._stream):
-            sequence = image_sequence(
-                self._model,
-                self._vision,
-                request,
-                sampler=make_request_sampler(request.sampling, request.num_resumed_tokens),
-                processors=make_request_processors(request),
-                prefill_step_size=self._prefill_step_size,
-                hit=hit,
-                block_size=self._prefix.block_size if self._prefix is not None else 0,
-                on_boundary=self._stores.boundary_hook(request),
-            )
+            try:
+                sequence = image_sequence(
+                    self._model,
+                    self._vision,
+                    request,
+                    sampler=make_request_sampler(request.sampling, request.num_resumed_tokens),
+                    processors=make_request_processors(request),
+                    prefill_step_size=self._prefill_step_size,
+                    hit=hit,
+                    block_size=self._prefix.block_size if self._prefix is not None else 0,
+                    on_boundary=self._stores.boundary_hook(request),
+                )
+            except ImageEmbeddingMismatchError as exc:
+                # This request alone: it leaves through the next plan (its stores too).
+                self._failed[request.request_id] = exc
+                return 0
         self._sequences.start(Placement.IMAGE_SIDE, sequence, request)
         return hit.num_tokens if hit is not None else 0
 
@@ -449,7 +457,9 @@ class BatchRunner:
             self.hold_drafts()
         # Starting requests moved the solo sequence; else the step moves it.
         move = None if plan.admitted else plan.placements.solo_move
-        return RunnerOutput(tuple(self._step(move)), cached)
+        tokens = tuple(self._step(move))
+        failed, self._failed = self._failed, {}
+        return RunnerOutput(tokens, cached, failed)
 
     def remove(self, request_ids: Iterable[str]) -> None:
         """Take requests out (finished or aborted); their blocks go to the prefix cache."""
@@ -566,6 +576,7 @@ class BatchRunner:
         self._decode.num_draft, self._decode.spec_stats = old.num_draft, old.spec_stats
         self._sequences.clear()
         self._unreported.clear()
+        self._failed.clear()
         self._forks.clear()
 
     def _new_batches(self) -> tuple[PrefillBatch, DecodeBatch]:

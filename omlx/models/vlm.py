@@ -168,10 +168,12 @@ class PromptEmbedding:
 
 @dataclass(frozen=True, slots=True)
 class VisionEncoder:
-    """The whole mlx-vlm model (vision tower, projector) and its processor."""
+    """The whole mlx-vlm model (vision tower, projector) and its processor;
+    ``family_name``: the config's model_type (``family``'s key)."""
 
     model: Any
     processor: Any
+    family_name: str
     family: Family
     image_token: str
     image_token_id: int
@@ -269,7 +271,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     config = {**_raw_config(info), "text_config": _text_config(model)}
     token, token_id = _image_token(processor, config)
     dims = vision_dims(config, config["text_config"]["hidden_size"], _dtype_bytes(model))
-    encoder = VisionEncoder(model, processor, traits, token, token_id, dims)
+    encoder = VisionEncoder(model, processor, info.model_type, traits, token, token_id, dims)
     tokenizer = TokenizerWrapper(getattr(processor, "tokenizer", processor))
     log.info("loaded vision-language model %s in %.2f s", info.name, time.perf_counter() - start)
     cross = tuple(config["text_config"].get("cross_attention_layers") or ())

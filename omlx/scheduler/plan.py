@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from omlx.errors import OmlxError
 from omlx.memory.throttle import PrefillShape
 from omlx.scheduler.openings import SharedOpening
 from omlx.scheduler.placement import Placements
@@ -83,6 +84,9 @@ class RunnerOutput:
     tokens: tuple[TokenOutput, ...] = ()
     # Prompt tokens each admitted request got from the prefix cache (restored).
     cached: Mapping[str, int] = field(default_factory=dict)
+    # Admitted requests that could not start, and why (an image prompt its model
+    # embedded wrong): they fail alone, the step goes on for the others.
+    failed: Mapping[str, OmlxError] = field(default_factory=dict)
 
 
 class MemoryView(Protocol):
