@@ -219,6 +219,16 @@ class ModelLoadError(OmlxError):
     code = "model_load_failed"
 
 
+class ArchitectureCrashError(ModelLoadError):
+    """The model's architecture killed the probe process running its first forward
+    (engine/arch_probe.py): the server will not load it, and keeps serving the others.
+    Not a 500: nothing failed in the server, this machine's MLX cannot run the model."""
+
+    http_status = 501
+    error_type = "invalid_request_error"
+    code = "model_architecture_crashed"
+
+
 class ImportFailedError(OmlxError):
     """A GGUF (or other) import cannot be done; the message says why."""
 

@@ -124,6 +124,10 @@ class ModelSettings(_Group):
     install_default_model: bool = True
     # Load the pinned and default models in the background at start (engine/startup.py).
     load_at_start: bool = True
+    # Run a model of an architecture not yet verified here (type, mlx / mlx-lm
+    # versions, backend) in a child process first: one whose forward kills its
+    # process fails its load instead of ending the server (engine/arch_probe.py).
+    probe_new_architectures: bool = True
     # Unload a model idle this long (seconds; per-model ttl_s wins). None: never.
     idle_timeout_s: float | None = Field(None, gt=0.0)
     # Hugging Face Hub downloads: a mirror's URL (unset: HF_ENDPOINT, else huggingface.co)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,12 @@ from tests.fixtures.tiny_models import build_tiny_model
 
 # Before anything imports xgrammar (as the server does): it needs torch at import.
 torch_stub.install()
+
+# The child-process probe of a new architecture (engine/arch_probe.py) costs a few
+# seconds per load into a fresh base path, hundreds of times in the suite: off for
+# every server, pool and `omlx serve` child the tests start (the environment reaches
+# them all), except tests/integration/test_crash_isolation.py, which turns it on.
+os.environ["OMLX_MODELS__PROBE_NEW_ARCHITECTURES"] = "false"
 
 
 @pytest.fixture(scope="session")

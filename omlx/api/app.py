@@ -34,6 +34,7 @@ from omlx.api.responses_store import ResponseStore
 from omlx.api.state import ServerState
 from omlx.api.stats_routes import install_metrics
 from omlx.api.web_routes import install_web
+from omlx.engine.engine_status import kv_bits
 from omlx.engine.pool import EnginePool
 from omlx.settings import Settings
 
@@ -140,6 +141,7 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
                     "name": e.name,
                     "requests_in_flight": e.num_in_flight,
                     "finished": dict(e.finish_counts),
+                    "kv_bits": kv_bits(e),
                 }
                 for e in state.pool.loaded()
             ],

@@ -48,11 +48,14 @@ async def model_fit(body: FitBody, request: Request) -> dict[str, Any]:
     state = state_of(request)
     if (body.model is None) == (body.path is None):
         raise InvalidRequestError('give exactly one of "model" (a model name) or "path" (a folder)')
-    name, own_window = None, None
+    name, own_window, kv_quant = None, None, None
     if body.model is not None:
         info = state.pool.resolve(body.model)  # 404 naming the models that exist
         folder, name = info.path, info.name
-        own_window = state.pool.model_settings.get(name).max_context_window
+        own = state.pool.model_settings.get(name)
+        own_window = own.max_context_window
+        spec = own.kv_quant
+        kv_quant = (spec.bits, spec.group_size) if spec is not None else None
     else:
         folder = _model_folder(body.path)
     config, weights = await asyncio.to_thread(_read_model, folder)
@@ -70,6 +73,7 @@ async def model_fit(body: FitBody, request: Request) -> dict[str, Any]:
         baseline_bytes=baseline,
         context_tokens=context,
         device_cap=state.pool.memory.device_cap,
+        kv_quant=kv_quant,
     )
     return fit.as_dict()
 

@@ -125,6 +125,14 @@ async def _with_images(
             "send text parts only, or use a vision model (kind vlm in /v1/models)",
             param=where,
         )
+    most = vision.family.max_images
+    if most is not None and len(images.parts) > most:
+        where = images.parts[most].where
+        raise InvalidRequestError(
+            f"{where}: model '{engine.name}' ({engine.loaded.info.model_type}) takes at most "
+            f"{most} image(s) per request (this one has {len(images.parts)})",
+            param=where,
+        )
     await fetch_images(images)
     text = text.replace(images.marker, vision.image_text)
     run = partial(process, vision.processor, text, images.parts, vision.image_token_id)

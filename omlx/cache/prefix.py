@@ -9,7 +9,7 @@ A model split across ranks (omlx serve --distributed) has a PrefixCache per rank
 each holding its own KV shard under the same block keys; ``lookup_together`` cuts
 each hit to a length every rank restored (their tiers evict on their own).
 
-Models with recurrent layers or sliding windows (see kv_codec) need the
+Models with recurrent layers, sliding windows or chunked attention (see kv_codec) need the
 state at a block's end; ``snapshot`` records it during prefill, keyed by
 request id, and ``forget`` drops a request's snapshots once it has stored (or
 left). A block whose end has no snapshot (e.g. output tokens decoded in the
@@ -34,6 +34,7 @@ from typing import Any
 from omlx.cache import kv_codec
 from omlx.cache.blocks import block_keys, chain_key
 from omlx.cache.hot import ClearTier, HotTier
+from omlx.cache.kv_bytes import cut_payload
 from omlx.cache.prefix_index import NO_HIT, HitSpan, PrefixIndex, PrefixMatch
 from omlx.cache.safetensors_io import BlockPayload
 from omlx.cache.ssd import PUT_TIMEOUT_S as SSD_PUT_TIMEOUT_S
@@ -209,7 +210,7 @@ class PrefixCache:
             if held >= num_tokens:
                 break
             if held + payload.num_tokens > num_tokens:  # sliceable KV only (the span)
-                payload = kv_codec.cut_payload(payload, num_tokens - held)
+                payload = cut_payload(payload, num_tokens - held)
             kept.append(payload)
             held += payload.num_tokens
         return self._restore(kept, new_cache(), room)
@@ -227,7 +228,7 @@ class PrefixCache:
                 break
             payloads.append(payload)
         if payloads and len(payloads) == len(found.keys) and found.cut:
-            payloads[-1] = kv_codec.cut_payload(payloads[-1], found.cut)
+            payloads[-1] = cut_payload(payloads[-1], found.cut)
         return payloads
 
     # -- store -------------------------------------------------------------
@@ -235,7 +236,8 @@ class PrefixCache:
     def snapshot(self, request_id: str, position: int, layers: Sequence[Any]) -> None:
         """Record the non-KV state (recurrent, sliding window) right after token
         ``position - 1``."""
-        self._snapshots.setdefault(request_id, {})[position] = kv_codec.snapshot(layers)
+        since = position - (position - 1) % self.block_size - 1  # the block's first token
+        self._snapshots.setdefault(request_id, {})[position] = kv_codec.snapshot(layers, since)
 
     def snapshot_positions(self, request_id: str) -> list[int]:
         return sorted(self._snapshots.get(request_id, {}))

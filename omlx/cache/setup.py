@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from omlx.cache.hot import HotTier
-from omlx.cache.kv_codec import layer_layout
+from omlx.cache.kv_codec import layer_layout, unstorable
 from omlx.cache.location import check_cache_location, model_cache_dir, report_old_layout
 from omlx.cache.prefix import PrefixCache, model_identity
 from omlx.cache.ssd import SSDStore
@@ -63,11 +63,21 @@ def make_prefix_cache(
     if hot is None:
         return None
     name = loaded.info.name
+    family = loaded.vision.family if loaded.vision is not None else None
+    if family is not None and family.no_prefix_cache:
+        log.warning("prefix cache off for %s: %s", name, family.no_prefix_cache)
+        return None
     layers = prompt_cache(loaded.model)
     layout = layer_layout(layers)
     if layout is None:
-        kinds = sorted({type(c).__name__ for c in layers})
-        log.warning("prefix cache off for %s: cache types %s are not supported", name, kinds)
+        log.warning(
+            "prefix cache off for %s: its cache types %s cannot be stored (omlx saves and "
+            "rebuilds mlx-lm's KVCache, QuantizedKVCache, RotatingKVCache, ChunkedKVCache, "
+            "ArraysCache and CacheLists of them; another type's state has no known layout "
+            "to cut into blocks and restore)",
+            name,
+            unstorable(layers),
+        )
         return None
     identity = model_identity(name, loaded.info.path, settings.base_path / "weight-hashes")
     ssd = None
@@ -79,7 +89,9 @@ def make_prefix_cache(
         name,
         identity,
         cfg.block_size,
-        "sliceable KV" if prefix.sliceable else "boundary snapshots (recurrent/window layers)",
+        "sliceable KV"
+        if prefix.sliceable
+        else "boundary snapshots (recurrent/window/chunked layers)",
         f", SSD {ssd.cache_dir} ({len(ssd.keys())} blocks)" if ssd else ", RAM only",
     )
     return prefix

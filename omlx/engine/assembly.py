@@ -4,9 +4,11 @@ proven. MLX thread only (the pool calls it inside a load)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -15,18 +17,23 @@ from omlx.cache.hot import HotTier
 from omlx.cache.prefix import PrefixCache
 from omlx.cache.setup import make_prefix_cache
 from omlx.engine.admission import AdmissionSwitch
+from omlx.engine.compiled_batch import CompiledSteps
 from omlx.engine.kv_measure import with_measured_kv
 from omlx.engine.model_engine import ModelEngine
+from omlx.engine.output_probe import output_probe
 from omlx.engine.profile_cache import ProfileCache, ProfileInputs, profile_model
 from omlx.engine.profile_stress import stress_report
+from omlx.engine.quantized_cache import install as install_quantized_kv
 from omlx.engine.runner import BatchRunner
 from omlx.engine.strategy import ExecutionStrategy
 from omlx.engine.unbatched import batch_probe
 from omlx.engine.worker import MLXWorker
+from omlx.errors import SettingsError
 from omlx.memory.budget import KVProfile, Limits, ModelDims, guard_dims
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
 from omlx.models.loader import LoadedModel
+from omlx.models.model_settings import KVQuantSpec
 from omlx.scheduler import Scheduler
 from omlx.settings import Settings
 
@@ -50,20 +57,48 @@ class EngineParts:
 
 
 def build_engine(
-    loaded: LoadedModel, parts: EngineParts, *, window: int, explicit_kv_tokens: int | None
+    loaded: LoadedModel,
+    parts: EngineParts,
+    *,
+    window: int,
+    explicit_kv_tokens: int | None,
+    kv_quant: KVQuantSpec | None = None,
 ) -> tuple[ModelEngine, dict[str, Any]]:
     """The engine, and how its load went (``kv_profile``: measured or reused,
     ``compiled_steps``) for /health. A load that fails leaves no prefix cache
-    attached to the shared RAM tier (the next load of the model starts clean)."""
+    attached to the shared RAM tier (the next load of the model starts clean).
+    ``kv_quant``: the model's KV cache is quantized (quantized_cache.py)."""
     cluster = parts.cluster
     shard = cluster.cache_shard() if cluster is not None else ""
+    if kv_quant is not None:
+        _quantize_kv(loaded, kv_quant, cluster)
+    # After _quantize_kv: its layers (the model's make_cache) are the cache's layout.
     prefix = make_prefix_cache(parts.settings, parts.hot_cache, loaded, shard)
     try:
-        return _assemble(loaded, parts, prefix, window, explicit_kv_tokens)
+        engine, facts = _assemble(loaded, parts, prefix, window, explicit_kv_tokens, kv_quant)
+        engine.kv_quant = kv_quant
+        return engine, facts
     except BaseException:
         if prefix is not None:
             prefix.close()
         raise
+
+
+def _quantize_kv(loaded: LoadedModel, spec: KVQuantSpec, cluster: Any) -> None:
+    """Every cache of the model quantized from here on; the compiled steps eager
+    (they trace plain KV)."""
+    name = loaded.info.name
+    if cluster is not None:
+        raise SettingsError(
+            f"kv_bits: a model split across ranks keeps full-precision KV; clear {name}'s kv_bits",
+            param="kv_bits",
+        )
+    install_quantized_kv(loaded.model, spec, name)
+    log.info(
+        "%s for %s: compiled decode steps off, no speculative decoding",
+        spec.describe(),
+        name,
+    )
 
 
 def _assemble(
@@ -72,6 +107,7 @@ def _assemble(
     prefix: PrefixCache | None,
     window: int,
     explicit_kv_tokens: int | None,
+    kv_quant: KVQuantSpec | None = None,
 ) -> tuple[ModelEngine, dict[str, Any]]:
     sched = parts.settings.scheduler
     cluster = parts.cluster
@@ -86,6 +122,7 @@ def _assemble(
         strategy=strategy,
         vision=loaded.vision,
         shared_hits=cluster.shared_hits() if cluster is not None else None,
+        compiled=CompiledSteps() if kv_quant is not None else None,
     )
     scheduler = Scheduler(
         sched.max_concurrent_requests,
@@ -96,7 +133,11 @@ def _assemble(
         share_openings=runner.shares_openings,
         name=loaded.info.name,
     )
-    unbatched = _probe_batching(loaded, scheduler) if cluster is None else None
+    unbatched = (
+        _probe_batching(loaded, scheduler, partial(_probe_runner, loaded, parts, strategy))
+        if cluster is None
+        else None
+    )
     dims = guard_dims(
         loaded.config, kv_dtype_bytes=loaded.activation_bytes(), model=loaded.info.name
     )
@@ -146,12 +187,21 @@ def _assemble(
     return engine, facts
 
 
-def _probe_batching(loaded: LoadedModel, scheduler: Scheduler) -> str | None:
-    """A model that cannot batch runs one request at a time from the start
-    (unbatched.py): the reason, or None."""
+def _probe_batching(
+    loaded: LoadedModel, scheduler: Scheduler, new_runner: Callable[[], BatchRunner]
+) -> str | None:
+    """A model that cannot batch, or whose batch gives other tokens than each
+    request alone, runs one request at a time from the start (unbatched.py,
+    output_probe.py): the reason, or None."""
     if scheduler.max_running < 2:
         return None
-    reason = batch_probe(loaded.model, loaded.vocab_size)
+    family = loaded.vision.family if loaded.vision is not None else None
+    reason = family.one_at_a_time if family is not None else None
+    reason = (
+        reason
+        or batch_probe(loaded.model, loaded.vocab_size)
+        or output_probe(new_runner, loaded.vocab_size, loaded.activation_bytes())
+    )
     if reason is not None:
         scheduler.max_running = 1
         log.warning(
@@ -160,6 +210,19 @@ def _probe_batching(loaded: LoadedModel, scheduler: Scheduler) -> str | None:
             reason,
         )
     return reason
+
+
+def _probe_runner(
+    loaded: LoadedModel, parts: EngineParts, strategy: ExecutionStrategy
+) -> BatchRunner:
+    """A runner like the engine's for the output probe: no prefix cache, eager."""
+    return BatchRunner(
+        loaded.model,
+        prefill_step_size=parts.settings.scheduler.prefill_step_size,
+        stream=parts.worker.stream,
+        strategy=dataclasses.replace(strategy, compiled=False),
+        vision=loaded.vision,
+    )
 
 
 def _profile(

@@ -92,11 +92,15 @@ class EngineBuilder:
             self._cluster,
         )
         catalog, name = self._catalog, loaded.info.name
+        kv_quant = catalog.kv_quant(name)
+        if kv_quant is not None and catalog.model_settings.get(name).speculative is not None:
+            log.warning("speculative decoding off for %s: not with kv_bits (plain KV only)", name)
         engine, facts = build_engine(
             loaded,
             parts,
             window=catalog.context_window_for(loaded),
             explicit_kv_tokens=catalog.explicit_kv_tokens(name),
+            kv_quant=kv_quant,
         )
         self._load_facts[name] = facts
         engine.num_draft = catalog.num_draft_tokens(name)

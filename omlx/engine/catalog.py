@@ -13,6 +13,7 @@ from omlx.errors import ModelNotFoundError
 from omlx.memory.fit import native_context_tokens
 from omlx.models.discovery import ModelInfo, discover_models, with_kind
 from omlx.models.model_settings import (
+    KVQuantSpec,
     ModelSettingsStore,
     RequestDefaults,
     effective_context_window,
@@ -109,12 +110,20 @@ class ModelCatalog:
         return self.model_settings.get(name).max_kv_tokens or self.settings.memory.max_kv_tokens
 
     def num_draft_tokens(self, name: str) -> int:
-        return self.model_settings.get(name).num_draft_tokens
+        """0 for a quantized-KV model: speculation steps aside (its verify step cuts
+        rejected positions off plain KV layers only; building.py logs it)."""
+        model = self.model_settings.get(name)
+        return 0 if model.kv_quant is not None else model.num_draft_tokens
+
+    def kv_quant(self, name: str) -> KVQuantSpec | None:
+        """The model's KV quantization (None: full precision)."""
+        return self.model_settings.get(name).kv_quant
 
     def draft_info(self, name: str) -> ModelInfo | None:
         """The draft model ``name``'s settings give it (None: none, or distributed)."""
-        draft = self.model_settings.get(name).draft_model
-        if self.cluster is not None or draft is None:
+        model = self.model_settings.get(name)
+        draft = model.draft_model
+        if self.cluster is not None or draft is None or model.kv_quant is not None:
             return None
         info = self.available().get(draft)
         if info is None:

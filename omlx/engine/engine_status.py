@@ -22,6 +22,7 @@ def engine_status(engine: ModelEngine | EmbeddingEngine | None) -> dict[str, Any
             "memory_guard": None,
             "batching": None,
             "speculative": None,
+            "kv_bits": None,
         }
     return {
         "requests_in_flight": engine.num_in_flight,
@@ -33,7 +34,15 @@ def engine_status(engine: ModelEngine | EmbeddingEngine | None) -> dict[str, Any
         "memory_guard": engine.guard_counters(),
         "batching": _batching(engine),
         "speculative": _speculative(engine),
+        "kv_bits": kv_bits(engine),
     }
+
+
+def kv_bits(engine: ModelEngine | EmbeddingEngine) -> int | None:
+    """The bits of the engine's KV cache as loaded (None: full precision, or no KV)."""
+    if isinstance(engine, ModelEngine) and engine.kv_quant is not None:
+        return engine.kv_quant.bits
+    return None
 
 
 def _kv_profile(engine: ModelEngine | EmbeddingEngine) -> dict[str, Any] | None:

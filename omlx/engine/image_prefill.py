@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from omlx.cache.prefix import CacheHit
-from omlx.engine.solo import SoloSequence
+from omlx.engine.solo import BoundaryHook, SoloSequence
 from omlx.mlx_types import LanguageModel
 from omlx.scheduler import Request
 
@@ -32,17 +32,21 @@ def image_sequence(
     processors: list[Any],
     prefill_step_size: int,
     hit: CacheHit | None,
+    block_size: int = 0,
+    on_boundary: BoundaryHook | None = None,
 ) -> SoloSequence:
     """``vision``: the model's omlx.models.vlm.VisionEncoder; ``hit``: what the
-    prefix cache held of the prompt (keyed by the images' hashes)."""
+    prefix cache held of the prompt (keyed by the images' hashes); ``on_boundary``:
+    the prefix cache's snapshot at each block boundary, for models whose caches
+    need them (sliding windows: gemma3)."""
     prompt, images = list(request.prompt_ids), request.images
     done = hit.num_tokens if hit is not None else 0
-    embeddings = positions = None
+    embedded = None
     # The vision tower runs unless the cache already holds every image token (what
     # follows the last image is text at plain positions, whatever the family).
     if vision.image_token_id in prompt[done:]:
-        embeddings, positions = vision.embed(prompt, images.pixel_values, images.extras)
-        mx.eval(embeddings)
+        embedded = vision.embed(prompt, images.pixel_values, images.extras)
+        mx.eval(embedded.embeddings)
     return SoloSequence(
         model,
         request.request_id,
@@ -52,7 +56,11 @@ def image_sequence(
         prefill_step_size,
         cache=hit.layers if hit is not None else None,
         num_cached=done,
-        embeddings=embeddings,
-        positions=positions,
+        embeddings=embedded.embeddings if embedded else None,
+        positions=embedded.positions if embedded else None,
+        prompt_inputs=embedded.prompt_inputs if embedded else None,
+        whole_prompt=vision.family.whole_prompt,
         logprobs=request.sampling.logprobs,
+        block_size=block_size,
+        on_boundary=on_boundary,
     )

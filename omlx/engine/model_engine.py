@@ -39,6 +39,7 @@ from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
 from omlx.mlx_types import LanguageModel
 from omlx.models.loader import LoadedModel
+from omlx.models.model_settings import KVQuantSpec
 from omlx.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, TokenOutput
 from omlx.scheduler.placement import RunnerLayout
 from omlx.scheduler.plan import PrefillChunk, RunnerOutput, SchedulerOutput
@@ -118,6 +119,8 @@ class ModelEngine:
         self.draft: AttachedDraft | None = None
         # Why this model serves one request at a time (None: it batches).
         self.unbatched: str | None = None
+        # Its KV cache's quantization (quantized_cache.py; None: full precision).
+        self.kv_quant: KVQuantSpec | None = None
         self._scheduler = scheduler
         self._worker = worker
         self._live: dict[str, _Live] = {}

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from omlx.engine.admission import AdmissionSwitch
+from omlx.engine.arch_probe import ArchitectureProbe
 from omlx.engine.building import EngineBuilder
 from omlx.engine.catalog import DEFAULT_MODEL_NAME, LoadedWeights, ModelCatalog
 from omlx.engine.enforcer import Enforcer
@@ -80,9 +81,12 @@ class EnginePool:
             cluster=cluster,
         )
         released = ReleasedTags()
+        # A new architecture runs in a child first (not when split across ranks).
+        self.arch_probe = ArchitectureProbe(settings)
         self.residents = Residents(
             self.catalog, self.builder, released, self.memory, worker,
             clock=clock, busy_wait_s=busy_wait_s,
+            verify=None if cluster else self.arch_probe.verify,
         )  # fmt: skip
         self.enforcer = Enforcer(self.residents, self.memory, self.admission)
         # What /release_memory_occupation released; those models wait for resume.
@@ -168,7 +172,7 @@ class EnginePool:
             return "loading"
         if self.residents.get(name) is not None:
             return "pinned" if self.catalog.pinned(name) else "loaded"
-        return "unloaded"
+        return "failed" if self.residents.failure(name) else "unloaded"
 
     def status(self) -> list[dict[str, Any]]:
         """Every discovered model with its state, for the admin API."""
@@ -187,6 +191,7 @@ class EnginePool:
             "kind": model.model_type or info.kind,
             "capabilities": capabilities(model.model_type or info.kind),
             "state": self.model_state(name),
+            "error": self.residents.failure(name),
             "pinned": model.pinned,
             "is_default": name == self.default_model(),
             "size_bytes": info.size_bytes,
@@ -240,6 +245,8 @@ class EnginePool:
                 engine.context_window = self.context_window_for(engine.loaded)
                 if isinstance(engine, ModelEngine):
                     engine.num_draft = self.catalog.num_draft_tokens(engine.name)
+                    if engine.kv_quant != self.catalog.kv_quant(engine.name):
+                        log.info("%s: the new kv_bits applies at its next load", engine.name)
                     if self.builder.draft_changed(engine):
                         redrafted.append(engine)
         swaps = [self.worker.submit(self.builder.redraft, e) for e in redrafted]

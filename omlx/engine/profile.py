@@ -198,7 +198,7 @@ def _image_pass(vision: VisionEncoder, probe: MemoryProbe, limits: Limits) -> tu
             format_bytes(max(room, 0)),
         )
         return 0, estimate
-    peak = measure(probe, lambda: mx.eval(vision.embed(ids, pixels, extras)[0]))
+    peak = measure(probe, lambda: mx.eval(vision.embed(ids, pixels, extras).embeddings))
     log.info(
         "memprofile: encoding one %s image peaked at %s (the formula says %s)",
         "x".join(str(d) for d in pixels.shape[-2:]),

@@ -63,10 +63,16 @@ class PromptStores:
         if prefix is None or not prefix.needs_snapshots:
             return None
         rid, prompt, size = request.request_id, request.prompt_ids, prefix.block_size
+        record = self._records.get(rid)
+        keys = record.extra_keys if record is not None else ()  # an image prompt's
 
         def hook(position: int, layers: list[Any]) -> None:
-            prefix.snapshot(rid, position, layers)
-            prefix.store(rid, prompt, layers, position - position % size, tail=False)
+            try:
+                prefix.snapshot(rid, position, layers)
+                end = position - position % size
+                prefix.store(rid, prompt, layers, end, tail=False, extra_keys=keys)
+            except Exception:  # as in ``run``: never fail the prefill over the cache
+                log.exception("prefix cache snapshot or store failed")
 
         return hook
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,7 +26,7 @@ from omlx.engine.pool_memory import PoolMemory
 from omlx.engine.release import ReleasedTags
 from omlx.engine.residency import ResidentModel, choose_evictions, expired
 from omlx.engine.worker import MLXWorker
-from omlx.errors import InsufficientMemoryError, OmlxError
+from omlx.errors import InsufficientMemoryError, ModelLoadError, OmlxError
 from omlx.models.discovery import ModelInfo
 from omlx.sizes import format_bytes
 
@@ -62,7 +62,9 @@ class Resident:
 
 class Residents:
     """``clock`` is monotonic seconds; ``busy_wait_s``: how long a load waits for
-    busy models to go idle before giving up with 507."""
+    busy models to go idle before giving up with 507. ``verify``: awaited after a
+    load is admitted, before its weights are read; it raises to refuse the model
+    (engine/arch_probe.py's child-process probe)."""
 
     def __init__(
         self,
@@ -74,6 +76,7 @@ class Residents:
         *,
         clock: Callable[[], float] = time.monotonic,
         busy_wait_s: float = 30.0,
+        verify: Callable[[ModelInfo], Awaitable[None]] | None = None,
     ) -> None:
         self._catalog = catalog
         self._builder = builder
@@ -86,6 +89,9 @@ class Residents:
         self._loading: set[str] = set()
         self._load_locks: dict[str, asyncio.Lock] = {}
         self._room_lock = asyncio.Lock()
+        self._verify = verify
+        # Why each model's last load failed (cleared by a load that succeeds).
+        self._failures: dict[str, str] = {}
         self.num_loads = 0
         self.num_evictions = 0
 
@@ -106,6 +112,13 @@ class Residents:
 
     def loading_names(self) -> list[str]:
         return sorted(self._loading)
+
+    def failure(self, name: str) -> str | None:
+        """Why ``name``'s last load failed, if it did and none succeeded since."""
+        return self._failures.get(name)
+
+    def failed_names(self) -> list[str]:
+        return sorted(self._failures)
 
     def find(self, requested: str) -> str | None:
         """The loaded model ``requested`` names (its folder name or alias), if any."""
@@ -171,9 +184,15 @@ class Residents:
                 await self._make_room(info)
                 self._loading.add(info.name)
                 try:
+                    if self._verify is not None:
+                        await self._verify(info)
                     engine = await self.run_on_worker(self._builder.build, info)
+                except ModelLoadError as exc:
+                    self._failures[info.name] = exc.message
+                    raise
                 finally:
                     self._loading.discard(info.name)
+            self._failures.pop(info.name, None)
             resident = Resident(engine, weights_with_draft(engine), self.clock())
             self._resident[info.name] = resident
             self.num_loads += 1

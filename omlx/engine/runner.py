@@ -29,10 +29,10 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from omlx.cache.hot import ClearTier
+from omlx.cache.kv_codec import num_tokens_held
 from omlx.cache.prefix import AgreeHits, CacheHit, PrefixCache
 from omlx.cache.prefix_index import NO_HIT
 from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
@@ -44,6 +44,7 @@ from omlx.engine.image_prefill import image_sequence
 from omlx.engine.ngram import drafter_for, speculates
 from omlx.engine.openings import share_openings, shares_openings
 from omlx.engine.prompt_stores import PromptStores
+from omlx.engine.quantized_cache import joins_batch
 from omlx.engine.sampling import make_request_processors, make_request_sampler
 from omlx.engine.solo import SoloSequence
 from omlx.engine.strategy import ExecutionStrategy
@@ -269,6 +270,8 @@ class BatchRunner:
                 processors=make_request_processors(request),
                 prefill_step_size=self._prefill_step_size,
                 hit=hit,
+                block_size=self._prefix.block_size if self._prefix is not None else 0,
+                on_boundary=self._stores.boundary_hook(request),
             )
         self._side[rid] = (sequence, request)
         return hit.num_tokens if hit is not None else 0
@@ -403,13 +406,11 @@ class BatchRunner:
 
     def _solo_state(self, solo: SoloSequence, request: Request) -> SoloState:
         """The lone sequence as the placement rules see it (movable: its first token
-        is out and its cache is plain KV layers, which the batch can take)."""
+        is out and its cache is plain or quantized KV layers, which the batch can take)."""
         return SoloState(
             solo.request_id,
             solo.num_pending,
-            movable=not solo.num_pending
-            and solo.decoding
-            and all(type(layer) is KVCache for layer in solo.cache),
+            movable=not solo.num_pending and solo.decoding and joins_batch(solo.cache),
             would_draft=self.num_draft > 0 and speculates(request),
         )
 
@@ -478,7 +479,7 @@ class BatchRunner:
                 self._start_batched(self._row(r, ()), prompt_cache(self._model), 0, r.prompt_ids)
             leaving.update(self._prefill.remove(request_ids, extract=keep_caches))
             for rid, layers in self._decode.remove(request_ids, extract=keep_caches).items():
-                leaving[rid] = (layers, _cache_length(layers))
+                leaving[rid] = (layers, num_tokens_held(layers))
         for rid, held in leaving.items():
             self._stores.leave(rid, held)
 
@@ -517,13 +518,16 @@ class BatchRunner:
         prompt just ended included: their first token leaves in this step)."""
         self._stores.run()
         self._move_solo()
-        outputs, self._unreported = self._unreported, []
+        outputs: list[TokenOutput] = []
         if self._solo is not None and not self._solo.held:
             token = self._solo.step()
             if token is not None:
                 solo = self._solo
                 outputs.append(TokenOutput(solo.request_id, token, solo.last_logprobs))
+        # A side sequence that sampled its first token hands it over as it joins:
+        # out before the batch's next token for it.
         self._step_side()
+        outputs, self._unreported = [*self._unreported, *outputs], []
         with mx.stream(self._stream):
             if self._prefill:
                 done, cache = self._prefill.step()
@@ -535,7 +539,7 @@ class BatchRunner:
 
     def _step_side(self) -> None:
         """One prefill chunk for each side sequence; those down to their last
-        prompt token join the batch (which samples their first token)."""
+        prompt token (or past it: a whole-prompt pass) join the batch."""
         for rid, (seq, request) in list(self._side.items()):
             if seq.held:
                 continue
@@ -589,12 +593,3 @@ class BatchRunner:
             mx.synchronize(self._stream)
             mx.set_wired_limit(self._old_wired_limit)
             self._old_wired_limit = None
-
-
-def _cache_length(layers: list[CacheLayer]) -> int:
-    """Tokens held by an extracted cache (its KV layers' offset; -1 if it has none)."""
-    for layer in layers:
-        offset = getattr(layer, "offset", None)
-        if isinstance(offset, int):
-            return offset
-    return -1

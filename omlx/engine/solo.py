@@ -105,6 +105,8 @@ class SoloSequence:
         logprobs: int | None = None,
         embeddings: mx.array | None = None,
         positions: mx.array | None = None,
+        prompt_inputs: dict[str, Any] | None = None,
+        whole_prompt: bool = False,
     ):
         self.request_id = request_id
         # Top alternatives wanted with each token's logprob (None: no logprobs).
@@ -118,6 +120,13 @@ class SoloSequence:
         # Their rope positions (3, 1, prompt tokens) for models whose image tokens
         # take 2-D positions (qwen2_vl); None: each token's index.
         self._positions = positions
+        # Whole-prompt inputs the model slices by its cache offset itself, given
+        # with each embeddings chunk (qwen3_vl's deepstack features).
+        self._prompt_inputs = prompt_inputs or {}
+        # The embedded prompt, its last token too, in one forward that samples the
+        # first token, and no decode here (the batch takes it from that token): for
+        # models whose prompt attends as one (paligemma's bidirectional attention).
+        self._whole_prompt = whole_prompt and embeddings is not None
         self._model = model
         self._sampler = sampler
         self._processors = processors
@@ -153,6 +162,9 @@ class SoloSequence:
     def step(self) -> int | None:
         """One prefill chunk (returns None) or one decode step (returns a token;
         its logprobs, when asked, in ``last_logprobs``)."""
+        if self._y is None and self._in_whole_pass():
+            self._prefill_whole()
+            return None
         if self._y is None and not self._in_one_pass():
             self._prefill_chunk()
             return None
@@ -230,8 +242,22 @@ class SoloSequence:
         chunked = self._on_boundary is not None or self._embeddings is not None
         return n <= 1 or (not chunked and n <= self._one_pass_max and not capped)
 
+    def _in_whole_pass(self) -> bool:
+        """Past the gate's cap, a whole-prompt sequence prefills in chunks after all."""
+        capped = self._cap is not None and len(self._prompt) > self._cap
+        return self._whole_prompt and not capped and len(self._prompt) > 1
+
+    def _prefill_whole(self) -> None:
+        assert self._embeddings is not None
+        embedded = self._embeddings[:, len(self._cached) :]
+        self._y, self._y_logprobs = self._forward(mx.array(self._prompt), embedded=embedded)
+        self._cached.extend(self._prompt)
+        self._prompt = []
+
     def next_prefill_tokens(self) -> int:
         """Prompt tokens the next step will prefill (0 once decoding)."""
+        if self._y is None and self._in_whole_pass():
+            return len(self._prompt)
         if self._y is None and len(self._prompt) > 1 and self._in_one_pass():
             return len(self._prompt)
         n = min(self._step_size, len(self._prompt) - 1)
@@ -250,11 +276,9 @@ class SoloSequence:
             self._model(mx.array(chunk)[None], cache=self._cache)
         else:
             embedded = self._embeddings[:, pos : pos + n]
-            where = (
-                {}
-                if self._positions is None
-                else {"positions": self._positions[..., pos : pos + n]}
-            )
+            where = dict(self._prompt_inputs)
+            if self._positions is not None:
+                where["positions"] = self._positions[..., pos : pos + n]
             self._model(
                 mx.array(chunk)[None], cache=self._cache, input_embeddings=embedded, **where
             )
@@ -274,13 +298,16 @@ class SoloSequence:
             self._context = fed if ctx is None else mx.concatenate([ctx, fed])
 
     def _forward(
-        self, fed: mx.array, compiled: bool = True
+        self, fed: mx.array, compiled: bool = True, embedded: mx.array | None = None
     ) -> tuple[mx.array, PendingLogprobs | None]:
-        """Feed 1-D ``fed`` and sample the next token (lazily), with its logprobs
-        when the request asked."""
+        """Feed 1-D ``fed`` (or its ``embedded`` rows) and sample the next token
+        (lazily), with its logprobs when the request asked."""
         logits = None
         decoder = self._decoder
-        if compiled and decoder is not None and fed.size == 1 and decoder.accepts(self._cache):
+        if embedded is not None:
+            kwargs = {"input_embeddings": embedded, **self._prompt_inputs}
+            logits = self._model(fed[None], cache=self._cache, **kwargs)[:, -1, :]
+        elif compiled and decoder is not None and fed.size == 1 and decoder.accepts(self._cache):
             logits = decoder(fed, self._cache)
         if logits is None:
             logits = last_logits(self._model, fed, self._cache)

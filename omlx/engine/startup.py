@@ -111,7 +111,7 @@ class StartupLoads:
         models = []
         loading = residents.loading_names()
         names = list(self._outcomes) + [n for n in loading if n not in self._outcomes]
-        names += [n for n in residents.names() if n not in names]
+        names += [n for n in residents.names() + residents.failed_names() if n not in names]
         for name in names:
             models.append({"name": name, **self._state_of(name)})
         states = {m["state"] for m in models}
@@ -128,4 +128,5 @@ class StartupLoads:
             return {"state": "ready", "load_seconds": seconds, **self._load_facts(name)}
         if outcome is not None and outcome.state == "failed":
             return {"state": "failed", "reason": outcome.reason}
-        return {"state": "unloaded"}
+        reason = self._residents.failure(name)  # a load on request that failed
+        return {"state": "failed", "reason": reason} if reason else {"state": "unloaded"}

@@ -47,6 +47,15 @@ class ModelDims:
         return own + self.draft_kv_bytes_per_token
 
 
+def quantized_kv_dims(dims: ModelDims, bits: int, group_size: int) -> ModelDims:
+    """``dims`` whose KV per token is mlx-lm's ``QuantizedKVCache``'s: each key and value
+    vector holds ``bits`` per element plus a scale and a bias (the KV dtype) per group."""
+    groups = max(dims.head_dim // group_size, 1)
+    per_vector = dims.head_dim * bits // 8 + 2 * groups * dims.kv_dtype_bytes
+    per_token = 2 * dims.num_layers * dims.num_kv_heads * per_vector
+    return dataclasses.replace(dims, measured_kv_bytes_per_token=per_token)
+
+
 def model_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int) -> ModelDims | None:
     """Resolve dimensions from a config.json dict, or None when they cannot all be found.
 

@@ -28,7 +28,7 @@ from omlx.memory.budget import (
     prefill_step_transient_bytes,
     resolve_limits,
 )
-from omlx.memory.dims import conservative_dims, model_dims
+from omlx.memory.dims import conservative_dims, model_dims, quantized_kv_dims
 from omlx.settings import Settings
 from omlx.sizes import format_bytes
 
@@ -106,16 +106,21 @@ def estimate_fit(
     context_tokens: int | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     transient_margin_bytes: int | None = None,
+    kv_quant: tuple[int, int] | None = None,
 ) -> FitEstimate:
     """The fit of a model (its config.json dict and weight bytes) under ``limit_bytes``.
 
     ``context_tokens`` None: the config's own context length. ``transient_margin_bytes``
     None is the "auto" margin: the estimated step transient x1.25, as the guard
-    derives it from the measured one. Raises ValueError naming a bad argument.
+    derives it from the measured one. ``kv_quant``: (bits, group size) of a quantized
+    KV cache (the model's kv_bits). Raises ValueError naming a bad argument.
     """
     _check_args(weights_bytes, limit_bytes, concurrency, baseline_bytes, context_tokens)
     notes: list[str] = []
     dims = _dims(config, notes)
+    if kv_quant is not None:
+        dims = quantized_kv_dims(dims, *kv_quant)
+        notes.append(f"KV cache quantized to {kv_quant[0]} bits (the model's kv_bits)")
     if context_tokens is None:
         context_tokens = native_context_tokens(config) or _assumed_context(notes)
     limits = _limits(limit_bytes, transient_margin_bytes, dims, chunk_tokens)
@@ -152,6 +157,7 @@ def fit_for_settings(
     context_tokens: int | None = None,
     total_ram_bytes: int | None = None,
     device_cap: DeviceCap = NO_DEVICE_CAP,
+    kv_quant: tuple[int, int] | None = None,
 ) -> FitEstimate:
     """``estimate_fit`` under the settings: the limit resolved as the guard resolves
     it (under the running server's ``device_cap``), scheduler.max_concurrent_requests,
@@ -176,6 +182,7 @@ def fit_for_settings(
         context_tokens=context_tokens,
         chunk_tokens=settings.scheduler.prefill_step_size,
         transient_margin_bytes=limits.transient_margin_bytes if limits.margin_pinned else None,
+        kv_quant=kv_quant,
     )
     if native is None:
         note = f"the config names no context length: assumed {context_tokens} tokens"

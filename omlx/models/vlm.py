@@ -16,33 +16,24 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from omlx.errors import ModelLoadError
 from omlx.memory.vision import VisionDims, vision_dims
 from omlx.mlx_types import flat_parameters
 from omlx.models.discovery import ModelInfo
+from omlx.models.vlm_families import SUPPORTED_FAMILIES, Family, family
 
 log = logging.getLogger(__name__)
 
-# mlx-vlm families whose language model is a causal decoder over plain KV caches
-# (tested: llava, pixtral, qwen2_vl, qwen2_5_vl): their decode is exact in the shared
-# batch.
-# Not: paligemma (a bidirectional prefix mask), gemma3 (sliding-window layers).
-SUPPORTED_FAMILIES = frozenset(
-    {"llava", "llava_next", "mistral3", "pixtral", "qwen2_vl", "qwen2_5_vl"}
-)
-# Families with multi-axis rope (M-RoPE): an image's tokens take (t, h, w) grid
-# positions, so the text after it sits at fewer positions than its index. omlx
+# Multi-axis rope (M-RoPE, vlm_families.Family.mrope): an image's tokens take (t, h, w)
+# grid positions, so the text after it sits at fewer positions than its index. omlx
 # shifts the whole image prompt's positions up by that difference (rope depends
 # only on differences of positions: the same attention) so that every token after
 # the last image, and every decode step, sits at its index (its cache offset): the
 # shared decode batch needs no per-row state. The shift depends on the prompt's
 # images only, and the prefix cache keys image prompts by their images' hashes.
-MROPE_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl"})
-# What stands for one image in the prompt text, where it is more than the image token.
-_IMAGE_TEXT = {f: "<|vision_start|><|image_pad|><|vision_end|>" for f in MROPE_FAMILIES}
 
 
 class TextModel(nn.Module):
@@ -59,9 +50,10 @@ class TextModel(nn.Module):
     def layers(self) -> list[Any]:
         return list(self.language_model.layers)
 
-    def make_cache(self) -> list[KVCache]:
-        # mlx-lm's cache type: the batch and the prefix cache know it.
-        return [KVCache() for _ in self.layers]
+    def make_cache(self) -> list[KVCache | RotatingKVCache]:
+        # mlx-lm's cache types in the language model's own layout (sliding windows
+        # included): the batch and the prefix cache know them.
+        return [_mlx_lm_cache(c) for c in _vlm_caches(self.language_model)]
 
     def __call__(
         self,
@@ -69,9 +61,11 @@ class TextModel(nn.Module):
         cache: list[Any] | None = None,
         input_embeddings: Any = None,
         positions: mx.array | None = None,
+        **prompt_inputs: Any,
     ) -> mx.array:
-        """``positions``: an image prompt's chunk of (3, 1, tokens) M-RoPE positions."""
-        kwargs = {}
+        """``positions``: an image prompt's chunk of (3, 1, tokens) M-RoPE positions;
+        ``prompt_inputs``: PromptEmbedding.prompt_inputs, with each of its chunks."""
+        kwargs = dict(prompt_inputs)
         if self._mrope:
             kwargs["position_ids"] = (
                 positions if positions is not None else _index_positions(inputs, cache)
@@ -79,6 +73,21 @@ class TextModel(nn.Module):
         out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **kwargs)
         logits: mx.array = out.logits if hasattr(out, "logits") else out
         return logits
+
+
+def _vlm_caches(language_model: Any) -> list[Any]:
+    make = getattr(language_model, "make_cache", None)
+    return list(make()) if callable(make) else [KVCache() for _ in language_model.layers]
+
+
+def _mlx_lm_cache(cache: Any) -> KVCache | RotatingKVCache:
+    """mlx-lm's equivalent of one of mlx-vlm's own cache layers."""
+    kind = type(cache).__name__
+    if kind == "KVCache":
+        return KVCache()
+    if kind == "RotatingKVCache":
+        return RotatingKVCache(max_size=cache.max_size, keep=cache.keep)
+    raise ValueError(f"a {kind} layer (only KVCache and RotatingKVCache layers are served)")
 
 
 def _index_positions(inputs: mx.array, cache: list[Any] | None) -> mx.array:
@@ -92,12 +101,25 @@ def _index_positions(inputs: mx.array, cache: list[Any] | None) -> mx.array:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptEmbedding:
+    """A prompt with its images, as the language model takes it: input embeddings
+    (1, tokens, hidden); for M-RoPE families the positions (3, 1, tokens), shifted
+    so the tokens after the last image sit at their index (None: every token at its
+    index); and the whole-prompt inputs the model slices by its cache offset itself
+    (Family.prompt_inputs: qwen3_vl's deepstack features)."""
+
+    embeddings: mx.array
+    positions: mx.array | None
+    prompt_inputs: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class VisionEncoder:
     """The whole mlx-vlm model (vision tower, projector) and its processor."""
 
     model: Any
     processor: Any
-    model_type: str
+    family: Family
     image_token: str
     image_token_id: int
     dims: VisionDims
@@ -105,22 +127,24 @@ class VisionEncoder:
     @property
     def image_text(self) -> str:
         """What stands for one image in the prompt text (the processor expands it)."""
-        return _IMAGE_TEXT.get(self.model_type, self.image_token)
+        text = self.family.image_text
+        return self.image_token if text is None else text
 
     def embed(
         self, input_ids: list[int], pixel_values: Any, extras: dict[str, Any]
-    ) -> tuple[mx.array, mx.array | None]:
-        """Input embeddings (1, tokens, hidden) of a prompt with its images, and for
-        M-RoPE families its positions (3, 1, tokens), shifted so the tokens after the
-        last image sit at their index (None: every token at its index)."""
+    ) -> PromptEmbedding:
         ids = mx.array(input_ids)[None]
         kwargs = {k: mx.array(v) for k, v in extras.items()}
-        features = self.model.get_input_embeddings(ids, mx.array(pixel_values), **kwargs)
+        # The processor's attention mask, as mlx-vlm's generate passes it (gemma3 needs it).
+        mask = mx.ones(ids.shape, dtype=mx.int32)
+        features = self.model.get_input_embeddings(ids, mx.array(pixel_values), mask=mask, **kwargs)
         embeds: mx.array = getattr(features, "inputs_embeds", features)
-        if self.model_type not in MROPE_FAMILIES:
-            return embeds, None
+        inputs = {name: getattr(features, name) for name in self.family.prompt_inputs}
+        if not self.family.mrope:
+            return PromptEmbedding(embeds, None, inputs)
         positions, deltas = features.position_ids, features.rope_deltas
-        return embeds, (positions - deltas.reshape(1, -1, 1)).astype(mx.int32)
+        shifted = (positions - deltas.reshape(1, -1, 1)).astype(mx.int32)
+        return PromptEmbedding(embeds, shifted, inputs)
 
     def stress_inputs(self) -> tuple[list[int], Any, dict[str, Any]]:
         """A prompt with one image at the processor's largest size (ids, pixels,
@@ -165,7 +189,8 @@ def _image_token(processor: Any, config: dict[str, Any]) -> tuple[str, int]:
 
 def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEncoder]:
     """(text model, tokenizer, config, vision encoder); failures are ModelLoadError."""
-    if info.model_type not in SUPPORTED_FAMILIES:
+    traits = family(info.model_type)
+    if traits is None:
         raise ModelLoadError(
             f"cannot load '{info.name}': vision-language family '{info.model_type}' is not "
             f"supported yet (supported: {', '.join(sorted(SUPPORTED_FAMILIES))})"
@@ -177,27 +202,24 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
         model, processor = load(str(info.path))
     except (ValueError, OSError, KeyError, RuntimeError, TypeError) as exc:
         raise ModelLoadError(f"cannot load '{info.name}' from {info.path}: {exc}") from exc
-    _require_plain_kv(info, model.language_model)
+    _require_served_caches(info, model.language_model)
     config = {**_raw_config(info), "text_config": _text_config(model)}
     token, token_id = _image_token(processor, config)
     dims = vision_dims(config, config["text_config"]["hidden_size"], _dtype_bytes(model))
-    encoder = VisionEncoder(model, processor, info.model_type, token, token_id, dims)
+    encoder = VisionEncoder(model, processor, traits, token, token_id, dims)
     tokenizer = TokenizerWrapper(getattr(processor, "tokenizer", processor))
     log.info("loaded vision-language model %s in %.2f s", info.name, time.perf_counter() - start)
-    mrope = info.model_type in MROPE_FAMILIES
-    return TextModel(model.language_model, mrope), tokenizer, config, encoder
+    return TextModel(model.language_model, traits.mrope), tokenizer, config, encoder
 
 
-def _require_plain_kv(info: ModelInfo, language_model: Any) -> None:
-    """Every layer a plain KV cache (the batch and the prefix cache take mlx-lm's);
-    a sliding-window configuration of a family is a clear load error."""
-    make = getattr(language_model, "make_cache", None)
-    kinds = {type(c).__name__ for c in make()} if callable(make) else {"KVCache"}
-    if kinds != {"KVCache"}:
-        raise ModelLoadError(
-            f"cannot load '{info.name}': its language model keeps {', '.join(sorted(kinds))} "
-            "layers (sliding window); only plain KV-cache vision-language models are served"
-        )
+def _require_served_caches(info: ModelInfo, language_model: Any) -> None:
+    """Every layer a cache mlx-lm's batch and the prefix cache take; another kind is
+    a clear load error."""
+    try:
+        for cache in _vlm_caches(language_model):
+            _mlx_lm_cache(cache)
+    except ValueError as exc:
+        raise ModelLoadError(f"cannot load '{info.name}': its language model keeps {exc}") from exc
 
 
 def _text_config(model: Any) -> dict[str, Any]:

@@ -44,11 +44,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     build_tiny_vlm(root / "tiny-qwen2-vl", "qwen2_vl", seed=3, image_size=84)
     build_tiny_vlm(root / "tiny-qwen25-vl", "qwen2_5_vl", seed=4, image_size=84)
     build_tiny_model(root / "tiny-llama", "llama", seed=0)
-    # A family not served (a bidirectional prefix mask): discovered as a VLM, not loaded.
-    pali = root / "tiny-paligemma"
-    pali.mkdir()
-    (pali / "config.json").write_text('{"model_type": "paligemma", "vision_config": {}}')
-    (pali / "model.safetensors").write_bytes(b"\0" * 64)
+    # A family not served (cross-attention to the image): discovered as a VLM, not loaded.
+    mllama = root / "tiny-mllama"
+    mllama.mkdir()
+    (mllama / "config.json").write_text('{"model_type": "mllama", "vision_config": {}}')
+    (mllama / "model.safetensors").write_bytes(b"\0" * 64)
     with live_server(
         tmp_path_factory.mktemp("base"),
         root,
@@ -564,8 +564,8 @@ def test_qwen_image_tokens_across_prefill_chunks_match_mlx_vlm(
 
 def test_a_vlm_family_not_served_is_a_clear_load_error(client: openai.OpenAI) -> None:
     listed = {m.id: m.model_dump() for m in client.models.list().data}
-    assert listed["tiny-paligemma"]["kind"] == "vlm"
+    assert listed["tiny-mllama"]["kind"] == "vlm"
     with pytest.raises(openai.APIStatusError) as info:
-        chat(client, "tiny-paligemma", ask(png(150)))
+        chat(client, "tiny-mllama", ask(png(150)))
     message = error_of(info.value)["message"]
-    assert "paligemma" in message and "not supported" in message and "qwen2_vl" in message
+    assert "mllama" in message and "not supported" in message and "qwen3_vl" in message

@@ -4,7 +4,9 @@ each alone working: gpt_bigcode ("Only length-1 arrays can be converted to Pytho
 scalars"), llama4 ("ChunkedKVCache does not yet support batching with history") and
 gemma2 (a batch mask that does not broadcast against its grouped scores).
 The load-time probe finds it; four requests at once all complete with their solo
-answers, and /health's ``batching`` says why."""
+answers, and /health's ``batching`` says why. So does a model whose batch runs but
+gives other tokens than each request alone (defect 2: mlx-lm's afm7 and
+longcat_flash_ngram, whose own ``batch_generate`` differs from its solo output)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 
 from omlx.engine import assembly, profile
 from omlx.engine.engine_status import engine_status
+from tests.fixtures.breadth_models import build_breadth_model
 from tests.fixtures.tiny_models import build_tiny_model
 from tests.integration.test_memory_admission import generate
 
@@ -24,6 +27,8 @@ ERRORS = {
     # mlx-lm's gemma2 masks (B, 1, L, L) against scores (B, kv, rep, L, L).
     "gguf-gemma2": "cannot be broadcast",
 }
+# Batched output that differs from solo (mlx-lm's own batch_generate differs too).
+WRONG_BATCH = ["afm7", "longcat_flash_ngram"]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +36,9 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("unbatched")
     for arch in ERRORS:
         build_tiny_model(root / arch, arch)
+    for model_type in WRONG_BATCH:
+        build_breadth_model(root / model_type, model_type)
+    build_tiny_model(root / "llama", "llama")
     return root
 
 
@@ -61,14 +69,45 @@ def test_a_model_that_cannot_batch_is_found_at_load_and_serves_one_at_a_time(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("model_type", WRONG_BATCH)
+def test_a_model_whose_batch_differs_from_solo_is_found_at_load_and_served_one_at_a_time(
+    make_pool, models_dir: Path, model_type: str
+) -> None:
+    pool = make_pool(models_dir, max_concurrent_requests=8)
+
+    async def main() -> None:
+        engine = await pool.get_engine(model_type)
+        batching = engine_status(engine)["batching"]
+        assert batching["one_at_a_time"]
+        assert batching["reason"].startswith("batched output differs from solo (row ")
+        await _four_at_once_as_alone(engine)
+
+    asyncio.run(main())
+
+
+def test_a_model_whose_batch_gives_its_solo_output_stays_batched(
+    make_pool, models_dir: Path
+) -> None:
+    pool = make_pool(models_dir, max_concurrent_requests=8)
+
+    async def main() -> None:
+        engine = await pool.get_engine("llama")
+        assert engine_status(engine)["batching"] == {"one_at_a_time": False, "reason": None}
+        await _four_at_once_as_alone(engine)
+        assert engine_status(engine)["batching"]["one_at_a_time"] is False
+
+    asyncio.run(main())
+
+
 def test_a_batch_that_fails_after_load_is_served_again_one_at_a_time(
     make_pool, models_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """For a model the load-time checks miss (none is known here, so the probe and
+    """For a model the load-time checks miss (none is known here, so the probes and
     the profile's batched pass are switched off: a stand-in for a failure only a
     later step meets), the first failed step of several requests requeues them and
     none sees the error."""
     monkeypatch.setattr(assembly, "batch_probe", lambda model, vocab_size: None)
+    monkeypatch.setattr(assembly, "output_probe", lambda *args: None)
     monkeypatch.setattr(profile, "BATCH_STRESS_BUDGET_S", 0.0)
     pool = make_pool(models_dir, max_concurrent_requests=8)
 

@@ -40,7 +40,8 @@ def open_store(path: Path, **kwargs) -> SSDStore:
     kwargs.setdefault("max_size_bytes", 1 << 30)
     kwargs.setdefault("model_identity", MODEL)
     kwargs.setdefault("block_size", BLOCK_SIZE)
-    return SSDStore(path, layer_layout=LAYOUT, **kwargs)
+    kwargs.setdefault("layer_layout", LAYOUT)
+    return SSDStore(path, **kwargs)
 
 
 @pytest.fixture
@@ -106,7 +107,16 @@ def test_restart_rebuilds_index_in_mtime_order_and_serves(tmp_path: Path) -> Non
         reopened.close()
 
 
-@pytest.mark.parametrize("other", [{"model_identity": "other-model"}, {"block_size": 8}])
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"model_identity": "other-model"},
+        {"block_size": 8},
+        # The same model's cache stored another way (e.g. its CacheList layers, newly
+        # cached): the old files are not read as the new layout.
+        {"layer_layout": ("kv", "list[arrays:2,kv]")},
+    ],
+)
 def test_restart_removes_incompatible_files(tmp_path: Path, other: dict) -> None:
     fill(tmp_path, 2)
     reopened = open_store(tmp_path, **other)

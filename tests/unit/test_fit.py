@@ -112,6 +112,25 @@ def test_bf16_kv_from_torch_dtype_and_the_settings_window_caps_the_context() -> 
     assert fit.notes == ()  # everything came from the config
 
 
+def test_a_quantized_kv_cache_counts_its_quantized_bytes() -> None:
+    """Llama 3.1 8B with kv_bits: per K or V vector of 128, 128 B (8 bits) or 64 B
+    (4 bits) of values plus a bf16 scale and bias per group of 64 (8 B)."""
+    full = estimate_fit(LLAMA_8B_4BIT, LLAMA_8B_4BIT_WEIGHTS, limit_bytes=12 * GB, concurrency=1)
+    for bits, per_vector in ((8, 128 + 8), (4, 64 + 8)):
+        fit = estimate_fit(
+            LLAMA_8B_4BIT,
+            LLAMA_8B_4BIT_WEIGHTS,
+            limit_bytes=12 * GB,
+            concurrency=1,
+            kv_quant=(bits, 64),
+        )
+        assert fit.kv_bytes == 2 * 32 * 8 * per_vector * fit.context_tokens
+        assert fit.kv_bytes <= (0.55 if bits == 8 else 0.3) * full.kv_bytes
+        assert fit.max_context_tokens is not None and full.max_context_tokens is not None
+        assert fit.max_context_tokens > 1.8 * full.max_context_tokens
+        assert "kv_bits" in " ".join(fit.notes)
+
+
 def test_text_config_nesting_is_read_like_a_flat_config() -> None:
     flat = estimate_fit(LLAMA_8B_4BIT, LLAMA_8B_4BIT_WEIGHTS, limit_bytes=24 * GB, concurrency=4)
     vlm = {

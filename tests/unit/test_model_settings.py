@@ -10,6 +10,7 @@ import pytest
 
 from omlx.errors import SettingsError
 from omlx.models.model_settings import (
+    KVQuantSpec,
     ModelSettings,
     ModelSettingsStore,
     effective_context_window,
@@ -108,6 +109,9 @@ def test_reset_forgets_a_model(store, path):
         ("ttl_s", 0),
         ("max_context_window", 8),
         ("max_tokens", 0),
+        ("kv_bits", 5),
+        ("kv_bits", "8"),
+        ("kv_group_size", 48),
         ("model_type", "diffusion"),
         ("alias", ""),
         ("alias", "/qwen"),
@@ -124,6 +128,25 @@ def test_invalid_values_raise_naming_the_field(store, path, field, value):
     assert caught.value.param == field
     assert store.get("m") == ModelSettings()
     assert not path.exists()
+
+
+def test_kv_bits_names_the_values_it_takes(store):
+    with pytest.raises(SettingsError, match=r"^kv_bits: Input should be 4 or 8 \(got 16\)"):
+        store.put("m", {"kv_bits": 16})
+    with pytest.raises(SettingsError, match=r"^kv_group_size: Input should be 32, 64 or 128"):
+        store.put("m", {"kv_bits": 8, "kv_group_size": 16})
+
+
+def test_kv_quantization_is_off_by_default_and_groups_default_to_32(store, path):
+    """32: the group that meets issue 41's drift bar on the built-in model
+    (model_settings.DEFAULT_KV_GROUP_SIZE)."""
+    assert store.get("m").kv_quant is None
+    store.put("m", {"kv_bits": 4})
+    assert ModelSettingsStore(path).get("m").kv_quant == KVQuantSpec(bits=4, group_size=32)
+    store.update("m", {"kv_group_size": 64})
+    assert store.get("m").kv_quant == KVQuantSpec(bits=4, group_size=64)
+    store.update("m", {"kv_bits": None})
+    assert store.get("m").kv_quant is None
 
 
 def test_a_failed_update_keeps_the_old_settings(store):

@@ -76,9 +76,10 @@ export function formatPercent(fraction) {
   return `${(fraction * 100).toFixed(1)}%`;
 }
 
-export function stateBadge(state) {
-  const kind = { loaded: "ok", pinned: "accent", loading: "warn", unloaded: "" }[state] ?? "";
-  return h(`span.badge${kind ? "." + kind : ""}`, { dataset: { state } }, state);
+// ``reason``: why a failed load failed (shown on hover).
+export function stateBadge(state, reason = null) {
+  const kind = { loaded: "ok", pinned: "accent", loading: "warn", failed: "err", unloaded: "" }[state] ?? "";
+  return h(`span.badge${kind ? "." + kind : ""}`, { dataset: { state }, title: reason }, state);
 }
 
 export function toast(message, kind = "") {

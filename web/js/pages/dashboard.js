@@ -108,7 +108,7 @@ function kv(target, pairs) {
 }
 
 function paintModels(models) {
-  const loaded = models.filter((m) => m.state !== "unloaded");
+  const loaded = models.filter((m) => !["unloaded", "failed"].includes(m.state));
   const target = document.getElementById("loaded-models");
   if (!loaded.length) return clear(target, h("div.empty", "No model is loaded. A request (or Load on the Models page) loads one."));
   clear(
@@ -137,7 +137,7 @@ function paint(s) {
     ["Version", s.version],
     ["Uptime", s.uptime === null ? "–" : formatDuration(s.uptime)],
     ["API key", s.authEnabled ? "required" : "off (loopback only)"],
-    ["Models", `${s.models.length} found, ${s.models.filter((m) => m.state !== "unloaded").length} loaded`],
+    ["Models", `${s.models.length} found, ${s.models.filter((m) => !["unloaded", "failed"].includes(m.state)).length} loaded`],
     ["Loads / evictions", `${s.loads} / ${s.evictions}`],
     ["Tokens", s.tokens ? `${formatNumber(s.tokens.prompt_total)} prompt · ${formatNumber(s.tokens.completion_total)} completion · ${formatNumber(s.tokens.cached_total)} cached` : "–"],
   ]);

@@ -1,0 +1,179 @@
+"""More mlx-vlm families (issue 41, defect 6), each a tiny random model served by a
+live server and checked against mlx-vlm's own ``stream_generate`` (greedy) on the
+same image and prompt: alone, streamed, four image requests at once, and a repeated
+image prompt served from the prefix cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from omlx.api.server import Server
+from omlx.engine.engine_status import engine_status
+from omlx.engine.token_text import TokenText
+from omlx.models.vlm_families import FAMILIES
+from tests.api.test_vision import ask, chat, png
+from tests.fixtures.tiny_vlms import build_tiny_vlm
+
+# model name -> (family, the processor's image side, why it runs one at a time or None)
+MODELS: dict[str, tuple[str, int, str | None]] = {
+    "tiny-gemma3": ("gemma3", 56, None),
+    "tiny-idefics3": ("idefics3", 56, None),
+    "tiny-smolvlm": ("smolvlm", 56, None),
+    "tiny-qwen3-vl": ("qwen3_vl", 96, None),
+    "tiny-paligemma": ("paligemma", 28, "bidirectional"),
+}
+MAX_TOKENS = 10
+# Long enough that gemma3's 16-token sliding window rotates during the prompt.
+TEXT = "describe the colours and the shapes you see in this picture, please"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    from tests.fixtures.servers import live_server
+
+    root = tmp_path_factory.mktemp("tiny-vlm-families")
+    for seed, (name, (family, side, _)) in enumerate(MODELS.items()):
+        build_tiny_vlm(root / name, family, seed=seed, image_size=side)
+    with live_server(
+        tmp_path_factory.mktemp("base"),
+        root,
+        scheduler={"max_concurrent_requests": 8, "prefill_step_size": 64},
+    ) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+_REFERENCE: dict[tuple[str, int, str, tuple[int, int]], list[bytes]] = {}
+
+
+def answer(
+    client: openai.OpenAI, model: str, messages: list[dict], stream: bool = False
+) -> list[bytes]:
+    """The server's greedy answer, token by token (each token's bytes: token
+    for token, whatever the text of a token that is part of a character)."""
+    kwargs: dict = {"max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True}
+    reply = client.chat.completions.create(model=model, messages=messages, stream=stream, **kwargs)
+    if not stream:
+        return [bytes(t.bytes) for t in reply.choices[0].logprobs.content]
+    chunks = [c.choices[0] for c in reply if c.choices and c.choices[0].logprobs]
+    return [bytes(t.bytes) for c in chunks for t in c.logprobs.content]
+
+
+def mlx_vlm_answer(
+    server: Server,
+    model: str,
+    seed: int,
+    tmp: Path,
+    text: str = TEXT,
+    size: tuple[int, int] = (40, 50),
+) -> list[bytes]:
+    """mlx-vlm's own greedy generate on the prompt the server builds (its chat
+    template, the image after the text), the image read from a file."""
+    key = (model, seed, text, size)
+    if key not in _REFERENCE:
+        from mlx_vlm import load, stream_generate
+
+        folder = next(i.path for i in server.pool.available().values() if i.name == model)
+        image = tmp / f"{seed}.png"
+        image.write_bytes(png(seed, size))
+        vlm, processor = load(str(folder))
+        marker = FAMILIES[MODELS[model][0]].image_text
+        marker = processor.image_token if marker is None else marker
+        prompt = f"<|im_start|>user\n{text}{marker}<|im_end|>\n<|im_start|>assistant\n"
+        pieces = stream_generate(
+            vlm, processor, prompt, image=[str(image)], max_tokens=MAX_TOKENS, temperature=0.0
+        )
+        # One result per token; the last (with a finish reason) repeats one.
+        tokens = [p.token for p in pieces if p.finish_reason is None]
+        spell = TokenText(processor.tokenizer)
+        _REFERENCE[key] = [spell.piece(t)[1] for t in tokens]
+    return _REFERENCE[key]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_alone_and_streamed_answers_match_mlx_vlm(
+    client: openai.OpenAI, server: Server, model: str, tmp_path: Path
+) -> None:
+    expected = mlx_vlm_answer(server, model, 1, tmp_path)
+    assert len(expected) == MAX_TOKENS
+    assert answer(client, model, ask(png(1), text=TEXT)) == expected
+    assert answer(client, model, ask(png(1), text=TEXT), stream=True) == expected
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_four_image_requests_at_once_equal_each_alone(
+    client: openai.OpenAI, server: Server, model: str
+) -> None:
+    conversations = [ask(png(30 + i), text=TEXT) for i in range(4)]
+    alone = [answer(client, model, m) for m in conversations]
+    with ThreadPoolExecutor(len(conversations)) as pool:
+        together = list(pool.map(lambda m: answer(client, model, m), conversations))
+    assert together == alone
+    assert len({b"".join(a) for a in alone}) > 1  # the images make the difference
+    engine = next(e for e in server.pool.loaded() if e.name == model)
+    reason = MODELS[model][2]
+    batching = engine_status(engine)["batching"]
+    assert batching["one_at_a_time"] == (reason is not None)
+    if reason is not None:
+        assert reason in batching["reason"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
+    client: openai.OpenAI, server: Server, model: str, tmp_path: Path
+) -> None:
+    seed = 50 + list(MODELS).index(model)
+    expected = mlx_vlm_answer(server, model, seed, tmp_path)
+    first = chat(client, model, ask(png(seed), text=TEXT), MAX_TOKENS)
+    again = chat(client, model, ask(png(seed), text=TEXT), MAX_TOKENS)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    if MODELS[model][0] == "paligemma":
+        assert cached == 0  # its prompts' KV is never reused (vlm_families.py says why)
+    else:
+        assert 0 < cached < again.usage.prompt_tokens
+    assert answer(client, model, ask(png(seed), text=TEXT)) == expected
+    assert first.choices[0].message.content == again.choices[0].message.content
+
+
+@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-qwen3-vl"])
+def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
+    client: openai.OpenAI, server: Server, model: str, tmp_path: Path
+) -> None:
+    # ~60 text tokens, then the image: the 64-token chunks cut its tokens (qwen3_vl's
+    # deepstack features and positions are sliced per chunk; gemma3's window wraps).
+    text = "tell me about the colours and the shapes " * 6
+    size = (300, 300)
+    expected = mlx_vlm_answer(server, model, 60, tmp_path, text, size)
+    got = chat(client, model, ask(png(60, size), text=text), MAX_TOKENS)
+    assert got.usage.prompt_tokens > 64
+    assert answer(client, model, ask(png(60, size), text=text)) == expected
+
+
+@pytest.mark.parametrize("model", [m for m in MODELS if m != "tiny-paligemma"])
+def test_two_images_and_text_alone_answer(client: openai.OpenAI, model: str) -> None:
+    two = chat(client, model, ask(png(70), png(71), text="compare them"), MAX_TOKENS)
+    one = chat(client, model, ask(png(70), text="compare them"), MAX_TOKENS)
+    text_only = chat(client, model, [{"role": "user", "content": "tell me a story"}], MAX_TOKENS)
+    assert two.usage.prompt_tokens > one.usage.prompt_tokens > text_only.usage.prompt_tokens
+    for reply in (two, one, text_only):
+        assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_paligemma_takes_one_image_a_request_and_says_so(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, "tiny-paligemma", ask(png(72), png(73)), MAX_TOKENS)
+    error = info.value.response.json()["error"]
+    assert error["param"] == "messages[0].content[2]"
+    assert "at most 1 image" in error["message"] and "paligemma" in error["message"]
+    text_only = chat(client, "tiny-paligemma", [{"role": "user", "content": "hi"}], MAX_TOKENS)
+    assert text_only.choices[0].finish_reason in ("length", "stop")
