@@ -243,8 +243,10 @@ class Steps:
 
     @property
     def margin_step(self) -> int:
-        """As ``KVProfile.margin_step_bytes``: the worst step but the batched prefill."""
-        return self.unbatched if self.batch_row and self.batch.widest > 1 else self.overhead
+        """As ``KVProfile.margin_step_bytes``: one request's worst step, alone or a row."""
+        if self.batch_row and self.batch.widest > 1:
+            return max(self.unbatched, self.batch_row)
+        return self.overhead
 
 
 def measure_steps(
@@ -276,11 +278,13 @@ def measure_steps(
     overs += [batch_over] if batch.rows else []
     if min(overs) < 0:
         log.warning("memprofile: a stress pass measured less than its own KV; clamped to 0")
-    # Per row of the widest batch: admission prices what the formulas miss of it per
-    # row (``row_excess_bytes``), so it is not in what every estimate adds.
+    # Per row of the widest batch: admission and the forward gate price the rows one
+    # by one, so only one row's step (as the solo chunk's) is in what every estimate
+    # adds: the "auto" margin, or with a pinned margin the unmodeled bytes.
     row_over = -(-max(batch_over, 0) // batch.widest) if batch.rows else 0
     unmodeled = [
         unmodeled_transient_bytes(dims, chunk_tokens=chunk, measured_bytes=max(overs[0], 0)),
+        unmodeled_transient_bytes(dims, chunk_tokens=chunk, measured_bytes=row_over),
         long.peak - long.estimate,
     ]
     return Steps(

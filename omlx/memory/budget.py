@@ -491,9 +491,12 @@ class KVProfile:
 
     @property
     def margin_step_bytes(self) -> int:
-        """The step an "auto" margin covers: the worst one but the batched prefill,
-        whose rows are priced one by one as they are admitted (``row_excess_bytes``)."""
-        return self.unbatched_overhead_bytes if self.batched else self.overhead_bytes
+        """The step an "auto" margin covers: one request's worst, alone or as one row
+        of the batched prefill, whose further rows are priced one by one
+        (``row_excess_bytes`` at admission, ``step_excess_bytes`` at the forward gate)."""
+        if self.batched:
+            return max(self.unbatched_overhead_bytes, self.batch_row_bytes)
+        return self.overhead_bytes
 
 
 @dataclass(frozen=True)

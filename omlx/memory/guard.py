@@ -104,10 +104,10 @@ class MemoryGuard:
 
     @property
     def row_excess_bytes(self) -> int:
-        """What each row of a batched prefill holds beyond the per-request formulas,
-        as the auto-profile's widest batch measured it (a full chunk a row): admission
-        and the forward gate add it per row's chunk (``batch_excess_bytes``), so the
-        margin needs to cover only one row's step."""
+        """What each row of a batched prefill holds beyond the per-request formulas
+        admission counts (``prefill_step_transient_bytes``), as the auto-profile's
+        widest batch measured it (a full chunk a row): admission adds it per row's
+        chunk (``batch_excess_bytes``), so the margin needs to cover only one row's step."""
         p = self.profile
         if p is None or p.source != "measured" or not p.batched:
             return 0
@@ -117,6 +117,17 @@ class MemoryGuard:
         """``row_excess_bytes`` for ``num_tokens`` prefilled in one step: it grows with
         the rows' tokens (activations, scores), so a capped chunk brings less of it."""
         return -(-self.row_excess_bytes * num_tokens // self.chunk_tokens)
+
+    def step_excess_bytes(self, num_tokens: int) -> int:
+        """The forward gate's price of a step's rows beyond its first chunk: each further
+        chunk's worth of tokens is another row, which holds its measured transient
+        beyond the KV growth the gate counts. The first chunk's row pays nothing here:
+        the margin (or, pinned, the unmodeled bytes) covers one row's step whole."""
+        p = self.profile
+        if p is None or p.source != "measured" or not p.batched:
+            return 0
+        row = max(0, p.batch_row_bytes - self.dims.kv_bytes_per_token * self.chunk_tokens)
+        return -(-row * max(0, num_tokens - self.chunk_tokens) // self.chunk_tokens)
 
     @property
     def max_kv_tokens(self) -> int | None:
@@ -198,7 +209,8 @@ class MemoryGuard:
         self, chunk_tokens: int, num_cached_tokens: int, reading: MemoryReading, *, others: bool
     ) -> bool:
         """Forward gate: may the next prefill step (``chunk_tokens`` of one or more
-        requests' chunks together) run under the hard limit?"""
+        requests' chunks together) run under the hard limit? A step of one chunk is one
+        request's step, which the margin covers; more is a batch (``step_excess_bytes``)."""
         return gate(
             self.dims,
             reading,
@@ -206,7 +218,7 @@ class MemoryGuard:
             num_cached_tokens=num_cached_tokens,
             limits=self.limits,
             others_in_flight=others,
-            unmodeled_bytes=self.unmodeled_bytes + self.batch_excess_bytes(chunk_tokens),
+            unmodeled_bytes=self.unmodeled_bytes + self.step_excess_bytes(chunk_tokens),
         )
 
     def check_prefill(

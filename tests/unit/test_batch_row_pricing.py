@@ -56,17 +56,58 @@ def test_a_row_within_the_formulas_adds_nothing() -> None:
     assert guard.row_excess_bytes == 0
 
 
-def test_the_forward_gate_prices_each_rows_excess_by_its_chunk_tokens() -> None:
-    """Eight rows' full chunks bring eight rows' measured excess (40 MB a row here,
-    beyond the formulas); the same eight rows capped to an eighth of a chunk bring one
-    row's, so capping the chunks is what lets a tight step run."""
+def test_the_auto_margin_covers_one_row_even_when_a_row_outweighs_the_solo_step() -> None:
+    """A row of the batched prefill may hold more than the solo chunk did: one row's
+    step, whichever it is, is what the margin covers."""
+    guard = _guard(batch_row_bytes=160 * MIB)
+    assert guard.limits.transient_margin_bytes == measured_margin_bytes(160 * MIB)
+
+
+def _peak_in_fact(guard: MemoryGuard, resident: int, rows: int) -> int:
+    """What a step of ``rows`` full chunks holds at its peak, as the profile measured
+    a row: its chunk's KV and the row's transient beyond it."""
+    kv = guard.dims.kv_bytes_per_token * CHUNK
+    return resident + rows * (kv + guard.profile.batch_row_bytes)
+
+
+def test_the_forward_gate_never_lets_a_batched_step_past_the_limit() -> None:
+    """At every width, a step the gate lets run holds no more than the hard limit, as
+    the profile measured its rows (the margin covers the first, the gate prices the
+    others): at the highest resident memory the gate allows, the step still fits."""
+    for row_bytes in (40 * MIB, 160 * MIB):
+        guard = _guard(batch_row_bytes=row_bytes)
+        for rows in range(1, 9):
+            highest = _highest_resident_allowed(guard, rows * CHUNK)
+            assert _peak_in_fact(guard, highest, rows) <= HARD, (row_bytes, rows)
+
+
+def _highest_resident_allowed(guard: MemoryGuard, num_tokens: int) -> int:
+    def fits(resident: int) -> bool:
+        reading = MemoryReading(resident, resident, 0, taken_at_s=0.0)
+        return guard.gate(num_tokens, 0, reading, others=False)
+
+    low, high = 0, HARD
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    assert fits(low) and not fits(high)
+    return low
+
+
+def test_one_chunk_pays_no_batch_excess_and_each_further_chunk_a_row() -> None:
+    """A step of one chunk is one request's step, which the margin covers: a lone
+    prompt's chunk is priced as before the batch was measured. Each further chunk's
+    worth of tokens is a row (its transient beyond the KV growth the gate counts), so
+    eight rows capped to an eighth of a chunk are priced as one request."""
     guard = _guard(batch_row_bytes=40 * MIB)
-    excess = guard.row_excess_bytes
-    assert guard.batch_excess_bytes(8 * CHUNK) == 8 * excess
-    assert guard.batch_excess_bytes(CHUNK // 8 * 8) == excess
-    # Room for the modeled bytes of eight full chunks (KV, growth, attention: a few
-    # MB here) and the margin, plus four rows' excess: not eight.
-    resident = HARD - guard.limits.transient_margin_bytes - 4 * excess - 8 * MIB
+    row = 40 * MIB - guard.dims.kv_bytes_per_token * CHUNK
+    assert guard.step_excess_bytes(CHUNK) == 0
+    assert guard.step_excess_bytes(CHUNK // 8 * 8) == 0
+    assert guard.step_excess_bytes(2 * CHUNK) == row
+    assert guard.step_excess_bytes(8 * CHUNK) == 7 * row
+    # Room for the modeled bytes of four full chunks (KV, growth, attention: a few
+    # MB here), the margin, and three further rows: not eight.
+    resident = HARD - guard.limits.transient_margin_bytes - 3 * row - 8 * MIB
     reading = MemoryReading(resident, resident, 0, taken_at_s=0.0)
     assert not guard.gate(8 * CHUNK, 0, reading, others=False)
     assert guard.gate(4 * CHUNK, 0, reading, others=False)
