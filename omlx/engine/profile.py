@@ -240,7 +240,9 @@ def _choose_and_validate(
         if tokens < stress.chunk:
             break  # shrinking cannot help
         validated = attempt + 1
-        check = _validate(stress, probe, min(tokens, reach), canary)
+        held = min(tokens, reach)
+        # The measured batch is in the capacity: validation runs what the budget affords.
+        check = _validate(stress, probe, held, canary, stress.batch_rows(held // stress.chunk))
         if check is not None and check.peak <= limits.hard_bytes:
             return tokens, attempt, check.held_bytes, model_limits
         log.warning(
@@ -263,10 +265,12 @@ class _Check:
     transient: int
 
 
-def _validate(stress: Stress, probe: MemoryProbe, tokens: int, canary: int) -> _Check | None:
-    """Hold ``tokens`` of KV (less the batched step's own) and the canary, run every
-    step beside them; None when MLX cannot allocate (Metal raises past its limit)."""
-    rows = stress.batch_rows(tokens // stress.chunk)
+def _validate(
+    stress: Stress, probe: MemoryProbe, tokens: int, canary: int, rows: int
+) -> _Check | None:
+    """Hold ``tokens`` of KV (less the batched step's ``rows`` chunks) and the canary,
+    run every step beside them; None when MLX cannot allocate (Metal raises past its
+    limit)."""
     held: list[mx.array] = []
 
     def run() -> None:
@@ -325,8 +329,11 @@ def _check_explicit(
     per_token = (time.monotonic() - began) / (stress.batch * DECODE_CONTEXT_TOKENS)
     stress.row_seconds = per_token * stress.chunk
     canary = canary_bytes(limits)
+    # The only pass: the batched step runs however slow the model (at least two rows).
+    widest = max(1, min(stress.batch, held_tokens // stress.chunk))
+    rows = stress.measured_rows(widest)
     try:
-        check = _validate(stress, probe, held_tokens, canary)
+        check = _validate(stress, probe, held_tokens, canary, rows)
     finally:
         stress.decode_cache = []
     if check is None or check.peak > limits.hard_bytes:
@@ -341,9 +348,9 @@ def _check_explicit(
         canary_bytes=canary,
         attempts=1,
         seconds=time.monotonic() - started,
-        batch_rows=stress.batch_rows(held_tokens // stress.chunk),
+        batch_rows=rows,
         # The widest it may run; no extrapolation: the pinned capacity sets nothing.
-        batch_rows_widest=max(1, min(stress.batch, held_tokens // stress.chunk)),
+        batch_rows_widest=widest,
         held_kv_bytes=check.held_bytes,
         teardown_bytes=teardown,
     )
