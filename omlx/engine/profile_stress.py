@@ -271,8 +271,23 @@ def measure_steps(
     batch = _batch_pass(stress, kv, probe, widest)
     long = _long_context_pass(stress, dims, probe, context_limit, room)
     stress.solo_cache = []
+    return _steps(dims, chunk, stress.batch, (prefill_peak, decode_peak), batch, long)
+
+
+def _steps(
+    dims: ModelDims,
+    chunk: int,
+    decode_rows: int,
+    peaks: tuple[int, int],
+    batch: BatchPoint,
+    long: LongPoint,
+) -> Steps:
+    """The passes' peaks (solo chunk and decode in ``peaks``) as the transients the
+    capacity and the margin are solved with."""
+    kv = dims.kv_bytes_per_token
+    prefill_peak, decode_peak = peaks
     batch_over = batch.widest_peak - kv * chunk * batch.widest
-    overs = [prefill_peak - kv * chunk, decode_peak - kv * stress.batch]
+    overs = [prefill_peak - kv * chunk, decode_peak - kv * decode_rows]
     overs += [long.peak - kv * chunk] if long.context_tokens else []
     unbatched = max(*overs, 0)
     overs += [batch_over] if batch.rows else []
