@@ -94,7 +94,10 @@ async def _flood(pool, room_bytes: int):
         )
         for guard in (engine.guard for engine in engines)
     )
-    hard = int((longest + room_bytes) / (1 - CANARY_FRACTION))
+    # Admission prices each row of a batched prefill its measured excess: room for two
+    # rows' more, or the flood runs one request at a time and nothing drifts.
+    rows = 2 * max(engine.guard.row_excess_bytes for engine in engines)
+    hard = int((longest + room_bytes + rows) / (1 - CANARY_FRACTION))
     pool.limits = Limits(hard, int(hard * 0.99), MARGIN)
     for engine in engines:
         engine.guard.publish(pool.limits)
