@@ -23,6 +23,7 @@ from omlx.engine.kv_measure import with_kv_start, with_measured_kv
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.output_probe import output_probe
 from omlx.engine.profile_cache import ProfileCache, ProfileInputs, profile_model
+from omlx.engine.profile_stress import stress_report
 from omlx.engine.quantized_cache import install as install_quantized_kv
 from omlx.engine.runner import BatchRunner
 from omlx.engine.strategy import ExecutionStrategy
@@ -158,12 +159,14 @@ def _assemble(
         baseline=parts.baseline,
         chunk_tokens=sched.prefill_step_size,
     )
+    stress: dict[str, Any] | None = None
     if cluster is None:
         profile, reused = _profile(
             loaded, parts, dims, window, explicit_kv_tokens, scheduler.max_running
         )
         guard.set_profile(profile)
         kv_profile = "reused" if reused else "measured"
+        stress = stress_report(profile)
     else:
         # The profile's forwards would run on rank 0 alone; the guard works from readings.
         kv_profile = cluster.skip_profile(guard, explicit_kv_tokens)
@@ -171,6 +174,8 @@ def _assemble(
     runner.prove_compiled()
     facts = {
         "kv_profile": kv_profile,
+        # What the profile's stress measured and what it extrapolated (None: no profile).
+        "profile_stress": stress,
         "compiled_steps": _proofs(runner),
         "execution_strategy": strategy.describe(),
     }
@@ -261,6 +266,7 @@ def _profile(
         explicit_tokens=explicit_kv_tokens,
         # Validation holds the KV that can really be in flight at once.
         max_tokens_in_flight=window * batch_size,
+        context_window=window,
     )
     return profile_model(
         parts.profile_cache, loaded.info, loaded.model, dims, parts.probe, parts.limits, inputs,

@@ -144,11 +144,12 @@ class StepGate:
         cannot stack past the limit. ``plan``: the runner's prefill chunks;
         ``num_running_tokens``: the running requests' KV tokens."""
         self._running_tokens = num_running_tokens
-        dims, extra = self.guard.dims, self.guard.unmodeled_bytes
+        guard, dims = self.guard, self.guard.dims
         self._pending_bytes = sum(
             dims.kv_bytes(c.num_remaining)
             + prefill_step_transient_bytes(dims, c.num_tokens, c.num_context_tokens)
-            + extra
+            + guard.unmodeled_bytes
+            + guard.batch_excess_bytes(c.num_tokens)
             for c in plan
         )
 
@@ -163,10 +164,12 @@ class StepGate:
         elif reason is None and self.memory_wait and self.memory_wait[0] == request.request_id:
             self.memory_wait = None
         if reason is None:
-            dims, n = self.guard.dims, request.num_prompt_tokens
-            self._pending_bytes += dims.kv_bytes(n) + (
-                prefill_step_transient_bytes(dims, min(n, self.guard.chunk_tokens), n)
-                + self.guard.unmodeled_bytes
+            guard, n = self.guard, request.num_prompt_tokens
+            chunk = min(n, guard.chunk_tokens)
+            self._pending_bytes += guard.dims.kv_bytes(n) + (
+                prefill_step_transient_bytes(guard.dims, chunk, n)
+                + guard.unmodeled_bytes
+                + guard.batch_excess_bytes(chunk)
             )
             self._running_tokens += n
             return True

@@ -3,11 +3,13 @@
 One JSON file per model folder under ``<base>/profiles/``. An entry is reused only
 when everything the measurement depends on is the same: the model's files (name,
 size, modification time of each), its kind, the profile's inputs (model dims, the
-limits, chunk, batch, vocabulary, explicit capacity, tokens in flight), the MLX and
-omlx versions and the machine (architecture, MLX device, RAM). Anything else (a
-changed limit, a re-downloaded model, another Mac) re-measures and overwrites the
-entry. A file that does not parse, names other inputs or has a malformed profile is
-ignored with a warning, never trusted: it is only ever a hint that saves seconds.
+limits, chunk, batch, vocabulary, explicit capacity, tokens in flight, context
+window), the MLX and omlx versions and the machine (architecture, MLX device, RAM),
+and the profile's format (a profile from an older format, one lacking a field
+this one has, is measured again). Anything else (a changed limit, a re-downloaded
+model, another Mac) re-measures and overwrites the entry. A file that does not
+parse, names other inputs or has a malformed profile is ignored with a warning,
+never trusted: it is only ever a hint that saves seconds.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Bumped when the profile's meaning or this file's layout changes: older entries re-measure.
-FORMAT = 2  # 2: the image pass of VLMs
+# 2: the image pass of VLMs; 3: the widest batched prefill (extrapolated when fewer rows
+# ran) and the long-context point (an older entry lacks them: measured again).
+FORMAT = 3
 _SOURCES = {"measured", "explicit"}
 
 
@@ -77,6 +81,8 @@ class ProfileInputs:
     vocab_size: int
     explicit_tokens: int | None
     max_tokens_in_flight: int
+    # The longest prompt: bounds the long-context point.
+    context_window: int
 
 
 def profile_model(
@@ -106,6 +112,7 @@ def profile_model(
             vocab_size=inputs.vocab_size,
             explicit_tokens=inputs.explicit_tokens,
             max_tokens_in_flight=inputs.max_tokens_in_flight,
+            context_window=inputs.context_window,
         )
         return dataclasses.replace(
             profile, image_peak_bytes=image[0], image_estimate_bytes=image[1]

@@ -25,6 +25,7 @@ from omlx.sizes import format_bytes, parse_byte_size
 __all__ = [
     "AdmitAction",
     "AdmitDecision",
+    "BatchTransient",
     "KVProfile",
     "Limits",
     "MemoryReading",
@@ -46,6 +47,7 @@ __all__ = [
     "model_dims",
     "preflight",
     "resolve_limits",
+    "row_excess_bytes",
 ]
 
 
@@ -453,6 +455,19 @@ class KVProfile:
     # The batched prefill stress: rows x chunk run as one step (0: not run), its peak.
     batch_rows: int = 0
     batch_peak_bytes: int = 0
+    # The widest batched prefill the scheduler may run (max_concurrent_requests rows)
+    # and its peak: measured, or extrapolated from ``batch_rows`` when fewer ran.
+    batch_rows_widest: int = 0
+    batch_widest_peak_bytes: int = 0
+    # For the capacity: the widest batch's transient per row beyond its KV, and the
+    # worst transient of every other step (0, 0: the capacity counts overhead_bytes whole).
+    batch_row_bytes: int = 0
+    unbatched_overhead_bytes: int = 0
+    # One chunk over this many cached tokens (0: not measured): its peak, and what
+    # the formulas say it adds (KV, attention, the grown KV's copy).
+    long_context_tokens: int = 0
+    long_context_peak_bytes: int = 0
+    long_context_estimate_bytes: int = 0
     # KV really allocated (every page written) beside the steps in the passing validation.
     held_kv_bytes: int = 0
     # Resident bytes after the passes were torn down (the baseline when higher).
@@ -461,6 +476,40 @@ class KVProfile:
     # tower, projector, the prompt's embeddings), measured, and the formula's figure.
     image_peak_bytes: int = 0
     image_estimate_bytes: int = 0
+
+    def capacity_terms(self) -> tuple[int, BatchTransient | None]:
+        """(overhead, batched step) the capacity is solved with: the batched step
+        bounded by the KV in flight when it was measured, else the worst step whole."""
+        if self.batched:
+            batch = BatchTransient(self.batch_row_bytes, self.batch_rows_widest)
+            return self.unbatched_overhead_bytes, batch
+        return self.overhead_bytes, None
+
+    @property
+    def batched(self) -> bool:
+        return bool(self.batch_row_bytes) and self.batch_rows_widest > 1
+
+    @property
+    def margin_step_bytes(self) -> int:
+        """The step an "auto" margin covers: one request's worst, alone or as one row
+        of the batched prefill, whose further rows are priced one by one
+        (``row_excess_bytes`` at admission, ``step_excess_bytes`` at the forward gate)."""
+        if self.batched:
+            return max(self.unbatched_overhead_bytes, self.batch_row_bytes)
+        return self.overhead_bytes
+
+
+@dataclass(frozen=True)
+class BatchTransient:
+    """The widest batched prefill's transient beyond its KV: ``row_bytes`` a row, up to
+    ``rows`` rows. A step is no wider than the chunks the KV in flight makes, so with
+    ``tokens`` held it is at most ceil(tokens / chunk) rows: the capacity bounds it."""
+
+    row_bytes: int
+    rows: int
+
+    def at(self, tokens: int, chunk_tokens: int) -> int:
+        return self.row_bytes * min(self.rows, -(-tokens // chunk_tokens))
 
 
 # Auto-profile (seed 002): each retry shrinks the capacity by 5%, at most 3 retries.
@@ -484,10 +533,12 @@ def held_tokens_peak_bytes(
     chunk_tokens: int,
     overhead_bytes: int,
     unmodeled_bytes: int,
+    batch: BatchTransient | None = None,
 ) -> int:
     """Peak with ``tokens`` of KV held: the front door's estimate for a prompt that
     long (from the baseline), or the measured worst step (``overhead_bytes``, e.g.
-    a full decode batch) beside that KV, whichever is larger."""
+    a full decode batch, or ``batch`` as wide as ``tokens`` make it) beside that KV,
+    whichever is larger."""
     estimate = estimate_prefill(
         dims,
         MemoryReading(baseline_bytes, baseline_bytes, 0, taken_at_s=0.0),
@@ -498,6 +549,8 @@ def held_tokens_peak_bytes(
         others_in_flight=False,
         unmodeled_bytes=unmodeled_bytes,
     )
+    if batch is not None:
+        overhead_bytes = max(overhead_bytes, batch.at(tokens, chunk_tokens))
     step = baseline_bytes + dims.kv_bytes(tokens) + max(0, overhead_bytes)
     return max(estimate.peak_bytes, step)
 
@@ -512,6 +565,7 @@ def kv_capacity_tokens(
     unmodeled_bytes: int,
     canary_bytes: int,
     attempt: int = 0,
+    batch: BatchTransient | None = None,
 ) -> int:
     """KV tokens whose ``held_tokens_peak_bytes`` fits under the hard limit beside
     the safety canary, shrunk 5% per retry. Solved from the front door's own
@@ -526,6 +580,7 @@ def kv_capacity_tokens(
             chunk_tokens=chunk_tokens,
             overhead_bytes=overhead_bytes,
             unmodeled_bytes=unmodeled_bytes,
+            batch=batch,
         )
         return peak + canary_bytes <= limits.hard_bytes
 
@@ -537,6 +592,12 @@ def kv_capacity_tokens(
         mid = (low + high + 1) // 2
         low, high = (mid, high) if fits(mid) else (low, mid - 1)
     return int(low * PROFILE_SHRINK**attempt)
+
+
+def row_excess_bytes(dims: ModelDims, chunk_tokens: int, row_bytes: int) -> int:
+    """What one row of a batched prefill held beyond its KV and the per-request
+    transient admission counts (``prefill_step_transient_bytes``): added per row."""
+    return max(0, row_bytes - prefill_step_transient_bytes(dims, chunk_tokens, chunk_tokens))
 
 
 def unmodeled_transient_bytes(dims: ModelDims, *, chunk_tokens: int, measured_bytes: int) -> int:

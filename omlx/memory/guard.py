@@ -29,6 +29,7 @@ from omlx.memory.budget import (
     kv_capacity_tokens,
     preflight,
     resolve_limits,
+    row_excess_bytes,
 )
 from omlx.settings import MemorySettings
 from omlx.sizes import format_bytes, parse_byte_size
@@ -102,6 +103,33 @@ class MemoryGuard:
         return self._unmodeled
 
     @property
+    def row_excess_bytes(self) -> int:
+        """What each row of a batched prefill holds beyond the per-request formulas
+        admission counts (``prefill_step_transient_bytes``), as the auto-profile's
+        widest batch measured it (a full chunk a row): admission adds it per row's
+        chunk (``batch_excess_bytes``), so the margin needs to cover only one row's step."""
+        p = self.profile
+        if p is None or p.source != "measured" or not p.batched:
+            return 0
+        return row_excess_bytes(self.dims, self.chunk_tokens, p.batch_row_bytes)
+
+    def batch_excess_bytes(self, num_tokens: int) -> int:
+        """``row_excess_bytes`` for ``num_tokens`` prefilled in one step: it grows with
+        the rows' tokens (activations, scores), so a capped chunk brings less of it."""
+        return -(-self.row_excess_bytes * num_tokens // self.chunk_tokens)
+
+    def step_excess_bytes(self, num_tokens: int) -> int:
+        """The forward gate's price of a step's rows beyond its first chunk: each further
+        chunk's worth of tokens is another row, which holds its measured transient
+        beyond the KV growth the gate counts. The first chunk's row pays nothing here:
+        the margin (or, pinned, the unmodeled bytes) covers one row's step whole."""
+        p = self.profile
+        if p is None or p.source != "measured" or not p.batched:
+            return 0
+        row = max(0, p.batch_row_bytes - self.dims.kv_bytes_per_token * self.chunk_tokens)
+        return -(-row * max(0, num_tokens - self.chunk_tokens) // self.chunk_tokens)
+
+    @property
     def max_kv_tokens(self) -> int | None:
         """The KV capacity: explicit, or recomputed from the measured transient
         under the limits in force now (they change with settings) and the live
@@ -112,15 +140,17 @@ class MemoryGuard:
         p = self.profile
         if p is None or p.source == "explicit":
             return p.max_kv_tokens if p is not None else None
+        overhead, batch = p.capacity_terms()
         return kv_capacity_tokens(
             self.limits,
             self.dims,
             baseline_bytes=baseline_bytes,
             chunk_tokens=self.chunk_tokens,
-            overhead_bytes=p.overhead_bytes,
+            overhead_bytes=overhead,
             unmodeled_bytes=self.unmodeled_bytes,
             canary_bytes=canary_bytes(self.limits),
             attempt=p.attempts - 1,
+            batch=batch,
         )
 
     @property
@@ -146,13 +176,14 @@ class MemoryGuard:
         self._margin_measured = measured and not limits.margin_pinned
         self.limits, self._unmodeled = apply_measured_margin(
             limits,
-            step_transient_bytes=p.overhead_bytes if p is not None and measured else None,
+            step_transient_bytes=p.margin_step_bytes if p is not None and measured else None,
             unmodeled_bytes=p.unmodeled_bytes if p is not None else 0,
         )
 
     def admit(self, num_prompt_tokens: int, num_in_flight: int, reading: MemoryReading) -> bool:
         """Scheduler admission: False keeps the request queued (re-checked next step).
-        Logs each deferral (``memadmit``)."""
+        Logs each deferral (``memadmit``). The request will be a row of a batched
+        prefill: its row's measured excess counts."""
         estimate = estimate_prefill(
             self.dims,
             reading,
@@ -161,7 +192,8 @@ class MemoryGuard:
             chunk_tokens=self.chunk_tokens,
             limits=self.limits,
             others_in_flight=num_in_flight > 0,
-            unmodeled_bytes=self.unmodeled_bytes,
+            unmodeled_bytes=self.unmodeled_bytes
+            + self.batch_excess_bytes(min(num_prompt_tokens, self.chunk_tokens)),
         )
         decision = admit(estimate, self.limits, num_in_flight=num_in_flight)
         if not decision.admitted:
@@ -176,7 +208,9 @@ class MemoryGuard:
     def gate(
         self, chunk_tokens: int, num_cached_tokens: int, reading: MemoryReading, *, others: bool
     ) -> bool:
-        """Forward gate: may the next prefill chunk run under the hard limit?"""
+        """Forward gate: may the next prefill step (``chunk_tokens`` of one or more
+        requests' chunks together) run under the hard limit? A step of one chunk is one
+        request's step, which the margin covers; more is a batch (``step_excess_bytes``)."""
         return gate(
             self.dims,
             reading,
@@ -184,7 +218,7 @@ class MemoryGuard:
             num_cached_tokens=num_cached_tokens,
             limits=self.limits,
             others_in_flight=others,
-            unmodeled_bytes=self.unmodeled_bytes,
+            unmodeled_bytes=self.unmodeled_bytes + self.step_excess_bytes(chunk_tokens),
         )
 
     def check_prefill(
@@ -228,7 +262,7 @@ class MemoryGuard:
         cap = self._capacity(baseline)
         if cap is None or num_prompt_tokens <= cap:
             return
-        p = self.profile
+        overhead, batch = self.profile.capacity_terms() if self.profile else (0, None)
         # What the capacity was solved from: this prompt's peak plus the canary.
         need = canary_bytes(self.limits) + held_tokens_peak_bytes(
             self.limits,
@@ -236,8 +270,9 @@ class MemoryGuard:
             tokens=num_prompt_tokens,
             baseline_bytes=baseline,
             chunk_tokens=self.chunk_tokens,
-            overhead_bytes=p.overhead_bytes if p is not None else 0,
+            overhead_bytes=overhead,
             unmodeled_bytes=self.unmodeled_bytes,
+            batch=batch,
         )
         raise PrefillMemoryExceededError(
             f"this prompt ({num_prompt_tokens} tokens) needs more KV cache than the "
@@ -258,7 +293,7 @@ class MemoryGuard:
                 profile += (
                     f": step transient {format_bytes(p.overhead_bytes)}, canary "
                     f"{format_bytes(p.canary_bytes)}, {p.attempts} attempt(s), "
-                    f"{p.seconds:.2f} s"
+                    f"{p.seconds:.2f} s; {_stressed(p)}"
                 )
             profile += ")"
         return (
@@ -282,3 +317,22 @@ def _full_kv(dims: ModelDims) -> str:
         f" + {dims.full_kv_bytes_per_token} B/token full precision for up to "
         f"{dims.full_kv_tokens} tokens (quantized_kv_start)"
     )
+
+
+def _stressed(p: KVProfile) -> str:
+    """What the profile's stress ran: measured, extrapolated, or not run."""
+    batch = f"batched prefill {p.batch_rows_widest} rows"
+    if p.batch_rows_widest <= 1:
+        batch = "no batched prefill (one request at a time)"
+    elif 1 < p.batch_rows < p.batch_rows_widest:
+        batch += f" (extrapolated from {p.batch_rows} measured)"
+    elif p.batch_rows_widest > 1:
+        batch += " measured"
+    long = "long-context chunk not measured"
+    if p.long_context_tokens:
+        long = (
+            f"a chunk over {p.long_context_tokens} cached tokens measured "
+            f"{format_bytes(p.long_context_peak_bytes)} (formulas "
+            f"{format_bytes(p.long_context_estimate_bytes)})"
+        )
+    return f"{batch}, {long}"

@@ -112,12 +112,14 @@ def test_an_image_encode_waits_for_memory_another_model_holds(make_pool, models_
         await other.get()
         hold = threading.Event()
         pool.worker.post(hold.wait)
-        image = _submit(engine, request)
-        tight_at = probe.held = probe.reading().resident_bytes + 300 * MB
-        pool.limits = _tight(engine, request, tight_at)
-        engine.guard.publish(pool.limits)
-        text_engine.guard.publish(pool.limits)
-        hold.set()
+        try:
+            image = _submit(engine, request)
+            tight_at = probe.held = probe.reading().resident_bytes + 300 * MB
+            pool.limits = _tight(engine, request, tight_at)
+            engine.guard.publish(pool.limits)
+            text_engine.guard.publish(pool.limits)
+        finally:
+            hold.set()  # a failed premise fails the test: the worker must not stay blocked
         task = asyncio.create_task(_collect(image))
         for _ in range(500):
             if engine.gate.num_held_encodes or task.done():
@@ -159,11 +161,13 @@ def test_an_image_encode_that_cannot_fit_alone_ends_its_request(make_pool, model
         request = _image_request(engine, "alone")
         hold = threading.Event()
         pool.worker.post(hold.wait)
-        stream = _submit(engine, request)
-        probe.held = probe.reading().resident_bytes
-        pool.limits = _tight(engine, request, probe.held)
-        engine.guard.publish(pool.limits)
-        hold.set()
+        try:
+            stream = _submit(engine, request)
+            probe.held = probe.reading().resident_bytes
+            pool.limits = _tight(engine, request, probe.held)
+            engine.guard.publish(pool.limits)
+        finally:
+            hold.set()  # a failed premise fails the test: the worker must not stay blocked
         event = await stream.get()
         assert isinstance(event.error, MemoryPressureError), event
         assert encodes == [] and engine.num_gated == 1 and engine.gate.num_held_encodes == 1

@@ -34,7 +34,12 @@ def _room_for_prompt(engine) -> int:
         limits=roomy,
         unmodeled_bytes=guard.unmodeled_bytes,
     ).peak_bytes
-    return need + guard.profile.overhead_bytes + canary_bytes(Limits(2**30, 2**30, 0))
+    # The worst step beside that KV, as the capacity counts it (a batched step only as
+    # wide as the prompt's chunks).
+    overhead, batch = guard.profile.capacity_terms()
+    if batch is not None:
+        overhead = max(overhead, batch.at(len(PROMPT), guard.chunk_tokens))
+    return need + overhead + canary_bytes(Limits(2**30, 2**30, 0))
 
 
 async def _outcome(engine, request_id: str):

@@ -79,17 +79,25 @@ async def _flood(pool, room_bytes: int):
     roomy = Limits(2**40, 2**40, MARGIN)  # the pinned margin: estimates add the unmodeled part
     for engine in engines:
         engine.guard.publish(roomy)
-    guard = engines[0].guard
-    longest = held_tokens_peak_bytes(
-        roomy,
-        guard.dims,
-        tokens=max(LENGTHS),
-        baseline_bytes=guard.baseline_bytes,
-        chunk_tokens=guard.chunk_tokens,
-        overhead_bytes=guard.profile.overhead_bytes,
-        unmodeled_bytes=guard.unmodeled_bytes,
+    # Either model's: each measured its own widest batched step (extrapolated from the
+    # rows its speed afforded at load, so the two differ), as wide as that prompt's KV.
+    longest = max(
+        held_tokens_peak_bytes(
+            roomy,
+            guard.dims,
+            tokens=max(LENGTHS),
+            baseline_bytes=guard.baseline_bytes,
+            chunk_tokens=guard.chunk_tokens,
+            overhead_bytes=guard.profile.capacity_terms()[0],
+            unmodeled_bytes=guard.unmodeled_bytes,
+            batch=guard.profile.capacity_terms()[1],
+        )
+        for guard in (engine.guard for engine in engines)
     )
-    hard = int((longest + room_bytes) / (1 - CANARY_FRACTION))
+    # Admission prices each row of a batched prefill its measured excess: room for two
+    # rows' more, or the flood runs one request at a time and nothing drifts.
+    rows = 2 * max(engine.guard.row_excess_bytes for engine in engines)
+    hard = int((longest + room_bytes + rows) / (1 - CANARY_FRACTION))
     pool.limits = Limits(hard, int(hard * 0.99), MARGIN)
     for engine in engines:
         engine.guard.publish(pool.limits)

@@ -42,7 +42,8 @@ async def _decoding(engine, request_id: str, prompt: list[int], max_tokens: int)
 
 
 def _room_for_one(engine, num_tokens: int, room_bytes: int) -> int:
-    """A hard limit with ``room_bytes`` beside one ``num_tokens`` prompt's peak."""
+    """A hard limit with ``room_bytes`` beside one ``num_tokens`` prompt's peak, as
+    admission prices it (a row of a batched prefill: its measured excess counts)."""
     guard = engine.guard
     peak = held_tokens_peak_bytes(
         Limits(2**40, 2**40, MARGIN),
@@ -50,8 +51,11 @@ def _room_for_one(engine, num_tokens: int, room_bytes: int) -> int:
         tokens=num_tokens,
         baseline_bytes=guard.baseline_bytes,
         chunk_tokens=guard.chunk_tokens,
-        overhead_bytes=guard.profile.overhead_bytes,
-        unmodeled_bytes=guard.unmodeled_bytes,
+        # The batched prefill as wide as this prompt's chunks, as the capacity counts it.
+        overhead_bytes=guard.profile.capacity_terms()[0],
+        unmodeled_bytes=guard.unmodeled_bytes
+        + guard.batch_excess_bytes(min(num_tokens, guard.chunk_tokens)),
+        batch=guard.profile.capacity_terms()[1],
     )
     return int((peak + room_bytes) / (1 - CANARY_FRACTION))
 
@@ -117,8 +121,12 @@ def test_a_busy_model_does_not_overtake_another_model_s_waiting_request(
             engine.guard.publish(pool.limits)
         rest_b = await _decoding(b, "b", prompt_b, max_tokens=48)
         waiting_a = asyncio.create_task(generate(a, "a", prompt_a, max_tokens=8))
-        while a.gate.memory_wait is None:  # a's request is deferred for b's memory
-            await asyncio.sleep(0.01)
+
+        async def deferred() -> None:  # a's request is deferred for b's memory
+            while a.gate.memory_wait is None:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(deferred(), timeout=120)
         rest_short = await _decoding(b, "short", short, max_tokens=4)
         # The short request's first token came only after b's long one had ended.
         assert rest_b.done()

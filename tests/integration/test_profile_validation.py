@@ -138,17 +138,19 @@ def test_a_validation_over_the_limit_shrinks_and_holds_the_smaller_kv(
     llama: LoadedModel,
 ) -> None:
     limits = _limits(160 * MB)
-    # Another tenant takes the headroom while the first validation runs (passes 1 and
-    # 2 measure the solo chunk and the decode step; one row: no batched pass).
-    probe = RecordingProbe(tenant={3: 160 * MB})
+    # Another tenant takes the headroom while the first validation runs (passes 1 to 3
+    # measure the solo chunk, the decode step and a chunk over a long context; one
+    # row: no batched pass).
+    probe = RecordingProbe(tenant={4: 160 * MB})
     profile = _profile(llama, probe, limits, max_tokens_in_flight=10**8)
-    assert profile.attempts == 2 and len(probe.deltas) == 4
+    assert profile.long_context_tokens > 0
+    assert profile.attempts == 2 and len(probe.deltas) == 5
     assert profile.max_kv_tokens == _capacity(llama, limits, profile, attempt=1)
     per_token = real_kv_bytes_per_token(llama.model)
     assert profile.held_kv_bytes == per_token * profile.max_kv_tokens
-    assert probe.deltas[3] >= profile.held_kv_bytes
+    assert probe.deltas[4] >= profile.held_kv_bytes
     # 5% less KV than the first attempt held (beside the tenant).
-    assert probe.deltas[2] - 160 * MB >= profile.held_kv_bytes / 0.95 - per_token * 20
+    assert probe.deltas[3] - 160 * MB >= profile.held_kv_bytes / 0.95 - per_token * 20
 
 
 def test_kv_larger_than_the_arithmetic_fails_every_validation(
@@ -161,7 +163,7 @@ def test_kv_larger_than_the_arithmetic_fails_every_validation(
     with pytest.raises(InsufficientMemoryError, match="validation passes") as info:
         _profile(slow_llama, probe, limits, dims=wrong, max_tokens_in_flight=10**8)
     assert "max_kv_tokens" in str(info.value)
-    validations = probe.deltas[2:]
+    validations = probe.deltas[3:]  # after the solo, decode and long-context passes
     assert len(validations) == 4  # 1 try + 3 retries, each 5% smaller
     assert all(a > b for a, b in itertools.pairwise(validations))
 

@@ -128,6 +128,12 @@ def test_after_ready_the_first_request_loads_profiles_and_proves_nothing(
         ready = by_name(wait_settled(server.base_url))["tiny-llama"]
         # Proved during the load: a proven step never runs its proof again.
         assert ready["compiled_steps"] == {"decode": "proven", "batch": "proven"}
+        # What the profile measured and what it extrapolated: the widest batched prefill
+        # the scheduler may run (max_concurrent_requests rows), one chunk over a long context.
+        stress = ready["profile_stress"]
+        assert stress["batch_rows_widest"] == 8 and 2 <= stress["batch_rows_measured"] <= 8
+        assert stress["batch_extrapolated"] == (stress["batch_rows_measured"] < 8)
+        assert stress["long_context_tokens"] >= 512 and stress["long_context_peak_bytes"] > 0
         # The CPU backend runs its measured fast paths (a GPU would run the plain path).
         assert ready["execution_strategy"]["name"] == "fast_paths"
         pool = server.pool
@@ -164,6 +170,10 @@ def test_a_second_start_reuses_the_profile_and_a_changed_limit_measures_again(
 
     second, log = _start_and_settle(base, one_model)
     assert by_name(second)["tiny-llama"]["kv_profile"] == "reused"
+    # Every measured field came back from the stored profile.
+    stress = by_name(first)["tiny-llama"]["profile_stress"]
+    assert by_name(second)["tiny-llama"]["profile_stress"] == stress
+    assert stress["long_context_tokens"] > 0
     assert "reused the auto-profile of tiny-llama" in log
 
     third, log = _start_and_settle(base, one_model, "--max-process-memory", "6GB")

@@ -67,8 +67,11 @@ def test_a_small_ceiling_serves_the_builtin_model_and_agrees_with_its_profile(
         listed = {m["name"]: m for m in http.get("/admin/api/models").json()["models"]}
         profile = listed[model]["kv_profile"]
         assert profile["source"] == "measured"
-        # The margin is the measured step transient x1.25, not a fixed 1 GB.
-        assert profile["margin_bytes"] == pytest.approx(1.25 * profile["overhead_bytes"], abs=1)
+        # The margin is the measured transient of one request's worst step x1.25, not a
+        # fixed 1 GB; the batched prefill (8 rows here) is priced per row instead.
+        assert profile["batch_rows_widest"] == 8
+        step = profile["unbatched_overhead_bytes"]
+        assert profile["margin_bytes"] == pytest.approx(1.25 * step, abs=1)
         assert _settled_capacity(http, model) > 512  # room for more than one chunk
 
         # Model + one full prefill chunk fit the ceiling: a one-chunk prompt is served.

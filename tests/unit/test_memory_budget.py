@@ -12,6 +12,7 @@ import pytest
 
 from omlx.memory.budget import (
     AdmitAction,
+    BatchTransient,
     Limits,
     MemoryReading,
     ModelDims,
@@ -557,6 +558,24 @@ def test_the_measured_decode_step_bounds_capacity_when_it_is_the_worst() -> None
     decode_bound = _capacity(limits, dims, overhead_bytes=10 * GIB)
     assert decode_bound < prefill_bound
     assert 8 * GIB + decode_bound * dims.kv_bytes_per_token + 10 * GIB + 256 * MIB <= 20 * GIB
+
+
+def test_the_batched_step_counts_only_as_many_rows_as_the_capacity_holds() -> None:
+    """Eight rows of 2 GiB each would leave no room at all; but a batched step is no
+    wider than the chunks of the KV in flight, so the capacity counts the rows its
+    own tokens make, and is what that leaves."""
+    dims, limits = _dims(), _limits(20 * GIB)
+    batch = BatchTransient(row_bytes=2 * GIB, rows=8)
+    assert _capacity(limits, dims, overhead_bytes=16 * GIB) == 0  # counted whole: no room
+    tokens = _capacity(limits, dims, overhead_bytes=0, batch=batch)
+    rows = math.ceil(tokens / 512)
+    assert 1 <= rows < 8
+    held = 8 * GIB + tokens * dims.kv_bytes_per_token + rows * 2 * GIB + 256 * MIB
+    assert held <= 20 * GIB
+    # One token more would fit no longer (its KV, or a row more).
+    more = 8 * GIB + (tokens + 1) * dims.kv_bytes_per_token + batch.at(tokens + 1, 512)
+    assert max(more, _front_door_peak(limits, dims, tokens + 1)) + 256 * MIB > 20 * GIB
+    assert batch.at(1, 512) == 2 * GIB and batch.at(512 * 20, 512) == 16 * GIB
 
 
 def test_each_retry_shrinks_capacity_by_five_percent() -> None:
