@@ -48,7 +48,7 @@ def main() -> None:
         kept, probed = [], []
         for _ in range(args.repeats):
             kept.append(load_seconds(base, models))
-            for verdict in (base / "profiles").glob("*.batching.json"):
+            for verdict in (base / "profiles" / "batching").glob("*.json"):
                 verdict.unlink()
             probed.append(load_seconds(base, models))
         print(f"warm, verdict kept:   {statistics.median(kept):.2f} s  {kept}")

@@ -217,7 +217,7 @@ def _probe_batching(
             "prefill_step_size": parts.settings.scheduler.prefill_step_size,
             "strategy": strategy.name,
         }
-        reason, _ = BatchingVerdicts(parts.profile_cache.folder).probe_or_reuse(
+        reason, _ = BatchingVerdicts(parts.profile_cache.folder / "batching").probe_or_reuse(
             batching_key(loaded.info, runner_facts),
             loaded.info.path,
             lambda: (

@@ -4,7 +4,7 @@ Whether a model can share the batch is decided at load by forwards on the real m
 (unbatched.batch_probe, output_probe.py): a second of a small model's load, more on a
 large one. The answer depends only on the model's files and the code and machine that
 run them, so it is kept like the auto-profile (profile_cache.py): one JSON file per
-model folder, ``<base>/profiles/<digest>.batching.json``, reused only when its key is
+model folder, ``<base>/profiles/batching/<digest>.json``, reused only when its key is
 the same: the model's files (name, size, modification time), its kind, how the probe's
 runner runs it (activation width, KV quantization, prefill chunk, execution strategy),
 the omlx, MLX, mlx-lm and mlx-vlm versions and the machine. Anything else probes again
@@ -60,7 +60,7 @@ class BatchingVerdicts:
 
     def path_for(self, model_path: Path) -> Path:
         digest = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:24]
-        return self.folder / f"{digest}.batching.json"
+        return self.folder / f"{digest}.json"
 
     def probe_or_reuse(
         self, key: dict[str, Any], model_path: Path, probe: Callable[[], str | None]

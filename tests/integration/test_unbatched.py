@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from omlx.engine import assembly, profile
+from omlx.engine import assembly, profile_stress
 from omlx.engine.engine_status import engine_status
 from tests.fixtures.breadth_models import build_breadth_model
 from tests.fixtures.tiny_models import build_tiny_model
@@ -110,7 +110,8 @@ def test_a_batch_that_fails_after_load_is_served_again_one_at_a_time(
     none sees the error."""
     monkeypatch.setattr(assembly, "batch_probe", lambda model, vocab_size: None)
     monkeypatch.setattr(assembly, "output_probe", lambda *args: None)
-    monkeypatch.setattr(profile, "BATCH_STRESS_BUDGET_S", 0.0)
+    # The profile runs its batched prefill at two rows or more however slow the model.
+    monkeypatch.setattr(profile_stress.Stress, "batched_prefill", lambda self, rows: None)
     # Fresh: a verdict stored by the tests above would skip the (switched off) probes.
     pool = make_pool(models_dir, max_concurrent_requests=8, fresh_profile=True)
 
