@@ -25,7 +25,7 @@ from omlx.memory.guard import MemoryGuard
 from omlx.memory.probe import MemoryProbe
 from omlx.memory.throttle import PlannedChunk, PrefillShape, shape_prefill
 from omlx.scheduler import Request
-from omlx.scheduler.plan import EncodeVerdict
+from omlx.scheduler.plan import EncodeVerdict, KVLoad
 from omlx.sizes import format_bytes
 
 log = logging.getLogger(__name__)
@@ -96,8 +96,10 @@ class StepGate:
         # Image encodes the gate did not let run (their requests waited or ended).
         self.num_held_encodes = 0
         self._pending_bytes = 0
-        # The running requests' KV tokens as admission goes (those admitted included).
-        self._running_tokens = 0
+        # The running requests' KV as admission goes (those admitted included), as
+        # their batch holds it (rows padded to the longest); and the tokens computed.
+        self._load = KVLoad()
+        self._computed_tokens = 0
 
     @property
     def admission_paused(self) -> bool:
@@ -138,16 +140,18 @@ class StepGate:
 
     # ---- admission ----------------------------------------------------------
 
-    def start_admission(self, plan: Sequence[Any], num_running_tokens: int) -> None:
+    def start_admission(self, plan: Sequence[Any], load: KVLoad) -> None:
         """What admitted work will still allocate (KV to come, prefill step
         transients): admission counts it, so requests admitted in one step
         cannot stack past the limit. ``plan``: the runner's prefill chunks;
-        ``num_running_tokens``: the running requests' KV tokens."""
-        self._running_tokens = num_running_tokens
+        ``load``: the running requests' KV as their batch holds it (padded)."""
         guard, dims = self.guard, self.guard.dims
+        self._load = load
+        # KV the running rows hold now: at least their computed tokens (the
+        # padding already allocated is priced again below: conservative).
+        self._computed_tokens = load.tokens - sum(c.num_remaining for c in plan)
         self._pending_bytes = sum(
-            dims.kv_bytes(c.num_remaining)
-            + prefill_step_transient_bytes(dims, c.num_tokens, c.num_context_tokens)
+            prefill_step_transient_bytes(dims, c.num_tokens, c.num_context_tokens)
             + guard.unmodeled_bytes
             + guard.batch_excess_bytes(c.num_tokens)
             for c in plan
@@ -166,15 +170,22 @@ class StepGate:
         if reason is None:
             guard, n = self.guard, request.num_prompt_tokens
             chunk = min(n, guard.chunk_tokens)
-            self._pending_bytes += guard.dims.kv_bytes(n) + (
+            self._pending_bytes += (
                 prefill_step_transient_bytes(guard.dims, chunk, n)
                 + guard.unmodeled_bytes
                 + guard.batch_excess_bytes(chunk)
             )
-            self._running_tokens += n
+            self._load = self._load.with_row(n)
             return True
         self.deferrals[reason] += 1
         return False
+
+    def _kv_to_come(self, load: KVLoad, num_new_tokens: int) -> int:
+        """The KV ``load``'s batch will still allocate beyond what its rows computed,
+        the padding of every row to the longest included; less the newcomer's own
+        ``num_new_tokens`` (the guard's estimate counts those)."""
+        tokens = load.padded - num_new_tokens - self._computed_tokens
+        return self.guard.dims.kv_bytes(max(tokens, 0))
 
     def sent_back(self, request: Request) -> None:
         """A request admitted this step goes back to the queue unstarted: its first
@@ -190,7 +201,8 @@ class StepGate:
     def _deferral(self, request: Request, num_running: int, in_flight: int) -> str | None:
         """Why the head of the queue waits ("paused", "kv_capacity", "memory"), or None.
         ``in_flight``: the process's running work (this model's ``num_running``)."""
-        n, running_tokens = request.num_prompt_tokens, self._running_tokens
+        n, load = request.num_prompt_tokens, self._load
+        after = load.with_row(n)  # the batch once it joins: rows padded to the longest
         if self.admission_paused:
             log.info(
                 "memadmit %s: deferred a %d-token prompt: admission paused (memory above "
@@ -210,26 +222,31 @@ class StepGate:
             )
             return "memory"
         # The ones admitted earlier in this step count too.
-        if not self.guard.kv_fits(running_tokens, n):
+        if not self.guard.kv_fits(after.padded, 0):
             log.info(
-                "memadmit %s: deferred a %d-token prompt: %d KV tokens in flight, capacity %s",
+                "memadmit %s: deferred a %d-token prompt: %d KV tokens in flight (%d rows "
+                "padded to %d), capacity %s",
                 self.name,
                 n,
-                running_tokens,
+                after.padded,
+                after.rows,
+                after.longest,
                 self.guard.max_kv_tokens,
             )
             return "kv_capacity"
-        # KV still to come for admitted requests, the step transients of every
-        # request that will prefill in the same batch as this one, and the copy
-        # of the decode batch's KV its rows make when this one joins them.
-        join = self._join_copy_bytes(running_tokens + n)
-        pending = self._pending_bytes + join + self._image_bytes(request)
+        # KV still to come for admitted requests (padded), the step transients of
+        # every request that will prefill in the same batch as this one, and the
+        # copy of the decode batch's KV its rows make when this one joins them.
+        join = self._join_copy_bytes(after.padded)
+        kv = self._kv_to_come(after, n)
+        pending = self._pending_bytes + kv + join + self._image_bytes(request)
         reading = plus(self.probe.reading(fresh=True), pending)
         return None if self.guard.admit(n, in_flight, reading) else "memory"
 
     def _join_copy_bytes(self, num_tokens: int) -> int:
-        """Rows joining the decode batch extend its KV (``num_tokens`` with theirs)
-        into new buffers: the old and the new batch are alive together for a moment."""
+        """Rows joining the decode batch extend its KV (``num_tokens`` with theirs,
+        every row padded to the longest) into new buffers: the old and the new
+        batch are alive together for a moment."""
         return self.guard.dims.kv_bytes(num_tokens)
 
     # ---- the forward gate ---------------------------------------------------
@@ -240,7 +257,8 @@ class StepGate:
         """What this step's prefill chunks may do under the hard limit (a fresh
         reading: others grew): as planned, capped, held, or some ended. Over the
         limit, MLX's free cache is handed back first and the plan shaped again.
-        ``num_running`` requests run, holding ``num_running_tokens`` KV tokens."""
+        ``num_running`` requests run, holding ``num_running_tokens`` KV tokens (their
+        batch's, every row padded to the longest: plan.KVLoad.padded)."""
         if not plan:
             return PrefillShape(None)
         shape = self._shape(plan, num_running, num_running_tokens)

@@ -89,13 +89,35 @@ class RunnerOutput:
     failed: Mapping[str, OmlxError] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class KVLoad:
+    """The running requests' KV as the runner's batch holds it. mlx-lm's
+    ``BatchKVCache`` (``merge``/``extend``) left-pads every row to the longest, so a
+    batch holds ``rows`` x ``longest`` token columns, not the sum of its requests'
+    tokens (``tokens``): one long conversation beside short chats holds several
+    times their sum. Counted as one batch: the runner's batches hold no more."""
+
+    rows: int = 0
+    longest: int = 0
+    tokens: int = 0
+
+    @property
+    def padded(self) -> int:
+        """The KV tokens the batch allocates, padding included."""
+        return self.rows * self.longest
+
+    def with_row(self, num_tokens: int) -> KVLoad:
+        """The load once a row of ``num_tokens`` joins (the others padded to it)."""
+        return KVLoad(self.rows + 1, max(self.longest, num_tokens), self.tokens + num_tokens)
+
+
 class MemoryView(Protocol):
     """What the scheduler asks about memory while it plans a step (the engine's
     StepGate answers from fresh readings and the model's guard). The running load
     comes with each question: the view holds no reference to the scheduler."""
 
     def kv_over_capacity(self, num_tokens_in_flight: int) -> bool: ...
-    def start_admission(self, chunks: Sequence[PrefillChunk], num_running_tokens: int) -> None: ...
+    def start_admission(self, chunks: Sequence[PrefillChunk], load: KVLoad) -> None: ...
     def can_admit(self, request: Request, num_running: int) -> bool: ...
     def cached_tokens(self, request: Request) -> int: ...
     def sent_back(self, request: Request) -> None: ...

@@ -13,7 +13,7 @@ from omlx.errors import QueueFullError
 from omlx.memory.throttle import PrefillShape
 from omlx.scheduler.openings import SharedOpening, plan_openings
 from omlx.scheduler.placement import RunnerLayout, place
-from omlx.scheduler.plan import MemoryView, PrefillChunk, SchedulerOutput
+from omlx.scheduler.plan import KVLoad, MemoryView, PrefillChunk, SchedulerOutput
 from omlx.scheduler.request import Request, RequestStatus, RequestUpdate, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,13 @@ class Scheduler:
     def num_running_tokens(self) -> int:
         """Prompt plus generated tokens of the running requests (their KV)."""
         return sum(r.request.num_prompt_tokens + len(r.new_ids) for r in self._running.values())
+
+    @property
+    def kv_load(self) -> KVLoad:
+        """The running requests' KV as their batch holds it: each row padded to the
+        longest (plan.KVLoad). What the memory view prices KV in flight by."""
+        lengths = [r.request.num_prompt_tokens + len(r.new_ids) for r in self._running.values()]
+        return KVLoad(len(lengths), max(lengths, default=0), sum(lengths))
 
     @property
     def capacity(self) -> int:
@@ -185,7 +192,7 @@ class Scheduler:
         chunks will still allocate counted)."""
         if not self._waiting:
             return []
-        memory.start_admission(running, self.num_running_tokens)
+        memory.start_admission(running, self.kv_load)
         return self.admit(memory.can_admit, now=now)
 
     def _openings(
@@ -205,7 +212,7 @@ class Scheduler:
         """Preempt the newest while the running requests' KV passes the capacity
         (decoding grew it after admission) and more than one runs."""
         preempted: list[str] = []
-        while len(self._running) > 1 and memory.kv_over_capacity(self.num_running_tokens):
+        while len(self._running) > 1 and memory.kv_over_capacity(self.kv_load.padded):
             victim = self.newest_running(exclude=self._with_images())
             if victim is None:
                 break
@@ -223,13 +230,13 @@ class Scheduler:
         """The memory gate's shape for the step's chunks, the newest giving way
         while a chunk does not fit and another request runs, here or in another
         model (the process's memory); and the chunks left."""
-        shape = memory.shape_prefill(planned, len(self._running), self.num_running_tokens)
+        shape = memory.shape_prefill(planned, len(self._running), self.kv_load.padded)
         while shape.ended and (len(self._running) > 1 or memory.others_running()):
             victim = self._give_way(memory, admitted, preempted)
             if victim is None:
                 break
             planned = [c for c in planned if c.request_id != victim]
-            shape = memory.shape_prefill(planned, len(self._running), self.num_running_tokens)
+            shape = memory.shape_prefill(planned, len(self._running), self.kv_load.padded)
         memory.settle(shape, planned)
         return shape, planned
 

@@ -108,6 +108,20 @@ def test_kv_over_capacity_preempts_the_newest_without_images() -> None:
     assert again.admitted[0].prompt_ids[-1] == 9 and again.admitted[0].num_resumed_tokens == 1
 
 
+def test_kv_capacity_counts_the_batch_padded_to_its_longest_row() -> None:
+    """A 100-token prompt and two 5-token ones: 110 tokens, but their batch holds
+    3 rows x 101 columns (mlx-lm left-pads every row to the longest) > 210."""
+    scheduler = _scheduler()
+    for rid, n, at in (("long", 100, 1.0), ("s1", 5, 2.0), ("s2", 5, 3.0)):
+        scheduler.add(_request(rid, n, at))
+    view = BudgetView(budget=10**6, kv_capacity=210)
+    scheduler.schedule(view)
+    scheduler.update_from_output([TokenOutput(rid, 9) for rid in ("long", "s1", "s2")])
+    assert scheduler.kv_load.padded == 3 * 101 and scheduler.kv_load.tokens == 101 + 2 * 6
+    assert scheduler.schedule(view).preempted == ("s2",)
+    assert scheduler.kv_load.padded == 2 * 101
+
+
 def test_drafts_are_verified_only_when_their_width_fits() -> None:
     """The plan says whether the decoding rows speculate: their verification width
     is gated like a chunk (the requests still decode, one token each, if not)."""
