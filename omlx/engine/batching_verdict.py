@@ -14,7 +14,6 @@ warning: it only ever saves seconds.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -25,7 +24,7 @@ import mlx.core as mx
 
 from omlx import __version__
 from omlx.engine.arch_probe import package_version
-from omlx.engine.profile_cache import machine_signature, model_files
+from omlx.engine.profile_cache import entry_name, machine_signature, model_files
 from omlx.models.discovery import ModelInfo
 from omlx.settings import write_json_atomic
 
@@ -59,8 +58,7 @@ class BatchingVerdicts:
         self.folder = folder
 
     def path_for(self, model_path: Path) -> Path:
-        digest = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:24]
-        return self.folder / f"{digest}.json"
+        return self.folder / entry_name(model_path)
 
     def probe_or_reuse(
         self, key: dict[str, Any], model_path: Path, probe: Callable[[], str | None]

@@ -72,6 +72,11 @@ def model_files(path: Path) -> list[list[Any]]:
     return out
 
 
+def entry_name(model_path: Path) -> str:
+    """A model folder's file name in a folder of per-model entries (its real path's digest)."""
+    return hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:24] + ".json"
+
+
 @dataclass(frozen=True)
 class ProfileInputs:
     """The auto-profile's parameters besides the model, its dims and the limits."""
@@ -148,8 +153,7 @@ class ProfileCache:
         self.num_ignored = 0
 
     def path_for(self, model_path: Path) -> Path:
-        digest = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:24]
-        return self.folder / f"{digest}.json"
+        return self.folder / entry_name(model_path)
 
     def measure_or_reuse(
         self, key: dict[str, Any], model_path: Path, measure: Callable[[], KVProfile]

@@ -108,10 +108,8 @@ class MemoryGuard:
         admission counts (``prefill_step_transient_bytes``), as the auto-profile's
         widest batch measured it (a full chunk a row): admission adds it per row's
         chunk (``batch_excess_bytes``), so the margin needs to cover only one row's step."""
-        p = self.profile
-        if p is None or p.source != "measured" or not p.batched:
-            return 0
-        return row_excess_bytes(self.dims, self.chunk_tokens, p.batch_row_bytes)
+        p = self._measured_batch()
+        return row_excess_bytes(self.dims, self.chunk_tokens, p.batch_row_bytes) if p else 0
 
     def batch_excess_bytes(self, num_tokens: int) -> int:
         """``row_excess_bytes`` for ``num_tokens`` prefilled in one step: it grows with
@@ -123,11 +121,16 @@ class MemoryGuard:
         chunk's worth of tokens is another row, which holds its measured transient
         beyond the KV growth the gate counts. The first chunk's row pays nothing here:
         the margin (or, pinned, the unmodeled bytes) covers one row's step whole."""
-        p = self.profile
-        if p is None or p.source != "measured" or not p.batched:
+        p = self._measured_batch()
+        if p is None:
             return 0
         row = max(0, p.batch_row_bytes - self.dims.kv_bytes_per_token * self.chunk_tokens)
         return -(-row * max(0, num_tokens - self.chunk_tokens) // self.chunk_tokens)
+
+    def _measured_batch(self) -> KVProfile | None:
+        """The profile when it measured a batched prefill (its rows are priced), else None."""
+        p = self.profile
+        return p if p is not None and p.source == "measured" and p.batched else None
 
     @property
     def max_kv_tokens(self) -> int | None:
@@ -326,7 +329,7 @@ def _stressed(p: KVProfile) -> str:
         batch = "no batched prefill (one request at a time)"
     elif 1 < p.batch_rows < p.batch_rows_widest:
         batch += f" (extrapolated from {p.batch_rows} measured)"
-    elif p.batch_rows_widest > 1:
+    else:
         batch += " measured"
     long = "long-context chunk not measured"
     if p.long_context_tokens:

@@ -81,14 +81,10 @@ class Scheduler:
         return len(self._running)
 
     @property
-    def num_running_tokens(self) -> int:
-        """Prompt plus generated tokens of the running requests (their KV)."""
-        return sum(r.request.num_prompt_tokens + len(r.new_ids) for r in self._running.values())
-
-    @property
     def kv_load(self) -> KVLoad:
-        """The running requests' KV as their batch holds it: each row padded to the
-        longest (plan.KVLoad). What the memory view prices KV in flight by."""
+        """The running requests' KV (prompt plus generated tokens each) as their batch
+        holds it: each row padded to the longest (plan.KVLoad). What the memory view
+        prices KV in flight by."""
         lengths = [r.request.num_prompt_tokens + len(r.new_ids) for r in self._running.values()]
         return KVLoad(len(lengths), max(lengths, default=0), sum(lengths))
 

@@ -439,11 +439,11 @@ def test_a_preempted_request_waits_at_the_head_and_resumes_its_count() -> None:
     resumed = scheduler.preempt("new")
     assert resumed.prompt_ids == (4, 5, 8) and resumed.num_resumed_tokens == 1
     assert resumed.resumed_output_ids == (8,)
-    assert scheduler.num_running_tokens == 4  # old: 3 prompt + 1 output
+    assert scheduler.kv_load.tokens == 4  # old: 3 prompt + 1 output
     # Back at the head of the queue, before the request that arrived after it.
     admitted = scheduler.admit()
     assert admitted == [resumed]
-    assert scheduler.num_running_tokens == 4 + 3
+    assert scheduler.kv_load.tokens == 4 + 3
     updates = scheduler.update_from_output([TokenOutput("new", 9), TokenOutput("new", 10)])
     assert [u.num_output_tokens for u in updates] == [2, 3]
     assert updates[-1].status is RequestStatus.FINISHED_LENGTH
