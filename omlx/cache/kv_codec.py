@@ -147,7 +147,7 @@ def snapshot(layers: Sequence[Any], since: int = 0) -> Snapshot:
     (a chunked layer keeps no older token)."""
     state: Snapshot = {}
     for name, layer in _leaves(layers):
-        kind = type(layer)
+        kind = _stored_type(layer)
         if kind is ArraysCache:
             # ArraysCache replaces its arrays, never mutates them: references do.
             state[name] = {f"state.{j}": a for j, a in enumerate(layer.cache) if a is not None}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,61 @@ class CrossAttentionStates(ArraysCache):
         return row
 
 
+class StateCache(ArraysCache):
+    """mlx-lm's ArraysCache (the batch merges, filters and extracts it, the prefix
+    cache stores it as one) for a linear-attention / convolution layer of mlx-vlm,
+    with the writes mlx-vlm's own ArraysCache adds (qwen3_5's gated-delta layers
+    call ``update_window`` / ``update_recurrent``), less its speculation history.
+    ``metadata_revision`` changes whenever the rows' padding or lengths do: qwen3_5
+    caches its masks' shape per revision."""
+
+    stores_as = ArraysCache
+
+    def __init__(self, size: int = 1, left_padding: list[int] | None = None):
+        self.metadata_revision = 0
+        super().__init__(size, left_padding)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("left_padding", "lengths"):
+            object.__setattr__(self, "metadata_revision", self.metadata_revision + 1)
+        object.__setattr__(self, name, value)
+
+    def update_recurrent(
+        self, index: int, length: int, update: Callable[..., Any]
+    ) -> tuple[mx.array, mx.array]:
+        output, state = update(self.cache[index], None)[:2]
+        self[index] = state
+        return output, state
+
+    def update_window(
+        self, index: int, source: mx.array, width: int, *, lengths: mx.array | None = None
+    ) -> mx.array:
+        """The last ``width`` inputs (each row's, before its ``lengths`` end)."""
+        length = source.shape[1] - width
+        if lengths is None:
+            state = mx.contiguous(source[:, length : length + width])
+        else:
+            positions = mx.clip(lengths, 0, length)[:, None] + mx.arange(width)
+            positions = positions.reshape(*positions.shape, *([1] * (source.ndim - 2)))
+            state = mx.take_along_axis(source, positions, axis=1)
+        self[index] = state
+        return state
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> StateCache:
+        merged: StateCache = super().merge(caches)
+        if all(c.empty() for c in caches):
+            # mlx-lm marks fresh rows with a zero left padding, which qwen3_5 reads as
+            # "no mask" even when a right-padded prefill gives the rows' lengths.
+            merged.left_padding = None
+        return merged
+
+    def extract(self, idx: int) -> StateCache:
+        row = StateCache(len(self.cache))
+        row.cache = [c[idx : idx + 1] if c is not None else None for c in self.cache]
+        return row
+
+
 class TextModel(nn.Module):
     """A VLM's language model in mlx-lm's shape: ``model(ids, cache=...)`` -> logits.
     ``cross_layers``: the layers that cross-attend image states (mllama)."""
@@ -79,10 +135,10 @@ class TextModel(nn.Module):
     def layers(self) -> list[Any]:
         return list(self.language_model.layers)
 
-    def make_cache(self) -> list[KVCache | RotatingKVCache | CrossAttentionStates]:
+    def make_cache(self) -> list[KVCache | RotatingKVCache | StateCache | CrossAttentionStates]:
         # mlx-lm's cache types in the language model's own layout (sliding windows
         # included): the batch and the prefix cache know them.
-        caches: list[KVCache | RotatingKVCache | CrossAttentionStates] = [
+        caches: list[KVCache | RotatingKVCache | StateCache | CrossAttentionStates] = [
             _mlx_lm_cache(c) for c in _vlm_caches(self.language_model)
         ]
         for i in self._cross_layers:
@@ -127,21 +183,26 @@ def _vlm_caches(language_model: Any) -> list[Any]:
     return list(make()) if callable(make) else [KVCache() for _ in language_model.layers]
 
 
-def _mlx_lm_cache(cache: Any) -> KVCache | RotatingKVCache:
+def _mlx_lm_cache(cache: Any) -> KVCache | RotatingKVCache | StateCache:
     """mlx-lm's equivalent of one of mlx-vlm's own cache layers."""
     kind = type(cache).__name__
     if kind == "KVCache":
         return KVCache()
     if kind == "RotatingKVCache":
         return RotatingKVCache(max_size=cache.max_size, keep=cache.keep)
-    raise ValueError(f"a {kind} layer (only KVCache and RotatingKVCache layers are served)")
+    if kind == "ArraysCache":
+        return StateCache(len(cache.cache))
+    raise ValueError(
+        f"a {kind} layer (only KVCache, RotatingKVCache and ArraysCache layers are served)"
+    )
 
 
 def _index_positions(inputs: mx.array, cache: list[Any] | None) -> mx.array:
     """(3, rows, tokens) positions of tokens at their index: each row's cache offset
     onwards (an int for one sequence, one per row for a batch's cache)."""
     rows, length = inputs.shape
-    offset = cache[0].offset if cache else 0
+    # The first attention layer's (a linear-attention layer's state has no offset).
+    offset = next((c.offset for c in cache or () if hasattr(c, "offset")), 0)
     start = offset[:, None] if isinstance(offset, mx.array) else mx.array([[offset]])
     positions = start + mx.arange(length)[None]
     return mx.broadcast_to(positions[None], (3, rows, length))

@@ -116,6 +116,14 @@ FAMILIES: dict[str, Family] = {
         no_prefix_cache="mllama keeps a prompt's image states in its cross-attention layers' "
         "cache, not per token: the prefix cache's blocks cannot hold them",
     ),
+    # Linear-attention / convolution layers (ArraysCache, as mlx-lm's hybrids): the
+    # prefix cache keeps a snapshot of their states at each block boundary.
+    # LFM2-VL: SigLIP2 patches unshuffled 2x2 over an lfm2 decoder (short convolutions).
+    "lfm2_vl": Family(),
+    # Qwen3.5: Qwen3-VL's image layout and M-RoPE (no deepstack) over gated-delta layers.
+    # mlx-vlm's model runs a batch whose rows are padded one row at a time (its own
+    # batching: the rows' states stay exact).
+    "qwen3_5": Family(image_text=_QWEN_IMAGE, mrope=True),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 MROPE_FAMILIES = frozenset(name for name, f in FAMILIES.items() if f.mrope)
@@ -174,12 +182,10 @@ REFUSED: dict[str, str] = {
             "glm5_next",
             "inkling",
             "kimi_k3",
-            "lfm2_vl",
             "minicpmv4_6",
             "minicpmv4_7",
             "nemotron_h_nano_omni",
             "plamo2vl",
-            "qwen3_5",
             "qwen3_5_moe",
             "qwen3_5_text",
             "qwen4_exp",

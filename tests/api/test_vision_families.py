@@ -43,7 +43,13 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-glm4v-moe": ("glm4v_moe", 84, None),
     "tiny-mistral3": ("mistral3", 56, None),
     "tiny-gemma4": ("gemma4", 64, None),
+    # vis-linear
+    "tiny-lfm2-vl": ("lfm2_vl", 64, None),
+    "tiny-qwen3-5": ("qwen3_5", 96, None),
 }
+# Families whose language model keeps linear-attention / convolution states
+# (ArraysCache), with the attention layers among their layers.
+LINEAR = {"tiny-lfm2-vl": 2, "tiny-qwen3-5": 1}
 MAX_TOKENS = 10
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.
 TEXT = "describe the colours and the shapes you see in this picture, please"
@@ -162,13 +168,15 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
     assert first.choices[0].message.content == again.choices[0].message.content
 
 
-@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-gemma4", "tiny-qwen3-vl", "tiny-glm4v"])
+@pytest.mark.parametrize(
+    "model", ["tiny-gemma3", "tiny-gemma4", "tiny-qwen3-vl", "tiny-glm4v", *LINEAR]
+)
 def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     client: openai.OpenAI, server: Server, model: str, tmp_path: Path
 ) -> None:
     # ~60 text tokens, then the image: the 64-token chunks cut its tokens (qwen3_vl's
     # deepstack features and positions, gemma4's per-layer inputs, are sliced per
-    # chunk; gemma3's window wraps).
+    # chunk; gemma3's window wraps; linear-attention states carry over chunks).
     text = "tell me about the colours and the shapes " * 6
     size = (300, 300)
     expected = mlx_vlm_answer(server, model, 60, tmp_path, text, size)
@@ -239,3 +247,18 @@ def test_a_refused_family_is_a_load_error_naming_it_and_why(
     message = str(error.value)
     assert "'some-vlm'" in message and f"'{model_type}'" in message
     assert REFUSED[model_type] in message and "qwen3_vl" in message
+
+
+@pytest.mark.parametrize("model", LINEAR)
+def test_the_guard_of_a_linear_attention_vlm_prices_its_attention_layers_measured(
+    client: openai.OpenAI, server: Server, model: str
+) -> None:
+    # As for text hybrids (tests/integration/test_kv_measure.py): the states are
+    # fixed per sequence, so only the attention layers grow per token, read from
+    # the model's own cache rather than the config's every-layer figure.
+    chat(client, model, ask(png(1), text=TEXT), 1)
+    engine = next(e for e in server.pool.loaded() if e.name == model)
+    dims = engine.guard.dims
+    per_layer = 2 * dims.num_kv_heads * dims.head_dim * dims.kv_dtype_bytes
+    assert dims.kv_bytes_per_token == LINEAR[model] * per_layer < dims.num_layers * per_layer
+    assert "B/token (measured)" in engine.guard.describe()
