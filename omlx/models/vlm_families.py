@@ -121,9 +121,8 @@ FAMILIES: dict[str, Family] = {
     # LFM2-VL: SigLIP2 patches unshuffled 2x2 over an lfm2 decoder (short convolutions).
     "lfm2_vl": Family(),
     # Qwen3.5: Qwen3-VL's image layout and M-RoPE (no deepstack) over gated-delta layers.
-    # mlx-vlm's model runs a batch whose rows are padded one row at a time (its own
-    # batching: the rows' states stay exact).
     "qwen3_5": Family(image_text=_QWEN_IMAGE, mrope=True),
+    "qwen3_5_moe": Family(image_text=_QWEN_IMAGE, mrope=True),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 MROPE_FAMILIES = frozenset(name for name, f in FAMILIES.items() if f.mrope)
@@ -186,7 +185,6 @@ REFUSED: dict[str, str] = {
             "minicpmv4_7",
             "nemotron_h_nano_omni",
             "plamo2vl",
-            "qwen3_5_moe",
             "qwen3_5_text",
             "qwen4_exp",
             "zaya1_vl",
