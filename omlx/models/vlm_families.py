@@ -123,6 +123,11 @@ FAMILIES: dict[str, Family] = {
     # Qwen3.5: Qwen3-VL's image layout and M-RoPE (no deepstack) over gated-delta layers.
     "qwen3_5": Family(image_text=_QWEN_IMAGE, mrope=True),
     "qwen3_5_moe": Family(image_text=_QWEN_IMAGE, mrope=True),
+    # A RADIO tower over a nemotron_h decoder (mamba2 layers); images only, no audio.
+    # mlx-vlm 0.7.10's mamba2 scan does not mask its padded positions' decay (mlx-lm's
+    # does): a batch of different lengths gives other tokens, so the load's output
+    # probe (engine/output_probe.py) serves it one request at a time.
+    "nemotron_h_nano_omni": Family(),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 MROPE_FAMILIES = frozenset(name for name, f in FAMILIES.items() if f.mrope)
@@ -134,10 +139,14 @@ _OCR = "an OCR / document-parsing model (page in, text or layout out), not a cha
 _DETECT = "a detection / segmentation model (boxes, masks, poses), not a chat model"
 _EMBED = "an embedding model (vectors, not text): serve it as an embedding model"
 _STATES = (
-    "its language model keeps {} layers ({}), which omlx's image path (mlx-lm's KVCache "
-    "and RotatingKVCache layers only) does not take yet"
+    "its language model keeps {} layers ({}), which omlx's image path (mlx-lm's KVCache, "
+    "RotatingKVCache and ArraysCache layers only) does not take yet"
 )
-_LINEAR = _STATES.format("ArraysCache", "linear-attention / SSM states")
+# mlx-vlm's own cache classes: omlx's batch and prefix cache take mlx-lm's types only.
+_OWN_CACHE = (
+    "its {} layers keep mlx-vlm's own {} ({}), a cache type mlx-lm has no equivalent of: "
+    "omlx's batch and prefix cache take mlx-lm's cache types only"
+)
 _UNTRIED = "not yet checked against mlx-vlm's own generate on a tiny model"
 REFUSED: dict[str, str] = {
     **dict.fromkeys(
@@ -175,21 +184,28 @@ REFUSED: dict[str, str] = {
     "token-by-token decoding",
     "moss_image": "an image generation model, not a chat model",
     "d1_omni": "a decision model (a yes/no readout over images and audio), not a chat model",
+    # mlx-vlm's get_input_embeddings ignores any image: only the text tokens are embedded.
+    "qwen3_5_text": "a text-only Qwen3.5 (no vision tower: mlx-vlm embeds the text tokens "
+    "and ignores images), not a vision-language model",
+    "glm5_next": _OWN_CACHE.format(
+        "sparse-attention", "PoolingCache", "the indexer's pooled keys, in a CacheList"
+    ),
+    "qwen4_exp": _OWN_CACHE.format(
+        "attention",
+        "QSAKVCache",
+        "KV plus the sparse-attention indexer's raw keys and multimodal positions",
+    ),
     # Chat families omlx does not serve yet.
     **dict.fromkeys(
         (
-            "glm5_next",
             "inkling",
             "kimi_k3",
             "minicpmv4_6",
             "minicpmv4_7",
-            "nemotron_h_nano_omni",
             "plamo2vl",
-            "qwen3_5_text",
-            "qwen4_exp",
             "zaya1_vl",
         ),
-        _LINEAR,
+        _UNTRIED,
     ),
     **dict.fromkeys(
         ("fastvlm", "llava_bunny", "phi4_siglip"),

@@ -47,10 +47,11 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-lfm2-vl": ("lfm2_vl", 64, None),
     "tiny-qwen3-5": ("qwen3_5", 96, None),
     "tiny-qwen3-5-moe": ("qwen3_5_moe", 96, None),
+    "tiny-nemotron-omni": ("nemotron_h_nano_omni", 64, "batched output differs from solo"),
 }
 # Families whose language model keeps linear-attention / convolution states
 # (ArraysCache), with the attention layers among their layers.
-LINEAR = {"tiny-lfm2-vl": 2, "tiny-qwen3-5": 1, "tiny-qwen3-5-moe": 1}
+LINEAR = {"tiny-lfm2-vl": 2, "tiny-qwen3-5": 1, "tiny-qwen3-5-moe": 1, "tiny-nemotron-omni": 1}
 MAX_TOKENS = 10
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.
 TEXT = "describe the colours and the shapes you see in this picture, please"
