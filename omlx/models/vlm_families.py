@@ -123,6 +123,9 @@ FAMILIES: dict[str, Family] = {
     # Qwen3.5: Qwen3-VL's image layout and M-RoPE (no deepstack) over gated-delta layers.
     "qwen3_5": Family(image_text=_QWEN_IMAGE, mrope=True),
     "qwen3_5_moe": Family(image_text=_QWEN_IMAGE, mrope=True),
+    # MoonViT patches merged 2x2 over a kimi_linear decoder (KDA linear attention, MLA,
+    # experts); the processor writes each image as its size and its tokens.
+    "kimi_k3": Family(image_text="<|kimi_image_placeholder|>"),
     # A RADIO tower over a nemotron_h decoder (mamba2 layers); images only, no audio.
     # mlx-vlm 0.7.10's mamba2 scan does not mask its padded positions' decay (mlx-lm's
     # does): a batch of different lengths gives other tokens, so the load's output
@@ -199,7 +202,6 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(
         (
             "inkling",
-            "kimi_k3",
             "minicpmv4_6",
             "minicpmv4_7",
             "plamo2vl",

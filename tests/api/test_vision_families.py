@@ -48,10 +48,19 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-qwen3-5": ("qwen3_5", 96, None),
     "tiny-qwen3-5-moe": ("qwen3_5_moe", 96, None),
     "tiny-nemotron-omni": ("nemotron_h_nano_omni", 64, "batched output differs from solo"),
+    "tiny-kimi-k3": ("kimi_k3", 56, None),
 }
-# Families whose language model keeps linear-attention / convolution states
-# (ArraysCache), with the attention layers among their layers.
-LINEAR = {"tiny-lfm2-vl": 2, "tiny-qwen3-5": 1, "tiny-qwen3-5-moe": 1, "tiny-nemotron-omni": 1}
+# Families whose language model keeps linear-attention / convolution / SSM states
+# (ArraysCache), with the KV bytes a token adds to their attention layers (float32):
+# layers x (K, V) x KV heads x head_dim x 4, or an MLA layer's latent (16 + 8) x 4.
+_KV = 2 * 2 * 16 * 4
+LINEAR = {
+    "tiny-lfm2-vl": 2 * _KV,
+    "tiny-qwen3-5": _KV,
+    "tiny-qwen3-5-moe": _KV,
+    "tiny-nemotron-omni": _KV,
+    "tiny-kimi-k3": (16 + 8) * 4,
+}
 MAX_TOKENS = 10
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.
 TEXT = "describe the colours and the shapes you see in this picture, please"
@@ -261,6 +270,6 @@ def test_the_guard_of_a_linear_attention_vlm_prices_its_attention_layers_measure
     chat(client, model, ask(png(1), text=TEXT), 1)
     engine = next(e for e in server.pool.loaded() if e.name == model)
     dims = engine.guard.dims
-    per_layer = 2 * dims.num_kv_heads * dims.head_dim * dims.kv_dtype_bytes
-    assert dims.kv_bytes_per_token == LINEAR[model] * per_layer < dims.num_layers * per_layer
+    every_layer = dims.num_layers * 2 * dims.num_kv_heads * dims.head_dim * dims.kv_dtype_bytes
+    assert dims.kv_bytes_per_token == LINEAR[model] < every_layer
     assert "B/token (measured)" in engine.guard.describe()
