@@ -117,6 +117,10 @@ class StateCache(ArraysCache):
         return row
 
 
+# A language model layer's cache, as the image path makes it.
+_Layer = KVCache | RotatingKVCache | StateCache | CrossAttentionStates
+
+
 class TextModel(nn.Module):
     """A VLM's language model in mlx-lm's shape: ``model(ids, cache=...)`` -> logits.
     ``cross_layers``: the layers that cross-attend image states (mllama)."""
@@ -135,12 +139,10 @@ class TextModel(nn.Module):
     def layers(self) -> list[Any]:
         return list(self.language_model.layers)
 
-    def make_cache(self) -> list[KVCache | RotatingKVCache | StateCache | CrossAttentionStates]:
+    def make_cache(self) -> list[_Layer]:
         # mlx-lm's cache types in the language model's own layout (sliding windows
         # included): the batch and the prefix cache know them.
-        caches: list[KVCache | RotatingKVCache | StateCache | CrossAttentionStates] = [
-            _mlx_lm_cache(c) for c in _vlm_caches(self.language_model)
-        ]
+        caches: list[_Layer] = [_mlx_lm_cache(c) for c in _vlm_caches(self.language_model)]
         for i in self._cross_layers:
             caches[i] = CrossAttentionStates()
         return caches
