@@ -204,15 +204,16 @@ REFUSED: dict[str, str] = {
     "zaya1_vl": "mlx-vlm 0.7.10's own generate cannot run it (its prefill calls the "
     "language model with inputs=, which zaya1_vl's takes as input_ids): there is no "
     "reference answer to check omlx's against",
-    # Chat families omlx does not serve yet.
+    # mlx-vlm's MiniCPMVProcessor (4.7's subclasses it) returns lists, as its generate
+    # passes them; its model adds each slice's features at the image_bound spans.
     **dict.fromkeys(
-        (
-            "minicpmv4_6",
-            "minicpmv4_7",
-            "plamo2vl",
-        ),
-        _UNTRIED,
+        ("minicpmv4_6", "minicpmv4_7"),
+        "its processor gives a prompt's images as a list of differently sized slice "
+        "arrays (pixel_values, with tgt_sizes and image_bound), where omlx's image path "
+        "takes one pixel array a prompt and prices the encode from its shape",
     ),
+    # Chat families omlx does not serve yet.
+    "plamo2vl": _UNTRIED,
     **dict.fromkeys(
         ("fastvlm", "llava_bunny", "phi4_siglip"),
         "an image is one placeholder id (-200) that the model splices its features into, "
