@@ -66,24 +66,15 @@ class StateCache(ArraysCache):
     """mlx-lm's ArraysCache (the batch merges, filters and extracts it, the prefix
     cache stores it as one) for a linear-attention / convolution layer of mlx-vlm,
     with the writes mlx-vlm's own ArraysCache adds (qwen3_5's gated-delta layers
-    call ``update_window`` / ``update_recurrent``), less its speculation history.
-    ``metadata_revision`` changes whenever the rows' padding or lengths do: qwen3_5
-    caches its masks' shape per revision."""
+    call ``update_window`` / ``update_recurrent``), less its speculation history."""
 
     stores_as = ArraysCache
-
-    def __init__(self, size: int = 1, left_padding: list[int] | None = None):
-        self.metadata_revision = 0
-        super().__init__(size, left_padding)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("left_padding", "lengths"):
-            object.__setattr__(self, "metadata_revision", self.metadata_revision + 1)
-        object.__setattr__(self, name, value)
 
     def update_recurrent(
         self, index: int, length: int, update: Callable[..., Any]
     ) -> tuple[mx.array, mx.array]:
+        """``update(state, None)``: the layer's step from its state (``length``
+        bounds mlx-vlm's speculation history, which this cache keeps none of)."""
         output, state = update(self.cache[index], None)[:2]
         self[index] = state
         return output, state
