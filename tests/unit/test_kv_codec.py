@@ -13,6 +13,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from omlx.cache import kv_codec
+from omlx.models.vlm import StateCache
 
 WINDOW = 8
 HEADS, DIM = 2, 4
@@ -121,3 +122,18 @@ def test_a_window_block_needs_a_snapshot() -> None:
     _feed([layer], [10])
     with pytest.raises(ValueError, match="snapshot"):
         kv_codec.block_tensors([layer], 0, 10, None)
+
+
+def test_a_state_layer_of_the_image_path_round_trips_as_an_arrays_cache() -> None:
+    # The image path's StateCache (mlx-lm's ArraysCache with mlx-vlm's writes) is
+    # snapshotted, stored and restored as an ArraysCache, into the template's class.
+    layer = StateCache(2)
+    layer[0], layer[1] = mx.ones((1, 3, 8)), mx.arange(16.0).reshape(1, 2, 8)
+    state = kv_codec.snapshot([layer])
+    layer[1] = mx.zeros((1, 2, 8))  # a later step: the snapshot keeps the boundary's
+    assert kv_codec.layer_layout([layer]) == ("arrays:2",)
+    block = kv_codec.block_tensors([layer], 0, 4, state)
+    restored = kv_codec.restore([StateCache(2)], [block], 4)[0]
+    assert type(restored) is StateCache
+    assert mx.array_equal(restored[1], mx.arange(16.0).reshape(1, 2, 8)).item()
+    assert mx.array_equal(restored[0], mx.ones((1, 3, 8))).item()
