@@ -212,8 +212,12 @@ REFUSED: dict[str, str] = {
         "arrays (pixel_values, with tgt_sizes and image_bound), where omlx's image path "
         "takes one pixel array a prompt and prices the encode from its shape",
     ),
-    # Chat families omlx does not serve yet.
-    "plamo2vl": _UNTRIED,
+    # mlx-vlm's Plamo2VLProcessor.process: format_prompt(_apply_ja01_template), and
+    # "images must be provided" without images.
+    "plamo2vl": "its processor rewrites every prompt into one fixed instruction turn (the "
+    "images first, then the text) and raises without images, where omlx renders the "
+    "conversation with the model's chat template and places each image where its message "
+    "has it",
     **dict.fromkeys(
         ("fastvlm", "llava_bunny", "phi4_siglip"),
         "an image is one placeholder id (-200) that the model splices its features into, "
