@@ -37,10 +37,12 @@ def vision_dims(config: Mapping[str, Any], text_hidden_size: int, dtype_bytes: i
     """From a VLM's config.json (its ``vision_config``), with families' defaults
     for what a config leaves out."""
     vision = config.get("vision_config") or {}
+    # Molmo2 nests the tower's numbers as vit_config (at the root, as HF ships it).
+    vision = vision.get("vit_config") or config.get("vit_config") or vision
     text = config.get("text_config") or {}
     # Qwen2-VL names the tower's width embed_dim (its hidden_size is the merger's output).
     hidden = int(max(vision.get("hidden_size") or 0, vision.get("embed_dim") or 0) or 1024)
-    patch = vision.get("patch_size") or 14
+    patch = vision.get("patch_size") or vision.get("image_patch_size") or 14
     return VisionDims(
         hidden_size=hidden,
         intermediate_size=int(vision.get("intermediate_size") or 4 * hidden),
@@ -59,11 +61,15 @@ def vision_transient_bytes(
     width; the processor pads a batch to its largest image) for a prompt of
     ``num_prompt_tokens`` tokens. An upper bound: every image counted at the
     batch's size, scores in float32. Qwen2-VL's processor gives flat patches
-    (patches, features): counted as one image of all of them (an upper bound).
+    (patches, features): counted as one image of all of them (an upper bound);
+    molmo2's, crops of them (crops, patches, a patch's pixels): a crop an image.
     Crops or tiles (llava_next, mllama: (..., tiles, channels, height, width)) count
     as images, except mllama's, whose tower attends over an image's tiles at once."""
     if len(pixel_shape) == 2:
         num_images, patches = 1, int(pixel_shape[0])
+    elif len(pixel_shape) == 3 and pixel_shape[-1] == 3 * dims.patch_size**2:
+        # Crops of flat patches (molmo2: crops, patches, a patch's pixels).
+        num_images, patches = int(pixel_shape[0]), int(pixel_shape[1])
     elif len(pixel_shape) < 3:
         return 0
     else:

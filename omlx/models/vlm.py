@@ -246,11 +246,11 @@ def _largest_side(processor: Any) -> int:
     return min(max(sides, default=_DEFAULT_SIDE), _MAX_STRESS_SIDE)
 
 
-def _image_token(processor: Any, config: dict[str, Any]) -> tuple[str, int]:
+def _image_token(processor: Any, config: dict[str, Any], traits: Family) -> tuple[str, int]:
     tokenizer = getattr(processor, "tokenizer", processor)
-    token = getattr(processor, "image_token", None) or "<image>"
+    token = traits.image_token or getattr(processor, "image_token", None) or "<image>"
     token_id = config.get("image_token_index", config.get("image_token_id"))
-    if not isinstance(token_id, int):
+    if traits.image_token or not isinstance(token_id, int):
         token_id = int(tokenizer.convert_tokens_to_ids(token))
     return str(token), token_id
 
@@ -269,7 +269,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
         raise ModelLoadError(f"cannot load '{info.name}' from {info.path}: {exc}") from exc
     _require_served_caches(info, model.language_model)
     config = {**_raw_config(info), "text_config": _text_config(model)}
-    token, token_id = _image_token(processor, config)
+    token, token_id = _image_token(processor, config, traits)
     dims = vision_dims(config, config["text_config"]["hidden_size"], _dtype_bytes(model))
     encoder = VisionEncoder(model, processor, info.model_type, traits, token, token_id, dims)
     tokenizer = TokenizerWrapper(getattr(processor, "tokenizer", processor))

@@ -16,6 +16,8 @@ class Family:
     """``image_text``: what stands for one image in the prompt text, when it is not
     the processor's image token (the processor expands it to the image's tokens;
     "": nothing, the processor puts the images where the family wants them).
+    ``image_token``: the token whose rows the image features fill, when it is not
+    the processor's image token (molmo2's patches among its layout tokens).
     ``mrope``: multi-axis rope positions (models/vlm.py shifts them so decode sits
     at each row's cache offset). ``prompt_inputs``: fields of mlx-vlm's embedding
     output given to the language model with each prefill chunk (whole-prompt
@@ -27,6 +29,7 @@ class Family:
     the most images one prompt may carry (None: the API's limit)."""
 
     image_text: str | None = None
+    image_token: str | None = None
     mrope: bool = False
     prompt_inputs: tuple[str, ...] = ()
     whole_prompt: bool = False
@@ -103,6 +106,10 @@ FAMILIES: dict[str, Family] = {
     # the tower's states (held in their cache: models/vlm.py), under the prompt's
     # per-token masks at prefill and with none at decode, as mlx-vlm's generate does.
     # The last prompt token takes its mask row, so the prompt goes in one forward.
+    # Molmo2: "<|image|>" becomes a low-res crop's and the high-res crops' pooled
+    # patches (<im_patch>) between start, column and end tokens; the features are
+    # added to the <im_patch> rows. A qwen3-like decoder.
+    "molmo2": Family(image_text="<|image|>", image_token="<im_patch>"),
     "mllama": Family(
         prompt_inputs=(
             "cross_attention_states",
@@ -224,7 +231,6 @@ REFUSED: dict[str, str] = {
             "minicpmo",
             "minimax_m3_vl",
             "molmo",
-            "molmo2",
             "molmo_point",
             "moondream2",
             "moondream3",

@@ -43,6 +43,8 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-glm4v-moe": ("glm4v_moe", 84, None),
     "tiny-mistral3": ("mistral3", 56, None),
     "tiny-gemma4": ("gemma4", 64, None),
+    # vis-b
+    "tiny-molmo2": ("molmo2", 378, None),
 }
 MAX_TOKENS = 10
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.

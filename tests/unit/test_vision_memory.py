@@ -101,3 +101,17 @@ def test_mllama_tiles_attend_as_one_image_and_its_states_are_priced() -> None:
     # Counted as 4 separate tiles, the scores would be a quarter of that.
     per_tile = vision_dims({**MLLAMA, "text_config": {}}, text_hidden_size=4096, dtype_bytes=2)
     assert vision_transient_bytes(per_tile, (1, 1, 4, 3, 560, 560), 20) < scores
+
+
+def test_molmo2_crops_of_flat_patches_are_priced_as_images() -> None:
+    # Molmo2 as HF ships it: the tower's numbers at the root as vit_config; the
+    # processor hands over (crops, 729 patches, 14 x 14 x 3 pixels).
+    config = {"vit_config": {"hidden_size": 1152, "intermediate_size": 4304,
+                             "num_attention_heads": 16, "image_patch_size": 14}}  # fmt: skip
+    dims = vision_dims(config, text_hidden_size=2560, dtype_bytes=2)
+    assert (dims.hidden_size, dims.num_heads, dims.patch_size) == (1152, 16, 14)
+    two = vision_transient_bytes(dims, (2, 729, 588), 450)
+    nine = vision_transient_bytes(dims, (9, 729, 588), 450)
+    scores = 16 * 729 * 729 * 4  # a crop's heads x patches^2 in float32
+    assert two > 2 * scores and nine > 9 * scores
+    assert nine - two > 7 * (scores + 729 * (6 * 1152 + 4304) * 2)  # each crop's share
