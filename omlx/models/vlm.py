@@ -20,6 +20,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from omlx.errors import ModelLoadError
+from omlx.memory.dims import hidden_size
 from omlx.memory.vision import VisionDims, vision_dims
 from omlx.mlx_types import flat_parameters
 from omlx.models.discovery import ModelInfo
@@ -270,7 +271,10 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     _require_served_caches(info, model.language_model)
     config = {**_raw_config(info), "text_config": _text_config(model)}
     token, token_id = _image_token(processor, config, traits)
-    dims = vision_dims(config, config["text_config"]["hidden_size"], _dtype_bytes(model))
+    text_hidden = hidden_size(config)
+    if text_hidden is None:
+        raise ModelLoadError(f"cannot load '{info.name}': its text config names no hidden size")
+    dims = vision_dims(config, text_hidden, _dtype_bytes(model))
     encoder = VisionEncoder(model, processor, info.model_type, traits, token, token_id, dims)
     tokenizer = TokenizerWrapper(getattr(processor, "tokenizer", processor))
     log.info("loaded vision-language model %s in %.2f s", info.name, time.perf_counter() - start)

@@ -110,6 +110,10 @@ FAMILIES: dict[str, Family] = {
     # patches (<im_patch>) between start, column and end tokens; the features are
     # added to the <im_patch> rows. A qwen3-like decoder.
     "molmo2": Family(image_text="<|image|>", image_token="<im_patch>"),
+    # Molmo: the processor puts the image's tokens (crops of pooled <im_patch> tokens)
+    # before the whole text, whatever the text says; two images would make it two
+    # prompts (one a row, each with the text), so one image a prompt.
+    "molmo": Family(image_text="", image_token="<im_patch>", max_images=1),
     "mllama": Family(
         prompt_inputs=(
             "cross_attention_states",
@@ -230,7 +234,6 @@ REFUSED: dict[str, str] = {
             "mimo_v2",
             "minicpmo",
             "minimax_m3_vl",
-            "molmo",
             "molmo_point",
             "moondream2",
             "moondream3",

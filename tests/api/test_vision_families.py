@@ -45,6 +45,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-gemma4": ("gemma4", 64, None),
     # vis-b
     "tiny-molmo2": ("molmo2", 378, None),
+    "tiny-molmo": ("molmo", 56, None),
 }
 MAX_TOKENS = 10
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.
@@ -179,7 +180,7 @@ def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     assert answer(client, model, ask(png(60, size), text=text)) == expected
 
 
-@pytest.mark.parametrize("model", [m for m in MODELS if m != "tiny-paligemma"])
+@pytest.mark.parametrize("model", [m for m in MODELS if FAMILIES[MODELS[m][0]].max_images != 1])
 def test_two_images_and_text_alone_answer(client: openai.OpenAI, model: str) -> None:
     two = chat(client, model, ask(png(70), png(71), text="compare them"), MAX_TOKENS)
     one = chat(client, model, ask(png(70), text="compare them"), MAX_TOKENS)
@@ -200,13 +201,16 @@ def test_mllama_image_of_one_tile_matches_mlx_vlm(
     assert engine.loaded.vision.dims.tiled_cross_attention  # the image gate prices its states
 
 
-def test_paligemma_takes_one_image_a_request_and_says_so(client: openai.OpenAI) -> None:
+@pytest.mark.parametrize("model", [m for m in MODELS if FAMILIES[MODELS[m][0]].max_images == 1])
+def test_a_one_image_family_takes_one_image_a_request_and_says_so(
+    client: openai.OpenAI, model: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        chat(client, "tiny-paligemma", ask(png(72), png(73)), MAX_TOKENS)
+        chat(client, model, ask(png(72), png(73)), MAX_TOKENS)
     error = info.value.response.json()["error"]
     assert error["param"] == "messages[0].content[2]"
-    assert "at most 1 image" in error["message"] and "paligemma" in error["message"]
-    text_only = chat(client, "tiny-paligemma", [{"role": "user", "content": "hi"}], MAX_TOKENS)
+    assert "at most 1 image" in error["message"] and MODELS[model][0] in error["message"]
+    text_only = chat(client, model, [{"role": "user", "content": "hi"}], MAX_TOKENS)
     assert text_only.choices[0].finish_reason in ("length", "stop")
 
 
