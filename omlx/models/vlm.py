@@ -269,7 +269,12 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     except (ValueError, OSError, KeyError, RuntimeError, TypeError) as exc:
         raise ModelLoadError(f"cannot load '{info.name}' from {info.path}: {exc}") from exc
     _require_served_caches(info, model.language_model)
-    config = {**_raw_config(info), "text_config": _text_config(model)}
+    raw = _raw_config(info)
+    # Qwen3-Omni nests its text and vision configs in its thinker's.
+    vision_config = raw.get("vision_config") or (raw.get("thinker_config") or {}).get(
+        "vision_config"
+    )
+    config = {**raw, "vision_config": vision_config or {}, "text_config": _text_config(model)}
     token, token_id = _image_token(processor, config, traits)
     text_hidden = hidden_size(config)
     if text_hidden is None:
@@ -296,7 +301,7 @@ def _require_served_caches(info: ModelInfo, language_model: Any) -> None:
 def _text_config(model: Any) -> dict[str, Any]:
     """The language model's config as mlx-vlm resolved it (defaults filled in), so
     the memory guard reads the real text dims of nested VLM configs."""
-    text = model.config.text_config
+    text = getattr(model.config, "thinker_config", model.config).text_config
     fields = getattr(text, "__dataclass_fields__", None)
     return {k: getattr(text, k) for k in fields} if fields else dict(vars(text))
 

@@ -63,6 +63,14 @@ FAMILIES: dict[str, Family] = {
         mrope=True,
         prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds"),
     ),
+    # Qwen3-Omni's thinker: Qwen3-VL-MoE's layout, M-RoPE and deepstack (its features
+    # one row a prompt token, which the model slices by its cache offset); an audio
+    # tower omlx does not feed, and no talker: text answers only.
+    "qwen3_omni_moe": Family(
+        image_text=_QWEN_IMAGE,
+        mrope=True,
+        prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds"),
+    ),
     # Qwen2-VL's image layout and M-RoPE (its positions kept on the language model).
     "glm4v": Family(image_text="<|begin_of_image|><|image|><|end_of_image|>", mrope=True),
     "glm4v_moe": Family(image_text="<|begin_of_image|><|image|><|end_of_image|>", mrope=True),
@@ -241,7 +249,6 @@ REFUSED: dict[str, str] = {
             "muse_glimmer",
             "muse_spark",
             "phi4mm",
-            "qwen3_omni_moe",
             "step3p7",
             "youtu_vl",
         ),

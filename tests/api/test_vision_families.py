@@ -46,6 +46,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # vis-b
     "tiny-molmo2": ("molmo2", 378, None),
     "tiny-molmo": ("molmo", 56, None),
+    "tiny-qwen3-omni": ("qwen3_omni_moe", 96, None),
 }
 MAX_TOKENS = 10
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.
