@@ -63,6 +63,7 @@ def vision_transient_bytes(
     batch's size, scores in float32. Qwen2-VL's processor gives flat patches
     (patches, features): counted as one image of all of them (an upper bound);
     molmo2's, crops of them (crops, patches, a patch's pixels): a crop an image.
+    Channels may come last (moondream: crops, height, width, channels).
     Crops or tiles (llava_next, mllama: (..., tiles, channels, height, width)) count
     as images, except mllama's, whose tower attends over an image's tiles at once."""
     if len(pixel_shape) == 2:
@@ -75,6 +76,8 @@ def vision_transient_bytes(
     else:
         num_images = _prod(pixel_shape[:-3])
         height, width = pixel_shape[-2], pixel_shape[-1]
+        if pixel_shape[-1] in (1, 3) and pixel_shape[-3] not in (1, 3):
+            height, width = pixel_shape[-3], pixel_shape[-2]  # channels last (moondream)
         patches = max(1, (height // dims.patch_size) * (width // dims.patch_size)) + 1
     if dims.tiled_cross_attention and len(pixel_shape) >= 5:
         num_images, patches = num_images // pixel_shape[-4], patches * pixel_shape[-4]

@@ -190,7 +190,8 @@ class VisionEncoder:
         self, input_ids: list[int], pixel_values: Any, extras: dict[str, Any]
     ) -> PromptEmbedding:
         ids = mx.array(input_ids)[None]
-        kwargs = {k: mx.array(v) for k, v in extras.items()}
+        # As mlx-vlm's prepare_inputs: lists stay lists (moondream's crop counts, layouts).
+        kwargs = {k: v if isinstance(v, (list, str)) else mx.array(v) for k, v in extras.items()}
         # The processor's attention mask, as mlx-vlm's generate passes it (gemma3 needs it).
         mask = mx.ones(ids.shape, dtype=mx.int32)
         features = self.model.get_input_embeddings(ids, mx.array(pixel_values), mask=mask, **kwargs)
@@ -249,6 +250,9 @@ def _largest_side(processor: Any) -> int:
 
 def _image_token(processor: Any, config: dict[str, Any], traits: Family) -> tuple[str, int]:
     tokenizer = getattr(processor, "tokenizer", processor)
+    if traits.image_token_id is not None:
+        fixed = traits.image_token_id
+        return str(tokenizer.convert_ids_to_tokens(fixed)), fixed
     token = traits.image_token or getattr(processor, "image_token", None) or "<image>"
     token_id = config.get("image_token_index", config.get("image_token_id"))
     if traits.image_token or not isinstance(token_id, int):

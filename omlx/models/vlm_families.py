@@ -17,7 +17,8 @@ class Family:
     the processor's image token (the processor expands it to the image's tokens;
     "": nothing, the processor puts the images where the family wants them).
     ``image_token``: the token whose rows the image features fill, when it is not
-    the processor's image token (molmo2's patches among its layout tokens).
+    the processor's image token (molmo2's patches among its layout tokens);
+    ``image_token_id``: its id, where the processor writes a fixed id, not a token's.
     ``mrope``: multi-axis rope positions (models/vlm.py shifts them so decode sits
     at each row's cache offset). ``prompt_inputs``: fields of mlx-vlm's embedding
     output given to the language model with each prefill chunk (whole-prompt
@@ -30,6 +31,7 @@ class Family:
 
     image_text: str | None = None
     image_token: str | None = None
+    image_token_id: int | None = None
     mrope: bool = False
     prompt_inputs: tuple[str, ...] = ()
     whole_prompt: bool = False
@@ -122,6 +124,11 @@ FAMILIES: dict[str, Family] = {
     # before the whole text, whatever the text says; two images would make it two
     # prompts (one a row, each with the text), so one image a prompt.
     "molmo": Family(image_text="", image_token="<im_patch>", max_images=1),
+    # Moondream 3: the processor writes BOS, 729 image rows (id 0) and the text in its
+    # "Question: ... Answer:" frame; one image a prompt (the model embeds one image's
+    # rows). Its embedding offers a prefix mask (BOS and image attending each other),
+    # which mlx-vlm's generate does not give the language model: causal, as there.
+    "moondream3": Family(image_text="", image_token_id=0, max_images=1),
     "mllama": Family(
         prompt_inputs=(
             "cross_attention_states",
@@ -244,7 +251,6 @@ REFUSED: dict[str, str] = {
             "minimax_m3_vl",
             "molmo_point",
             "moondream2",
-            "moondream3",
             "multi_modality",
             "muse_glimmer",
             "muse_spark",

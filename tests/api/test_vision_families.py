@@ -47,6 +47,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-molmo2": ("molmo2", 378, None),
     "tiny-molmo": ("molmo", 56, None),
     "tiny-qwen3-omni": ("qwen3_omni_moe", 96, None),
+    "tiny-moondream3": ("moondream3", 378, None),
 }
 MAX_TOKENS = 10
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.

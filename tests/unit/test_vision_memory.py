@@ -115,3 +115,15 @@ def test_molmo2_crops_of_flat_patches_are_priced_as_images() -> None:
     scores = 16 * 729 * 729 * 4  # a crop's heads x patches^2 in float32
     assert two > 2 * scores and nine > 9 * scores
     assert nine - two > 7 * (scores + 729 * (6 * 1152 + 4304) * 2)  # each crop's share
+
+
+SIGLIP_LIKE = {"hidden_size": 1152, "intermediate_size": 4304, "num_attention_heads": 16,
+               "patch_size": 14}  # fmt: skip
+
+
+def test_moondream_channels_last_crops_are_priced_by_their_pixels() -> None:
+    # Moondream's processor hands over (crops, 378, 378, 3): a crop of 27 x 27 patches.
+    dims = vision_dims({"vision_config": SIGLIP_LIKE}, text_hidden_size=2048, dtype_bytes=2)
+    last = vision_transient_bytes(dims, (2, 378, 378, 3), 770)
+    first = vision_transient_bytes(dims, (2, 3, 378, 378), 770)
+    assert last == first
