@@ -227,6 +227,11 @@ REFUSED: dict[str, str] = {
         "outnumber the prompt's tokens, and omlx's prefill and prefix cache take one "
         "embedding per token",
     ),
+    "phi4mm": "an image is one placeholder id (-200) that the model splices its features "
+    "into (more embeddings than prompt tokens: omlx's prefill and prefix cache take one a "
+    "token), and mlx-vlm merges its vision LoRA into the language model's weights when a "
+    "prompt has images and takes it out when one has none: text and image requests cannot "
+    "share one model's weights in a batch",
     "phi3_v": "its processor numbers each image (<|image_1|>, <|image_2|>, ...) and marks "
     "the image's tokens with negative ids, not one image token id as omlx's prompt path "
     "takes",
@@ -254,7 +259,6 @@ REFUSED: dict[str, str] = {
             "multi_modality",
             "muse_glimmer",
             "muse_spark",
-            "phi4mm",
             "step3p7",
             "youtu_vl",
         ),
