@@ -229,9 +229,9 @@ REFUSED: dict[str, str] = {
     ),
     "phi4mm": "an image is one placeholder id (-200) that the model splices its features "
     "into (more embeddings than prompt tokens: omlx's prefill and prefix cache take one a "
-    "token); unquantized, mlx-vlm also merges its vision LoRA into the language model's weights when a "
-    "prompt has images and takes it out when one has none: text and image requests cannot "
-    "share one model's weights in a batch",
+    "token); unquantized, mlx-vlm also merges its vision LoRA into the language model's "
+    "weights when a prompt has images and takes it out when one has none: text and image "
+    "requests cannot share one model's weights in a batch",
     "phi3_v": "its processor numbers each image (<|image_1|>, <|image_2|>, ...) and marks "
     "the image's tokens with negative ids, not one image token id as omlx's prompt path "
     "takes",
