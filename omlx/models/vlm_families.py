@@ -129,6 +129,9 @@ FAMILIES: dict[str, Family] = {
     # rows). Its embedding offers a prefix mask (BOS and image attending each other),
     # which mlx-vlm's generate does not give the language model: causal, as there.
     "moondream3": Family(image_text="", image_token_id=0, max_images=1),
+    # Step-3.7: a step3p5 decoder (sliding-window layers, experts); the processor takes
+    # one <im_patch> a prompt and writes every image's tokens there: one image a prompt.
+    "step3p7": Family(max_images=1),
     "mllama": Family(
         prompt_inputs=(
             "cross_attention_states",
@@ -259,7 +262,6 @@ REFUSED: dict[str, str] = {
             "multi_modality",
             "muse_glimmer",
             "muse_spark",
-            "step3p7",
             "youtu_vl",
         ),
         _UNTRIED,
