@@ -241,6 +241,11 @@ REFUSED: dict[str, str] = {
     "mistral_large3": "mlx-vlm loads its processor through transformers' PixtralProcessor, "
     "which needs PyTorch (omlx installs none)",
     "llama4": _STATES.format("ChunkedKVCache", "chunked attention"),
+    # A tiny MiniMax-M3 of 4 layers: ['KVCache', 'KVCache', 'KVCache', 'MiniMaxM3KVCache'].
+    "minimax_m3_vl": _STATES.format(
+        "MiniMaxM3KVCache",
+        "sparse attention: KV plus a block index's keys, every layer after the first three",
+    ),
     "deepseek_v41": _STATES.format("CacheList", "compressed attention pools"),
     **dict.fromkeys(
         (
@@ -256,7 +261,6 @@ REFUSED: dict[str, str] = {
             "mage_vl",
             "mimo_v2",
             "minicpmo",
-            "minimax_m3_vl",
             "molmo_point",
             "moondream2",
             "multi_modality",
