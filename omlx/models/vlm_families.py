@@ -132,6 +132,9 @@ FAMILIES: dict[str, Family] = {
     # Step-3.7: a step3p5 decoder (sliding-window layers, experts); the processor takes
     # one <im_patch> a prompt and writes every image's tokens there: one image a prompt.
     "step3p7": Family(max_images=1),
+    # Muse Glimmer: sliding-window layers and full ones without rope; the features fill
+    # the <|patch|> tokens between the image markers.
+    "muse_glimmer": Family(),
     "mllama": Family(
         prompt_inputs=(
             "cross_attention_states",
@@ -264,7 +267,6 @@ REFUSED: dict[str, str] = {
             "molmo_point",
             "moondream2",
             "multi_modality",
-            "muse_glimmer",
             "muse_spark",
             "youtu_vl",
         ),

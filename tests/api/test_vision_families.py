@@ -49,6 +49,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-qwen3-omni": ("qwen3_omni_moe", 96, None),
     "tiny-moondream3": ("moondream3", 378, None),
     "tiny-step3p7": ("step3p7", 728, None),
+    "tiny-muse-glimmer": ("muse_glimmer", 64, None),
 }
 MAX_TOKENS = 10
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.
