@@ -233,6 +233,12 @@ REFUSED: dict[str, str] = {
         "outnumber the prompt's tokens, and omlx's prefill and prefix cache take one "
         "embedding per token",
     ),
+    # Checked: mlx-vlm's add_image_token turns a 3-token prompt with one image token into
+    # 578 rows, and a prompt already expanded to 576 image tokens (578) into 1153.
+    "multi_modality": "mlx-vlm's model inserts 576 feature rows at each image token of the "
+    "prompt itself (more embeddings than prompt tokens: omlx's prefill and prefix cache "
+    "take one a token), and its vision module imports OpenCV (cv2), which omlx does not "
+    "install",
     "phi4mm": "an image is one placeholder id (-200) that the model splices its features "
     "into (more embeddings than prompt tokens: omlx's prefill and prefix cache take one a "
     "token); unquantized, mlx-vlm also merges its vision LoRA into the language model's "
@@ -266,7 +272,6 @@ REFUSED: dict[str, str] = {
             "minicpmo",
             "molmo_point",
             "moondream2",
-            "multi_modality",
             "muse_spark",
             "youtu_vl",
         ),
