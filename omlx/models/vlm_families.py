@@ -239,6 +239,11 @@ REFUSED: dict[str, str] = {
     "prompt itself (more embeddings than prompt tokens: omlx's prefill and prefix cache "
     "take one a token), and its vision module imports OpenCV (cv2), which omlx does not "
     "install",
+    "molmo_point": "a pointing model: its decode steps predict image points from state "
+    "mlx-vlm keeps on the model object for one prompt (the image's patch keys, the ids "
+    "generated so far), with logits past the vocabulary for the points; one model-wide "
+    "state cannot serve a batch of prompts, nor omlx's decode, which samples from the "
+    "vocabulary",
     "phi4mm": "an image is one placeholder id (-200) that the model splices its features "
     "into (more embeddings than prompt tokens: omlx's prefill and prefix cache take one a "
     "token); unquantized, mlx-vlm also merges its vision LoRA into the language model's "
@@ -270,7 +275,6 @@ REFUSED: dict[str, str] = {
             "mage_vl",
             "mimo_v2",
             "minicpmo",
-            "molmo_point",
             "moondream2",
             "muse_spark",
             "youtu_vl",
