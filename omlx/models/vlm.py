@@ -273,12 +273,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     except (ValueError, OSError, KeyError, RuntimeError, TypeError) as exc:
         raise ModelLoadError(f"cannot load '{info.name}' from {info.path}: {exc}") from exc
     _require_served_caches(info, model.language_model)
-    raw = _raw_config(info)
-    # Qwen3-Omni nests its text and vision configs in its thinker's.
-    vision_config = raw.get("vision_config") or (raw.get("thinker_config") or {}).get(
-        "vision_config"
-    )
-    config = {**raw, "vision_config": vision_config or {}, "text_config": _text_config(model)}
+    config = _served_config(info, model)
     token, token_id = _image_token(processor, config, traits)
     text_hidden = hidden_size(config)
     if text_hidden is None:
@@ -300,6 +295,14 @@ def _require_served_caches(info: ModelInfo, language_model: Any) -> None:
             _mlx_lm_cache(cache)
     except ValueError as exc:
         raise ModelLoadError(f"cannot load '{info.name}': its language model keeps {exc}") from exc
+
+
+def _served_config(info: ModelInfo, model: Any) -> dict[str, Any]:
+    """config.json with its text and vision configs at the root, where the guard reads
+    them (Qwen3-Omni nests both in its thinker's config)."""
+    raw = _raw_config(info)
+    vision = raw.get("vision_config") or (raw.get("thinker_config") or {}).get("vision_config")
+    return {**raw, "vision_config": vision or {}, "text_config": _text_config(model)}
 
 
 def _text_config(model: Any) -> dict[str, Any]:

@@ -116,6 +116,19 @@ FAMILIES: dict[str, Family] = {
     # the tower's states (held in their cache: models/vlm.py), under the prompt's
     # per-token masks at prefill and with none at decode, as mlx-vlm's generate does.
     # The last prompt token takes its mask row, so the prompt goes in one forward.
+    "mllama": Family(
+        prompt_inputs=(
+            "cross_attention_states",
+            "cross_attention_mask",
+            "full_text_row_masked_out_mask",
+        ),
+        whole_prompt=True,
+        one_at_a_time="mllama's cross-attention layers take one array of image states for "
+        "the whole batch, and a prompt without images takes another path (mlx-vlm's): rows "
+        "with other images, or none, cannot share a forward",
+        no_prefix_cache="mllama keeps a prompt's image states in its cross-attention layers' "
+        "cache, not per token: the prefix cache's blocks cannot hold them",
+    ),
     # Molmo2: "<|image|>" becomes a low-res crop's and the high-res crops' pooled
     # patches (<im_patch>) between start, column and end tokens; the features are
     # added to the <im_patch> rows. A qwen3-like decoder.
@@ -135,19 +148,6 @@ FAMILIES: dict[str, Family] = {
     # Muse Glimmer: sliding-window layers and full ones without rope; the features fill
     # the <|patch|> tokens between the image markers.
     "muse_glimmer": Family(),
-    "mllama": Family(
-        prompt_inputs=(
-            "cross_attention_states",
-            "cross_attention_mask",
-            "full_text_row_masked_out_mask",
-        ),
-        whole_prompt=True,
-        one_at_a_time="mllama's cross-attention layers take one array of image states for "
-        "the whole batch, and a prompt without images takes another path (mlx-vlm's): rows "
-        "with other images, or none, cannot share a forward",
-        no_prefix_cache="mllama keeps a prompt's image states in its cross-attention layers' "
-        "cache, not per token: the prefix cache's blocks cannot hold them",
-    ),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 MROPE_FAMILIES = frozenset(name for name, f in FAMILIES.items() if f.mrope)
