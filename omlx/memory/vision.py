@@ -40,13 +40,17 @@ def vision_dims(config: Mapping[str, Any], text_hidden_size: int, dtype_bytes: i
     # Molmo2 nests the tower's numbers as vit_config (at the root, as HF ships it).
     vision = vision.get("vit_config") or config.get("vit_config") or vision
     text = config.get("text_config") or {}
-    # Qwen2-VL names the tower's width embed_dim (its hidden_size is the merger's output).
-    hidden = int(max(vision.get("hidden_size") or 0, vision.get("embed_dim") or 0) or 1024)
-    patch = vision.get("patch_size") or vision.get("image_patch_size") or 14
+    # The tower's width: Qwen2-VL's embed_dim (its hidden_size is the merger's output),
+    # Molmo's image_emb_dim (its hidden_size is the projector's), Step-3.7's width.
+    width = _first(vision, "image_emb_dim", "width")
+    hidden = int(width or max(vision.get("hidden_size") or 0, vision.get("embed_dim") or 0) or 1024)
+    mlp = _first(vision, "image_mlp_dim", "intermediate_size")
+    patch = _first(vision, "patch_size", "image_patch_size") or 14
+    heads = _first(vision, "num_attention_heads", "num_heads", "image_num_heads", "heads")
     return VisionDims(
         hidden_size=hidden,
-        intermediate_size=int(vision.get("intermediate_size") or 4 * hidden),
-        num_heads=int(vision.get("num_attention_heads") or vision.get("num_heads") or 16),
+        intermediate_size=int(mlp or hidden * float(vision.get("mlp_ratio") or 4)),
+        num_heads=int(heads or 16),
         patch_size=int(patch if isinstance(patch, int) else 14),
         text_hidden_size=text_hidden_size,
         dtype_bytes=dtype_bytes,
@@ -112,6 +116,12 @@ def image_bytes(
     return measured_transient_bytes(
         estimate, profile.image_peak_bytes, profile.image_estimate_bytes
     )
+
+
+def _first(config: Mapping[str, Any], *names: str) -> Any:
+    """The first of ``names`` the config gives a value (families name one thing
+    differently)."""
+    return next((config[n] for n in names if config.get(n)), None)
 
 
 def _prod(values: Sequence[int]) -> int:

@@ -127,3 +127,15 @@ def test_moondream_channels_last_crops_are_priced_by_their_pixels() -> None:
     last = vision_transient_bytes(dims, (2, 378, 378, 3), 770)
     first = vision_transient_bytes(dims, (2, 3, 378, 378), 770)
     assert last == first
+
+
+def test_the_towers_width_under_molmo_and_step3p7_names() -> None:
+    # Molmo: hidden_size is its projector's (18944), the tower is image_emb_dim wide;
+    # Step-3.7's perception encoder names its width, heads and MLP ratio so.
+    molmo = {"vision_config": {"hidden_size": 18944, "image_emb_dim": 1024,
+                               "image_num_heads": 16, "image_mlp_dim": 4096}}  # fmt: skip
+    step = {"vision_config": {"width": 1536, "heads": 16, "mlp_ratio": 8960 / 1536}}
+    dims = vision_dims(molmo, text_hidden_size=3584, dtype_bytes=2)
+    assert (dims.hidden_size, dims.num_heads, dims.intermediate_size) == (1024, 16, 4096)
+    dims = vision_dims(step, text_hidden_size=4096, dtype_bytes=2)
+    assert (dims.hidden_size, dims.num_heads, dims.intermediate_size) == (1536, 16, 8960)
