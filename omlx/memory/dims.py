@@ -133,6 +133,11 @@ def model_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int) -> ModelDims |
     )
 
 
+def hidden_size(config: Mapping[str, Any]) -> int | None:
+    """The language model's width, under any of its names (molmo's ``d_model``)."""
+    return _first_int(_language_model_config(config), _HIDDEN_KEYS)
+
+
 def conservative_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int) -> ModelDims:
     """Dimensions for a config ``model_dims`` cannot resolve: never a reason to skip the guard.
 

@@ -37,14 +37,20 @@ def vision_dims(config: Mapping[str, Any], text_hidden_size: int, dtype_bytes: i
     """From a VLM's config.json (its ``vision_config``), with families' defaults
     for what a config leaves out."""
     vision = config.get("vision_config") or {}
+    # Molmo2 nests the tower's numbers as vit_config (at the root, as HF ships it).
+    vision = vision.get("vit_config") or config.get("vit_config") or vision
     text = config.get("text_config") or {}
-    # Qwen2-VL names the tower's width embed_dim (its hidden_size is the merger's output).
-    hidden = int(max(vision.get("hidden_size") or 0, vision.get("embed_dim") or 0) or 1024)
-    patch = vision.get("patch_size") or 14
+    # The tower's width: Qwen2-VL's embed_dim (its hidden_size is the merger's output),
+    # Molmo's image_emb_dim (its hidden_size is the projector's), Step-3.7's width.
+    width = _first(vision, "image_emb_dim", "width")
+    hidden = int(width or max(vision.get("hidden_size") or 0, vision.get("embed_dim") or 0) or 1024)
+    mlp = _first(vision, "image_mlp_dim", "intermediate_size")
+    patch = _first(vision, "patch_size", "image_patch_size") or 14
+    heads = _first(vision, "num_attention_heads", "num_heads", "image_num_heads", "heads")
     return VisionDims(
         hidden_size=hidden,
-        intermediate_size=int(vision.get("intermediate_size") or 4 * hidden),
-        num_heads=int(vision.get("num_attention_heads") or vision.get("num_heads") or 16),
+        intermediate_size=int(mlp or hidden * float(vision.get("mlp_ratio") or 4)),
+        num_heads=int(heads or 16),
         patch_size=int(patch if isinstance(patch, int) else 14),
         text_hidden_size=text_hidden_size,
         dtype_bytes=dtype_bytes,
@@ -59,16 +65,23 @@ def vision_transient_bytes(
     width; the processor pads a batch to its largest image) for a prompt of
     ``num_prompt_tokens`` tokens. An upper bound: every image counted at the
     batch's size, scores in float32. Qwen2-VL's processor gives flat patches
-    (patches, features): counted as one image of all of them (an upper bound).
+    (patches, features): counted as one image of all of them (an upper bound);
+    molmo2's, crops of them (crops, patches, a patch's pixels): a crop an image.
+    Channels may come last (moondream: crops, height, width, channels).
     Crops or tiles (llava_next, mllama: (..., tiles, channels, height, width)) count
     as images, except mllama's, whose tower attends over an image's tiles at once."""
     if len(pixel_shape) == 2:
         num_images, patches = 1, int(pixel_shape[0])
+    elif len(pixel_shape) == 3 and pixel_shape[-1] == 3 * dims.patch_size**2:
+        # Crops of flat patches (molmo2: crops, patches, a patch's pixels).
+        num_images, patches = int(pixel_shape[0]), int(pixel_shape[1])
     elif len(pixel_shape) < 3:
         return 0
     else:
         num_images = _prod(pixel_shape[:-3])
         height, width = pixel_shape[-2], pixel_shape[-1]
+        if pixel_shape[-1] in (1, 3) and pixel_shape[-3] not in (1, 3):
+            height, width = pixel_shape[-3], pixel_shape[-2]  # channels last (moondream)
         patches = max(1, (height // dims.patch_size) * (width // dims.patch_size)) + 1
     if dims.tiled_cross_attention and len(pixel_shape) >= 5:
         num_images, patches = num_images // pixel_shape[-4], patches * pixel_shape[-4]
@@ -103,6 +116,12 @@ def image_bytes(
     return measured_transient_bytes(
         estimate, profile.image_peak_bytes, profile.image_estimate_bytes
     )
+
+
+def _first(config: Mapping[str, Any], *names: str) -> Any:
+    """The first of ``names`` the config gives a value (families name one thing
+    differently)."""
+    return next((config[n] for n in names if config.get(n)), None)
 
 
 def _prod(values: Sequence[int]) -> int:

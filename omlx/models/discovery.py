@@ -67,7 +67,7 @@ def detect_kind(config: dict[str, Any], folder: Path | None = None) -> str:
         return "embedding"
     if folder is not None and any((folder / m).is_file() for m in _ST_MARKERS):
         return "embedding"
-    if "vision_config" in config or any(_is_vlm_arch(a) for a in archs):
+    if _names_a_vision_tower(config) or any(_is_vlm_arch(a) for a in archs):
         return "vlm"
     # A causal LM: so declared, or no architectures at all (mlx-lm goes by model_type).
     causal = not archs or any(str(a).endswith("ForCausalLM") for a in archs)
@@ -76,6 +76,19 @@ def detect_kind(config: dict[str, Any], folder: Path | None = None) -> str:
         # config is a plain LLM's, the name is what every published copy keeps.
         return "rerank"
     return "llm"
+
+
+def _names_a_vision_tower(config: dict[str, Any]) -> bool:
+    """A vision tower's config where the families ship it: ``vision_config``; Molmo2's
+    ``vit_config``; Qwen3-Omni's in its thinker's config; Molmo's nowhere (a
+    ``molmo`` model type is a VLM: mlx-lm has none)."""
+    thinker = config.get("thinker_config")
+    return (
+        "vision_config" in config
+        or "vit_config" in config
+        or (isinstance(thinker, dict) and "vision_config" in thinker)
+        or config.get("model_type") == "molmo"
+    )
 
 
 def _is_vlm_arch(arch: str) -> bool:

@@ -21,6 +21,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from omlx.errors import ModelLoadError
+from omlx.memory.dims import hidden_size
 from omlx.memory.vision import VisionDims, vision_dims
 from omlx.mlx_types import flat_parameters
 from omlx.models.discovery import ModelInfo
@@ -243,7 +244,8 @@ class VisionEncoder:
         self, input_ids: list[int], pixel_values: Any, extras: dict[str, Any]
     ) -> PromptEmbedding:
         ids = mx.array(input_ids)[None]
-        kwargs = {k: mx.array(v) for k, v in extras.items()}
+        # As mlx-vlm's prepare_inputs: lists stay lists (moondream's crop counts, layouts).
+        kwargs = {k: v if isinstance(v, (list, str)) else mx.array(v) for k, v in extras.items()}
         # The processor's attention mask, as mlx-vlm's generate passes it (gemma3 needs it).
         mask = mx.ones(ids.shape, dtype=mx.int32)
         features = self.model.get_input_embeddings(ids, mx.array(pixel_values), mask=mask, **kwargs)
@@ -300,11 +302,14 @@ def _largest_side(processor: Any) -> int:
     return min(max(sides, default=_DEFAULT_SIDE), _MAX_STRESS_SIDE)
 
 
-def _image_token(processor: Any, config: dict[str, Any]) -> tuple[str, int]:
+def _image_token(processor: Any, config: dict[str, Any], traits: Family) -> tuple[str, int]:
     tokenizer = getattr(processor, "tokenizer", processor)
-    token = getattr(processor, "image_token", None) or "<image>"
+    if traits.image_token_id is not None:
+        fixed = traits.image_token_id
+        return str(tokenizer.convert_ids_to_tokens(fixed)), fixed
+    token = traits.image_token or getattr(processor, "image_token", None) or "<image>"
     token_id = config.get("image_token_index", config.get("image_token_id"))
-    if not isinstance(token_id, int):
+    if traits.image_token or not isinstance(token_id, int):
         token_id = int(tokenizer.convert_tokens_to_ids(token))
     return str(token), token_id
 
@@ -322,9 +327,12 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     except (ValueError, OSError, KeyError, RuntimeError, TypeError) as exc:
         raise ModelLoadError(f"cannot load '{info.name}' from {info.path}: {exc}") from exc
     _require_served_caches(info, model.language_model)
-    config = {**_raw_config(info), "text_config": _text_config(model)}
-    token, token_id = _image_token(processor, config)
-    dims = vision_dims(config, config["text_config"]["hidden_size"], _dtype_bytes(model))
+    config = _served_config(info, model)
+    token, token_id = _image_token(processor, config, traits)
+    text_hidden = hidden_size(config)
+    if text_hidden is None:
+        raise ModelLoadError(f"cannot load '{info.name}': its text config names no hidden size")
+    dims = vision_dims(config, text_hidden, _dtype_bytes(model))
     encoder = VisionEncoder(model, processor, info.model_type, traits, token, token_id, dims)
     tokenizer = TokenizerWrapper(getattr(processor, "tokenizer", processor))
     log.info("loaded vision-language model %s in %.2f s", info.name, time.perf_counter() - start)
@@ -343,10 +351,18 @@ def _require_served_caches(info: ModelInfo, language_model: Any) -> None:
         raise ModelLoadError(f"cannot load '{info.name}': its language model keeps {exc}") from exc
 
 
+def _served_config(info: ModelInfo, model: Any) -> dict[str, Any]:
+    """config.json with its text and vision configs at the root, where the guard reads
+    them (Qwen3-Omni nests both in its thinker's config)."""
+    raw = _raw_config(info)
+    vision = raw.get("vision_config") or (raw.get("thinker_config") or {}).get("vision_config")
+    return {**raw, "vision_config": vision or {}, "text_config": _text_config(model)}
+
+
 def _text_config(model: Any) -> dict[str, Any]:
     """The language model's config as mlx-vlm resolved it (defaults filled in), so
     the memory guard reads the real text dims of nested VLM configs."""
-    text = model.config.text_config
+    text = getattr(model.config, "thinker_config", model.config).text_config
     fields = getattr(text, "__dataclass_fields__", None)
     return {k: getattr(text, k) for k in fields} if fields else dict(vars(text))
 

@@ -16,6 +16,9 @@ class Family:
     """``image_text``: what stands for one image in the prompt text, when it is not
     the processor's image token (the processor expands it to the image's tokens;
     "": nothing, the processor puts the images where the family wants them).
+    ``image_token``: the token whose rows the image features fill, when it is not
+    the processor's image token (molmo2's patches among its layout tokens);
+    ``image_token_id``: its id, where the processor writes a fixed id, not a token's.
     ``mrope``: multi-axis rope positions (models/vlm.py shifts them so decode sits
     at each row's cache offset). ``prompt_inputs``: fields of mlx-vlm's embedding
     output given to the language model with each prefill chunk (whole-prompt
@@ -27,6 +30,8 @@ class Family:
     the most images one prompt may carry (None: the API's limit)."""
 
     image_text: str | None = None
+    image_token: str | None = None
+    image_token_id: int | None = None
     mrope: bool = False
     prompt_inputs: tuple[str, ...] = ()
     whole_prompt: bool = False
@@ -56,6 +61,14 @@ FAMILIES: dict[str, Family] = {
     ),
     # Qwen3-VL with a mixture-of-experts decoder (mlx-lm's switch layers batch as any).
     "qwen3_vl_moe": Family(
+        image_text=_QWEN_IMAGE,
+        mrope=True,
+        prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds"),
+    ),
+    # Qwen3-Omni's thinker: Qwen3-VL-MoE's layout, M-RoPE and deepstack (its features
+    # one row a prompt token, which the model slices by its cache offset); an audio
+    # tower omlx does not feed, and no talker: text answers only.
+    "qwen3_omni_moe": Family(
         image_text=_QWEN_IMAGE,
         mrope=True,
         prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds"),
@@ -131,6 +144,25 @@ FAMILIES: dict[str, Family] = {
     # does): a batch of different lengths gives other tokens, so the load's output
     # probe (engine/output_probe.py) serves it one request at a time.
     "nemotron_h_nano_omni": Family(),
+    # Molmo2: "<|image|>" becomes a low-res crop's and the high-res crops' pooled
+    # patches (<im_patch>) between start, column and end tokens; the features are
+    # added to the <im_patch> rows. A qwen3-like decoder.
+    "molmo2": Family(image_text="<|image|>", image_token="<im_patch>"),
+    # Molmo: the processor puts the image's tokens (crops of pooled <im_patch> tokens)
+    # before the whole text, whatever the text says; two images would make it two
+    # prompts (one a row, each with the text), so one image a prompt.
+    "molmo": Family(image_text="", image_token="<im_patch>", max_images=1),
+    # Moondream 3: the processor writes BOS, 729 image rows (id 0) and the text in its
+    # "Question: ... Answer:" frame; one image a prompt (the model embeds one image's
+    # rows). Its embedding offers a prefix mask (BOS and image attending each other),
+    # which mlx-vlm's generate does not give the language model: causal, as there.
+    "moondream3": Family(image_text="", image_token_id=0, max_images=1),
+    # Step-3.7: a step3p5 decoder (sliding-window layers, experts); the processor takes
+    # one <im_patch> a prompt and writes every image's tokens there: one image a prompt.
+    "step3p7": Family(max_images=1),
+    # Muse Glimmer: sliding-window layers and full ones without rope; the features fill
+    # the <|patch|> tokens between the image markers.
+    "muse_glimmer": Family(),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 MROPE_FAMILIES = frozenset(name for name, f in FAMILIES.items() if f.mrope)
@@ -232,12 +264,33 @@ REFUSED: dict[str, str] = {
         "outnumber the prompt's tokens, and omlx's prefill and prefix cache take one "
         "embedding per token",
     ),
+    # Checked: mlx-vlm's add_image_token turns a 3-token prompt with one image token into
+    # 578 rows, and a prompt already expanded to 576 image tokens (578) into 1153.
+    "multi_modality": "mlx-vlm's model inserts 576 feature rows at each image token of the "
+    "prompt itself (more embeddings than prompt tokens: omlx's prefill and prefix cache "
+    "take one a token), and its vision module imports OpenCV (cv2), which omlx does not "
+    "install",
+    "molmo_point": "a pointing model: its decode steps predict image points from state "
+    "mlx-vlm keeps on the model object for one prompt (the image's patch keys, the ids "
+    "generated so far), with logits past the vocabulary for the points; one model-wide "
+    "state cannot serve a batch of prompts, nor omlx's decode, which samples from the "
+    "vocabulary",
+    "phi4mm": "an image is one placeholder id (-200) that the model splices its features "
+    "into (more embeddings than prompt tokens: omlx's prefill and prefix cache take one a "
+    "token); unquantized, mlx-vlm also merges its vision LoRA into the language model's "
+    "weights when a prompt has images and takes it out when one has none: text and image "
+    "requests cannot share one model's weights in a batch",
     "phi3_v": "its processor numbers each image (<|image_1|>, <|image_2|>, ...) and marks "
     "the image's tokens with negative ids, not one image token id as omlx's prompt path "
     "takes",
     "mistral_large3": "mlx-vlm loads its processor through transformers' PixtralProcessor, "
     "which needs PyTorch (omlx installs none)",
     "llama4": _STATES.format("ChunkedKVCache", "chunked attention"),
+    # A tiny MiniMax-M3 of 4 layers: ['KVCache', 'KVCache', 'KVCache', 'MiniMaxM3KVCache'].
+    "minimax_m3_vl": _STATES.format(
+        "MiniMaxM3KVCache",
+        "sparse attention: KV plus a block index's keys, every layer after the first three",
+    ),
     "deepseek_v41": _STATES.format("CacheList", "compressed attention pools"),
     **dict.fromkeys(
         (
@@ -253,18 +306,8 @@ REFUSED: dict[str, str] = {
             "mage_vl",
             "mimo_v2",
             "minicpmo",
-            "minimax_m3_vl",
-            "molmo",
-            "molmo2",
-            "molmo_point",
             "moondream2",
-            "moondream3",
-            "multi_modality",
-            "muse_glimmer",
             "muse_spark",
-            "phi4mm",
-            "qwen3_omni_moe",
-            "step3p7",
             "youtu_vl",
         ),
         _UNTRIED,

@@ -49,6 +49,13 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-qwen3-5-moe": ("qwen3_5_moe", 96, None),
     "tiny-nemotron-omni": ("nemotron_h_nano_omni", 64, "batched output differs from solo"),
     "tiny-kimi-k3": ("kimi_k3", 56, None),
+    # vis-b
+    "tiny-molmo2": ("molmo2", 378, None),
+    "tiny-molmo": ("molmo", 56, None),
+    "tiny-qwen3-omni": ("qwen3_omni_moe", 96, None),
+    "tiny-moondream3": ("moondream3", 378, None),
+    "tiny-step3p7": ("step3p7", 728, None),
+    "tiny-muse-glimmer": ("muse_glimmer", 64, None),
 }
 # Families whose language model keeps linear-attention / convolution / SSM states
 # (ArraysCache), with the KV bytes a token adds to their attention layers (float32):
@@ -196,7 +203,7 @@ def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     assert answer(client, model, ask(png(60, size), text=text)) == expected
 
 
-@pytest.mark.parametrize("model", [m for m in MODELS if m != "tiny-paligemma"])
+@pytest.mark.parametrize("model", [m for m in MODELS if FAMILIES[MODELS[m][0]].max_images != 1])
 def test_two_images_and_text_alone_answer(client: openai.OpenAI, model: str) -> None:
     two = chat(client, model, ask(png(70), png(71), text="compare them"), MAX_TOKENS)
     one = chat(client, model, ask(png(70), text="compare them"), MAX_TOKENS)
@@ -217,13 +224,16 @@ def test_mllama_image_of_one_tile_matches_mlx_vlm(
     assert engine.loaded.vision.dims.tiled_cross_attention  # the image gate prices its states
 
 
-def test_paligemma_takes_one_image_a_request_and_says_so(client: openai.OpenAI) -> None:
+@pytest.mark.parametrize("model", [m for m in MODELS if FAMILIES[MODELS[m][0]].max_images == 1])
+def test_a_one_image_family_takes_one_image_a_request_and_says_so(
+    client: openai.OpenAI, model: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        chat(client, "tiny-paligemma", ask(png(72), png(73)), MAX_TOKENS)
+        chat(client, model, ask(png(72), png(73)), MAX_TOKENS)
     error = info.value.response.json()["error"]
     assert error["param"] == "messages[0].content[2]"
-    assert "at most 1 image" in error["message"] and "paligemma" in error["message"]
-    text_only = chat(client, "tiny-paligemma", [{"role": "user", "content": "hi"}], MAX_TOKENS)
+    assert "at most 1 image" in error["message"] and MODELS[model][0] in error["message"]
+    text_only = chat(client, model, [{"role": "user", "content": "hi"}], MAX_TOKENS)
     assert text_only.choices[0].finish_reason in ("length", "stop")
 
 

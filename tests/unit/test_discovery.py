@@ -166,6 +166,10 @@ def test_kinds_are_detected_from_config(tmp_path):
         ({"architectures": None}, "llm"),
         ({"architectures": ["Qwen3ForCausalLM"]}, "llm"),
         ({"vision_config": {}}, "vlm"),
+        # Where Molmo2, Qwen3-Omni and Molmo ship theirs (Molmo: nowhere).
+        ({"architectures": ["Molmo2ForConditionalGeneration"], "vit_config": {}}, "vlm"),
+        ({"thinker_config": {"vision_config": {}}}, "vlm"),
+        ({"architectures": ["MolmoForCausalLM"], "model_type": "molmo"}, "vlm"),
         # A VLM told by its architecture alone; a text seq2seq head is not one.
         ({"architectures": ["LlavaForConditionalGeneration"]}, "vlm"),
         ({"architectures": ["Qwen2_5_VLForConditionalGeneration"]}, "vlm"),

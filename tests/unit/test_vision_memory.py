@@ -101,3 +101,41 @@ def test_mllama_tiles_attend_as_one_image_and_its_states_are_priced() -> None:
     # Counted as 4 separate tiles, the scores would be a quarter of that.
     per_tile = vision_dims({**MLLAMA, "text_config": {}}, text_hidden_size=4096, dtype_bytes=2)
     assert vision_transient_bytes(per_tile, (1, 1, 4, 3, 560, 560), 20) < scores
+
+
+def test_molmo2_crops_of_flat_patches_are_priced_as_images() -> None:
+    # Molmo2 as HF ships it: the tower's numbers at the root as vit_config; the
+    # processor hands over (crops, 729 patches, 14 x 14 x 3 pixels).
+    config = {"vit_config": {"hidden_size": 1152, "intermediate_size": 4304,
+                             "num_attention_heads": 16, "image_patch_size": 14}}  # fmt: skip
+    dims = vision_dims(config, text_hidden_size=2560, dtype_bytes=2)
+    assert (dims.hidden_size, dims.num_heads, dims.patch_size) == (1152, 16, 14)
+    two = vision_transient_bytes(dims, (2, 729, 588), 450)
+    nine = vision_transient_bytes(dims, (9, 729, 588), 450)
+    scores = 16 * 729 * 729 * 4  # a crop's heads x patches^2 in float32
+    assert two > 2 * scores and nine > 9 * scores
+    assert nine - two > 7 * (scores + 729 * (6 * 1152 + 4304) * 2)  # each crop's share
+
+
+SIGLIP_LIKE = {"hidden_size": 1152, "intermediate_size": 4304, "num_attention_heads": 16,
+               "patch_size": 14}  # fmt: skip
+
+
+def test_moondream_channels_last_crops_are_priced_by_their_pixels() -> None:
+    # Moondream's processor hands over (crops, 378, 378, 3): a crop of 27 x 27 patches.
+    dims = vision_dims({"vision_config": SIGLIP_LIKE}, text_hidden_size=2048, dtype_bytes=2)
+    last = vision_transient_bytes(dims, (2, 378, 378, 3), 770)
+    first = vision_transient_bytes(dims, (2, 3, 378, 378), 770)
+    assert last == first
+
+
+def test_the_towers_width_under_molmo_and_step3p7_names() -> None:
+    # Molmo: hidden_size is its projector's (18944), the tower is image_emb_dim wide;
+    # Step-3.7's perception encoder names its width, heads and MLP ratio so.
+    molmo = {"vision_config": {"hidden_size": 18944, "image_emb_dim": 1024,
+                               "image_num_heads": 16, "image_mlp_dim": 4096}}  # fmt: skip
+    step = {"vision_config": {"width": 1536, "heads": 16, "mlp_ratio": 8960 / 1536}}
+    dims = vision_dims(molmo, text_hidden_size=3584, dtype_bytes=2)
+    assert (dims.hidden_size, dims.num_heads, dims.intermediate_size) == (1024, 16, 4096)
+    dims = vision_dims(step, text_hidden_size=4096, dtype_bytes=2)
+    assert (dims.hidden_size, dims.num_heads, dims.intermediate_size) == (1536, 16, 8960)
