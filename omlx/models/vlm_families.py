@@ -116,6 +116,13 @@ FAMILIES: dict[str, Family] = {
         no_prefix_cache="mllama keeps a prompt's image states in its cross-attention layers' "
         "cache, not per token: the prefix cache's blocks cannot hold them",
     ),
+    # Cohere Compass: qwen3_vl's image layout, interleaved M-RoPE and deepstack features
+    # (its own vision markers), over a Command decoder with sliding-window layers.
+    "cohere_compass": Family(
+        image_text="<|VISION_START|><|IMAGE_PAD|><|VISION_END|>",
+        mrope=True,
+        prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds"),
+    ),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 MROPE_FAMILIES = frozenset(name for name, f in FAMILIES.items() if f.mrope)
@@ -210,7 +217,6 @@ REFUSED: dict[str, str] = {
     "deepseek_v41": _STATES.format("CacheList", "compressed attention pools"),
     **dict.fromkeys(
         (
-            "cohere_compass",
             "deepseek_vl_v2",
             "ernie4_5_moe_vl",
             "gemma3n",

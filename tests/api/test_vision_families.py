@@ -43,6 +43,8 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-glm4v-moe": ("glm4v_moe", 84, None),
     "tiny-mistral3": ("mistral3", 56, None),
     "tiny-gemma4": ("gemma4", 64, None),
+    # Issue 41's second pass (tiny_vlm_configs_a.py).
+    "tiny-cohere-compass": ("cohere_compass", 56, None),
 }
 MAX_TOKENS = 10
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.
@@ -162,7 +164,9 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
     assert first.choices[0].message.content == again.choices[0].message.content
 
 
-@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-gemma4", "tiny-qwen3-vl", "tiny-glm4v"])
+@pytest.mark.parametrize(
+    "model", ["tiny-gemma3", "tiny-gemma4", "tiny-qwen3-vl", "tiny-glm4v", "tiny-cohere-compass"]
+)
 def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     client: openai.OpenAI, server: Server, model: str, tmp_path: Path
 ) -> None:
