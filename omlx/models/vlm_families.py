@@ -9,6 +9,7 @@ what that path must do differently for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,10 @@ FAMILIES: dict[str, Family] = {
         no_prefix_cache="mllama keeps a prompt's image states in its cross-attention layers' "
         "cache, not per token: the prefix cache's blocks cannot hold them",
     ),
+    # DeepSeek-VL2: a deepseek_v2 decoder (MLA, experts); "<image>" becomes a global
+    # view and the local crops of SigLIP features, a newline column a row (the
+    # processor counts them, and names its pixels `images`).
+    "deepseek_vl_v2": Family(),
     # Cohere Compass: qwen3_vl's image layout, interleaved M-RoPE and deepstack features
     # (its own vision markers), over a Command decoder with sliding-window layers.
     "cohere_compass": Family(
@@ -222,7 +227,6 @@ REFUSED: dict[str, str] = {
     "deepseek_v41": _STATES.format("CacheList", "compressed attention pools"),
     **dict.fromkeys(
         (
-            "deepseek_vl_v2",
             "ernie4_5_moe_vl",
             "gemma4_unified",
             "granite4_vision",
@@ -249,6 +253,28 @@ REFUSED: dict[str, str] = {
         _UNTRIED,
     ),
 }
+
+
+_TEXT_FIELDS = ("input_ids", "attention_mask")
+# DeepSeek-VL2's processor names its pixels `images` (mlx-vlm's prepare_inputs renames it).
+_PIXEL_FIELDS = ("pixel_values", "images")
+
+
+def image_inputs(out: Any) -> tuple[Any, dict[str, Any]]:
+    """What of a processor's output (a mapping) the vision tower takes besides the
+    prompt's ids: the pixels, and the other arrays as keyword inputs (grids, masks,
+    crops). Text a processor echoes back (DeepSeek-VL2's sft_format) is no input."""
+    pixels_name = next((name for name in _PIXEL_FIELDS if name in out), "pixel_values")
+    extras = {
+        k: v for k, v in out.items() if k not in (*_TEXT_FIELDS, pixels_name) and not _is_text(v)
+    }
+    return out[pixels_name], extras
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str) or (
+        isinstance(value, list) and any(isinstance(v, str) for v in value)
+    )
 
 
 def family(model_type: str) -> Family | None:

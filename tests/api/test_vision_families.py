@@ -45,6 +45,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-gemma4": ("gemma4", 64, None),
     # Issue 41's second pass (tiny_vlm_configs_a.py).
     "tiny-cohere-compass": ("cohere_compass", 56, None),
+    "tiny-deepseek-vl2": ("deepseek_vl_v2", 56, None),
 }
 MAX_TOKENS = 10
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.
