@@ -121,6 +121,10 @@ FAMILIES: dict[str, Family] = {
     # view and the local crops of SigLIP features, a newline column a row (the
     # processor counts them, and names its pixels `images`).
     "deepseek_vl_v2": Family(),
+    # Granite 4 Vision: AnyRes tiles resampled by windowed QFormers (the processor counts
+    # their tokens); deepstack features added to the first decoder layers' outputs at
+    # the image tokens, as qwen3_vl's (whole-prompt arrays the model slices itself).
+    "granite4_vision": Family(prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds")),
     # Cohere Compass: qwen3_vl's image layout, interleaved M-RoPE and deepstack features
     # (its own vision markers), over a Command decoder with sliding-window layers.
     "cohere_compass": Family(
@@ -229,7 +233,6 @@ REFUSED: dict[str, str] = {
         (
             "ernie4_5_moe_vl",
             "gemma4_unified",
-            "granite4_vision",
             "hunyuan_vl",
             "jina_vlm",
             "llmjpvl",

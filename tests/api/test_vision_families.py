@@ -46,6 +46,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # Issue 41's second pass (tiny_vlm_configs_a.py).
     "tiny-cohere-compass": ("cohere_compass", 56, None),
     "tiny-deepseek-vl2": ("deepseek_vl_v2", 56, None),
+    "tiny-granite4-vision": ("granite4_vision", 32, None),
 }
 MAX_TOKENS = 10
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.
@@ -166,14 +167,22 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
 
 
 @pytest.mark.parametrize(
-    "model", ["tiny-gemma3", "tiny-gemma4", "tiny-qwen3-vl", "tiny-glm4v", "tiny-cohere-compass"]
+    "model",
+    [
+        "tiny-gemma3",
+        "tiny-gemma4",
+        "tiny-qwen3-vl",
+        "tiny-glm4v",
+        "tiny-cohere-compass",
+        "tiny-granite4-vision",
+    ],
 )
 def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     client: openai.OpenAI, server: Server, model: str, tmp_path: Path
 ) -> None:
-    # ~60 text tokens, then the image: the 64-token chunks cut its tokens (qwen3_vl's
-    # deepstack features and positions, gemma4's per-layer inputs, are sliced per
-    # chunk; gemma3's window wraps).
+    # ~60 text tokens, then the image: the 64-token chunks cut its tokens (qwen3_vl's,
+    # cohere_compass's and granite4_vision's deepstack features and positions, gemma4's
+    # per-layer inputs, are sliced per chunk; gemma3's window wraps).
     text = "tell me about the colours and the shapes " * 6
     size = (300, 300)
     expected = mlx_vlm_answer(server, model, 60, tmp_path, text, size)
