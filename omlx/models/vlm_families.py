@@ -125,6 +125,9 @@ FAMILIES: dict[str, Family] = {
     # their tokens); deepstack features added to the first decoder layers' outputs at
     # the image tokens, as qwen3_vl's (whole-prompt arrays the model slices itself).
     "granite4_vision": Family(prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds")),
+    # Mage-VL: Qwen-VL's image pads (a ViT with 3-D rope inside the tower) over a qwen3
+    # decoder with plain rope: no M-RoPE.
+    "mage_vl": Family(image_text=_QWEN_IMAGE),
     # Cohere Compass: qwen3_vl's image layout, interleaved M-RoPE and deepstack features
     # (its own vision markers), over a Command decoder with sliding-window layers.
     "cohere_compass": Family(
@@ -236,7 +239,6 @@ REFUSED: dict[str, str] = {
             "hunyuan_vl",
             "jina_vlm",
             "llmjpvl",
-            "mage_vl",
             "mimo_v2",
             "minicpmo",
             "minimax_m3_vl",
