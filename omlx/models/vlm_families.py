@@ -232,6 +232,11 @@ REFUSED: dict[str, str] = {
     "preallocated buffers, not the keys written: in omlx's shared decode batch those "
     "layers would attend unwritten rows",
     "deepseek_v41": _STATES.format("CacheList", "compressed attention pools"),
+    # Its image processor on two images (40x50, 300x120): arrays of (3, 56, 56) and (3, 84, 28).
+    "minicpmo": "its processor gives the pixels as a list of arrays of different shapes "
+    "(each image resized to its own aspect, with tgt_sizes and image_bound beside them), "
+    "where omlx's image path takes one pixel array a prompt (the memory gate prices its "
+    "shape)",
     **dict.fromkeys(
         (
             "ernie4_5_moe_vl",
@@ -240,7 +245,6 @@ REFUSED: dict[str, str] = {
             "jina_vlm",
             "llmjpvl",
             "mimo_v2",
-            "minicpmo",
             "minimax_m3_vl",
             "molmo",
             "molmo2",
