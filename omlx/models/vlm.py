@@ -194,7 +194,7 @@ class VisionEncoder:
         mask = mx.ones(ids.shape, dtype=mx.int32)
         features = self.model.get_input_embeddings(ids, mx.array(pixel_values), mask=mask, **kwargs)
         embeds: mx.array = getattr(features, "inputs_embeds", features)
-        inputs = {name: getattr(features, name) for name in self.family.prompt_inputs}
+        inputs = {name: _prompt_input(features, kwargs, name) for name in self.family.prompt_inputs}
         if not self.family.mrope:
             return PromptEmbedding(embeds, None, inputs)
         positions, deltas = _mrope_positions(self.model, features)
@@ -212,6 +212,14 @@ class VisionEncoder:
         out = self.processor(text=text, images=[image], return_tensors="np")
         pixels, extras = image_inputs(out)
         return [int(t) for t in out["input_ids"][0]], pixels, extras
+
+
+def _prompt_input(features: Any, processed: dict[str, mx.array], name: str) -> Any:
+    """A whole-prompt input from mlx-vlm's embedding output, or where the model takes
+    it from the processor's (gemma4_unified's mm_token_type_ids, which mlx-vlm's
+    generate passes to the language model with the prompt)."""
+    value = getattr(features, name, None)
+    return processed.get(name) if value is None else value
 
 
 def _mrope_positions(model: Any, features: Any) -> tuple[mx.array, Any]:

@@ -20,7 +20,8 @@ class Family:
     ``mrope``: multi-axis rope positions (models/vlm.py shifts them so decode sits
     at each row's cache offset). ``prompt_inputs``: fields of mlx-vlm's embedding
     output given to the language model with each prefill chunk (whole-prompt
-    arrays it slices by its cache offset). ``whole_prompt``: an image prompt
+    arrays it slices by its cache offset; or, where the embedding output has none,
+    the processor's output of that name). ``whole_prompt``: an image prompt
     prefills in one forward with its last token, as mlx-vlm's generate does for
     it (a prompt that attends as one). ``one_at_a_time``: why the family
     cannot share the decode batch (None: it can). ``no_prefix_cache``: why its
@@ -128,6 +129,17 @@ FAMILIES: dict[str, Family] = {
     # Mage-VL: Qwen-VL's image pads (a ViT with 3-D rope inside the tower) over a qwen3
     # decoder with plain rope: no M-RoPE.
     "mage_vl": Family(image_text=_QWEN_IMAGE),
+    # Gemma 4 unified: gemma4's decoder, patches embedded with no vision encoder. An
+    # image's tokens attend each other both ways: the language model takes the
+    # processor's token types (mm_token_type_ids) with the whole prompt in one forward,
+    # as mlx-vlm's generate does (no chunked prefill for an image prompt).
+    "gemma4_unified": Family(
+        prompt_inputs=("per_layer_inputs", "mm_token_type_ids"),
+        whole_prompt=True,
+        no_prefix_cache="gemma4_unified's image tokens attend each other both ways, in "
+        "one forward with the whole prompt: a cache hit ending inside an image would "
+        "prefill the image's other tokens without it",
+    ),
     # Cohere Compass: qwen3_vl's image layout, interleaved M-RoPE and deepstack features
     # (its own vision markers), over a Command decoder with sliding-window layers.
     "cohere_compass": Family(
@@ -240,7 +252,6 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(
         (
             "ernie4_5_moe_vl",
-            "gemma4_unified",
             "hunyuan_vl",
             "jina_vlm",
             "llmjpvl",

@@ -48,6 +48,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-deepseek-vl2": ("deepseek_vl_v2", 56, None),
     "tiny-granite4-vision": ("granite4_vision", 32, None),
     "tiny-mage-vl": ("mage_vl", 56, None),
+    "tiny-gemma4-unified": ("gemma4_unified", 64, None),
 }
 MAX_TOKENS = 10
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.
