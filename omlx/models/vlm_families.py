@@ -18,7 +18,8 @@ class Family:
     the processor's image token (the processor expands it to the image's tokens;
     "": nothing, the processor puts the images where the family wants them).
     ``mrope``: multi-axis rope positions (models/vlm.py shifts them so decode sits
-    at each row's cache offset). ``prompt_inputs``: fields of mlx-vlm's embedding
+    at each row's cache offset); ``mrope_axes_last``: the model takes them as (rows,
+    tokens, axes), not (axes, rows, tokens). ``prompt_inputs``: fields of mlx-vlm's embedding
     output given to the language model with each prefill chunk (whole-prompt
     arrays it slices by its cache offset; or, where the embedding output has none,
     the processor's output of that name). ``whole_prompt``: an image prompt
@@ -30,6 +31,7 @@ class Family:
 
     image_text: str | None = None
     mrope: bool = False
+    mrope_axes_last: bool = False
     prompt_inputs: tuple[str, ...] = ()
     whole_prompt: bool = False
     one_at_a_time: str | None = None
@@ -139,6 +141,16 @@ FAMILIES: dict[str, Family] = {
         no_prefix_cache="gemma4_unified's image tokens attend each other both ways, in "
         "one forward with the whole prompt: a cache hit ending inside an image would "
         "prefill the image's other tokens without it",
+    ),
+    # ERNIE 4.5 VL: Qwen2-VL's image layout and 3-D rope; its language model computes the
+    # positions (get_rope_index, at its first forward) and takes them as (rows, tokens,
+    # 3). Its vision experts take the image tokens only where the forward gets
+    # token_type_ids, which mlx-vlm's generate does not pass: every token takes the text
+    # experts, as there.
+    "ernie4_5_moe_vl": Family(
+        image_text="<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>",
+        mrope=True,
+        mrope_axes_last=True,
     ),
     # Cohere Compass: qwen3_vl's image layout, interleaved M-RoPE and deepstack features
     # (its own vision markers), over a Command decoder with sliding-window layers.
@@ -251,7 +263,6 @@ REFUSED: dict[str, str] = {
     "shape)",
     **dict.fromkeys(
         (
-            "ernie4_5_moe_vl",
             "hunyuan_vl",
             "jina_vlm",
             "llmjpvl",

@@ -49,6 +49,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-granite4-vision": ("granite4_vision", 32, None),
     "tiny-mage-vl": ("mage_vl", 56, None),
     "tiny-gemma4-unified": ("gemma4_unified", 64, None),
+    "tiny-ernie4-5-vl": ("ernie4_5_moe_vl", 56, None),
 }
 MAX_TOKENS = 10
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.
@@ -177,14 +178,15 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-glm4v",
         "tiny-cohere-compass",
         "tiny-granite4-vision",
+        "tiny-ernie4-5-vl",
     ],
 )
 def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     client: openai.OpenAI, server: Server, model: str, tmp_path: Path
 ) -> None:
     # ~60 text tokens, then the image: the 64-token chunks cut its tokens (qwen3_vl's,
-    # cohere_compass's and granite4_vision's deepstack features and positions, gemma4's
-    # per-layer inputs, are sliced per chunk; gemma3's window wraps).
+    # cohere_compass's and granite4_vision's deepstack features and positions, ERNIE's
+    # positions, gemma4's per-layer inputs, are sliced per chunk; gemma3's window wraps).
     text = "tell me about the colours and the shapes " * 6
     size = (300, 300)
     expected = mlx_vlm_answer(server, model, 60, tmp_path, text, size)
