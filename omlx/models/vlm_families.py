@@ -256,6 +256,13 @@ REFUSED: dict[str, str] = {
     "preallocated buffers, not the keys written: in omlx's shared decode batch those "
     "layers would attend unwritten rows",
     "deepseek_v41": _STATES.format("CacheList", "compressed attention pools"),
+    # A tiny model: a text prompt's logits after an image prompt's embedding differ from
+    # the same prompt's on a fresh model, and match again after a text-only embedding.
+    "hunyuan_vl": "mlx-vlm keeps an image prompt's XD-RoPE positions on its language "
+    "model and applies them to the first forward of the next prompt, until that "
+    "prompt's own embedding (without images) clears them: omlx prefills a text prompt "
+    "without the vision path, so after an image prompt it would take that image's "
+    "positions",
     # Its image processor on two images (40x50, 300x120): arrays of (3, 56, 56) and (3, 84, 28).
     "minicpmo": "its processor gives the pixels as a list of arrays of different shapes "
     "(each image resized to its own aspect, with tgt_sizes and image_bound beside them), "
@@ -263,7 +270,6 @@ REFUSED: dict[str, str] = {
     "shape)",
     **dict.fromkeys(
         (
-            "hunyuan_vl",
             "jina_vlm",
             "llmjpvl",
             "mimo_v2",
