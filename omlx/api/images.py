@@ -18,7 +18,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from omlx.errors import InvalidRequestError
-from omlx.models.vlm_families import image_inputs
 
 # Bounds per image and per request: a decoded image costs ~4 bytes per pixel on
 # the processor and the vision tower's transient grows with the image tokens.
@@ -152,9 +151,12 @@ def process(
             param=parts[-1].where,
         )
     count = sum(1 for t in ids if t == image_token_id)
-    pixels, extras = image_inputs(out)
-    extras = {k: _on_host(v) for k, v in extras.items()}
-    return ids, PromptImages(_on_host(pixels), tuple(p.key for p in parts), count, extras)
+    extras = {k: _on_host(v) for k, v in out.items() if k not in _TEXT_FIELDS}
+    pixels = _on_host(out["pixel_values"])
+    return ids, PromptImages(pixels, tuple(p.key for p in parts), count, extras)
+
+
+_TEXT_FIELDS = ("input_ids", "attention_mask", "pixel_values")
 
 
 def _on_host(value: Any) -> Any:

@@ -23,7 +23,7 @@ from omlx.errors import ModelLoadError
 from omlx.memory.vision import VisionDims, vision_dims
 from omlx.mlx_types import flat_parameters
 from omlx.models.discovery import ModelInfo
-from omlx.models.vlm_families import Family, family, image_inputs, refusal
+from omlx.models.vlm_families import Family, family, refusal
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +216,11 @@ class VisionEncoder:
         image = Image.new("RGB", (side, side), (128, 96, 64))
         text = f"{self.image_text} describe"
         out = self.processor(text=text, images=[image], return_tensors="np")
-        pixels, extras = image_inputs(out)
-        return [int(t) for t in out["input_ids"][0]], pixels, extras
+        extras = {k: v for k, v in out.items() if k not in _TEXT_FIELDS}
+        return [int(t) for t in out["input_ids"][0]], out["pixel_values"], extras
+
+
+_TEXT_FIELDS = ("input_ids", "attention_mask", "pixel_values")
 
 
 def _prompt_input(features: Any, processed: dict[str, mx.array], name: str) -> Any:

@@ -45,7 +45,6 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-gemma4": ("gemma4", 64, None),
     # Issue 41's second pass (tiny_vlm_configs_a.py).
     "tiny-cohere-compass": ("cohere_compass", 56, None),
-    "tiny-deepseek-vl2": ("deepseek_vl_v2", 56, None),
     "tiny-granite4-vision": ("granite4_vision", 32, None),
     "tiny-mage-vl": ("mage_vl", 56, None),
     "tiny-gemma4-unified": ("gemma4_unified", 64, None),

@@ -56,25 +56,3 @@ def test_a_template_written_bos_is_not_doubled() -> None:
     assert _without_double_bos(_processor(adds_bos=True), "<s>a") == "a"
     assert _without_double_bos(_processor(adds_bos=False), "<s>a") == "<s>a"
     assert _without_double_bos(_processor(adds_bos=True), "a") == "a"
-
-
-def test_a_processor_that_names_its_pixels_images_gives_them_and_its_arrays() -> None:
-    import numpy as np
-
-    from omlx.models.vlm_families import image_inputs
-
-    # The keys and kinds DeepSeek-VL2's processor returns (a tiny model's prompt).
-    pixels = np.zeros((1, 2, 3, 56, 56), np.float32)
-    out = {
-        "input_ids": np.zeros((1, 36), np.int32),
-        "attention_mask": np.ones((1, 36), np.int32),
-        "labels": np.zeros((1, 36), np.int32),
-        "images": pixels,
-        "images_seq_mask": np.zeros((1, 36), bool),
-        "images_spatial_crop": np.ones((1, 1, 2), np.int32),
-        "sft_format": ["<|im_start|>user\nhi<image><|im_end|>\n"],
-        "seq_lens": [36],
-    }
-    got, extras = image_inputs(out)
-    assert got is pixels
-    assert set(extras) == {"labels", "images_seq_mask", "images_spatial_crop", "seq_lens"}
