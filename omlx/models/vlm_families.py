@@ -147,6 +147,9 @@ FAMILIES: dict[str, Family] = {
         mrope=True,
         mrope_axes_last=True,
     ),
+    # MiMo-V2: Qwen-VL's image pads over a decoder with plain rope, sliding-window
+    # layers with attention sinks (mlx-lm's RotatingKVCache) and experts; no audio.
+    "mimo_v2": Family(image_text=_QWEN_IMAGE),
     # Cohere Compass: qwen3_vl's image layout, interleaved M-RoPE and deepstack features
     # (its own vision markers), over a Command decoder with sliding-window layers.
     "cohere_compass": Family(
@@ -273,7 +276,6 @@ REFUSED: dict[str, str] = {
         (
             "jina_vlm",
             "llmjpvl",
-            "mimo_v2",
             "minimax_m3_vl",
             "molmo",
             "molmo2",

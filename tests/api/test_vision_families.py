@@ -49,6 +49,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-mage-vl": ("mage_vl", 56, None),
     "tiny-gemma4-unified": ("gemma4_unified", 64, None),
     "tiny-ernie4-5-vl": ("ernie4_5_moe_vl", 56, None),
+    "tiny-mimo-v2": ("mimo_v2", 56, None),
 }
 MAX_TOKENS = 10
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.
