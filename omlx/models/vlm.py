@@ -118,13 +118,18 @@ class TextModel(nn.Module):
     ``cross_layers``: the layers that cross-attend image states (mllama)."""
 
     def __init__(
-        self, language_model: Any, mrope: bool = False, cross_layers: tuple[int, ...] = ()
+        self,
+        language_model: Any,
+        mrope: bool = False,
+        cross_layers: tuple[int, ...] = (),
+        mrope_axes_last: bool = False,
     ):
         super().__init__()
         self.language_model = language_model
         # M-RoPE: positions are always passed, never left to the model's own state
         # (it keeps the last prompt's rope deltas, wrong for other rows of a batch).
         self._mrope = mrope
+        self._mrope_axes_last = mrope_axes_last
         self._cross_layers = cross_layers
 
     @property
@@ -153,9 +158,8 @@ class TextModel(nn.Module):
         if self._cross_layers and cache is not None:
             self._cross_attend(cache, kwargs)
         if self._mrope:
-            kwargs["position_ids"] = (
-                positions if positions is not None else _index_positions(inputs, cache)
-            )
+            chunk = positions if positions is not None else _index_positions(inputs, cache)
+            kwargs["position_ids"] = chunk.transpose(1, 2, 0) if self._mrope_axes_last else chunk
         out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **kwargs)
         logits: mx.array = out.logits if hasattr(out, "logits") else out
         return logits
@@ -250,10 +254,12 @@ class VisionEncoder:
         mask = mx.ones(ids.shape, dtype=mx.int32)
         features = self.model.get_input_embeddings(ids, mx.array(pixel_values), mask=mask, **kwargs)
         embeds: mx.array = getattr(features, "inputs_embeds", features)
-        inputs = {name: getattr(features, name) for name in self.family.prompt_inputs}
+        inputs = {name: _prompt_input(features, kwargs, name) for name in self.family.prompt_inputs}
         if not self.family.mrope:
             return PromptEmbedding(embeds, None, inputs)
-        positions, deltas = _mrope_positions(self.model, features)
+        positions, deltas = _mrope_positions(self.model, features, ids, kwargs)
+        if self.family.mrope_axes_last:
+            positions = positions.transpose(2, 0, 1)
         shifted = (positions - mx.array(deltas).reshape(1, -1, 1)).astype(mx.int32)
         return PromptEmbedding(embeds, shifted, inputs)
 
@@ -273,15 +279,31 @@ class VisionEncoder:
 _TEXT_FIELDS = ("input_ids", "attention_mask", "pixel_values")
 
 
-def _mrope_positions(model: Any, features: Any) -> tuple[mx.array, Any]:
-    """An image prompt's (3, 1, tokens) positions and its rope delta, from the
-    embedding output (qwen2_vl ...) or, where the family keeps them on its language
-    model for its own next call (glm4v), from there."""
+def _prompt_input(features: Any, processed: dict[str, Any], name: str) -> Any:
+    """A whole-prompt input from mlx-vlm's embedding output, or where the model takes
+    it from the processor's (gemma4_unified's mm_token_type_ids, which mlx-vlm's
+    generate passes to the language model with the prompt)."""
+    value = getattr(features, name, None)
+    return processed.get(name) if value is None else value
+
+
+def _mrope_positions(
+    model: Any, features: Any, ids: mx.array, processed: dict[str, Any]
+) -> tuple[mx.array, Any]:
+    """An image prompt's positions (in the family's layout) and its rope delta, from
+    the embedding output (qwen2_vl ...); where the family keeps them on its language
+    model for its own next call (glm4v), from there; else from the language model's
+    get_rope_index, which it runs at its first forward (ernie4_5_moe_vl)."""
     positions = getattr(features, "position_ids", None)
     if positions is not None:
         return positions, features.rope_deltas
     language_model = model.language_model
-    return language_model._position_ids, language_model._rope_deltas
+    if getattr(language_model, "_position_ids", None) is not None:
+        return language_model._position_ids, language_model._rope_deltas
+    found: tuple[mx.array, Any] = language_model.get_rope_index(
+        ids, image_grid_thw=processed.get("image_grid_thw")
+    )
+    return found
 
 
 # The image pass's side when a processor names no size; and at most (a larger image
@@ -337,7 +359,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     tokenizer = TokenizerWrapper(getattr(processor, "tokenizer", processor))
     log.info("loaded vision-language model %s in %.2f s", info.name, time.perf_counter() - start)
     cross = tuple(config["text_config"].get("cross_attention_layers") or ())
-    text_model = TextModel(model.language_model, traits.mrope, cross)
+    text_model = TextModel(model.language_model, traits.mrope, cross, traits.mrope_axes_last)
     return text_model, tokenizer, config, encoder
 
 

@@ -20,9 +20,11 @@ class Family:
     the processor's image token (molmo2's patches among its layout tokens);
     ``image_token_id``: its id, where the processor writes a fixed id, not a token's.
     ``mrope``: multi-axis rope positions (models/vlm.py shifts them so decode sits
-    at each row's cache offset). ``prompt_inputs``: fields of mlx-vlm's embedding
+    at each row's cache offset); ``mrope_axes_last``: the model takes them as (rows,
+    tokens, axes), not (axes, rows, tokens). ``prompt_inputs``: fields of mlx-vlm's embedding
     output given to the language model with each prefill chunk (whole-prompt
-    arrays it slices by its cache offset). ``whole_prompt``: an image prompt
+    arrays it slices by its cache offset; or, where the embedding output has none,
+    the processor's output of that name). ``whole_prompt``: an image prompt
     prefills in one forward with its last token, as mlx-vlm's generate does for
     it (a prompt that attends as one). ``one_at_a_time``: why the family
     cannot share the decode batch (None: it can). ``no_prefix_cache``: why its
@@ -33,6 +35,7 @@ class Family:
     image_token: str | None = None
     image_token_id: int | None = None
     mrope: bool = False
+    mrope_axes_last: bool = False
     prompt_inputs: tuple[str, ...] = ()
     whole_prompt: bool = False
     one_at_a_time: str | None = None
@@ -163,6 +166,44 @@ FAMILIES: dict[str, Family] = {
     # Muse Glimmer: sliding-window layers and full ones without rope; the features fill
     # the <|patch|> tokens between the image markers.
     "muse_glimmer": Family(),
+    # Granite 4 Vision: AnyRes tiles resampled by windowed QFormers (the processor counts
+    # their tokens); deepstack features added to the first decoder layers' outputs at
+    # the image tokens, as qwen3_vl's (whole-prompt arrays the model slices itself).
+    "granite4_vision": Family(prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds")),
+    # Mage-VL: Qwen-VL's image pads (a ViT with 3-D rope inside the tower) over a qwen3
+    # decoder with plain rope: no M-RoPE.
+    "mage_vl": Family(image_text=_QWEN_IMAGE),
+    # Gemma 4 unified: gemma4's decoder, patches embedded with no vision encoder. An
+    # image's tokens attend each other both ways: the language model takes the
+    # processor's token types (mm_token_type_ids) with the whole prompt in one forward,
+    # as mlx-vlm's generate does (no chunked prefill for an image prompt).
+    "gemma4_unified": Family(
+        prompt_inputs=("per_layer_inputs", "mm_token_type_ids"),
+        whole_prompt=True,
+        no_prefix_cache="gemma4_unified's image tokens attend each other both ways, in "
+        "one forward with the whole prompt: a cache hit ending inside an image would "
+        "prefill the image's other tokens without it",
+    ),
+    # ERNIE 4.5 VL: Qwen2-VL's image layout and 3-D rope; its language model computes the
+    # positions (get_rope_index, at its first forward) and takes them as (rows, tokens,
+    # 3). Its vision experts take the image tokens only where the forward gets
+    # token_type_ids, which mlx-vlm's generate does not pass: every token takes the text
+    # experts, as there.
+    "ernie4_5_moe_vl": Family(
+        image_text="<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>",
+        mrope=True,
+        mrope_axes_last=True,
+    ),
+    # MiMo-V2: Qwen-VL's image pads over a decoder with plain rope, sliding-window
+    # layers with attention sinks (mlx-lm's RotatingKVCache) and experts; no audio.
+    "mimo_v2": Family(image_text=_QWEN_IMAGE),
+    # Cohere Compass: qwen3_vl's image layout, interleaved M-RoPE and deepstack features
+    # (its own vision markers), over a Command decoder with sliding-window layers.
+    "cohere_compass": Family(
+        image_text="<|VISION_START|><|IMAGE_PAD|><|VISION_END|>",
+        mrope=True,
+        prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds"),
+    ),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 MROPE_FAMILIES = frozenset(name for name, f in FAMILIES.items() if f.mrope)
@@ -291,21 +332,34 @@ REFUSED: dict[str, str] = {
         "MiniMaxM3KVCache",
         "sparse attention: KV plus a block index's keys, every layer after the first three",
     ),
+    # A tiny model: decode in the batch fails on a mask of 307 keys for a buffer of 562.
+    "gemma3n": "its KV-shared layers read their source layer's keys as `cache.state`, "
+    "which mlx-lm's batch caches (BatchKVCache, BatchRotatingKVCache) give as whole "
+    "preallocated buffers, not the keys written: in omlx's shared decode batch those "
+    "layers would attend unwritten rows",
     "deepseek_v41": _STATES.format("CacheList", "compressed attention pools"),
+    # A tiny model: of 5 loads of the same weights, the 2nd and 4th embed the same
+    # image's tokens with other rows (its vision tower and projector agree every time).
+    "deepseek_vl_v2": "mlx-vlm's model puts other image rows into the same prompt's "
+    "embeddings from one load of the same weights to the next (the tower's and "
+    "projector's outputs agree; the rows it builds from them do not): its answers cannot "
+    "be checked against mlx-vlm's own generate",
+    # A tiny model: a text prompt's logits after an image prompt's embedding differ from
+    # the same prompt's on a fresh model, and match again after a text-only embedding.
+    "hunyuan_vl": "mlx-vlm keeps an image prompt's XD-RoPE positions on its language "
+    "model and applies them to the first forward of the next prompt, until that "
+    "prompt's own embedding (without images) clears them: omlx prefills a text prompt "
+    "without the vision path, so after an image prompt it would take that image's "
+    "positions",
+    # Its image processor on two images (40x50, 300x120): arrays of (3, 56, 56) and (3, 84, 28).
+    "minicpmo": "its processor gives the pixels as a list of arrays of different shapes "
+    "(each image resized to its own aspect, with tgt_sizes and image_bound beside them), "
+    "where omlx's image path takes one pixel array a prompt (the memory gate prices its "
+    "shape)",
     **dict.fromkeys(
         (
-            "cohere_compass",
-            "deepseek_vl_v2",
-            "ernie4_5_moe_vl",
-            "gemma3n",
-            "gemma4_unified",
-            "granite4_vision",
-            "hunyuan_vl",
             "jina_vlm",
             "llmjpvl",
-            "mage_vl",
-            "mimo_v2",
-            "minicpmo",
             "moondream2",
             "muse_spark",
             "youtu_vl",

@@ -56,6 +56,13 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-moondream3": ("moondream3", 378, None),
     "tiny-step3p7": ("step3p7", 728, None),
     "tiny-muse-glimmer": ("muse_glimmer", 64, None),
+    # Issue 41's second pass (tiny_vlm_configs_a.py).
+    "tiny-cohere-compass": ("cohere_compass", 56, None),
+    "tiny-granite4-vision": ("granite4_vision", 32, None),
+    "tiny-mage-vl": ("mage_vl", 56, None),
+    "tiny-gemma4-unified": ("gemma4_unified", 64, None),
+    "tiny-ernie4-5-vl": ("ernie4_5_moe_vl", 56, None),
+    "tiny-mimo-v2": ("mimo_v2", 56, None),
 }
 # Families whose language model keeps linear-attention / convolution / SSM states
 # (ArraysCache), with the KV bytes a token adds to their attention layers (float32):
@@ -187,14 +194,25 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
 
 
 @pytest.mark.parametrize(
-    "model", ["tiny-gemma3", "tiny-gemma4", "tiny-qwen3-vl", "tiny-glm4v", *LINEAR]
+    "model",
+    [
+        "tiny-gemma3",
+        "tiny-gemma4",
+        "tiny-qwen3-vl",
+        "tiny-glm4v",
+        "tiny-cohere-compass",
+        "tiny-granite4-vision",
+        "tiny-ernie4-5-vl",
+        *LINEAR,
+    ],
 )
 def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     client: openai.OpenAI, server: Server, model: str, tmp_path: Path
 ) -> None:
-    # ~60 text tokens, then the image: the 64-token chunks cut its tokens (qwen3_vl's
-    # deepstack features and positions, gemma4's per-layer inputs, are sliced per
-    # chunk; gemma3's window wraps; linear-attention states carry over chunks).
+    # ~60 text tokens, then the image: the 64-token chunks cut its tokens (qwen3_vl's,
+    # cohere_compass's and granite4_vision's deepstack features and positions, ERNIE's
+    # positions, gemma4's per-layer inputs, are sliced per chunk; gemma3's window wraps;
+    # linear-attention states carry over chunks).
     text = "tell me about the colours and the shapes " * 6
     size = (300, 300)
     expected = mlx_vlm_answer(server, model, 60, tmp_path, text, size)
