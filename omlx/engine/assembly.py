@@ -19,7 +19,7 @@ from omlx.cache.setup import make_prefix_cache
 from omlx.engine.admission import AdmissionSwitch
 from omlx.engine.batching_verdict import BatchingVerdicts, batching_key
 from omlx.engine.compiled_batch import CompiledSteps
-from omlx.engine.kv_measure import with_kv_start, with_measured_kv
+from omlx.engine.kv_measure import cache_step, with_kv_start, with_measured_kv
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.output_probe import output_probe
 from omlx.engine.profile_cache import ProfileCache, ProfileInputs, profile_model
@@ -133,6 +133,7 @@ def _assemble(
         prefill_step_size=sched.prefill_step_size,
         share_openings=runner.shares_openings,
         name=loaded.info.name,
+        kv_step=cache_step(loaded.model),
     )
     unbatched = (
         _probe_batching(loaded, parts, scheduler, strategy, kv_quant) if cluster is None else None

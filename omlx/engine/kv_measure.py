@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from omlx.memory.dims import ModelDims, kv_quantized_start
 from omlx.mlx_types import LanguageModel, prompt_cache
@@ -38,6 +39,27 @@ def cache_bytes_per_token(model: LanguageModel, *, full: bool = False) -> int:
     ids = mx.arange(1, 1 + PROBE_TOKENS, dtype=mx.int32).reshape(1, -1)
     mx.eval(model(ids, cache=cache))
     return sum(_per_token(layer, full) for layer in cache)
+
+
+def cache_step(model: LanguageModel) -> int:
+    """The most columns the model's KV caches grow by at once: mlx-lm's ``step`` of its
+    layer caches (``KVCache``, ``RotatingKVCache``, ``QuantizedKVCache``, omlx's
+    quantized layer) and of the batch forms the runner merges them into; 1 for a cache
+    of fixed states only (nothing grows per token). The scheduler counts each row's KV
+    up to one step beyond its tokens (scheduler/plan.py, ``allocated_columns``)."""
+    steps = [int(layer.step) for layer in _layers(prompt_cache(model)) if hasattr(layer, "step")]
+    if not steps:
+        return 1
+    return max(*steps, BatchKVCache.step, BatchRotatingKVCache.step)
+
+
+def _layers(cache: list[Any]) -> list[Any]:
+    """Every layer cache, a cache list's parts in place of the list."""
+    flat = []
+    for layer in cache:
+        parts = getattr(layer, "caches", None)
+        flat.extend(_layers(list(parts)) if parts is not None else [layer])
+    return flat
 
 
 def _per_token(layer: Any, full: bool = False) -> int:

@@ -97,7 +97,8 @@ class StepGate:
         self.num_held_encodes = 0
         self._pending_bytes = 0
         # The running requests' KV as admission goes (those admitted included), as
-        # their batch holds it (rows padded to the longest); and the tokens computed.
+        # their caches hold it (rows padded to the longest, each grown a step at a
+        # time: plan.KVLoad.allocated); and the tokens computed.
         self._load = KVLoad()
         self._computed_tokens = 0
 
@@ -144,11 +145,11 @@ class StepGate:
         """What admitted work will still allocate (KV to come, prefill step
         transients): admission counts it, so requests admitted in one step
         cannot stack past the limit. ``plan``: the runner's prefill chunks;
-        ``load``: the running requests' KV as their batch holds it (padded)."""
+        ``load``: the running requests' KV as their caches hold it (padded, grown)."""
         guard, dims = self.guard, self.guard.dims
         self._load = load
         # KV the running rows hold now: at least their computed tokens (the
-        # padding already allocated is priced again below: conservative).
+        # padding and growth already allocated are priced again below: conservative).
         self._computed_tokens = load.tokens - sum(c.num_remaining for c in plan)
         self._pending_bytes = sum(
             prefill_step_transient_bytes(dims, c.num_tokens, c.num_context_tokens)
@@ -182,9 +183,10 @@ class StepGate:
 
     def _kv_to_come(self, load: KVLoad, num_new_tokens: int) -> int:
         """The KV ``load``'s batch will still allocate beyond what its rows computed,
-        the padding of every row to the longest included; less the newcomer's own
+        the padding of every row to the longest and the caches' growth step included
+        (plan.KVLoad.allocated); less the newcomer's own
         ``num_new_tokens`` (the guard's estimate counts those)."""
-        tokens = load.padded - num_new_tokens - self._computed_tokens
+        tokens = load.allocated - num_new_tokens - self._computed_tokens
         return self.guard.dims.kv_bytes(max(tokens, 0))
 
     def sent_back(self, request: Request) -> None:
@@ -202,7 +204,7 @@ class StepGate:
         """Why the head of the queue waits ("paused", "kv_capacity", "memory"), or None.
         ``in_flight``: the process's running work (this model's ``num_running``)."""
         n, load = request.num_prompt_tokens, self._load
-        after = load.with_row(n)  # the batch once it joins: rows padded to the longest
+        after = load.with_row(n)  # the batch once it joins: padded, grown (KVLoad)
         if self.admission_paused:
             log.info(
                 "memadmit %s: deferred a %d-token prompt: admission paused (memory above "
@@ -222,31 +224,32 @@ class StepGate:
             )
             return "memory"
         # The ones admitted earlier in this step count too.
-        if not self.guard.kv_fits(after.padded, 0):
+        if not self.guard.kv_fits(after.allocated, 0):
             log.info(
-                "memadmit %s: deferred a %d-token prompt: %d KV tokens in flight (%d rows "
-                "padded to %d), capacity %s",
+                "memadmit %s: deferred a %d-token prompt: %d KV columns in flight (%d rows "
+                "padded to %d tokens, grown %d at a time), capacity %s",
                 self.name,
                 n,
-                after.padded,
+                after.allocated,
                 after.rows,
                 after.longest,
+                after.step,
                 self.guard.max_kv_tokens,
             )
             return "kv_capacity"
-        # KV still to come for admitted requests (padded), the step transients of
+        # KV still to come for admitted requests (padded, grown), the step transients of
         # every request that will prefill in the same batch as this one, and the
         # copy of the decode batch's KV its rows make when this one joins them.
-        join = self._join_copy_bytes(after.padded)
+        join = self._join_copy_bytes(after.allocated)
         kv = self._kv_to_come(after, n)
         pending = self._pending_bytes + kv + join + self._image_bytes(request)
         reading = plus(self.probe.reading(fresh=True), pending)
         return None if self.guard.admit(n, in_flight, reading) else "memory"
 
     def _join_copy_bytes(self, num_tokens: int) -> int:
-        """Rows joining the decode batch extend its KV (``num_tokens`` with theirs,
-        every row padded to the longest) into new buffers: the old and the new
-        batch are alive together for a moment."""
+        """Rows joining the decode batch extend its KV (``num_tokens`` columns with
+        theirs, every row padded to the longest and grown: plan.KVLoad.allocated) into
+        new buffers: the old and the new batch are alive together for a moment."""
         return self.guard.dims.kv_bytes(num_tokens)
 
     # ---- the forward gate ---------------------------------------------------
@@ -257,8 +260,8 @@ class StepGate:
         """What this step's prefill chunks may do under the hard limit (a fresh
         reading: others grew): as planned, capped, held, or some ended. Over the
         limit, MLX's free cache is handed back first and the plan shaped again.
-        ``num_running`` requests run, holding ``num_running_tokens`` KV tokens (their
-        batch's, every row padded to the longest: plan.KVLoad.padded)."""
+        ``num_running`` requests run, holding ``num_running_tokens`` KV columns (their
+        caches', every row padded to the longest and grown: plan.KVLoad.allocated)."""
         if not plan:
             return PrefillShape(None)
         shape = self._shape(plan, num_running, num_running_tokens)

@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 
 Triple = tuple[mx.array, mx.array, mx.array]
 
-# Buffers grow by this many tokens, as mlx-lm's caches do.
-_STEP = 256
+# Buffers grow by this many tokens, as mlx-lm's caches do (its own step).
+_STEP: int = QuantizedKVCache.step
 
 
 class _PlainUntilQuantized:

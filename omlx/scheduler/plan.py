@@ -89,26 +89,51 @@ class RunnerOutput:
     failed: Mapping[str, OmlxError] = field(default_factory=dict)
 
 
+def allocated_columns(num_tokens: int, step: int) -> int:
+    """The most token columns an mlx-lm KV cache holds through a step that starts
+    with ``num_tokens`` counted. The step feeds each row one more token (the decode
+    step's; a lone sequence's forward runs one token ahead of what it reported), and
+    the caches (``KVCache``, ``BatchKVCache``, ``QuantizedKVCache``, the rotating ones
+    under their window) grow ``step`` columns at a time: S tokens past the end add
+    ceil(S / step) x step. Growth starts wherever the last one ended (after a merge
+    or a prefix-cache restore, anywhere), so the columns are not a multiple of
+    ``step``: up to ``step`` - 1 beyond the tokens, reached right after one token
+    crossed the end. Not counted: a trim (rejected drafts) keeps its columns, up to
+    the draft width more until the row grows past them. A window's cap is ignored
+    (a rotating layer is priced as if it grew: conservative)."""
+    return num_tokens + step if num_tokens > 0 else 0
+
+
 @dataclass(frozen=True, slots=True)
 class KVLoad:
-    """The running requests' KV as the runner's batch holds it. mlx-lm's
+    """The running requests' KV as the runner's caches hold it. mlx-lm's
     ``BatchKVCache`` (``merge``/``extend``) left-pads every row to the longest, so a
     batch holds ``rows`` x ``longest`` token columns, not the sum of its requests'
     tokens (``tokens``): one long conversation beside short chats holds several
-    times their sum. Counted as one batch: the runner's batches hold no more."""
+    times their sum; and every cache grows ``step`` columns at a time, so each row
+    holds up to ``step`` more through a step (``allocated_columns``). Counted as one
+    batch: the runner's batches and sequences hold no more. Conservative: padding and
+    growth already allocated (so already in a memory reading) are priced again where
+    admission adds what is still to come, so a request may wait earlier than it
+    strictly must under a tight limit, never later."""
 
     rows: int = 0
     longest: int = 0
     tokens: int = 0
+    # mlx-lm's cache growth step (its caches' ``step``, read where MLX is: the
+    # engine's assembly); 1: no growth slack, the step's one token a row only.
+    step: int = 1
 
     @property
-    def padded(self) -> int:
-        """The KV tokens the batch allocates, padding included."""
-        return self.rows * self.longest
+    def allocated(self) -> int:
+        """The KV token columns the caches allocate: padding and growth included."""
+        return self.rows * allocated_columns(self.longest, self.step)
 
     def with_row(self, num_tokens: int) -> KVLoad:
         """The load once a row of ``num_tokens`` joins (the others padded to it)."""
-        return KVLoad(self.rows + 1, max(self.longest, num_tokens), self.tokens + num_tokens)
+        return KVLoad(
+            self.rows + 1, max(self.longest, num_tokens), self.tokens + num_tokens, self.step
+        )
 
 
 class MemoryView(Protocol):

@@ -51,6 +51,7 @@ class Scheduler:
         prefill_step_size: int = 512,
         share_openings: bool = False,
         name: str = "",
+        kv_step: int = 1,
     ):
         if max_running < 1:
             raise ValueError("max_running must be >= 1")
@@ -64,6 +65,9 @@ class Scheduler:
         self.prefill_step_size = prefill_step_size
         # Whether the runner can start a burst from shared openings (plain KV caches).
         self.share_openings = share_openings
+        # The columns the model's KV caches grow by at a time (mlx-lm's ``step``, read
+        # by the engine: engine/kv_measure.py); 1 counts them as tokens.
+        self.kv_step = kv_step
         # Requests preempted, by what ran short ("kv_capacity", "memory").
         self.preemptions: Counter[str] = Counter()
         self._waiting: OrderedDict[str, Request] = OrderedDict()
@@ -82,11 +86,11 @@ class Scheduler:
 
     @property
     def kv_load(self) -> KVLoad:
-        """The running requests' KV (prompt plus generated tokens each) as their batch
-        holds it: each row padded to the longest (plan.KVLoad). What the memory view
-        prices KV in flight by."""
+        """The running requests' KV (prompt plus generated tokens each) as their caches
+        hold it: each row padded to the longest, grown ``kv_step`` columns at a time
+        (plan.KVLoad). What the memory view prices KV in flight by."""
         lengths = [r.request.num_prompt_tokens + len(r.new_ids) for r in self._running.values()]
-        return KVLoad(len(lengths), max(lengths, default=0), sum(lengths))
+        return KVLoad(len(lengths), max(lengths, default=0), sum(lengths), self.kv_step)
 
     @property
     def capacity(self) -> int:
@@ -208,7 +212,7 @@ class Scheduler:
         """Preempt the newest while the running requests' KV passes the capacity
         (decoding grew it after admission) and more than one runs."""
         preempted: list[str] = []
-        while len(self._running) > 1 and memory.kv_over_capacity(self.kv_load.padded):
+        while len(self._running) > 1 and memory.kv_over_capacity(self.kv_load.allocated):
             victim = self.newest_running(exclude=self._with_images())
             if victim is None:
                 break
@@ -226,13 +230,13 @@ class Scheduler:
         """The memory gate's shape for the step's chunks, the newest giving way
         while a chunk does not fit and another request runs, here or in another
         model (the process's memory); and the chunks left."""
-        shape = memory.shape_prefill(planned, len(self._running), self.kv_load.padded)
+        shape = memory.shape_prefill(planned, len(self._running), self.kv_load.allocated)
         while shape.ended and (len(self._running) > 1 or memory.others_running()):
             victim = self._give_way(memory, admitted, preempted)
             if victim is None:
                 break
             planned = [c for c in planned if c.request_id != victim]
-            shape = memory.shape_prefill(planned, len(self._running), self.kv_load.padded)
+            shape = memory.shape_prefill(planned, len(self._running), self.kv_load.allocated)
         memory.settle(shape, planned)
         return shape, planned
 

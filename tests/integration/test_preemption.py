@@ -17,8 +17,11 @@ from omlx.scheduler import Request, SamplingParams
 PROMPT = 48
 OUTPUT = 40
 FLOOD = 4
+# The columns a row's cache may hold beyond its tokens through a step (its token and
+# mlx-lm's 256-column growth: scheduler/plan.allocated_columns).
+GROWTH = 256
 # Room for every prompt at admission, not for their outputs: decoding runs short.
-CAPACITY = FLOOD * PROMPT + OUTPUT
+CAPACITY = FLOOD * (PROMPT + GROWTH) + OUTPUT
 
 
 def prompts() -> list[tuple[int, ...]]:

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from omlx.scheduler import Request, RequestStatus, SamplingParams, Scheduler, TokenOutput
-from omlx.scheduler.plan import PrefillChunk, SchedulerOutput
+from omlx.scheduler.plan import KVLoad, PrefillChunk, SchedulerOutput
 from tests.fixtures.budget_view import BudgetView
 
 
@@ -110,16 +110,34 @@ def test_kv_over_capacity_preempts_the_newest_without_images() -> None:
 
 def test_kv_capacity_counts_the_batch_padded_to_its_longest_row() -> None:
     """A 100-token prompt and two 5-token ones: 110 tokens, but their batch holds
-    3 rows x 101 columns (mlx-lm left-pads every row to the longest) > 210."""
+    3 rows x 101 columns (mlx-lm left-pads every row to the longest), 102 through
+    the step (its token a row) > 300."""
     scheduler = _scheduler()
     for rid, n, at in (("long", 100, 1.0), ("s1", 5, 2.0), ("s2", 5, 3.0)):
         scheduler.add(_request(rid, n, at))
-    view = BudgetView(budget=10**6, kv_capacity=210)
+    view = BudgetView(budget=10**6, kv_capacity=300)
     scheduler.schedule(view)
     scheduler.update_from_output([TokenOutput(rid, 9) for rid in ("long", "s1", "s2")])
-    assert scheduler.kv_load.padded == 3 * 101 and scheduler.kv_load.tokens == 101 + 2 * 6
+    assert scheduler.kv_load.allocated == 3 * 102 and scheduler.kv_load.tokens == 101 + 2 * 6
     assert scheduler.schedule(view).preempted == ("s2",)
-    assert scheduler.kv_load.padded == 2 * 101
+    assert scheduler.kv_load.allocated == 2 * 102
+
+
+def test_kv_capacity_counts_each_row_grown_to_mlx_lms_allocation_step() -> None:
+    """mlx-lm's caches grow 256 columns at a time: three rows padded to 101 tokens
+    hold up to 3 x (101 + 256) columns through a step (its token, then up to 255
+    columns of growth), over a capacity of 800 that their 303 padded tokens fit; two
+    rows (714) fit. A lone 1-token row counts 257 columns."""
+    scheduler = Scheduler(max_running=4, max_waiting=8, prefill_step_size=64, kv_step=256)
+    for rid, n, at in (("long", 100, 1.0), ("s1", 5, 2.0), ("s2", 5, 3.0)):
+        scheduler.add(_request(rid, n, at))
+    view = BudgetView(budget=10**6, kv_capacity=800)
+    scheduler.schedule(view)
+    scheduler.update_from_output([TokenOutput(rid, 9) for rid in ("long", "s1", "s2")])
+    assert scheduler.kv_load.allocated == 3 * (101 + 256)
+    assert scheduler.schedule(view).preempted == ("s2",)
+    assert scheduler.kv_load.allocated == 2 * (101 + 256)
+    assert KVLoad(step=256).with_row(1).allocated == 257 and KVLoad(step=256).allocated == 0
 
 
 def test_drafts_are_verified_only_when_their_width_fits() -> None:
