@@ -34,7 +34,7 @@ from omlx.api.responses_store import ResponseStore
 from omlx.api.state import ServerState
 from omlx.api.stats_routes import install_metrics
 from omlx.api.web_routes import install_web
-from omlx.engine.engine_status import kv_bits, quantized_kv_start
+from omlx.engine.engine_status import kv_bits, kv_dims, quantized_kv_start
 from omlx.engine.pool import EnginePool
 from omlx.settings import Settings
 
@@ -143,6 +143,8 @@ def create_app(settings: Settings, pool: EnginePool) -> FastAPI:
                     "finished": dict(e.finish_counts),
                     "kv_bits": kv_bits(e),
                     "quantized_kv_start": quantized_kv_start(e),
+                    # What the memory guard prices each request at (null: no KV).
+                    "dims": kv_dims(e),
                 }
                 for e in state.pool.loaded()
             ],

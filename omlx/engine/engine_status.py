@@ -40,6 +40,19 @@ def engine_status(engine: ModelEngine | EmbeddingEngine | None) -> dict[str, Any
     }
 
 
+def kv_dims(engine: ModelEngine | EmbeddingEngine) -> dict[str, int] | None:
+    """What the memory guard prices a sequence at: its KV per token and its fixed
+    states (a hybrid's recurrent / convolution layers; 0 for attention only). None
+    for an embedding model (no KV)."""
+    if not isinstance(engine, ModelEngine):
+        return None
+    dims = engine.guard.dims
+    return {
+        "kv_bytes_per_token": dims.kv_bytes_per_token,
+        "state_bytes_per_sequence": dims.state_bytes_per_sequence,
+    }
+
+
 def kv_bits(engine: ModelEngine | EmbeddingEngine) -> int | None:
     """The bits of the engine's KV cache as loaded (None: full precision, or no KV)."""
     if isinstance(engine, ModelEngine) and engine.kv_quant is not None:

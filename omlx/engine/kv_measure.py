@@ -8,7 +8,10 @@ guess. So at load the model prefills a few tokens into a fresh mlx-lm cache (its
 own cache types: KV, rotating windows, quantized KV, SSM states, cache lists) and
 the bytes per token slot of the buffers it made are the guard's KV per token. A
 cache of fixed states only (a pure SSM) grows nothing per token: the guard keeps
-the config's figure for it. MLX thread only.
+the config's figure for it. The fixed states themselves (mlx-lm's ``ArraysCache``
+layers: convolution, gated-delta and SSM states) are read from the same cache:
+the bytes one sequence holds whatever its length, priced per row (issue 40).
+MLX thread only.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import logging
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache
 
 from omlx.memory.dims import ModelDims, kv_quantized_start
 from omlx.mlx_types import LanguageModel, prompt_cache
@@ -35,10 +38,33 @@ def cache_bytes_per_token(model: LanguageModel, *, full: bool = False) -> int:
     holds only fixed states). A quantized KV layer (a model's ``kv_bits``) counts
     quantized, or with ``full`` as it is held before its ``quantized_kv_start``.
     Raises what the model's forward raises."""
+    return sum(_per_token(layer, full) for layer in _probed_cache(model))
+
+
+def cache_state_bytes(model: LanguageModel) -> int:
+    """Bytes of fixed state one sequence's cache holds whatever its length (0 for
+    attention only): its ``ArraysCache`` layers' arrays after a forward. Raises what
+    the model's forward raises."""
+    return sum(_state_bytes(layer) for layer in _probed_cache(model))
+
+
+def _probed_cache(model: LanguageModel) -> list[Any]:
+    """A fresh cache of one sequence after a forward of ``PROBE_TOKENS`` tokens."""
     cache = prompt_cache(model)
     ids = mx.arange(1, 1 + PROBE_TOKENS, dtype=mx.int32).reshape(1, -1)
     mx.eval(model(ids, cache=cache))
-    return sum(_per_token(layer, full) for layer in cache)
+    return list(cache)
+
+
+def _state_bytes(layer: Any) -> int:
+    """One layer cache's fixed states (a cache list sums its parts)."""
+    parts = getattr(layer, "caches", None)
+    if parts is not None:
+        return sum(_state_bytes(part) for part in parts)
+    if not isinstance(layer, ArraysCache):
+        return 0
+    arrays: list[Any] = layer.cache  # its state arrays (None: not made by this model)
+    return sum(a.nbytes for a in arrays if isinstance(a, mx.array))
 
 
 def cache_step(model: LanguageModel) -> int:
@@ -117,10 +143,15 @@ def with_measured_kv(dims: ModelDims, model: LanguageModel, name: str) -> ModelD
     """``dims`` with the KV per token the model's cache really grows by; the config's
     figure (logged beside it) when the measurement cannot run."""
     try:
-        measured = cache_bytes_per_token(model)
+        cache = _probed_cache(model)
+        measured = sum(_per_token(layer) for layer in cache)
+        state = sum(_state_bytes(layer) for layer in cache)
     except Exception as exc:  # the guard still has the config's (or fallback) figure
         log.warning("memguard %s: KV per token not measured (%s): config figure kept", name, exc)
         return dims
+    if state:
+        log.info("memguard %s: %d B of fixed state per sequence, priced per row", name, state)
+        dims = dataclasses.replace(dims, state_bytes_per_sequence=state)
     if measured == 0:
         # A cache of fixed states only (SSM, convolution): the guard models memory
         # per token, so the config's (or the fallback's) figure stays: conservative.

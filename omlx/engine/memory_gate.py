@@ -131,10 +131,11 @@ class StepGate:
             mlx_stats.release_cache()
             self.num_reclaims += 1
 
-    def kv_over_capacity(self, num_tokens_in_flight: int) -> bool:
-        """The running requests' KV (prompts plus output so far) passed the model's
-        KV capacity: decoding grew it after admission."""
-        return not self.guard.kv_fits(num_tokens_in_flight, 0)
+    def kv_over_capacity(self, num_tokens_in_flight: int, num_rows: int) -> bool:
+        """The running requests' KV (prompts plus output so far; ``num_rows`` rows, each
+        with a hybrid's fixed states) passed the model's KV capacity: decoding grew it
+        after admission."""
+        return not self.guard.kv_fits(num_tokens_in_flight, 0, num_rows)
 
     def cached_tokens(self, request: Request) -> int:
         return self._cached_tokens(request)
@@ -175,6 +176,7 @@ class StepGate:
                 prefill_step_transient_bytes(guard.dims, chunk, n)
                 + guard.unmodeled_bytes
                 + guard.batch_excess_bytes(chunk)
+                + guard.dims.state_bytes(1)  # its fixed states, made by its first forward
             )
             self._load = self._load.with_row(n)
             return True
@@ -224,7 +226,7 @@ class StepGate:
             )
             return "memory"
         # The ones admitted earlier in this step count too.
-        if not self.guard.kv_fits(after.allocated, 0):
+        if not self.guard.kv_fits(after.allocated, 0, after.rows):
             log.info(
                 "memadmit %s: deferred a %d-token prompt: %d KV columns in flight (%d rows "
                 "padded to %d tokens, grown %d at a time), capacity %s",
@@ -239,8 +241,9 @@ class StepGate:
             return "kv_capacity"
         # KV still to come for admitted requests (padded, grown), the step transients of
         # every request that will prefill in the same batch as this one, and the
-        # copy of the decode batch's KV its rows make when this one joins them.
-        join = self._join_copy_bytes(after.allocated)
+        # copy of the decode batch's KV (and every row's fixed states: mlx-lm's
+        # ArraysCache extends by concatenation too) its rows make when this one joins.
+        join = self._join_copy_bytes(after.allocated) + self.guard.dims.state_bytes(after.rows)
         kv = self._kv_to_come(after, n)
         pending = self._pending_bytes + kv + join + self._image_bytes(request)
         reading = plus(self.probe.reading(fresh=True), pending)
@@ -280,7 +283,8 @@ class StepGate:
         # batch; and they end and free their memory, so prefill may wait for them.
         decoding_here = self._decoding_here = num_running > len(plan)
         if decoding_here and any(c.num_remaining <= c.num_tokens + 1 for c in plan):
-            reading = plus(reading, self._join_copy_bytes(num_running_tokens))
+            join = self._join_copy_bytes(num_running_tokens)
+            reading = plus(reading, join + self.guard.dims.state_bytes(num_running))
         # Prefill waits as long as other work goes on, however slow the machine: it
         # is ended only when nothing else could free memory (issue 40, defect 13).
         # Another model that waits for memory itself is no reason to wait: two

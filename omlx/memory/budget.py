@@ -252,6 +252,8 @@ class PrefillEstimate:
     growth_bytes: int = 0
     # The auto-profile's measured chunk transient beyond the modeled terms.
     unmodeled_bytes: int = 0
+    # The new sequence's fixed states (a hybrid's convolution / recurrent layers).
+    state_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -262,6 +264,7 @@ class PrefillEstimate:
             + self.margin_bytes
             + self.growth_bytes
             + self.unmodeled_bytes
+            + self.state_bytes
         )
 
 
@@ -276,7 +279,8 @@ def estimate_prefill(
     others_in_flight: bool,
     unmodeled_bytes: int = 0,
 ) -> PrefillEstimate:
-    """Predicted peak of a whole prefill: all new KV plus the largest chunk transient.
+    """Predicted peak of a whole prefill: all new KV, the new sequence's fixed states
+    (a hybrid's), plus the largest chunk transient.
 
     The last chunk attends over every token (cached + new), so its transient
     bounds every earlier chunk's; this is what makes an admitted request pass
@@ -297,6 +301,7 @@ def estimate_prefill(
         margin_bytes=limits.transient_margin_bytes,
         growth_bytes=dims.kv_bytes(num_cached_tokens + num_new_tokens),
         unmodeled_bytes=unmodeled_bytes,
+        state_bytes=dims.state_bytes(1),
     )
 
 

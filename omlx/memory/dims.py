@@ -14,6 +14,7 @@ from typing import Any
 __all__ = [
     "ModelDims",
     "conservative_dims",
+    "gated_delta_state_bytes",
     "guard_dims",
     "kv_quantized_start",
     "model_dims",
@@ -49,6 +50,10 @@ class ModelDims:
     # token costs on top while held in full precision, and the most tokens held so.
     full_kv_bytes_per_token: int = 0
     full_kv_tokens: int = 0
+    # A hybrid's fixed states per sequence (mlx-lm's ArraysCache layers: convolution,
+    # gated-delta, SSM), measured at load (engine/kv_measure.py); 0 for attention only.
+    # Every row holds them whatever its length: priced per row, beside its tokens.
+    state_bytes_per_sequence: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -63,6 +68,18 @@ class ModelDims:
         ``quantized_kv_start`` keeps (kv_quantized_start)."""
         full = self.full_kv_bytes_per_token * min(num_tokens, self.full_kv_tokens)
         return self.kv_bytes_per_token * num_tokens + full
+
+    def state_bytes(self, num_rows: int) -> int:
+        """The fixed states ``num_rows`` sequences hold beside their KV."""
+        return self.state_bytes_per_sequence * num_rows
+
+    @property
+    def state_tokens_per_sequence(self) -> int:
+        """A sequence's fixed states in KV tokens (rounded up): what a row costs the
+        KV capacity (counted in tokens) beyond its own tokens."""
+        if not self.state_bytes_per_sequence:
+            return 0
+        return -(-self.state_bytes_per_sequence // max(1, self.kv_bytes_per_token))
 
 
 def quantized_kv_dims(dims: ModelDims, bits: int, group_size: int) -> ModelDims:
@@ -136,6 +153,27 @@ def model_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int) -> ModelDims |
 def hidden_size(config: Mapping[str, Any]) -> int | None:
     """The language model's width, under any of its names (molmo's ``d_model``)."""
     return _first_int(_language_model_config(config), _HIDDEN_KEYS)
+
+
+def gated_delta_state_bytes(config: Mapping[str, Any], *, kv_dtype_bytes: int) -> int:
+    """A sequence's fixed states in a gated-delta hybrid (Qwen3-Next, Qwen3.5), from its
+    config alone (the fit estimate, before a download; a loaded model's are measured):
+    per linear layer, mlx-lm's convolution state (kernel - 1 positions of the q, k, v
+    channels, at the activation dtype) and its float32 recurrent state (value heads x
+    value dim x key dim). 0 for a config without gated-delta layers."""
+    source = _language_model_config(config)
+    names = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads")
+    found = [_first_int(source, (name,)) for name in (*names, "linear_value_head_dim")]
+    num_layers = _first_int(source, _LAYER_KEYS)
+    shape = [n for n in found if n is not None]
+    if len(shape) < 4 or num_layers is None:
+        return 0
+    num_k, dk, num_v, dv = shape
+    interval = _first_int(source, ("full_attention_interval",)) or 4
+    kernel = _first_int(source, ("linear_conv_kernel_dim",)) or 4
+    linear = sum(1 for i in range(num_layers) if (i + 1) % interval)
+    conv = (kernel - 1) * (2 * num_k * dk + num_v * dv) * kv_dtype_bytes
+    return linear * (conv + num_v * dv * dk * 4)
 
 
 def conservative_dims(config: Mapping[str, Any], *, kv_dtype_bytes: int) -> ModelDims:

@@ -30,6 +30,7 @@ from omlx.memory.budget import (
 )
 from omlx.memory.dims import (
     conservative_dims,
+    gated_delta_state_bytes,
     kv_quantized_start,
     model_dims,
     quantized_kv_dims,
@@ -60,7 +61,7 @@ class FitEstimate:
 
     verdict: Verdict
     weights_bytes: int
-    kv_bytes: int
+    kv_bytes: int  # the requests' fixed states (state_bytes) included
     transient_bytes: int
     total_bytes: int
     limit_bytes: int
@@ -72,6 +73,8 @@ class FitEstimate:
     baseline_bytes: int = 0
     # Assumptions made for fields the config lacks.
     notes: tuple[str, ...] = ()
+    # Of kv_bytes, the fixed states every request holds (a gated-delta hybrid's).
+    state_bytes: int = 0
 
     @property
     def message(self) -> str:
@@ -90,6 +93,7 @@ class FitEstimate:
             "message": self.message,
             "weights_bytes": self.weights_bytes,
             "kv_bytes": self.kv_bytes,
+            "state_bytes": self.state_bytes,
             "transient_bytes": self.transient_bytes,
             "total_bytes": self.total_bytes,
             "limit_bytes": self.limit_bytes,
@@ -135,8 +139,10 @@ def estimate_fit(
     limits = _limits(limit_bytes, transient_margin_bytes, dims, chunk_tokens)
     resident = baseline_bytes + weights_bytes
     tokens = context_tokens * concurrency
-    total = _peak_bytes(limits, dims, tokens, resident, chunk_tokens)
-    kv = dims.kv_bytes(tokens)
+    # Each request's fixed states (a hybrid's), in KV tokens as the guard's capacity counts them.
+    held = tokens + concurrency * dims.state_tokens_per_sequence
+    total = _peak_bytes(limits, dims, held, resident, chunk_tokens)
+    kv = dims.kv_bytes(tokens) + dims.state_bytes(concurrency)
     verdict: Verdict = "fits"
     fitting: int | None = context_tokens
     if total > limit_bytes:
@@ -154,6 +160,7 @@ def estimate_fit(
         concurrency=concurrency,
         baseline_bytes=baseline_bytes,
         notes=tuple(notes),
+        state_bytes=dims.state_bytes(concurrency),
     )
 
 
@@ -249,7 +256,10 @@ def _dims(config: Mapping[str, Any], notes: list[str]) -> ModelDims:
             f"({dims.num_layers} layers, {dims.num_kv_heads} KV heads of {dims.head_dim}), "
             "which over-estimates a small model"
         )
-    return dims
+    states = gated_delta_state_bytes(config, kv_dtype_bytes=dtype_bytes)
+    if states:
+        notes.append(f"each request holds {format_bytes(states)} of linear layers' state")
+    return replace(dims, state_bytes_per_sequence=states)
 
 
 def _assumed_context(notes: list[str]) -> int:
@@ -296,7 +306,7 @@ def _largest_context(
         unmodeled_bytes=0,
         canary_bytes=canary_bytes(limits),
     )
-    context = _round_down_tokens(capacity // concurrency)
+    context = _round_down_tokens(capacity // concurrency - dims.state_tokens_per_sequence)
     return context if context >= MIN_USEFUL_CONTEXT_TOKENS else None
 
 

@@ -167,10 +167,16 @@ class MemoryGuard:
             )
         return "auto, unmeasured: the capacity is pinned, so the fixed default applies"
 
-    def kv_fits(self, num_tokens_in_flight: int, num_new_tokens: int) -> bool:
-        """Admission by KV capacity: the running requests' tokens plus this prompt."""
+    def kv_fits(self, num_tokens_in_flight: int, num_new_tokens: int, num_rows: int = 0) -> bool:
+        """Admission by KV capacity: the running requests' tokens plus this prompt, and
+        the fixed states of ``num_rows`` rows (``kv_tokens``)."""
         cap = self.max_kv_tokens
-        return cap is None or num_tokens_in_flight + num_new_tokens <= cap
+        return cap is None or self.kv_tokens(num_tokens_in_flight + num_new_tokens, num_rows) <= cap
+
+    def kv_tokens(self, num_tokens: int, num_rows: int) -> int:
+        """What ``num_rows`` rows holding ``num_tokens`` KV tokens take of the KV capacity:
+        each row also holds a hybrid's fixed states, counted in KV tokens (0 without)."""
+        return num_tokens + self.dims.state_tokens_per_sequence * num_rows
 
     def publish(self, limits: Limits) -> None:
         """Take new limits; an "auto" margin becomes this model's measured one."""
@@ -263,7 +269,7 @@ class MemoryGuard:
 
     def _check_capacity(self, num_prompt_tokens: int, baseline: int) -> None:
         cap = self._capacity(baseline)
-        if cap is None or num_prompt_tokens <= cap:
+        if cap is None or num_prompt_tokens + self.dims.state_tokens_per_sequence <= cap:
             return
         overhead, batch = self.profile.capacity_terms() if self.profile else (0, None)
         # What the capacity was solved from: this prompt's peak plus the canary.
@@ -307,7 +313,7 @@ class MemoryGuard:
             f"kv_heads={d.num_kv_heads} head_dim={d.head_dim} heads={d.num_attention_heads}"
             f", KV {d.kv_bytes_per_token} B/token"
             f"{' (measured)' if d.measured_kv_bytes_per_token is not None else ''}"
-            f"{_full_kv(d)}, prefill chunk {self.chunk_tokens}; "
+            f"{_full_kv(d)}{_states(d)}, prefill chunk {self.chunk_tokens}; "
             f"{profile}"
         )
 
@@ -320,6 +326,13 @@ def _full_kv(dims: ModelDims) -> str:
         f" + {dims.full_kv_bytes_per_token} B/token full precision for up to "
         f"{dims.full_kv_tokens} tokens (quantized_kv_start)"
     )
+
+
+def _states(dims: ModelDims) -> str:
+    """A hybrid's fixed states, priced per row beside its tokens."""
+    if not dims.state_bytes_per_sequence:
+        return ""
+    return f" + {format_bytes(dims.state_bytes_per_sequence)} fixed state per sequence"
 
 
 def _stressed(p: KVProfile) -> str:

@@ -212,7 +212,9 @@ class Scheduler:
         """Preempt the newest while the running requests' KV passes the capacity
         (decoding grew it after admission) and more than one runs."""
         preempted: list[str] = []
-        while len(self._running) > 1 and memory.kv_over_capacity(self.kv_load.allocated):
+        while len(self._running) > 1 and memory.kv_over_capacity(
+            self.kv_load.allocated, self.kv_load.rows
+        ):
             victim = self.newest_running(exclude=self._with_images())
             if victim is None:
                 break

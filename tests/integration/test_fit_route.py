@@ -10,7 +10,9 @@ import httpx
 import pytest
 
 from omlx.api.server import Server
+from omlx.memory.dims import gated_delta_state_bytes
 from tests.fixtures.servers import live_server
+from tests.fixtures.state_models import build_gated_delta
 from tests.fixtures.tiny_models import build_tiny_model
 
 SMOL = "SmolLM2-135M-Instruct"
@@ -19,10 +21,11 @@ GB = 1000**3
 
 @pytest.fixture(scope="module")
 def models_dir(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Two models and no default: nothing loads at start, so the baseline is the runtime's.
+    # Models and no default: nothing loads at start, so the baseline is the runtime's.
     root = tmp_path_factory.mktemp("fit-models")
     (root / SMOL).symlink_to(smollm2_path, target_is_directory=True)
     build_tiny_model(root / "tiny-llama", "llama", seed=0)
+    build_gated_delta(root / "tiny-gdn")
     return root
 
 
@@ -73,6 +76,29 @@ def test_a_loaded_model_is_not_counted_twice(server: Server) -> None:
     # the estimate takes the model's own weights back out, so they count once.
     assert after["baseline_bytes"] - before["baseline_bytes"] < before["weights_bytes"] // 2
     assert after["weights_bytes"] == before["weights_bytes"]
+
+
+def test_a_hybrid_s_states_are_priced_in_its_fit_and_shown_on_health(
+    server: Server, models_dir: Path
+) -> None:
+    """A gated-delta hybrid: its fit prices each concurrent request's recurrent state
+    (from config.json, before a load), and once loaded /health shows the state the
+    guard measured from its cache, the same bytes; an attention model shows none."""
+    config = json.loads((models_dir / "tiny-gdn" / "config.json").read_text())
+    state = gated_delta_state_bytes(config, kv_dtype_bytes=4)  # float32 tiny weights
+    result = fit(server, {"model": "tiny-gdn"}).json()
+    assert state > 0 and result["state_bytes"] == result["concurrency"] * state
+    assert fit(server, {"model": "tiny-llama"}).json()["state_bytes"] == 0
+    for name in ("tiny-gdn", "tiny-llama"):
+        loaded = httpx.post(
+            server.base_url + f"/admin/api/models/{name}/load", json={}, timeout=600
+        )
+        assert loaded.status_code == 200, loaded.text
+    health = httpx.get(server.base_url + "/health", timeout=60).json()
+    dims = {m["name"]: m["dims"] for m in health["loaded_models"]}
+    assert dims["tiny-gdn"]["state_bytes_per_sequence"] == state
+    assert dims["tiny-llama"]["state_bytes_per_sequence"] == 0
+    assert dims["tiny-llama"]["kv_bytes_per_token"] > 0
 
 
 def test_smollm2_under_1gb_does_not_fit_at_full_context(models_dir: Path, tmp_path: Path) -> None:
