@@ -4,12 +4,13 @@ Whether a model can share the batch is decided at load by forwards on the real m
 (unbatched.batch_probe, output_probe.py): a second of a small model's load, more on a
 large one. The answer depends only on the model's files and the code and machine that
 run them, so it is kept like the auto-profile (profile_cache.py): one JSON file per
-model folder, ``<base>/profiles/batching/<digest>.json``, reused only when its key is
-the same: the model's files (name, size, modification time), its kind, how the probe's
-runner runs it (activation width, KV quantization, prefill chunk, execution strategy),
-the omlx, MLX, mlx-lm and mlx-vlm versions and the machine. Anything else probes again
-and overwrites it. A file that does not parse or holds no verdict is ignored with a
-warning: it only ever saves seconds.
+model folder and key in ``<base>/profiles/batching/`` (the newest few of a model
+kept), reused only when its key is the same: the model's files (name, size,
+modification time), its kind, how the probe's runner runs it (activation width, KV
+quantization, prefill chunk, execution strategy), the omlx, MLX, mlx-lm and mlx-vlm
+versions and the machine. Anything else probes again into an entry of its own. A
+file that does not parse or holds no verdict is ignored with a warning: it only ever
+saves seconds.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ import mlx.core as mx
 
 from omlx import __version__
 from omlx.engine.arch_probe import package_version
-from omlx.engine.profile_cache import entry_name, machine_signature, model_files
+from omlx.engine.profile_cache import (
+    entry_path,
+    keep_newest_entries,
+    machine_signature,
+    mark_used,
+    model_files,
+)
 from omlx.models.discovery import ModelInfo
 from omlx.settings import write_json_atomic
 
@@ -57,8 +64,8 @@ class BatchingVerdicts:
     def __init__(self, folder: Path):
         self.folder = folder
 
-    def path_for(self, model_path: Path) -> Path:
-        return self.folder / entry_name(model_path)
+    def path_for(self, model_path: Path, key: dict[str, Any]) -> Path:
+        return entry_path(self.folder, model_path, key)
 
     def probe_or_reuse(
         self, key: dict[str, Any], model_path: Path, probe: Callable[[], str | None]
@@ -66,10 +73,11 @@ class BatchingVerdicts:
         """The stored verdict when its key is ``key``, else ``probe()`` (stored after).
         A verdict is None (the model batches) or why it cannot. Returns (verdict,
         whether it was reused)."""
-        path = self.path_for(model_path)
+        path = self.path_for(model_path, key)
         stored = self._read(path, key, model_path.name)
         if stored is not None:
             reason = stored["reason"]
+            mark_used(path)
             log.info(
                 "batching verdict of %s reused from %s: %s",
                 model_path.name,
@@ -82,6 +90,7 @@ class BatchingVerdicts:
             write_json_atomic(path, {"key": key, "reason": reason})
         except OSError as exc:  # a read-only or full disk costs the next load the probe
             log.warning("could not keep the batching verdict of %s: %s", model_path.name, exc)
+        keep_newest_entries(self.folder, model_path)
         return reason, False
 
     def _read(self, path: Path, key: dict[str, Any], model: str) -> dict[str, Any] | None:

@@ -1,19 +1,22 @@
 """The auto-profile's result, kept between starts so an unchanged model skips the stress.
 
-One JSON file per model folder under ``<base>/profiles/``. An entry is reused only
-when everything the measurement depends on is the same: the model's files (name,
-size, modification time of each), its kind, the profile's inputs (model dims, the
-limits, chunk, batch, vocabulary, explicit capacity, tokens in flight, context
-window), the MLX and omlx versions and the machine (architecture, MLX device, RAM),
-and the profile's format (a profile from an older format, one lacking a field
-this one has, is measured again). Anything else (a changed limit, a re-downloaded
-model, another Mac) re-measures and overwrites the entry. A file that does not
-parse, names other inputs or has a malformed profile is ignored with a warning,
-never trusted: it is only ever a hint that saves seconds.
+JSON files under ``<base>/profiles/``, one per model folder and key (the newest
+``ENTRIES_PER_MODEL`` of a model are kept). An entry is reused only when everything
+the measurement depends on is the same: the model's files (name, size, modification
+time of each), its kind, the profile's inputs (model dims, the limits, chunk, batch,
+vocabulary, explicit capacity, tokens in flight, context window), the MLX and omlx
+versions and the machine (architecture, MLX device, RAM), and the profile's format
+(a profile from an older format, one lacking a field this one has, is measured
+again). Anything else (a changed limit, a re-downloaded model, another Mac) measures
+again into an entry of its own, so switching a setting back (``kv_bits``, the
+concurrency, a limit) reuses the earlier measurement. A file that does not parse,
+names other inputs or has a malformed profile is ignored with a warning, never
+trusted: it is only ever a hint that saves seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -72,9 +75,46 @@ def model_files(path: Path) -> list[list[Any]]:
     return out
 
 
-def entry_name(model_path: Path) -> str:
-    """A model folder's file name in a folder of per-model entries (its real path's digest)."""
-    return hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:24] + ".json"
+# Entries kept per model folder (the newest): a few settings a user switches between.
+ENTRIES_PER_MODEL = 4
+
+
+def _model_digest(model_path: Path) -> str:
+    return hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:24]
+
+
+def entry_path(folder: Path, model_path: Path, key: dict[str, Any]) -> Path:
+    """The file of one model folder's entry for ``key`` in a folder of keyed entries:
+    ``<digest of the model's real path>-<digest of the key>.json``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return folder / f"{_model_digest(model_path)}-{digest}.json"
+
+
+def model_entries(folder: Path, model_path: Path) -> list[Path]:
+    """A model folder's entries in ``folder``, newest first (an older omlx's single
+    ``<digest>.json`` among them)."""
+    dated = []
+    for path in folder.glob(_model_digest(model_path) + "*.json"):
+        try:
+            dated.append((path.stat().st_mtime_ns, path))
+        except OSError:  # removed meanwhile
+            continue
+    return [path for _, path in sorted(dated, reverse=True)]
+
+
+def mark_used(path: Path) -> None:
+    """A reused entry counts as new: the entries a user switches between stay."""
+    with contextlib.suppress(OSError):  # a read-only folder: the entry may go sooner
+        path.touch()
+
+
+def keep_newest_entries(folder: Path, model_path: Path) -> None:
+    """Remove a model folder's entries beyond the newest ``ENTRIES_PER_MODEL``."""
+    for path in model_entries(folder, model_path)[ENTRIES_PER_MODEL:]:
+        try:
+            path.unlink()
+        except OSError as exc:  # another start removed it, or a read-only folder
+            log.debug("could not remove the old entry %s: %s", path, exc)
 
 
 @dataclass(frozen=True)
@@ -152,18 +192,19 @@ class ProfileCache:
         self.num_measured = 0
         self.num_ignored = 0
 
-    def path_for(self, model_path: Path) -> Path:
-        return self.folder / entry_name(model_path)
+    def path_for(self, model_path: Path, key: dict[str, Any]) -> Path:
+        return entry_path(self.folder, model_path, key)
 
     def measure_or_reuse(
         self, key: dict[str, Any], model_path: Path, measure: Callable[[], KVProfile]
     ) -> tuple[KVProfile, bool]:
         """The stored profile when its key is ``key``, else ``measure()`` (stored
         afterwards). Returns (profile, whether it was reused)."""
-        path = self.path_for(model_path)
+        path = self.path_for(model_path, key)
         stored = self._read(path, key, model_path.name)
         if stored is not None:
             self.num_reused += 1
+            mark_used(path)
             log.info(
                 "memprofile: reused the auto-profile of %s from %s (max_kv_tokens %d, "
                 "measured in %.1f s at an earlier start)",
@@ -173,10 +214,24 @@ class ProfileCache:
                 stored.seconds,
             )
             return stored, True
+        if not path.exists():
+            log.info("memprofile: measuring %s: %s", model_path.name, self._news(model_path, key))
         profile = measure()
         self.num_measured += 1
         self._write(path, key, profile)
+        keep_newest_entries(self.folder, model_path)
         return profile, False
+
+    def _news(self, model_path: Path, key: dict[str, Any]) -> str:
+        """What differs from the model's newest entry, for the log (the user sees why
+        a start is slower)."""
+        for path in model_entries(self.folder, model_path):
+            try:
+                entry = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            return _what_changed(entry.get("key") if isinstance(entry, dict) else None, key)
+        return "no earlier profile"
 
     def _read(self, path: Path, key: dict[str, Any], model: str) -> KVProfile | None:
         try:
@@ -192,8 +247,7 @@ class ProfileCache:
             self._ignore(path, model, "not valid JSON")
             return None
         if not isinstance(entry, dict) or entry.get("key") != key:
-            changed = _what_changed(entry.get("key") if isinstance(entry, dict) else None, key)
-            log.info("memprofile: measuring %s again: %s", model, changed)
+            self._ignore(path, model, "it names other inputs than its file's")
             return None
         profile = _profile_from(entry.get("profile"))
         if profile is None:

@@ -27,11 +27,14 @@ def url(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def one_process(
-    smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
+    smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
 ) -> Iterator[openai.OpenAI]:
+    # The reference answers only: the session's profile of the built-in model serves.
     base = tmp_path_factory.mktemp("builtin-one")
-    with live_server(base, smollm2_path.parent, cache={"enabled": False}) as srv:
-        wait_ready(srv.base_url, [], timeout_s=600)  # loaded at start, profiled
+    with live_server(
+        base, smollm2_path.parent, profiles=profiles_dir, cache={"enabled": False}
+    ) as srv:
+        wait_ready(srv.base_url, [], timeout_s=600)  # loaded at start
         yield client_for(srv.base_url)
 
 

@@ -53,8 +53,7 @@ def make_pool(tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path) -> Iter
         **scheduler: float,
     ) -> EnginePool:
         if not fresh_profile:
-            inputs = {"memory": memory, "scheduler": scheduler}  # as live_server's groups
-            share_profiles(tmp_path, profiles_dir, {k: v for k, v in inputs.items() if v})
+            share_profiles(tmp_path, profiles_dir)
         worker = MLXWorker()
         worker.start()
         settings = pool_settings(tmp_path, model_dir, cache, memory, **scheduler)
