@@ -69,6 +69,8 @@ FAMILIES: dict[str, Family] = {
     # AnyRes tiles, each a block of patches, then a newline block a tile (one image:
     # mlx-vlm's model embeds the first image's tiles only).
     "llava_next": Family(image_blocks=tile_blocks, max_images=1),
+    # llava_next's layout over a SigLIP tower (no CLS row: its "full" features).
+    "granite_vision": Family(image_blocks=tile_blocks, max_images=1),
     # AnyRes tiles with a newline row each (the processor counts them); a qwen2 decoder.
     "llava_onevision": Family(),
     "mistral3": Family(),
@@ -316,14 +318,6 @@ REFUSED: dict[str, str] = {
         "an image is one placeholder id (-200) that the model splices its features into, "
         "so the embeddings outnumber the prompt's tokens: omlx's prefill and prefix cache "
         "take one embedding per token",
-    ),
-    # A tiny model: 24 image tokens from the processor, 40 feature rows from the model.
-    **dict.fromkeys(
-        ("granite_vision",),
-        "mlx-vlm's model splices more image features (every tile's patches, then a "
-        "newline block a tile) than its processor writes image tokens: the embeddings "
-        "outnumber the prompt's tokens, and omlx's prefill and prefix cache take one "
-        "embedding per token",
     ),
     # Checked: mlx-vlm's add_image_token turns a 3-token prompt with one image token into
     # 578 rows, and a prompt already expanded to 576 image tokens (578) into 1153.

@@ -65,6 +65,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-mimo-v2": ("mimo_v2", 56, None),
     # Issue 41: more embedding rows than the processor's image tokens (vis-rows).
     "tiny-llava-next": ("llava_next", 28, None),
+    "tiny-granite-vision": ("granite_vision", 28, None),
 }
 # Families whose language model keeps linear-attention / convolution / SSM states
 # (ArraysCache), with the KV bytes a token adds to their attention layers (float32):
@@ -206,6 +207,7 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-granite4-vision",
         "tiny-ernie4-5-vl",
         "tiny-llava-next",
+        "tiny-granite-vision",
         *LINEAR,
     ],
 )
