@@ -315,15 +315,17 @@ REFUSED: dict[str, str] = {
     "has it",
     **dict.fromkeys(
         ("fastvlm", "llava_bunny", "phi4_siglip"),
-        "an image is one placeholder id (-200) that the model splices its features into, "
-        "so the embeddings outnumber the prompt's tokens: omlx's prefill and prefix cache "
-        "take one embedding per token",
+        "an image is one placeholder id (-200) that mlx-vlm's generate writes between the "
+        "prompt's separately tokenized text chunks (its processor is a tokenizer beside an "
+        "image processor, not one processor of text and images as omlx's image path calls), "
+        "and the model splices its features there: omlx repeats the image token once a row "
+        "only by a family's checked rule (Family.image_blocks), not yet written for these",
     ),
     # Checked: mlx-vlm's add_image_token turns a 3-token prompt with one image token into
     # 578 rows, and a prompt already expanded to 576 image tokens (578) into 1153.
     "multi_modality": "mlx-vlm's model inserts 576 feature rows at each image token of the "
-    "prompt itself (more embeddings than prompt tokens: omlx's prefill and prefix cache "
-    "take one a token), and its vision module imports OpenCV (cv2), which omlx does not "
+    "prompt itself (more embeddings than prompt tokens, with no rule omlx has for them "
+    "yet), and its vision module imports OpenCV (cv2), which omlx does not "
     "install",
     "molmo_point": "a pointing model: its decode steps predict image points from state "
     "mlx-vlm keeps on the model object for one prompt (the image's patch keys, the ids "
@@ -331,8 +333,8 @@ REFUSED: dict[str, str] = {
     "state cannot serve a batch of prompts, nor omlx's decode, which samples from the "
     "vocabulary",
     "phi4mm": "an image is one placeholder id (-200) that the model splices its features "
-    "into (more embeddings than prompt tokens: omlx's prefill and prefix cache take one a "
-    "token); unquantized, mlx-vlm also merges its vision LoRA into the language model's "
+    "into (more embeddings than prompt tokens, with no rule omlx has for them yet); "
+    "unquantized, mlx-vlm also merges its vision LoRA into the language model's "
     "weights when a prompt has images and takes it out when one has none: text and image "
     "requests cannot share one model's weights in a batch",
     "phi3_v": "its processor numbers each image (<|image_1|>, <|image_2|>, ...) and marks "
