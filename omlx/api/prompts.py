@@ -135,7 +135,9 @@ async def _with_images(
         )
     await fetch_images(images)
     text = text.replace(images.marker, vision.image_text)
-    run = partial(process, vision.processor, text, images.parts, vision.image_token_id)
+    run = partial(
+        process, vision.processor, text, images.parts, vision.image_token_id, vision.prompt_ids
+    )
     ids, pixels = await renderer.run(run)
     return RenderedPrompt(text, ids, pixels)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,10 +244,33 @@ class VisionEncoder:
         text = self.family.image_text
         return self.image_token if text is None else text
 
+    def prompt_ids(self, processed: list[int], pixel_shape: Sequence[int]) -> list[int]:
+        """The prompt as omlx prefills it, from the processor's ids: one id a row of
+        the model's embedding (Family.image_blocks: the image's token repeated once a
+        row of its blocks). Pure: runs on the render pool."""
+        rule = self.family.image_blocks
+        if rule is None:
+            return processed
+        most, rows = rule(pixel_shape, self.dims.patch_size)
+        blocks = min(processed.count(self.image_token_id), most)
+        return _with_image_run(processed, self.image_token_id, blocks * rows)
+
+    def _model_ids(self, prompt: list[int], pixel_shape: Sequence[int]) -> list[int]:
+        """``prompt_ids``' inverse as the model takes it: a token a block (the model
+        splices the same rows for these as for the processor's ids)."""
+        rule = self.family.image_blocks
+        if rule is None:
+            return prompt
+        rows = rule(pixel_shape, self.dims.patch_size)[1]
+        return _with_image_run(
+            prompt, self.image_token_id, prompt.count(self.image_token_id) // rows
+        )
+
     def embed(
         self, input_ids: list[int], pixel_values: Any, extras: dict[str, Any]
     ) -> PromptEmbedding:
-        ids = mx.array(input_ids)[None]
+        """``input_ids``: the prompt as omlx prefills it (``prompt_ids``)."""
+        ids = mx.array(self._model_ids(input_ids, pixel_values.shape))[None]
         # As mlx-vlm's prepare_inputs: lists stay lists (moondream's crop counts, layouts).
         kwargs = {k: v if isinstance(v, (list, str)) else mx.array(v) for k, v in extras.items()}
         # The processor's attention mask, as mlx-vlm's generate passes it (gemma3 needs it).
@@ -273,10 +296,24 @@ class VisionEncoder:
         text = f"{self.image_text} describe"
         out = self.processor(text=text, images=[image], return_tensors="np")
         extras = {k: v for k, v in out.items() if k not in _TEXT_FIELDS}
-        return [int(t) for t in out["input_ids"][0]], out["pixel_values"], extras
+        pixels = out["pixel_values"]
+        return self.prompt_ids([int(t) for t in out["input_ids"][0]], pixels.shape), pixels, extras
 
 
 _TEXT_FIELDS = ("input_ids", "attention_mask", "pixel_values")
+
+
+def _with_image_run(ids: list[int], token_id: int, length: int) -> list[int]:
+    """``ids`` with the run of image tokens (first to last: one image's) made
+    ``length`` long; unchanged where other tokens lie inside the run (the request's
+    row check then fails it clearly)."""
+    if token_id not in ids:
+        return ids
+    first = ids.index(token_id)
+    last = len(ids) - ids[::-1].index(token_id)
+    if any(t != token_id for t in ids[first:last]):
+        return ids
+    return [*ids[:first], *[token_id] * length, *ids[last:]]
 
 
 def _prompt_input(features: Any, processed: dict[str, Any], name: str) -> Any:

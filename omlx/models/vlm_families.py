@@ -8,7 +8,20 @@ what that path must do differently for it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+# (the pixels' shape, the tower's patch size) -> (most feature blocks, rows a block).
+BlockRule = Callable[[Sequence[int], int], tuple[int, int]]
+
+
+def tile_blocks(pixel_shape: Sequence[int], patch_size: int) -> tuple[int, int]:
+    """mlx-vlm's llava_next / granite_vision: the first image's tiles (pixel_values[0]:
+    tiles, channels, height, width) each give a block of patch features (the CLS row
+    dropped: "default"), then as many newline blocks; the prompt's image tokens take
+    one block each, as far as both go (its merge zips them)."""
+    tiles, (height, width) = pixel_shape[1], pixel_shape[-2:]
+    return 2 * int(tiles), (int(height) // patch_size) * (int(width) // patch_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +42,10 @@ class Family:
     it (a prompt that attends as one). ``one_at_a_time``: why the family
     cannot share the decode batch (None: it can). ``no_prefix_cache``: why its
     prompts' KV cannot be reused by another prompt (None: it can). ``max_images``:
-    the most images one prompt may carry (None: the API's limit)."""
+    the most images one prompt may carry (None: the API's limit). ``image_blocks``:
+    where the model splices a block of feature rows at each image token (more rows
+    than tokens), its rule; omlx repeats the prompt's image token once a row, so the
+    prompt's ids (the prefill, the prefix cache, the guard, usage) match the rows."""
 
     image_text: str | None = None
     image_token: str | None = None
@@ -41,6 +57,7 @@ class Family:
     one_at_a_time: str | None = None
     no_prefix_cache: str | None = None
     max_images: int | None = None
+    image_blocks: BlockRule | None = None
 
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -49,6 +66,11 @@ _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 # tests/api/test_vision_families.py).
 FAMILIES: dict[str, Family] = {
     "llava": Family(),
+    # AnyRes tiles, each a block of patches, then a newline block a tile (one image:
+    # mlx-vlm's model embeds the first image's tiles only).
+    "llava_next": Family(image_blocks=tile_blocks, max_images=1),
+    # llava_next's layout over a SigLIP tower (no CLS row: its "full" features).
+    "granite_vision": Family(image_blocks=tile_blocks, max_images=1),
     # AnyRes tiles with a newline row each (the processor counts them); a qwen2 decoder.
     "llava_onevision": Family(),
     "mistral3": Family(),
@@ -293,23 +315,17 @@ REFUSED: dict[str, str] = {
     "has it",
     **dict.fromkeys(
         ("fastvlm", "llava_bunny", "phi4_siglip"),
-        "an image is one placeholder id (-200) that the model splices its features into, "
-        "so the embeddings outnumber the prompt's tokens: omlx's prefill and prefix cache "
-        "take one embedding per token",
-    ),
-    # A tiny model: 24 image tokens from the processor, 40 feature rows from the model.
-    **dict.fromkeys(
-        ("llava_next", "granite_vision"),
-        "mlx-vlm's model splices more image features (every tile's patches, then a "
-        "newline block a tile) than its processor writes image tokens: the embeddings "
-        "outnumber the prompt's tokens, and omlx's prefill and prefix cache take one "
-        "embedding per token",
+        "an image is one placeholder id (-200) that mlx-vlm's generate writes between the "
+        "prompt's separately tokenized text chunks (its processor is a tokenizer beside an "
+        "image processor, not one processor of text and images as omlx's image path calls), "
+        "and the model splices its features there: omlx repeats the image token once a row "
+        "only by a family's checked rule (Family.image_blocks), not yet written for these",
     ),
     # Checked: mlx-vlm's add_image_token turns a 3-token prompt with one image token into
     # 578 rows, and a prompt already expanded to 576 image tokens (578) into 1153.
     "multi_modality": "mlx-vlm's model inserts 576 feature rows at each image token of the "
-    "prompt itself (more embeddings than prompt tokens: omlx's prefill and prefix cache "
-    "take one a token), and its vision module imports OpenCV (cv2), which omlx does not "
+    "prompt itself (more embeddings than prompt tokens, with no rule omlx has for them "
+    "yet), and its vision module imports OpenCV (cv2), which omlx does not "
     "install",
     "molmo_point": "a pointing model: its decode steps predict image points from state "
     "mlx-vlm keeps on the model object for one prompt (the image's patch keys, the ids "
@@ -317,8 +333,8 @@ REFUSED: dict[str, str] = {
     "state cannot serve a batch of prompts, nor omlx's decode, which samples from the "
     "vocabulary",
     "phi4mm": "an image is one placeholder id (-200) that the model splices its features "
-    "into (more embeddings than prompt tokens: omlx's prefill and prefix cache take one a "
-    "token); unquantized, mlx-vlm also merges its vision LoRA into the language model's "
+    "into (more embeddings than prompt tokens, with no rule omlx has for them yet); "
+    "unquantized, mlx-vlm also merges its vision LoRA into the language model's "
     "weights when a prompt has images and takes it out when one has none: text and image "
     "requests cannot share one model's weights in a batch",
     "phi3_v": "its processor numbers each image (<|image_1|>, <|image_2|>, ...) and marks "

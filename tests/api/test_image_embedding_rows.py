@@ -3,16 +3,16 @@ alone, with a clear error, and the server keeps serving.
 
 omlx prefills one embedding row per prompt token. mlx-vlm's llava_next splices more
 image features (every tile's patches, a newline block a tile) than its processor
-writes image tokens, which is why vlm_families.py refuses it at load. Here a tiny
-llava_next is let in (monkeypatched into FAMILIES): it stands in for a future family,
-or a processor version, with the same mismatch, which the request-time check in
+writes image tokens; omlx serves it by repeating the image token once a row
+(vlm_families.Family.image_blocks). Here a tiny llava_next is served without that
+rule (monkeypatched into FAMILIES): it stands in for a future family, or a processor
+version, whose rows omlx does not know, which the request-time check in
 engine/image_prefill.py must catch instead of answering from cut-off embeddings."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
@@ -21,47 +21,12 @@ from omlx.models import vlm_families
 from tests.api.test_vision import ask, chat, error_of, png
 from tests.fixtures import tiny_vlms
 from tests.fixtures.servers import live_server
-from tests.fixtures.tiny_vlm_configs import CLIP, PLAIN_PROCESSOR, TEXT
-
-
-def _llava_next(vocab: int, image_id: int, size: int) -> tuple[dict[str, Any], ...]:
-    """LLaVA-NeXT: llava's CLIP tower and llama decoder over AnyRes tiles."""
-    grid = [[size, size], [size, 2 * size], [2 * size, size], [2 * size, 2 * size]]
-    config = {
-        "model_type": "llava_next",
-        "architectures": ["LlavaNextForConditionalGeneration"],
-        "image_token_index": image_id,
-        "image_grid_pinpoints": grid,
-        "vision_feature_select_strategy": "default",
-        "vision_feature_layer": -2,
-        "text_config": {**TEXT, "vocab_size": vocab},
-        "vision_config": {**CLIP, "image_size": size},
-        "vocab_size": vocab,
-    }
-    image_processor = {
-        **PLAIN_PROCESSOR,
-        "image_processor_type": "LlavaNextImageProcessor",
-        "size": {"shortest_edge": size},
-        "crop_size": {"height": size, "width": size},
-        "do_center_crop": True,
-        "do_pad": True,
-        "image_grid_pinpoints": grid,
-    }
-    processor = {
-        "processor_class": "LlavaNextProcessor",
-        "patch_size": 14,
-        "vision_feature_select_strategy": "default",
-        "image_token": "<image>",
-        "num_additional_image_tokens": 1,
-    }
-    return config, image_processor, processor
 
 
 def test_an_image_embedding_longer_than_the_prompt_fails_alone_with_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(tiny_vlms.FAMILIES, "llava_next", (("<image>",), _llava_next))
-    monkeypatch.setitem(vlm_families.FAMILIES, "llava_next", vlm_families.Family())
+    monkeypatch.setitem(vlm_families.FAMILIES, "llava_next", vlm_families.Family(max_images=1))
     root = tmp_path / "models"
     tiny_vlms.build_tiny_vlm(root / "tiny-llava-next", "llava_next", seed=0)
     with live_server(tmp_path / "base", root, scheduler={"max_concurrent_requests": 4}) as server:

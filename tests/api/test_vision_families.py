@@ -63,6 +63,9 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-gemma4-unified": ("gemma4_unified", 64, None),
     "tiny-ernie4-5-vl": ("ernie4_5_moe_vl", 56, None),
     "tiny-mimo-v2": ("mimo_v2", 56, None),
+    # Issue 41: more embedding rows than the processor's image tokens (vis-rows).
+    "tiny-llava-next": ("llava_next", 28, None),
+    "tiny-granite-vision": ("granite_vision", 28, None),
 }
 # Families whose language model keeps linear-attention / convolution / SSM states
 # (ArraysCache), with the KV bytes a token adds to their attention layers (float32):
@@ -203,6 +206,8 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-cohere-compass",
         "tiny-granite4-vision",
         "tiny-ernie4-5-vl",
+        "tiny-llava-next",
+        "tiny-granite-vision",
         *LINEAR,
     ],
 )
@@ -301,3 +306,27 @@ def test_the_guard_of_a_linear_attention_vlm_prices_its_attention_layers_measure
     every_layer = dims.num_layers * 2 * dims.num_kv_heads * dims.head_dim * dims.kv_dtype_bytes
     assert dims.kv_bytes_per_token == LINEAR[model] < every_layer
     assert "B/token (measured)" in engine.guard.describe()
+
+
+def test_a_prompt_counts_the_rows_its_model_embeds_where_they_outnumber_its_tokens(
+    client: openai.OpenAI, server: Server
+) -> None:
+    # mlx-vlm's llava_next splices a block of patches a tile, then a newline block a
+    # tile: more rows than its processor writes image tokens. The prompt omlx prefills
+    # (usage, the context window, the guard's price, the prefix cache) counts the rows.
+    import io
+
+    import mlx.core as mx
+    from mlx_vlm import load
+    from PIL import Image
+
+    folder = next(i.path for i in server.pool.available().values() if i.name == "tiny-llava-next")
+    vlm, processor = load(str(folder))
+    prompt = f"<|im_start|>user\n{TEXT}<image><|im_end|>\n<|im_start|>assistant\n"
+    image = Image.open(io.BytesIO(png(80))).convert("RGB")
+    out = processor(text=prompt, images=[image], return_tensors="np")
+    ids = mx.array(out["input_ids"])
+    rows = vlm.get_input_embeddings(ids, mx.array(out["pixel_values"])).inputs_embeds.shape[1]
+    assert rows > ids.shape[1]
+    reply = chat(client, "tiny-llava-next", ask(png(80), text=TEXT), MAX_TOKENS)
+    assert reply.usage.prompt_tokens == rows

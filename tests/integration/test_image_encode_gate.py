@@ -45,9 +45,8 @@ def _image_request(engine: Any, rid: str) -> Request:
     png = io.BytesIO()
     Image.fromarray(pixels).resize((28, 28), Image.Resampling.NEAREST).save(png, "PNG")
     text = f"look: {vision.image_text} what is it?"
-    ids, images = process(
-        vision.processor, text, [ImagePart(png.getvalue(), "image")], vision.image_token_id
-    )
+    part = ImagePart(png.getvalue(), "image")
+    ids, images = process(vision.processor, text, [part], vision.image_token_id, vision.prompt_ids)
     return Request(rid, tuple(ids), GREEDY, images=images)
 
 
