@@ -159,6 +159,7 @@ def _assemble(
         limits=parts.limits,
         baseline=parts.baseline,
         chunk_tokens=sched.prefill_step_size,
+        kv_step=scheduler.kv_step,
     )
     stress: dict[str, Any] | None = None
     if cluster is None:

@@ -72,7 +72,7 @@ def cache_step(model: LanguageModel) -> int:
     layer caches (``KVCache``, ``RotatingKVCache``, ``QuantizedKVCache``, omlx's
     quantized layer) and of the batch forms the runner merges them into; 1 for a cache
     of fixed states only (nothing grows per token). The scheduler counts each row's KV
-    up to one step beyond its tokens (scheduler/plan.py, ``allocated_columns``)."""
+    up to one step beyond its tokens (memory/dims.py, ``allocated_columns``)."""
     steps = [int(layer.step) for layer in _layers(prompt_cache(model)) if hasattr(layer, "step")]
     if not steps:
         return 1

@@ -19,7 +19,13 @@ import enum
 import math
 from dataclasses import dataclass, replace
 
-from omlx.memory.dims import ModelDims, conservative_dims, guard_dims, model_dims
+from omlx.memory.dims import (
+    ModelDims,
+    conservative_dims,
+    guard_dims,
+    model_dims,
+    written_columns,
+)
 from omlx.memory.kv_profile import BatchTransient, KVProfile
 from omlx.sizes import format_bytes, parse_byte_size
 
@@ -278,9 +284,12 @@ def estimate_prefill(
     limits: Limits,
     others_in_flight: bool,
     unmodeled_bytes: int = 0,
+    kv_step: int = 1,
 ) -> PrefillEstimate:
     """Predicted peak of a whole prefill: all new KV, the new sequence's fixed states
-    (a hybrid's), plus the largest chunk transient.
+    (a hybrid's), plus the largest chunk transient. The grown cache as mlx-lm
+    allocates it, ``kv_step`` columns at a time (``written_columns``), as the forward
+    gate prices it.
 
     The last chunk attends over every token (cached + new), so its transient
     bounds every earlier chunk's; this is what makes an admitted request pass
@@ -299,7 +308,7 @@ def estimate_prefill(
         kv_bytes=dims.kv_bytes(num_new_tokens),
         attention_bytes=attention,
         margin_bytes=limits.transient_margin_bytes,
-        growth_bytes=dims.kv_bytes(num_cached_tokens + num_new_tokens),
+        growth_bytes=dims.kv_bytes(written_columns(num_cached_tokens + num_new_tokens, kv_step)),
         unmodeled_bytes=unmodeled_bytes,
         state_bytes=dims.state_bytes(1),
     )
@@ -330,6 +339,7 @@ def preflight(
     chunk_tokens: int,
     limits: Limits,
     unmodeled_bytes: int = 0,
+    kv_step: int = 1,
 ) -> PrefillEstimate:
     """Front door: the estimate with only ``baseline_bytes`` (weights + runtime) resident.
 
@@ -345,6 +355,7 @@ def preflight(
         limits=limits,
         others_in_flight=False,
         unmodeled_bytes=unmodeled_bytes,
+        kv_step=kv_step,
     )
     if estimate.peak_bytes > limits.hard_bytes:
         raise PrefillMemoryExceeded(
@@ -410,6 +421,7 @@ def gate(
     limits: Limits,
     others_in_flight: bool,
     unmodeled_bytes: int = 0,
+    kv_step: int = 1,
 ) -> bool:
     """True when the next prefill chunk may run; False to end the request before the forward.
 
@@ -418,14 +430,16 @@ def gate(
     chunk attention + margin. While others are in flight, the recent measured
     peak may recur with this chunk's KV on top: it already holds real
     transients, so no margin is added to it. Alone, the recent peak belongs to
-    finished work and is ignored.
+    finished work and is ignored. The cache the chunk grows into is counted as
+    mlx-lm allocates it, ``kv_step`` columns at a time (``written_columns``: up to a
+    step - 1 past the tokens); the chunk's own keys and values, as computed.
     """
     _positive(chunk_tokens, "chunk_tokens")
     attention = attention_transient_bytes(
         dims, chunk_tokens=chunk_tokens, num_context_tokens=num_cached_tokens + chunk_tokens
     )
     chunk_kv = dims.kv_bytes(chunk_tokens)
-    growth = dims.kv_bytes(num_cached_tokens + chunk_tokens)
+    growth = dims.kv_bytes(written_columns(num_cached_tokens + chunk_tokens, kv_step))
     peak = (
         fresh_reading.resident_bytes
         + chunk_kv

@@ -13,12 +13,14 @@ from typing import Any
 
 __all__ = [
     "ModelDims",
+    "allocated_columns",
     "conservative_dims",
     "gated_delta_state_bytes",
     "guard_dims",
     "kv_quantized_start",
     "model_dims",
     "rank_share",
+    "written_columns",
 ]
 
 logger = logging.getLogger(__name__)
@@ -252,3 +254,26 @@ def _positive(value: int, field: str) -> int:
     if value <= 0:
         raise ValueError(f"{field} must be positive, got {value}")
     return value
+
+
+def allocated_columns(num_tokens: int, step: int) -> int:
+    """The most token columns an mlx-lm KV cache holds through a step that starts
+    with ``num_tokens`` counted. The step feeds each row one more token (the decode
+    step's; a lone sequence's forward runs one token ahead of what it reported), and
+    the caches (``KVCache``, ``BatchKVCache``, ``QuantizedKVCache``, the rotating ones
+    under their window) grow ``step`` columns at a time: S tokens past the end add
+    ceil(S / step) x step. Growth starts wherever the last one ended (after a merge
+    or a prefix-cache restore, anywhere), so the columns are not a multiple of
+    ``step``: up to ``step`` - 1 beyond the tokens, reached right after one token
+    crossed the end. Not counted: a trim (rejected drafts) keeps its columns, up to
+    the draft width more until the row grows past them. A window's cap is ignored
+    (a rotating layer is priced as if it grew: conservative)."""
+    return num_tokens + step if num_tokens > 0 else 0
+
+
+def written_columns(num_tokens: int, step: int) -> int:
+    """The most token columns an mlx-lm KV cache holds right after ``num_tokens`` were
+    written to it (a prefill's chunks: each write past the end adds ceil(S / step) x
+    step), up to ``step`` - 1 beyond them; ``allocated_columns`` is this with the
+    step's one token more. The forward gate and admission price a prefill's KV so."""
+    return num_tokens + step - 1 if num_tokens > 0 else 0

@@ -31,6 +31,7 @@ from omlx.memory.budget import (
     resolve_limits,
     row_excess_bytes,
 )
+from omlx.memory.dims import allocated_columns
 from omlx.settings import MemorySettings
 from omlx.sizes import format_bytes, parse_byte_size
 
@@ -75,8 +76,13 @@ class MemoryGuard:
         limits: Limits,
         baseline: Callable[[], int],
         chunk_tokens: int,
+        kv_step: int = 1,
     ):
         self.model = model
+        # The columns the model's KV caches grow by at a time (mlx-lm's ``step``, read
+        # at load: engine/kv_measure.cache_step); the front door counts a prompt as its
+        # cache holds it (``allocated_columns``), as the scheduler counts rows.
+        self.kv_step = kv_step
         self.dims = dims
         # The published limits, and this model's view of them (its own margin).
         self._published = limits
@@ -203,6 +209,7 @@ class MemoryGuard:
             others_in_flight=num_in_flight > 0,
             unmodeled_bytes=self.unmodeled_bytes
             + self.batch_excess_bytes(min(num_prompt_tokens, self.chunk_tokens)),
+            kv_step=self.kv_step,
         )
         decision = admit(estimate, self.limits, num_in_flight=num_in_flight)
         if not decision.admitted:
@@ -219,7 +226,8 @@ class MemoryGuard:
     ) -> bool:
         """Forward gate: may the next prefill step (``chunk_tokens`` of one or more
         requests' chunks together) run under the hard limit? A step of one chunk is one
-        request's step, which the margin covers; more is a batch (``step_excess_bytes``)."""
+        request's step, which the margin covers; more is a batch (``step_excess_bytes``).
+        The chunk's KV is priced as its cache grows (``kv_step`` columns at a time)."""
         return gate(
             self.dims,
             reading,
@@ -228,6 +236,7 @@ class MemoryGuard:
             limits=self.limits,
             others_in_flight=others,
             unmodeled_bytes=self.unmodeled_bytes + self.step_excess_bytes(chunk_tokens),
+            kv_step=self.kv_step,
         )
 
     def check_prefill(
@@ -252,6 +261,7 @@ class MemoryGuard:
                 chunk_tokens=self.chunk_tokens,
                 limits=self.limits,
                 unmodeled_bytes=self.unmodeled_bytes + extra_bytes + image_bytes,
+                kv_step=self.kv_step,
             )
         except PrefillMemoryExceeded as exc:
             images = ""
@@ -268,15 +278,22 @@ class MemoryGuard:
         self._check_capacity(num_prompt_tokens, baseline)
 
     def _check_capacity(self, num_prompt_tokens: int, baseline: int) -> None:
+        """Refuse a prompt whose cache, alone, passes the KV capacity: its tokens as the
+        cache allocates them (grown ``kv_step`` columns at a time, and the first decode
+        token: ``allocated_columns``, as admission and preemption count a row) plus a
+        hybrid's fixed states. Conservative: a prompt up to a step short of the capacity
+        is refused, though its cache may end fewer columns past its tokens."""
         cap = self._capacity(baseline)
-        if cap is None or num_prompt_tokens + self.dims.state_tokens_per_sequence <= cap:
+        held = allocated_columns(num_prompt_tokens, self.kv_step)
+        if cap is None or self.kv_tokens(held, 1) <= cap:
             return
         overhead, batch = self.profile.capacity_terms() if self.profile else (0, None)
-        # What the capacity was solved from: this prompt's peak plus the canary.
+        # What the capacity was solved from: this prompt's peak (its cache's columns) plus
+        # the canary.
         need = canary_bytes(self.limits) + held_tokens_peak_bytes(
             self.limits,
             self.dims,
-            tokens=num_prompt_tokens,
+            tokens=held,
             baseline_bytes=baseline,
             chunk_tokens=self.chunk_tokens,
             overhead_bytes=overhead,
@@ -284,8 +301,9 @@ class MemoryGuard:
             batch=batch,
         )
         raise PrefillMemoryExceededError(
-            f"this prompt ({num_prompt_tokens} tokens) needs more KV cache than the "
-            f"{cap} tokens model '{self.model}' can hold under the "
+            f"this prompt ({num_prompt_tokens} tokens, {held} KV columns as its cache "
+            f"grows) needs more KV cache than the {cap} tokens model '{self.model}' can "
+            "hold under the "
             f"{format_bytes(self.limits.hard_bytes)} memory limit beside what is loaded now; "
             "shorten the prompt, unload another model, raise memory.max_process_memory, or "
             "load a smaller model",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from omlx.errors import OmlxError
+from omlx.memory.dims import allocated_columns
 from omlx.memory.throttle import PrefillShape
 from omlx.scheduler.openings import SharedOpening
 from omlx.scheduler.placement import Placements
@@ -87,21 +88,6 @@ class RunnerOutput:
     # Admitted requests that could not start, and why (an image prompt its model
     # embedded wrong): they fail alone, the step goes on for the others.
     failed: Mapping[str, OmlxError] = field(default_factory=dict)
-
-
-def allocated_columns(num_tokens: int, step: int) -> int:
-    """The most token columns an mlx-lm KV cache holds through a step that starts
-    with ``num_tokens`` counted. The step feeds each row one more token (the decode
-    step's; a lone sequence's forward runs one token ahead of what it reported), and
-    the caches (``KVCache``, ``BatchKVCache``, ``QuantizedKVCache``, the rotating ones
-    under their window) grow ``step`` columns at a time: S tokens past the end add
-    ceil(S / step) x step. Growth starts wherever the last one ended (after a merge
-    or a prefix-cache restore, anywhere), so the columns are not a multiple of
-    ``step``: up to ``step`` - 1 beyond the tokens, reached right after one token
-    crossed the end. Not counted: a trim (rejected drafts) keeps its columns, up to
-    the draft width more until the row grows past them. A window's cap is ignored
-    (a rotating layer is priced as if it grew: conservative)."""
-    return num_tokens + step if num_tokens > 0 else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,8 +6,9 @@ one allocation past the GPU working set can panic the kernel, so the guard's cou
 (``Scheduler.kv_load.allocated`` priced by ``ModelDims.kv_bytes``: the KV capacity,
 admission's KV still to come, the join copy) must cover what the caches hold at
 every step: a request alone, rows joining a batch, full-precision, quantized and
-sliding-window caches. And a batch whose padded price passes the hard limit makes
-short requests wait in the queue, none ended.
+sliding-window caches. The front door counts a lone prompt so against the capacity,
+and the forward gate prices a prefill chunk as its cache grows. And a batch whose
+padded price passes the hard limit makes short requests wait in the queue, none ended.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from omlx.engine.stream import RequestStream
-from omlx.memory.budget import Limits
+from omlx.errors import PrefillMemoryExceededError
+from omlx.memory.budget import Limits, MemoryReading, attention_transient_bytes
+from omlx.memory.kv_profile import KVProfile
 from omlx.memory.probe import PEAK_WINDOW_S
 from omlx.scheduler import Request, SamplingParams
 from tests.fixtures.tiny_models import build_tiny_model
@@ -146,6 +151,65 @@ def test_sliding_window_caches_are_counted_at_most_as_if_they_grew(
     pool = make_pool(tmp_path / "models", max_concurrent_requests=8, prefill_step_size=512)
     steps, dims = run(pool, "tiny-gemma3")
     check(steps, dims, upper=False)
+
+
+def test_the_front_door_refuses_a_prompt_whose_cache_passes_the_capacity(make_pool) -> None:
+    """With the KV capacity pinned at 700 tokens, a 600-token prompt fits by its tokens
+    but not by its cache: alone it grows to 768 columns and more (the caches' bytes
+    show it when the capacity is lifted), so the front door refuses it (HTTP 400,
+    naming the columns) rather than run it past the capacity. A 444-token prompt,
+    444 + 256 = 700 columns counted, is let in and its prefill's cache stays within them."""
+    cap = LONG + 100
+    pool = make_pool(memory={"max_kv_tokens": cap}, max_concurrent_requests=8)
+
+    async def main() -> None:
+        engine = await pool.get_engine("tiny-llama")
+        dims, steps = engine.guard.dims, watch(engine)
+        with pytest.raises(PrefillMemoryExceededError, match="856 KV columns"):
+            await generate(engine, "long", [5 + j % 400 for j in range(LONG)])
+        fits = await generate(engine, "fits", [5 + j % 400 for j in range(cap - 256)])
+        assert fits[0] in ("stop", "length"), fits
+        # Its prefill within the 700 columns; then each decoded token is counted too.
+        assert steps[0].held <= dims.kv_bytes(cap)
+        assert all(s.held <= s.counted for s in steps), steps
+        # Lifted, the refused prompt runs: its cache really holds more than the capacity.
+        lifted = KVProfile(max_kv_tokens=10 * cap, source="explicit", baseline_bytes=0)
+        engine.guard.set_profile(lifted)
+        steps.clear()
+        refused = await generate(engine, "long", [5 + j % 400 for j in range(LONG)])
+        assert refused[0] in ("stop", "length"), refused
+        assert max(s.held for s in steps) > dims.kv_bytes(cap)
+
+    asyncio.run(main())
+
+
+def test_the_forward_gate_prices_a_chunk_as_its_cache_allocates_it(make_pool) -> None:
+    """A 300-token prompt prefills in one chunk on tiny-llama: its cache takes 512
+    columns (256 at a time), not 300 (the caches' bytes show it). Under a hard limit
+    with room for everything the gate prices but the chunk's 300 computed keys and
+    the cache they are written into (its real bytes), the gate refuses the chunk: it
+    prices the cache as it allocates it (``written_columns``), never the bare tokens
+    (300 + 300 columns would fit that room)."""
+    pool = make_pool(max_concurrent_requests=8, prefill_step_size=512)
+
+    async def main() -> None:
+        engine = await pool.get_engine("tiny-llama")
+        guard, steps = engine.guard, watch(engine)
+        result = await generate(engine, "p", [5 + j % 400 for j in range(300)], 1)
+        assert result[0] in ("stop", "length"), result
+        held = steps[0].held  # the cache after the chunk
+        assert held >= guard.dims.kv_bytes(512) > guard.dims.kv_bytes(300 + 1)
+        resident = 1 << 30
+        reading = MemoryReading(resident, resident, resident, taken_at_s=0.0)
+        attention = attention_transient_bytes(guard.dims, chunk_tokens=300, num_context_tokens=300)
+        room = attention + guard.unmodeled_bytes + guard.dims.kv_bytes(300) + held - 1
+        margin = guard.limits.transient_margin_bytes
+        guard.limits = Limits(resident + margin + room, resident + margin + room, margin)
+        assert not guard.gate(300, 0, reading, others=False)
+        # And a chunk its cache holds within the room passes: the price is not blind.
+        assert guard.gate(1, 0, reading, others=False)
+
+    asyncio.run(main())
 
 
 def test_short_requests_wait_while_their_padded_price_passes_the_hard_limit(make_pool) -> None:

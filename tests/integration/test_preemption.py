@@ -18,7 +18,7 @@ PROMPT = 48
 OUTPUT = 40
 FLOOD = 4
 # The columns a row's cache may hold beyond its tokens through a step (its token and
-# mlx-lm's 256-column growth: scheduler/plan.allocated_columns).
+# mlx-lm's 256-column growth: memory/dims.allocated_columns).
 GROWTH = 256
 # Room for every prompt at admission, not for their outputs: decoding runs short.
 CAPACITY = FLOOD * (PROMPT + GROWTH) + OUTPUT

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from mlx_lm.models.cache import KVCache
 
 from tests.fixtures.servers import serve_process
 
@@ -79,15 +80,16 @@ def test_a_small_ceiling_serves_the_builtin_model_and_agrees_with_its_profile(
         assert chunk.status_code == 200, chunk.text
         assert chunk.json()["usage"]["prompt_tokens"] == 512
 
-        # A prompt filling the capacity is served: the front door, the capacity and
-        # the forward gate all read the live process.
+        # A prompt filling the capacity as its cache holds it (its tokens plus mlx-lm's
+        # growth step: memory/dims.allocated_columns) is served: the front door, the
+        # capacity and the forward gate all read the live process.
         capacity = _settled_capacity(http, model)
-        fits = _complete(http, model, _token_ids(capacity))
+        fits = _complete(http, model, _token_ids(capacity - KVCache.step))
         assert fits.status_code == 200, fits.text
 
         # One token more is past the capacity: refused at the front door, same boundary.
         capacity = _settled_capacity(http, model)
-        over = _complete(http, model, _token_ids(capacity + 1))
+        over = _complete(http, model, _token_ids(capacity - KVCache.step + 1))
         assert over.status_code == 400, over.text
         assert over.json()["error"]["code"] == "prefill_memory_exceeded"
         assert over.json()["error"]["estimated_bytes"] > over.json()["error"]["limit_bytes"]

@@ -58,9 +58,11 @@ def test_a_row_costs_the_kv_capacity_its_state_in_tokens() -> None:
     guard.set_profile(KVProfile(max_kv_tokens=1000, source="explicit", baseline_bytes=0))
     assert guard.kv_fits(1000 - 3 * 11, 0, 3)
     assert not guard.kv_fits(1000 - 3 * 11 + 1, 0, 3)
-    guard.check_prefill(1000 - 11)  # a lone prompt and its state fill the capacity
+    # A lone prompt, the token its first decode step adds and its state fill the capacity
+    # (kv_step 1: no growth slack; allocated_columns).
+    guard.check_prefill(1000 - 11 - 1)
     with pytest.raises(PrefillMemoryExceededError, match="more KV cache than the 1000 tokens"):
-        guard.check_prefill(1000 - 10)
+        guard.check_prefill(1000 - 11)
     blind = MemoryGuard("m", DIMS, limits=limits, baseline=lambda: 200 * MIB, chunk_tokens=512)
     blind.set_profile(KVProfile(max_kv_tokens=1000, source="explicit", baseline_bytes=0))
     assert blind.kv_fits(1000, 0, 3)  # no state: rows cost only their tokens, as before
