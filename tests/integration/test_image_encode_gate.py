@@ -35,7 +35,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 def models_dir(tiny_models_dir: Path, tmp_path: Path) -> Path:
     root = tmp_path / "models"
     shutil.copytree(tiny_models_dir / "tiny-llama", root / "tiny-llama")
-    build_tiny_vlm(root / "tiny-llava", "llava", seed=0)
+    # 112-pixel images (64 image tokens): the tower's encode outweighs the prompt's
+    # first chunk with its cache's growth step (the premise `_tight` checks).
+    build_tiny_vlm(root / "tiny-llava", "llava", seed=0, image_size=112)
     return root
 
 
