@@ -244,13 +244,15 @@ def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool):
         await run(pool, "tiny-llama")
         await run(pool, "tiny-qwen3")
         # New limits reach every loaded engine on the next poll.
-        pool.limits = Limits(10_000_000, 8_000_000, 1_000)
-        probe.bytes = 1_000_000
+        # Room under the hard limit for slow-llama's short prompt as the front door
+        # prices it (its KV cache's 256-column growth step: about 4 MB).
+        pool.limits = Limits(100_000_000, 80_000_000, 1_000)
+        probe.bytes = 10_000_000
         await pool.enforce()
         assert all(e.guard.limits is pool.limits for e in pool.loaded())
         assert not any(e.admission_paused for e in pool.loaded())
         # Above soft: admission paused, the least recently used idle model evicted.
-        probe.bytes = 9_000_000
+        probe.bytes = 90_000_000
         await pool.enforce()
         assert [e.name for e in pool.loaded()] == ["tiny-qwen3"]
         assert pool.loaded()[0].admission_paused
@@ -261,11 +263,11 @@ def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool):
             await asyncio.sleep(0.01)
         # Loaded while paused: paused from its first step, not from the next poll.
         assert pool.engine("slow-llama").admission_paused
-        probe.bytes = 11_000_000
+        probe.bytes = 110_000_000
         await pool.enforce()
         code, _ = await task
         assert code == MemoryPressureError.code
-        probe.bytes = 1_000_000
+        probe.bytes = 10_000_000
         await pool.enforce()
         assert not any(e.admission_paused for e in pool.loaded())
 
