@@ -147,8 +147,15 @@ def repo_bytes(hub: FakeHub, repo: str = REPO) -> int:
 
 
 def pull(base: Path, model_dir: Path, hub: FakeHub, *args: str, **popen: Any) -> Any:
-    """`omlx pull` as a real child process talking to the fake Hub through HF_ENDPOINT."""
-    cmd = [sys.executable, "-m", "omlx.cli", "--base-path", str(base), "pull", *args]
+    """`omlx pull` as a real child process talking to the fake Hub through HF_ENDPOINT.
+    Started with Ctrl-C's default handling, as a terminal starts it: a child inherits
+    an ignored SIGINT, and the test session's may be (a full run's was: the pull then
+    ran to the end through the test's Ctrl-C)."""
+    start = (
+        "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "runpy.run_module('omlx.cli', run_name='__main__', alter_sys=True)"
+    )
+    cmd = [sys.executable, "-c", start, "--base-path", str(base), "pull", *args]
     env = {
         **os.environ,
         "HF_ENDPOINT": hub.url,
