@@ -308,19 +308,26 @@ def test_a_prompt_over_the_memory_limit_is_400_with_the_numbers(
 ) -> None:
     import dataclasses
 
+    import gc
+
+    # The live baseline is this whole test process's footprint: collect earlier tests'
+    # garbage before the idle reading it starts from, not between it and the request.
+    gc.collect()
     chat(client, max_tokens=1)  # loaded
     engine = next(e for e in server.pool.loaded() if e.name == MODEL)
     guard = engine.guard
     before = guard.limits
-    # Room for a tiny prompt beside the model and the margin (4 MiB: the live baseline
-    # moves with this test process's own allocations), not for the long one; the KV
-    # capacity also keeps its safety canary (2% of the limit) free.
-    room = guard.baseline_bytes + before.transient_margin_bytes + 4 * 2**20
+    long_prompt = "the cache " * 1950  # ~3,900 tokens: ~90 MB of KV, within the window
+    # Room for a tiny prompt beside the model and the margin, and for about half the long
+    # prompt's KV, so the limit sits ~40 MB from both answers (the footprint still moves
+    # in a full run). The KV capacity also keeps its safety canary (2% of the limit) free.
+    half_long_kv = guard.dims.kv_bytes_per_token * 1950
+    room = guard.baseline_bytes + before.transient_margin_bytes + half_long_kv
     ceiling = int(room / 0.98) + 1
     guard.publish(dataclasses.replace(before, hard_bytes=ceiling))
     try:
         with pytest.raises(openai.BadRequestError) as info:
-            chat(client, [{"role": "user", "content": "the cache " * 1200}])
+            chat(client, [{"role": "user", "content": long_prompt}])
         err = info.value.response.json()["error"]
         assert err["code"] == "prefill_memory_exceeded" and err["type"] == "invalid_request_error"
         assert err["limit_bytes"] == ceiling and err["estimated_bytes"] > ceiling
