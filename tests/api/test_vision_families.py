@@ -66,6 +66,12 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # Issue 41: more embedding rows than the processor's image tokens (vis-rows).
     "tiny-llava-next": ("llava_next", 28, None),
     "tiny-granite-vision": ("granite_vision", 28, None),
+    # Issue 41: an image is mlx-vlm's placeholder id -200, spliced into (side / 64)^2
+    # rows (vis41).
+    "tiny-fastvlm": ("fastvlm", 128, None),
+    # The same placeholder, written by mlx-vlm's generate around a bare tokenizer: 729
+    # rows (its image processor's fixed 384 pixels, whatever the side here).
+    "tiny-llava-bunny": ("llava_bunny", 384, None),
 }
 # Families whose language model keeps linear-attention / convolution / SSM states
 # (ArraysCache), with the KV bytes a token adds to their attention layers (float32):
@@ -145,7 +151,8 @@ def mlx_vlm_answer(
         )
         # One result per token; the last (with a finish reason) repeats one.
         tokens = [p.token for p in pieces if p.finish_reason is None]
-        spell = TokenText(processor.tokenizer)
+        # A bare tokenizer where mlx-vlm's processor is one (llava_bunny).
+        spell = TokenText(getattr(processor, "tokenizer", processor))
         _REFERENCE[key] = [spell.piece(t)[1] for t in tokens]
     return _REFERENCE[key]
 
@@ -208,6 +215,8 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-ernie4-5-vl",
         "tiny-llava-next",
         "tiny-granite-vision",
+        "tiny-fastvlm",
+        "tiny-llava-bunny",
         *LINEAR,
     ],
 )
@@ -308,25 +317,30 @@ def test_the_guard_of_a_linear_attention_vlm_prices_its_attention_layers_measure
     assert "B/token (measured)" in engine.guard.describe()
 
 
+@pytest.mark.parametrize("model", ["tiny-llava-next", "tiny-fastvlm", "tiny-llava-bunny"])
 def test_a_prompt_counts_the_rows_its_model_embeds_where_they_outnumber_its_tokens(
-    client: openai.OpenAI, server: Server
+    client: openai.OpenAI, server: Server, model: str
 ) -> None:
     # mlx-vlm's llava_next splices a block of patches a tile, then a newline block a
-    # tile: more rows than its processor writes image tokens. The prompt omlx prefills
-    # (usage, the context window, the guard's price, the prefix cache) counts the rows.
+    # tile: more rows than its processor writes image tokens; fastvlm's processor writes
+    # one id (-200) an image, which its model replaces by the image's cells. The prompt
+    # omlx prefills (usage, the context window, the guard's price, the prefix cache)
+    # counts the rows.
     import io
 
-    import mlx.core as mx
     from mlx_vlm import load
+    from mlx_vlm.utils import prepare_inputs
     from PIL import Image
 
-    folder = next(i.path for i in server.pool.available().values() if i.name == "tiny-llava-next")
+    folder = next(i.path for i in server.pool.available().values() if i.name == model)
     vlm, processor = load(str(folder))
     prompt = f"<|im_start|>user\n{TEXT}<image><|im_end|>\n<|im_start|>assistant\n"
     image = Image.open(io.BytesIO(png(80))).convert("RGB")
-    out = processor(text=prompt, images=[image], return_tensors="np")
-    ids = mx.array(out["input_ids"])
-    rows = vlm.get_input_embeddings(ids, mx.array(out["pixel_values"])).inputs_embeds.shape[1]
+    # The inputs mlx-vlm's generate builds (its prompt ids, with -200 where it writes one).
+    index = getattr(vlm.config, "image_token_index", None)
+    out = prepare_inputs(processor, images=[image], prompts=prompt, image_token_index=index)
+    ids = out["input_ids"]
+    rows = vlm.get_input_embeddings(ids, out["pixel_values"]).inputs_embeds.shape[1]
     assert rows > ids.shape[1]
-    reply = chat(client, "tiny-llava-next", ask(png(80), text=TEXT), MAX_TOKENS)
+    reply = chat(client, model, ask(png(80), text=TEXT), MAX_TOKENS)
     assert reply.usage.prompt_tokens == rows
