@@ -416,12 +416,37 @@ REFUSED: dict[str, str] = {
 }
 
 
+# The model types published checkpoints carry for a family of another name (mlx-vlm's
+# MODEL_REMAPPING, its vision entries: tests/api/test_vision_families.py checks them).
+ALIASES: dict[str, str] = {
+    "llava_qwen2": "fastvlm",
+    "llava-qwen2": "llava_bunny",
+    "bunny-llama": "llava_bunny",
+    "lfm2-vl": "lfm2_vl",
+    "cohere2_vision": "aya_vision",
+    "granite-vision": "granite_vision",
+    "granite4-vision": "granite4_vision",
+    "nemotronh_nano_omni_reasoning_v3": "nemotron_h_nano_omni",
+    "nemotron_h_omni": "nemotron_h_nano_omni",
+    "muse_spark_open": "muse_spark",
+    "moondream1": "moondream2",
+    "jvlm": "jina_vlm",
+    "phi4-siglip": "phi4_siglip",
+    "sam3_video": "sam3",
+    "sam3.1_video": "sam3_1",
+    "rf-detr": "rfdetr",
+    "falcon-perception": "falcon_perception",
+    "unlimited-ocr": "unlimited_ocr",
+    "inkling_mm_model": "inkling",
+}
+
+
 def family(model_type: str) -> Family | None:
-    return FAMILIES.get(model_type)
+    return FAMILIES.get(ALIASES.get(model_type, model_type))
 
 
 def refusal(model_type: str) -> str:
     """Why omlx does not serve a vision model of ``model_type``, for its load error."""
-    why = REFUSED.get(model_type, "not a family mlx-vlm 0.7.10 has")
+    why = REFUSED.get(ALIASES.get(model_type, model_type), "not a family mlx-vlm 0.7.10 has")
     served = ", ".join(sorted(SUPPORTED_FAMILIES))
     return f"vision-language family '{model_type}' is not supported: {why} (served: {served})"

@@ -18,7 +18,8 @@ from omlx.engine.token_text import TokenText
 from omlx.errors import ModelLoadError
 from omlx.models.discovery import ModelInfo
 from omlx.models.vlm import load_vlm
-from omlx.models.vlm_families import FAMILIES, REFUSED
+from omlx.models.vlm_families import ALIASES, FAMILIES, REFUSED
+from omlx.models.vlm_families import family as family_of
 from tests.api.test_vision import ask, chat, png
 from tests.fixtures.tiny_vlms import build_tiny_vlm
 
@@ -289,7 +290,19 @@ def test_every_mlx_vlm_vision_family_is_served_or_refused_with_a_reason() -> Non
     assert _vision_model_types() == set(FAMILIES) | set(REFUSED)
 
 
-@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_a_checkpoints_model_type_of_another_name_finds_its_family() -> None:
+    # Published checkpoints carry the model types mlx-vlm remaps (FastVLM's llava_qwen2,
+    # Bunny's bunny-llama, LFM2-VL's lfm2-vl): each finds the family mlx-vlm loads.
+    from mlx_vlm.utils import MODEL_REMAPPING
+
+    vision = set(FAMILIES) | set(REFUSED)
+    remapped = {k: v for k, v in MODEL_REMAPPING.items() if v in vision and k != v}
+    assert remapped == ALIASES
+    assert family_of("llava_qwen2") is FAMILIES["fastvlm"]
+    assert family_of("bunny-llama") is FAMILIES["llava_bunny"]
+
+
+@pytest.mark.parametrize("model_type", [*sorted(REFUSED), "phi4-siglip"])
 def test_a_refused_family_is_a_load_error_naming_it_and_why(
     model_type: str, tmp_path: Path
 ) -> None:
@@ -299,7 +312,7 @@ def test_a_refused_family_is_a_load_error_naming_it_and_why(
         load_vlm(info)
     message = str(error.value)
     assert "'some-vlm'" in message and f"'{model_type}'" in message
-    assert REFUSED[model_type] in message and "qwen3_vl" in message
+    assert REFUSED[ALIASES.get(model_type, model_type)] in message and "qwen3_vl" in message
 
 
 @pytest.mark.parametrize("model", LINEAR)
