@@ -37,10 +37,12 @@ def root_key(model_id: str, extra_keys: tuple[str, ...] = ()) -> bytes:
 
 
 def chain_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
-    # Explicit little-endian uint32 so keys match across machines, processes and restarts.
+    # Explicit little-endian 32-bit so keys match across machines, processes and restarts;
+    # signed: a vocabulary id packs as it did unsigned, and mlx-vlm's image placeholder
+    # (-200, models/vlm_families.PLACEHOLDER_ID) packs too.
     h = _hasher()
     h.update(parent_key)
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
     return h.digest()
 
 

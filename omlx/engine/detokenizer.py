@@ -23,7 +23,8 @@ class Decoder(Protocol):
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int] = ()):
         self._tokenizer = tokenizer
-        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        # Not an image placeholder's negative id (mlx-vlm's -200): no tokenizer spells it.
+        self._ids = [t for t in prompt_ids[-_CONTEXT_TOKENS:] if t >= 0]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 

@@ -248,6 +248,9 @@ class VisionEncoder:
         """The prompt as omlx prefills it, from the processor's ids: one id a row of
         the model's embedding (Family.image_blocks: the image's token repeated once a
         row of its blocks). Pure: runs on the render pool."""
+        if self.family.image_rows is not None:
+            rows = self.family.image_rows(pixel_shape)
+            return _spliced(processed, self.image_token_id, rows)
         rule = self.family.image_blocks
         if rule is None:
             return processed
@@ -258,6 +261,8 @@ class VisionEncoder:
     def _model_ids(self, prompt: list[int], pixel_shape: Sequence[int]) -> list[int]:
         """``prompt_ids``' inverse as the model takes it: a token a block (the model
         splices the same rows for these as for the processor's ids)."""
+        if self.family.image_rows is not None:
+            return _collapsed(prompt, self.image_token_id, self.family.image_rows(pixel_shape))
         rule = self.family.image_blocks
         if rule is None:
             return prompt
@@ -316,6 +321,27 @@ def _with_image_run(ids: list[int], token_id: int, length: int) -> list[int]:
     return [*ids[:first], *[token_id] * length, *ids[last:]]
 
 
+def _spliced(ids: list[int], token_id: int, rows: int) -> list[int]:
+    """``ids`` with each image placeholder written ``rows`` times."""
+    return [t for token in ids for t in ([token] * rows if token == token_id else [token])]
+
+
+def _collapsed(ids: list[int], token_id: int, rows: int) -> list[int]:
+    """``_spliced``'s inverse: a placeholder an image. Every image has the same rows
+    (its processor's one size), so a run of adjacent images divides by them."""
+    out: list[int] = []
+    run = 0
+    for token in [*ids, None]:
+        if token == token_id:
+            run += 1
+            continue
+        out += [token_id] * (run // max(rows, 1))
+        run = 0
+        if token is not None:
+            out.append(token)
+    return out
+
+
 def _prompt_input(features: Any, processed: dict[str, Any], name: str) -> Any:
     """A whole-prompt input from mlx-vlm's embedding output, or where the model takes
     it from the processor's (gemma4_unified's mm_token_type_ids, which mlx-vlm's
@@ -363,6 +389,9 @@ def _largest_side(processor: Any) -> int:
 
 def _image_token(processor: Any, config: dict[str, Any], traits: Family) -> tuple[str, int]:
     tokenizer = getattr(processor, "tokenizer", processor)
+    if traits.image_token_id is not None and traits.image_token_id < 0:
+        # A placeholder outside the vocabulary (mlx-vlm's -200): no token spells it.
+        return traits.image_text or "<image>", traits.image_token_id
     if traits.image_token_id is not None:
         fixed = traits.image_token_id
         return str(tokenizer.convert_ids_to_tokens(fixed)), fixed
@@ -371,6 +400,38 @@ def _image_token(processor: Any, config: dict[str, Any], traits: Family) -> tupl
     if traits.image_token or not isinstance(token_id, int):
         token_id = int(tokenizer.convert_tokens_to_ids(token))
     return str(token), token_id
+
+
+class SplitPromptProcessor:
+    """mlx-vlm's prompt for a model whose processor is its tokenizer with mlx-vlm's own
+    image processor beside it (llava_bunny), as its prepare_inputs builds it: the text
+    before and after the first "<image>" tokenized apart (each as the tokenizer
+    encodes a text), -200 between, the text after a second image dropped; the pixels
+    the image processor's, stacked. Pure: runs on the render pool."""
+
+    def __init__(self, tokenizer: Any, image_token_id: int):
+        self.tokenizer = tokenizer
+        self.image_processor = tokenizer.image_processor
+        self._image_token_id = image_token_id
+
+    def __call__(self, text: str, images: list[Any], return_tensors: str = "np") -> Any:
+        import numpy as np
+
+        chunks = [self.tokenizer(chunk).input_ids for chunk in text.split("<image>")]
+        ids = chunks[0] + [self._image_token_id] + (chunks[1] if len(chunks) > 1 else [])
+        pixels = np.stack(self.image_processor.preprocess(images=images))
+        return {"input_ids": np.array([ids]), "pixel_values": pixels}
+
+
+def _processor(processor: Any, model: Any) -> Any:
+    """The processor omlx's image path calls: mlx-vlm's, or where mlx-vlm's generate
+    builds the prompt itself around a bare tokenizer, that prompt's builder (with the
+    placeholder it writes: the model config's image_token_index)."""
+    from mlx_vlm.models.base import BaseImageProcessor
+
+    if isinstance(getattr(processor, "image_processor", None), BaseImageProcessor):
+        return SplitPromptProcessor(processor, int(model.config.image_token_index))
+    return processor
 
 
 def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEncoder]:
@@ -386,6 +447,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     except (ValueError, OSError, KeyError, RuntimeError, TypeError) as exc:
         raise ModelLoadError(f"cannot load '{info.name}' from {info.path}: {exc}") from exc
     _require_served_caches(info, model.language_model)
+    processor = _processor(processor, model)
     config = _served_config(info, model)
     token, token_id = _image_token(processor, config, traits)
     text_hidden = hidden_size(config)

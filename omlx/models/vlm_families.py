@@ -24,6 +24,22 @@ def tile_blocks(pixel_shape: Sequence[int], patch_size: int) -> tuple[int, int]:
     return 2 * int(tiles), (int(height) // patch_size) * (int(width) // patch_size)
 
 
+# The pixels' shape -> the rows the model splices for each image's placeholder id.
+RowRule = Callable[[Sequence[int]], int]
+
+# mlx-vlm's IMAGE_TOKEN_INDEX: the id its LLaVA-style processors write for an image,
+# outside every vocabulary (the model replaces it before any embedding lookup).
+PLACEHOLDER_ID = -200
+
+
+def fastvit_rows(pixel_shape: Sequence[int]) -> int:
+    """mlx-vlm's fastvlm: FastViTHD's feature map, the image's side over its total
+    stride of 64 (a 4x stem, then five 2x downsamplings: fixed by the tower's class),
+    one row a cell; the processor gives every image the same square side."""
+    height, width = pixel_shape[-2:]
+    return (int(height) // 64) * (int(width) // 64)
+
+
 @dataclass(frozen=True, slots=True)
 class Family:
     """``image_text``: what stands for one image in the prompt text, when it is not
@@ -45,7 +61,10 @@ class Family:
     the most images one prompt may carry (None: the API's limit). ``image_blocks``:
     where the model splices a block of feature rows at each image token (more rows
     than tokens), its rule; omlx repeats the prompt's image token once a row, so the
-    prompt's ids (the prefill, the prefix cache, the guard, usage) match the rows."""
+    prompt's ids (the prefill, the prefix cache, the guard, usage) match the rows.
+    ``image_rows``: each image is one placeholder id (``image_token_id``) that the
+    model replaces by this many rows; omlx writes the id once a row, so the prompt's
+    ids count the rows (the same rule, as image_blocks)."""
 
     image_text: str | None = None
     image_token: str | None = None
@@ -58,6 +77,7 @@ class Family:
     no_prefix_cache: str | None = None
     max_images: int | None = None
     image_blocks: BlockRule | None = None
+    image_rows: RowRule | None = None
 
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -219,6 +239,19 @@ FAMILIES: dict[str, Family] = {
     # MiMo-V2: Qwen-VL's image pads over a decoder with plain rope, sliding-window
     # layers with attention sinks (mlx-lm's RotatingKVCache) and experts; no audio.
     "mimo_v2": Family(image_text=_QWEN_IMAGE),
+    # FastVLM: mlx-vlm's processor writes -200 for each "<image>" between the text's
+    # tokens and the model splices the image's FastViTHD cells there (a qwen2 decoder).
+    "fastvlm": Family(image_text="<image>", image_token_id=PLACEHOLDER_ID, image_rows=fastvit_rows),
+    # Bunny: mlx-vlm's processor is the bare tokenizer beside the model's own image
+    # processor; its generate writes -200 between the text before and after the first
+    # "<image>" (models/vlm.SplitPromptProcessor does the same) and the model splices
+    # one image a prompt there, 729 rows (it asserts them: SigLIP's 27x27 patches).
+    "llava_bunny": Family(
+        image_text="<image>",
+        image_token_id=PLACEHOLDER_ID,
+        image_rows=lambda _pixel_shape: 729,
+        max_images=1,
+    ),
     # Cohere Compass: qwen3_vl's image layout, interleaved M-RoPE and deepstack features
     # (its own vision markers), over a Command decoder with sliding-window layers.
     "cohere_compass": Family(
@@ -313,14 +346,12 @@ REFUSED: dict[str, str] = {
     "images first, then the text) and raises without images, where omlx renders the "
     "conversation with the model's chat template and places each image where its message "
     "has it",
-    **dict.fromkeys(
-        ("fastvlm", "llava_bunny", "phi4_siglip"),
-        "an image is one placeholder id (-200) that mlx-vlm's generate writes between the "
-        "prompt's separately tokenized text chunks (its processor is a tokenizer beside an "
-        "image processor, not one processor of text and images as omlx's image path calls), "
-        "and the model splices its features there: omlx repeats the image token once a row "
-        "only by a family's checked rule (Family.image_blocks), not yet written for these",
-    ),
+    # Run on a tiny model: Phi4SigLipProcessor.from_pretrained raises (Siglip2ImageProcessor
+    # imports torch) and mlx-vlm's AutoProcessor patch falls back to the tokenizer.
+    "phi4_siglip": "mlx-vlm 0.7.10 loads its image processor as transformers' "
+    "Siglip2ImageProcessor (NaFlex patches), which needs PyTorch (omlx installs none): "
+    "mlx-vlm's load falls back to the bare tokenizer and its own generate cannot take an "
+    "image, so there is no reference answer to check omlx's against",
     # Checked: mlx-vlm's add_image_token turns a 3-token prompt with one image token into
     # 578 rows, and a prompt already expanded to 576 image tokens (578) into 1153.
     "multi_modality": "mlx-vlm's model inserts 576 feature rows at each image token of the "
@@ -385,12 +416,37 @@ REFUSED: dict[str, str] = {
 }
 
 
+# The model types published checkpoints carry for a family of another name (mlx-vlm's
+# MODEL_REMAPPING, its vision entries: tests/api/test_vision_families.py checks them).
+ALIASES: dict[str, str] = {
+    "llava_qwen2": "fastvlm",
+    "llava-qwen2": "llava_bunny",
+    "bunny-llama": "llava_bunny",
+    "lfm2-vl": "lfm2_vl",
+    "cohere2_vision": "aya_vision",
+    "granite-vision": "granite_vision",
+    "granite4-vision": "granite4_vision",
+    "nemotronh_nano_omni_reasoning_v3": "nemotron_h_nano_omni",
+    "nemotron_h_omni": "nemotron_h_nano_omni",
+    "muse_spark_open": "muse_spark",
+    "moondream1": "moondream2",
+    "jvlm": "jina_vlm",
+    "phi4-siglip": "phi4_siglip",
+    "sam3_video": "sam3",
+    "sam3.1_video": "sam3_1",
+    "rf-detr": "rfdetr",
+    "falcon-perception": "falcon_perception",
+    "unlimited-ocr": "unlimited_ocr",
+    "inkling_mm_model": "inkling",
+}
+
+
 def family(model_type: str) -> Family | None:
-    return FAMILIES.get(model_type)
+    return FAMILIES.get(ALIASES.get(model_type, model_type))
 
 
 def refusal(model_type: str) -> str:
     """Why omlx does not serve a vision model of ``model_type``, for its load error."""
-    why = REFUSED.get(model_type, "not a family mlx-vlm 0.7.10 has")
+    why = REFUSED.get(ALIASES.get(model_type, model_type), "not a family mlx-vlm 0.7.10 has")
     served = ", ".join(sorted(SUPPORTED_FAMILIES))
     return f"vision-language family '{model_type}' is not supported: {why} (served: {served})"

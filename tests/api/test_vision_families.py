@@ -18,7 +18,8 @@ from omlx.engine.token_text import TokenText
 from omlx.errors import ModelLoadError
 from omlx.models.discovery import ModelInfo
 from omlx.models.vlm import load_vlm
-from omlx.models.vlm_families import FAMILIES, REFUSED
+from omlx.models.vlm_families import ALIASES, FAMILIES, REFUSED
+from omlx.models.vlm_families import family as family_of
 from tests.api.test_vision import ask, chat, png
 from tests.fixtures.tiny_vlms import build_tiny_vlm
 
@@ -66,6 +67,12 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # Issue 41: more embedding rows than the processor's image tokens (vis-rows).
     "tiny-llava-next": ("llava_next", 28, None),
     "tiny-granite-vision": ("granite_vision", 28, None),
+    # Issue 41: an image is mlx-vlm's placeholder id -200, spliced into (side / 64)^2
+    # rows (vis41).
+    "tiny-fastvlm": ("fastvlm", 128, None),
+    # The same placeholder, written by mlx-vlm's generate around a bare tokenizer: 729
+    # rows (its image processor's fixed 384 pixels, whatever the side here).
+    "tiny-llava-bunny": ("llava_bunny", 384, None),
 }
 # Families whose language model keeps linear-attention / convolution / SSM states
 # (ArraysCache), with the KV bytes a token adds to their attention layers (float32):
@@ -145,7 +152,8 @@ def mlx_vlm_answer(
         )
         # One result per token; the last (with a finish reason) repeats one.
         tokens = [p.token for p in pieces if p.finish_reason is None]
-        spell = TokenText(processor.tokenizer)
+        # A bare tokenizer where mlx-vlm's processor is one (llava_bunny).
+        spell = TokenText(getattr(processor, "tokenizer", processor))
         _REFERENCE[key] = [spell.piece(t)[1] for t in tokens]
     return _REFERENCE[key]
 
@@ -208,6 +216,8 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-ernie4-5-vl",
         "tiny-llava-next",
         "tiny-granite-vision",
+        "tiny-fastvlm",
+        "tiny-llava-bunny",
         *LINEAR,
     ],
 )
@@ -280,7 +290,19 @@ def test_every_mlx_vlm_vision_family_is_served_or_refused_with_a_reason() -> Non
     assert _vision_model_types() == set(FAMILIES) | set(REFUSED)
 
 
-@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_a_checkpoints_model_type_of_another_name_finds_its_family() -> None:
+    # Published checkpoints carry the model types mlx-vlm remaps (FastVLM's llava_qwen2,
+    # Bunny's bunny-llama, LFM2-VL's lfm2-vl): each finds the family mlx-vlm loads.
+    from mlx_vlm.utils import MODEL_REMAPPING
+
+    vision = set(FAMILIES) | set(REFUSED)
+    remapped = {k: v for k, v in MODEL_REMAPPING.items() if v in vision and k != v}
+    assert remapped == ALIASES
+    assert family_of("llava_qwen2") is FAMILIES["fastvlm"]
+    assert family_of("bunny-llama") is FAMILIES["llava_bunny"]
+
+
+@pytest.mark.parametrize("model_type", [*sorted(REFUSED), "phi4-siglip"])
 def test_a_refused_family_is_a_load_error_naming_it_and_why(
     model_type: str, tmp_path: Path
 ) -> None:
@@ -290,7 +312,7 @@ def test_a_refused_family_is_a_load_error_naming_it_and_why(
         load_vlm(info)
     message = str(error.value)
     assert "'some-vlm'" in message and f"'{model_type}'" in message
-    assert REFUSED[model_type] in message and "qwen3_vl" in message
+    assert REFUSED[ALIASES.get(model_type, model_type)] in message and "qwen3_vl" in message
 
 
 @pytest.mark.parametrize("model", LINEAR)
@@ -308,25 +330,30 @@ def test_the_guard_of_a_linear_attention_vlm_prices_its_attention_layers_measure
     assert "B/token (measured)" in engine.guard.describe()
 
 
+@pytest.mark.parametrize("model", ["tiny-llava-next", "tiny-fastvlm", "tiny-llava-bunny"])
 def test_a_prompt_counts_the_rows_its_model_embeds_where_they_outnumber_its_tokens(
-    client: openai.OpenAI, server: Server
+    client: openai.OpenAI, server: Server, model: str
 ) -> None:
     # mlx-vlm's llava_next splices a block of patches a tile, then a newline block a
-    # tile: more rows than its processor writes image tokens. The prompt omlx prefills
-    # (usage, the context window, the guard's price, the prefix cache) counts the rows.
+    # tile: more rows than its processor writes image tokens; fastvlm's processor writes
+    # one id (-200) an image, which its model replaces by the image's cells. The prompt
+    # omlx prefills (usage, the context window, the guard's price, the prefix cache)
+    # counts the rows.
     import io
 
-    import mlx.core as mx
     from mlx_vlm import load
+    from mlx_vlm.utils import prepare_inputs
     from PIL import Image
 
-    folder = next(i.path for i in server.pool.available().values() if i.name == "tiny-llava-next")
+    folder = next(i.path for i in server.pool.available().values() if i.name == model)
     vlm, processor = load(str(folder))
     prompt = f"<|im_start|>user\n{TEXT}<image><|im_end|>\n<|im_start|>assistant\n"
     image = Image.open(io.BytesIO(png(80))).convert("RGB")
-    out = processor(text=prompt, images=[image], return_tensors="np")
-    ids = mx.array(out["input_ids"])
-    rows = vlm.get_input_embeddings(ids, mx.array(out["pixel_values"])).inputs_embeds.shape[1]
+    # The inputs mlx-vlm's generate builds (its prompt ids, with -200 where it writes one).
+    index = getattr(vlm.config, "image_token_index", None)
+    out = prepare_inputs(processor, images=[image], prompts=prompt, image_token_index=index)
+    ids = out["input_ids"]
+    rows = vlm.get_input_embeddings(ids, out["pixel_values"]).inputs_embeds.shape[1]
     assert rows > ids.shape[1]
-    reply = chat(client, "tiny-llava-next", ask(png(80), text=TEXT), MAX_TOKENS)
+    reply = chat(client, model, ask(png(80), text=TEXT), MAX_TOKENS)
     assert reply.usage.prompt_tokens == rows

@@ -26,6 +26,23 @@ def test_same_inputs_same_keys() -> None:
     assert all(len(key) == 32 for key in block_keys(MODEL, tokens, BS))
 
 
+def test_keys_of_vocabulary_ids_are_unchanged_and_an_image_placeholder_has_one() -> None:
+    # The SSD tier's blocks from before keep their keys: a vocabulary id packs as the
+    # unsigned 32-bit it did. mlx-vlm's image placeholder (-200: fastvlm, llava_bunny)
+    # gets a key of its own.
+    import hashlib
+    import struct
+
+    from omlx.cache.blocks import chain_key
+
+    parent = b"p" * 32
+    ids = [0, 1, 151_935, 2**31 - 1]
+    unsigned = hashlib.blake2b(parent + struct.pack("<4I", *ids), digest_size=32).digest()
+    assert chain_key(parent, ids) == unsigned
+    placeholder = chain_key(parent, [5, -200, -200, 6])
+    assert placeholder != chain_key(parent, [5, 0, 0, 6])
+
+
 def test_key_depends_on_parent_model_and_extras() -> None:
     base = block_keys(MODEL, [1, 2, 3, 4, 5, 6, 7, 8], BS)
     other_parent = block_keys(MODEL, [9, 9, 9, 9, 5, 6, 7, 8], BS)

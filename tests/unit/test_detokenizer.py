@@ -92,6 +92,15 @@ def test_prompt_context_is_not_emitted(tokenizer, prompt_text):
     assert not any(REPLACEMENT in c for c in chunks)
 
 
+def test_an_image_placeholder_in_the_prompt_context_is_not_decoded(tokenizer):
+    # fastvlm's and llava_bunny's prompts hold mlx-vlm's -200 a row of an image; a
+    # tokenizer raises on it (OverflowError), so the context leaves it out.
+    prompt = [*tokenizer.encode("look").ids, -200, -200]
+    generated = tokenizer.encode(" and then 🙂 more").ids
+
+    assert "".join(stream(tokenizer, generated, prompt_ids=prompt)) == " and then 🙂 more"
+
+
 def test_first_generated_token_keeps_its_leading_space_byte_level(tokenizer):
     prompt = tokenizer.encode("Hello").ids
     generated = tokenizer.encode(" world").ids
