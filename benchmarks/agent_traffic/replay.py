@@ -123,6 +123,15 @@ def replay_tool(
     return turns
 
 
+def warm_up(client: httpx.Client, model: str) -> None:
+    """One short chat request before the sessions, to every server alike: omlx answers
+    /health while its model still loads in the background (the architecture probe, the
+    load and the memory profile: ~30 s on a loaded 2-core machine), and that load would
+    otherwise land on the first recorded turn; mlx_lm.server loads before it listens."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    client.post("/v1/chat/completions", json=body).raise_for_status()
+
+
 def run_server(name: str, models: Path, args: argparse.Namespace) -> list[Turn]:
     """``name`` is a server; ``<server>+chat`` sends it every request as Chat Completions
     with the tools in the system message (the same prompt text for every server)."""
@@ -135,6 +144,7 @@ def run_server(name: str, models: Path, args: argparse.Namespace) -> list[Turn]:
     try:
         base = f"http://127.0.0.1:{spec.port}"
         with httpx.Client(base_url=base, timeout=httpx.Timeout(1800, connect=10)) as client:
+            warm_up(client, spec.model)
             turns = []
             for tool in args.tools.split(","):
                 turns += replay_tool(client, tool, spec.model, args, chat_only)
