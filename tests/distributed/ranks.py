@@ -80,18 +80,36 @@ def launched(
         "ring",
         "--starting-port",
         str(free_port()),
-        "--python",
-        sys.executable,
-        "--",
+        # Each rank's stdin is /dev/null: see _quiet_launcher.
+        *("--python", "/bin/sh", "--", "-c", 'exec "$@" </dev/null', "rank", sys.executable),
         *serve_args(base, model_dir, port, model, mode),
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(env), start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(env), start_new_session=True, stdin=subprocess.PIPE
+    )
     url = f"http://127.0.0.1:{port}"
     try:
+        _quiet_launcher(proc)
         wait_ready(url, [proc])
+        _quiet_launcher(proc)  # again: a rank that held its stdin then holds it no more
         yield url
     finally:
         stop([proc])
+        assert proc.stdin is not None
+        proc.stdin.close()
+
+
+def _quiet_launcher(proc: subprocess.Popen[bytes]) -> None:
+    """Stop mlx.launch's busy polling (suite time, issue 38). It reads its stdin
+    without a wait once that is at its end (pytest's /dev/null), and polls each rank's
+    stdin pipe for writing without a wait while the pipe is open: its threads took a
+    core from the ranks (over 150 of test_builtin_model.py's 376 CPU seconds). Here
+    its stdin is a pipe kept open (its read waits 0.1 s), and a byte it forwards to
+    ranks that closed their stdin fails with EPIPE, after which it only waits for
+    their output."""
+    assert proc.stdin is not None
+    proc.stdin.write(b"\n")
+    proc.stdin.flush()
 
 
 @contextmanager
