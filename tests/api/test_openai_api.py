@@ -307,7 +307,6 @@ def test_a_prompt_over_the_memory_limit_is_400_with_the_numbers(
     client: openai.OpenAI, server: Server
 ) -> None:
     import dataclasses
-
     import gc
 
     # The live baseline is this whole test process's footprint: collect earlier tests'

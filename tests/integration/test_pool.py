@@ -227,6 +227,10 @@ def test_aliases_resolve_and_unknown_names_list_them(make_pool):
     asyncio.run(main())
 
 
+# The KV capacity of the tests with made-up readings (a measured one would refuse them).
+PINNED = {"max_kv_tokens": 4096}
+
+
 class SetProbe(MemoryProbe):
     """The real probe with the reading set by the test (MLX's own counters are
     tiny next to a test process)."""
@@ -239,10 +243,18 @@ class SetProbe(MemoryProbe):
         return self.bytes, self.bytes, self.bytes
 
 
-def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool):
+@pytest.fixture(scope="module")
+def made_up_profiles(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The auto-profiles of the tests below, whose probes read a made-up number that
+    does not move during a load: measured once per model and limits, and shared among
+    these tests only (never with the session's real measurements)."""
+    return tmp_path_factory.mktemp("made-up-profiles")
+
+
+def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool, made_up_profiles):
     # The readings are made up (a few MB): a pinned KV capacity replaces the load-time
     # auto-profile's measured one, which would rightly refuse such a ceiling.
-    pool = make_pool(fresh_profile=True, memory={"max_kv_tokens": 4096})
+    pool = make_pool(fresh_profile=True, profiles=made_up_profiles, memory=PINNED)
     probe = pool.probe = SetProbe()
 
     async def main() -> None:
@@ -293,12 +305,13 @@ class WeightsProbe(SetProbe):
         return used, used, used
 
 
-def test_the_enforcer_reads_again_after_an_eviction_before_ending_anything(make_pool):
+def test_the_enforcer_reads_again_after_an_eviction_before_ending_anything(
+    make_pool, made_up_profiles
+):
     """Over the hard limit with the cache off, an idle model evicted gets memory under
     it: the running request goes on (the stale reading used to end it)."""
-    pool = make_pool(
-        fresh_profile=True, memory={"max_kv_tokens": 4096}
-    )  # made-up readings: see above
+    # Made-up readings: see above.
+    pool = make_pool(fresh_profile=True, profiles=made_up_profiles, memory=PINNED)
     probe = pool.probe = WeightsProbe(pool)
 
     async def main() -> None:
@@ -322,11 +335,10 @@ def test_the_enforcer_reads_again_after_an_eviction_before_ending_anything(make_
 
 
 def test_a_pause_above_the_soft_limit_is_counted_and_its_deferrals_logged(
-    make_pool, caplog: pytest.LogCaptureFixture
+    make_pool, made_up_profiles, caplog: pytest.LogCaptureFixture
 ):
-    pool = make_pool(
-        fresh_profile=True, memory={"max_kv_tokens": 4096}
-    )  # made-up readings: see above
+    # Made-up readings: see above.
+    pool = make_pool(fresh_profile=True, profiles=made_up_profiles, memory=PINNED)
     probe = pool.probe = SetProbe()
     caplog.set_level(logging.INFO, logger="omlx")
 
@@ -409,7 +421,7 @@ def test_the_enforcer_hands_freed_memory_back_before_ending_anything(
         engine = pool.engine("slow-llama")
         assert engine is not None
         stream = RequestStream("decoding", asyncio.get_running_loop())
-        params = SamplingParams(temperature=0.0, max_tokens=300)
+        params = SamplingParams(temperature=0.0, max_tokens=60)
         engine.submit(Request("decoding", (5, 6, 7, 8), params), stream)
         first = await stream.get()  # decoding: no prefill chunk left for a gate to hold
         assert first is not None and first.error is None
@@ -425,6 +437,7 @@ def test_the_enforcer_hands_freed_memory_back_before_ending_anything(
             hard = held - 2**26  # above it only because of the freed pages
             pool.limits = Limits(hard, int(hard * 0.95), 1_000)
             reclaims = engine.gate.num_reclaims
+            assert engine.num_in_flight == 1  # still decoding: the thread is parked
             enforcing = asyncio.create_task(pool.enforce())
             await asyncio.sleep(0)  # it has read memory and queued its hand-back
         await enforcing
