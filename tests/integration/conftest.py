@@ -40,7 +40,9 @@ def make_pool(tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path) -> Iter
 
     Models reuse the session's auto-profiles for the same settings, as a restart
     would. ``fresh_profile``: measure at load (tests of the measurement, and tests
-    that swap in a probe of their own: its readings must not reach other tests)."""
+    that swap in a probe of their own: its readings must not reach other tests),
+    into ``profiles`` when given: a folder that only tests with the same made-up
+    readings share."""
     made: list[tuple[EnginePool, MLXWorker, bool]] = []
 
     def make(
@@ -50,10 +52,12 @@ def make_pool(tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path) -> Iter
         clock: Callable[[], float] = time.monotonic,
         busy_wait_s: float = 30.0,
         fresh_profile: bool = False,
+        profiles: Path | None = None,
         **scheduler: float,
     ) -> EnginePool:
-        if not fresh_profile:
-            share_profiles(tmp_path, profiles_dir)
+        assert profiles is None or fresh_profile, "profiles: a folder of fresh_profile's own"
+        if not fresh_profile or profiles is not None:
+            share_profiles(tmp_path, profiles or profiles_dir)
         worker = MLXWorker()
         worker.start()
         settings = pool_settings(tmp_path, model_dir, cache, memory, **scheduler)

@@ -4,14 +4,19 @@ models never yanked, explicit unload, pinning, TTL, aliases."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import itertools
 import logging
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from omlx.engine.pool import EnginePool
 from omlx.engine.stream import RequestStream
+from omlx.engine.worker import MLXWorker
 from omlx.errors import (
     InsufficientMemoryError,
     MemoryPressureError,
@@ -222,6 +227,10 @@ def test_aliases_resolve_and_unknown_names_list_them(make_pool):
     asyncio.run(main())
 
 
+# The KV capacity of the tests with made-up readings (a measured one would refuse them).
+PINNED = {"max_kv_tokens": 4096}
+
+
 class SetProbe(MemoryProbe):
     """The real probe with the reading set by the test (MLX's own counters are
     tiny next to a test process)."""
@@ -234,10 +243,18 @@ class SetProbe(MemoryProbe):
         return self.bytes, self.bytes, self.bytes
 
 
-def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool):
+@pytest.fixture(scope="module")
+def made_up_profiles(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The auto-profiles of the tests below, whose probes read a made-up number that
+    does not move during a load: measured once per model and limits, and shared among
+    these tests only (never with the session's real measurements)."""
+    return tmp_path_factory.mktemp("made-up-profiles")
+
+
+def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool, made_up_profiles):
     # The readings are made up (a few MB): a pinned KV capacity replaces the load-time
     # auto-profile's measured one, which would rightly refuse such a ceiling.
-    pool = make_pool(fresh_profile=True, memory={"max_kv_tokens": 4096})
+    pool = make_pool(fresh_profile=True, profiles=made_up_profiles, memory=PINNED)
     probe = pool.probe = SetProbe()
 
     async def main() -> None:
@@ -288,12 +305,13 @@ class WeightsProbe(SetProbe):
         return used, used, used
 
 
-def test_the_enforcer_reads_again_after_an_eviction_before_ending_anything(make_pool):
+def test_the_enforcer_reads_again_after_an_eviction_before_ending_anything(
+    make_pool, made_up_profiles
+):
     """Over the hard limit with the cache off, an idle model evicted gets memory under
     it: the running request goes on (the stale reading used to end it)."""
-    pool = make_pool(
-        fresh_profile=True, memory={"max_kv_tokens": 4096}
-    )  # made-up readings: see above
+    # Made-up readings: see above.
+    pool = make_pool(fresh_profile=True, profiles=made_up_profiles, memory=PINNED)
     probe = pool.probe = WeightsProbe(pool)
 
     async def main() -> None:
@@ -317,11 +335,10 @@ def test_the_enforcer_reads_again_after_an_eviction_before_ending_anything(make_
 
 
 def test_a_pause_above_the_soft_limit_is_counted_and_its_deferrals_logged(
-    make_pool, caplog: pytest.LogCaptureFixture
+    make_pool, made_up_profiles, caplog: pytest.LogCaptureFixture
 ):
-    pool = make_pool(
-        fresh_profile=True, memory={"max_kv_tokens": 4096}
-    )  # made-up readings: see above
+    # Made-up readings: see above.
+    pool = make_pool(fresh_profile=True, profiles=made_up_profiles, memory=PINNED)
     probe = pool.probe = SetProbe()
     caplog.set_level(logging.INFO, logger="omlx")
 
@@ -401,29 +418,66 @@ def test_the_enforcer_hands_freed_memory_back_before_ending_anything(
 
     async def main() -> None:
         await run(pool, "slow-llama")
-        # The worker's first idle turn after that request hands its memory back
-        # (trims the heap) and then observes the baseline: let it happen now, not
-        # in the middle of the measurement below (an observation after this
-        # point comes from that turn or a later one).
-        seen = pool.baseline.num_observations
-        while pool.baseline.num_observations <= seen:
-            await asyncio.sleep(0.01)
         engine = pool.engine("slow-llama")
-        task = asyncio.create_task(run(pool, "slow-llama", max_tokens=300))
-        while not engine.num_in_flight:
-            await asyncio.sleep(0.01)
-        blobs = [bytes(64 * 1024) for _ in range(4096)]  # ~256 MB of heap pages
-        top = bytes(64 * 1024)  # keeps free() from trimming the heap's top
-        del blobs
-        held = pool.probe.reading(fresh=True).resident_bytes
-        hard = held - 2**26  # above it only because of the freed pages
-        pool.limits = Limits(hard, int(hard * 0.95), 1_000)
-        await pool.enforce()
+        assert engine is not None
+        stream = RequestStream("decoding", asyncio.get_running_loop())
+        params = SamplingParams(temperature=0.0, max_tokens=60)
+        engine.submit(Request("decoding", (5, 6, 7, 8), params), stream)
+        first = await stream.get()  # decoding: no prefill chunk left for a gate to hold
+        assert first is not None and first.error is None
+        # From the reading below to the enforcer's own, nothing else may hand the freed
+        # pages back (the reading is this whole process's footprint): the MLX thread is
+        # parked between two steps (no memory gate's reclaim, no idle turn's after the
+        # request), and no garbage of earlier tests is collected in between.
+        with parked_worker(pool.worker), no_collection():
+            blobs = [bytes(64 * 1024) for _ in range(4096)]  # ~256 MB of heap pages
+            top = bytes(64 * 1024)  # keeps free() from trimming the heap's top
+            del blobs
+            held = pool.probe.reading(fresh=True).resident_bytes
+            hard = held - 2**26  # above it only because of the freed pages
+            pool.limits = Limits(hard, int(hard * 0.95), 1_000)
+            reclaims = engine.gate.num_reclaims
+            assert engine.num_in_flight == 1  # still decoding: the thread is parked
+            enforcing = asyncio.create_task(pool.enforce())
+            await asyncio.sleep(0)  # it has read memory and queued its hand-back
+        await enforcing
         assert pool.enforcer.num_reclaims == 1 and not pool.enforcer.admission_paused
-        assert (await task)[0] == "length"
+        assert engine.gate.num_reclaims == reclaims  # the enforcer handed it back
+        while not (event := await stream.get()).finished:
+            pass
+        assert event.error is None and event.finish_reason == "length"
         assert any(
             m.startswith("memcheck: memory ") and "handed back" in m for m in caplog.messages
         )
         del top
 
     asyncio.run(main())
+
+
+@contextlib.contextmanager
+def parked_worker(worker: MLXWorker) -> Iterator[None]:
+    """The MLX thread runs nothing inside the block (it waits in a task of ours);
+    what is queued meanwhile runs, in order, before its next step."""
+    parked, release = threading.Event(), threading.Event()
+
+    def park() -> bool:
+        parked.set()
+        return release.wait(60)
+
+    done = worker.submit(park)
+    assert parked.wait(60)
+    try:
+        yield
+    finally:
+        release.set()
+    assert done.result(timeout=60) is True  # released by the test, not timed out
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -35,6 +35,8 @@ from tests.integration.test_prefix_cache import settle
 BLOCK = 16
 CACHE = {"enabled": True, "block_size": BLOCK, "hot_cache_max_size": "256MB"}
 MAX_TOKENS = 12
+# Every pool's and the server's prefill chunk: each prompt takes a few.
+STEP = 32
 # The layout kinds of each model's layers: every kind a CacheList or chunked model
 # brings. llama4's 32-token chunks, baichuan_m1's 32-token windows and deepseek_v32's
 # top-16 indexer all come into play.
@@ -120,7 +122,7 @@ def test_a_hit_from_ram_after_a_reload_and_from_ssd_after_a_restart_answers_as_m
         return text, cached, engine.prefix_cache.stats()
 
     async def first_run() -> None:
-        pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
+        pool = make_pool(models_dir, cache=CACHE, prefill_step_size=STEP)
         assert (await served(pool, reload=False))[:2] == (answer, 0)
         # Every prompt token but the last (whose logits start the answer).
         assert (await served(pool, reload=False))[:2] == (answer, len(prompt) - 1)
@@ -130,7 +132,7 @@ def test_a_hit_from_ram_after_a_reload_and_from_ssd_after_a_restart_answers_as_m
     asyncio.run(first_run())
 
     async def restart() -> None:
-        pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
+        pool = make_pool(models_dir, cache=CACHE, prefill_step_size=STEP)
         text, cached, stats = await served(pool, reload=False)
         assert (text, cached) == (answer, len(prompt) - 1)
         assert stats["ssd"]["hits"] > 0
@@ -142,8 +144,13 @@ def test_a_hit_from_ram_after_a_reload_and_from_ssd_after_a_restart_answers_as_m
 def test_usage_reports_the_hit_and_the_admin_clear_drops_it(
     models_dir: Path, expected: dict, tmp_path: Path, profiles_dir: Path
 ) -> None:
+    # The pools' chunk size: the server reuses the auto-profiles (and batching verdicts)
+    # the tests above measured for these models, instead of measuring all six again.
+    scheduler = {"prefill_step_size": STEP}
     with (
-        live_server(tmp_path, models_dir, profiles=profiles_dir, cache=CACHE) as server,
+        live_server(
+            tmp_path, models_dir, profiles=profiles_dir, cache=CACHE, scheduler=scheduler
+        ) as server,
         httpx.Client(base_url=server.base_url, timeout=120) as http,
     ):
 
@@ -172,7 +179,7 @@ def test_hits_of_requests_that_arrive_together_answer_as_each_alone(
     """Four prompts sharing a cached opening, at once: each restores it and joins the
     batch (a CacheList merges sub-cache by sub-cache) with its answer alone."""
     shared, _ = expected[arch]
-    pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
+    pool = make_pool(models_dir, cache=CACHE, prefill_step_size=STEP)
 
     async def main() -> None:
         engine = await pool.get_engine(arch)
@@ -203,7 +210,7 @@ def test_answers_that_leave_the_batch_are_cached_up_to_their_last_fed_token(
     all but their last output token: a next turn that repeats an answer hits it (a
     hit past what the cache held would serve another state: other tokens)."""
     shared, _ = expected[arch]
-    pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
+    pool = make_pool(models_dir, cache=CACHE, prefill_step_size=STEP)
 
     async def main() -> None:
         engine = await pool.get_engine(arch)
@@ -232,7 +239,7 @@ def test_a_snapshot_that_fails_never_fails_the_request(
 
     monkeypatch.setattr(kv_codec, "snapshot", broken)
     prompt, answer = expected["llama4"]
-    pool = make_pool(models_dir, cache=CACHE, prefill_step_size=32)
+    pool = make_pool(models_dir, cache=CACHE, prefill_step_size=STEP)
 
     async def main() -> None:
         engine = await pool.get_engine("llama4")

@@ -26,15 +26,16 @@ from app.status import ServerState, Status, readiness_from_health
 from omlx.api.server import Server
 from omlx.models.model_settings import ModelSettingsStore
 from omlx.settings import load_settings
-from tests.fixtures.servers import free_port, serve_process
+from tests.fixtures.servers import free_port, serve_process, share_profiles
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
 
 
-@pytest.fixture
-def one_model(tiny_models_dir: Path, tmp_path: Path) -> Path:
-    """A model dir holding only tiny-llama: with no default set, the model to load."""
-    folder = tmp_path / "models"
+@pytest.fixture(scope="module")
+def one_model(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model dir holding only tiny-llama: with no default set, the model to load.
+    No test changes it (a stored profile names the model's folder and files)."""
+    folder = tmp_path_factory.mktemp("one-model")
     shutil.copytree(tiny_models_dir / "tiny-llama", folder / "tiny-llama")
     return folder
 
@@ -159,15 +160,31 @@ def _start_and_settle(base: Path, model_dir: Path, *flags: str) -> tuple[dict[st
     return body, log
 
 
-def test_a_second_start_reuses_the_profile_and_a_changed_limit_measures_again(
-    one_model: Path, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def first_start(one_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The base of a first ``omlx serve`` start, which measured tiny-llama's profile, and
+    its /health once settled. Tests restart on a copy of it (the same model folder)."""
+    base = tmp_path_factory.mktemp("first-start") / "base"
+    body, _ = _start_and_settle(base, one_model)
+    return base, body
+
+
+def restarted_base(first_start: tuple[Path, dict], tmp_path: Path) -> Path:
+    """A copy of the first start's base, for a test to restart on."""
     base = tmp_path / "base"
-    first, _ = _start_and_settle(base, one_model)
+    shutil.copytree(first_start[0], base)
+    return base
+
+
+def test_a_second_start_reuses_the_profile_and_a_changed_limit_measures_again(
+    one_model: Path, first_start: tuple[Path, dict], tmp_path: Path
+) -> None:
+    first = first_start[1]
     assert by_name(first)["tiny-llama"]["kv_profile"] == "measured"
-    stored = list((base / "profiles").glob("*.json"))
+    stored = list((first_start[0] / "profiles").glob("*.json"))
     assert len(stored) == 1 and stored[0].stat().st_mode & 0o077 == 0  # private
 
+    base = restarted_base(first_start, tmp_path)
     second, log = _start_and_settle(base, one_model)
     assert by_name(second)["tiny-llama"]["kv_profile"] == "reused"
     # Every measured field came back from the stored profile.
@@ -191,10 +208,9 @@ def test_a_second_start_reuses_the_profile_and_a_changed_limit_measures_again(
     ids=["corrupt", "malformed-profile"],
 )
 def test_a_damaged_profile_file_is_ignored_and_measured_again(
-    one_model: Path, tmp_path: Path, content: str | None
+    one_model: Path, first_start: tuple[Path, dict], tmp_path: Path, content: str | None
 ) -> None:
-    base = tmp_path / "base"
-    _start_and_settle(base, one_model)
+    base = restarted_base(first_start, tmp_path)
     (path,) = (base / "profiles").glob("*.json")
     if content is None:
         entry = json.loads(path.read_text())
@@ -210,9 +226,10 @@ def test_a_damaged_profile_file_is_ignored_and_measured_again(
 
 
 def test_pinned_models_and_the_default_load_at_start_and_nothing_else(
-    tiny_models_dir: Path, tmp_path: Path
+    tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path
 ) -> None:
     base = tmp_path / "base"
+    share_profiles(base, profiles_dir)  # what is measured is not this test's question
     ModelSettingsStore(base / "model_settings.json").put("tiny-qwen3", {"pinned": True})
     with held_server(base, tiny_models_dir, default_model="tiny-llama") as (server, release):
         assert health(server.base_url)["models_state"] == "loading"
