@@ -4,7 +4,6 @@ estimate for it counts the quantized bytes."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,8 +23,17 @@ pytestmark = pytest.mark.slow
 def server(
     smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory, profiles_dir: Path
 ) -> Iterator[Server]:
+    # No load at start: it would load (and, alone, profile) the model with full-precision
+    # KV, which every test here unloads before its own load with its KV settings. Two
+    # rows of 128-token chunks: each KV setting's load measures its own auto-profile,
+    # whose passes (and validation's KV for every row's window) scale with both;
+    # nothing here depends on them (the answer's prompt is one chunk).
     with live_server(
-        tmp_path_factory.mktemp("base"), smollm2_path.parent, profiles=profiles_dir
+        tmp_path_factory.mktemp("base"),
+        smollm2_path.parent,
+        profiles=profiles_dir,
+        models={"load_at_start": False},
+        scheduler={"max_concurrent_requests": 2, "prefill_step_size": 128},
     ) as srv:
         yield srv
 
@@ -57,15 +65,11 @@ def test_bad_values_are_a_400_naming_the_field(http, body, field, allowed) -> No
 def _served_with(http, settings: dict) -> tuple[str, dict, dict]:
     """The model's answer about France's capital, its /health entry and its fit
     estimate with ``settings`` (cleared after). KV settings take effect at the model's
-    next load. The server loads the model at start: let that load finish, then unload
-    it once the settings are in, so the request's own load is the one that reads them."""
-    deadline = time.monotonic() + 300
-    while http.get("/health").json()["models_state"] == "loading":
-        assert time.monotonic() < deadline, "the start-up load did not finish"
-        time.sleep(0.2)
+    next load: it is not loaded (no load at start, each test unloads it after), so
+    the request's own load is the one that reads them."""
+    assert not http.get("/health").json()["loaded_models"]
     assert http.put(SETTINGS, json=settings).status_code == 200
     try:
-        assert http.post(f"/admin/api/models/{MODEL}/unload").status_code == 200
         fit = http.post("/admin/api/models/fit", json={"model": MODEL}).json()
         reply = http.post(
             "/v1/chat/completions",

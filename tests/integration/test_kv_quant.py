@@ -1,14 +1,16 @@
 """A quantized KV cache (a model's ``kv_bits``, issue 41) on the built-in SmolLM2: its
 greedy output is mlx-lm's own with ``kv_bits=8``, its logprobs stay close to
 full-precision KV, four requests batched give each one's own
-tokens, its KV per token is what the guard counts, and a pool loads the model with
-it (a prefix cache of quantized blocks, the guard's KV measured quantized, /health's
-kv_bits)."""
+tokens, its KV per token is what the guard counts; and a pool loads a model with it
+(the tiny slow-llama: a prefix cache of quantized blocks, the guard's KV measured
+quantized, /health's kv_bits)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -35,16 +37,30 @@ QUESTION = "Explain how a canal lock lets a boat climb a hill, step by step."
 ANSWER_TOKENS = 160
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_path: Path):
-    return load(str(smollm2_path))[1]
-
-
 def _model(path: Path, bits: int | None, group_size: int = DEFAULT_KV_GROUP_SIZE):
     model, _ = load(str(path))
     if bits is not None:
         install(model, KVQuantSpec(bits, group_size), "smollm2")
     return model
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path: Path) -> Callable[[int | None], Any]:
+    """SmolLM2 with ``bits``-bit KV (None: full precision), loaded once per setting for
+    the module's tests: they only run forwards on it (each with a cache of its own)."""
+    loaded: dict[int | None, Any] = {}
+
+    def model(bits: int | None) -> Any:
+        if bits not in loaded:
+            loaded[bits] = _model(smollm2_path, bits)
+        return loaded[bits]
+
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path: Path):
+    return load(str(smollm2_path))[1]
 
 
 def _decode_logprobs(model, prompt: list[int], answer: list[int]) -> mx.array:
@@ -61,14 +77,14 @@ def _decode_logprobs(model, prompt: list[int], answer: list[int]) -> mx.array:
     return mx.take_along_axis(logprobs, mx.array(answer)[:, None], axis=-1)[:, 0]
 
 
-def test_8_bit_kv_meets_the_issues_drift_bar(smollm2_path: Path, tokenizer) -> None:
+def test_8_bit_kv_meets_the_issues_drift_bar(smollm2, tokenizer) -> None:
     """Mean |logprob difference| against full-precision KV over the model's own
     greedy answer (what a client sees), at the default group of 32: the issue's bar,
     0.01 (measured 0.0097; groups of 64 measure 0.0103, over it, and mlx-lm's own
     quantized KV gives our logprobs: test_8_bit_greedy_equals_mlx_lm_kv_bits_8, so
     the drift is 8-bit affine KV's, not our cache's). Prose the model did not write
     drifts further (0.017) and is not the bar's measure: benchmarks/README.md."""
-    model = _model(smollm2_path, None)
+    model = smollm2(None)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": QUESTION}], add_generation_prompt=True
     )
@@ -76,7 +92,7 @@ def test_8_bit_kv_meets_the_issues_drift_bar(smollm2_path: Path, tokenizer) -> N
     assert len(set(answer)) > ANSWER_TOKENS // 3  # an answer, not a loop
     full = _decode_logprobs(model, prompt, answer)
     drift = {
-        bits: mx.mean(mx.abs(_decode_logprobs(_model(smollm2_path, bits), prompt, answer) - full))
+        bits: mx.mean(mx.abs(_decode_logprobs(smollm2(bits), prompt, answer) - full))
         for bits in (8, 4)
     }
     assert drift[8].item() <= 0.01
@@ -84,10 +100,10 @@ def test_8_bit_kv_meets_the_issues_drift_bar(smollm2_path: Path, tokenizer) -> N
     assert drift[4].item() > 2 * drift[8].item() > 0
 
 
-def test_kv_per_token_is_the_quantized_size(smollm2_path: Path) -> None:
-    full = cache_bytes_per_token(_model(smollm2_path, None))
-    assert cache_bytes_per_token(_model(smollm2_path, 8)) <= 0.55 * full
-    assert cache_bytes_per_token(_model(smollm2_path, 4)) <= 0.3 * full
+def test_kv_per_token_is_the_quantized_size(smollm2) -> None:
+    full = cache_bytes_per_token(smollm2(None))
+    assert cache_bytes_per_token(smollm2(8)) <= 0.55 * full
+    assert cache_bytes_per_token(smollm2(4)) <= 0.3 * full
 
 
 def _runner(model, prefill_step_size: int = 16) -> BatchRunner:
@@ -130,20 +146,19 @@ def _same(one: list, other: list) -> bool:
     return tokens and all(abs(a - b) <= 0.05 for (_, a), (_, b) in zip(one, other, strict=True))
 
 
-def _mlx_lm_generate(path: Path, prompt: list[int], n: int) -> list:
-    """mlx-lm's generate with 8-bit KV from the first token: (token, logprob) per step."""
-    model, _ = load(str(path))
+def _mlx_lm_generate(model, prompt: list[int], n: int) -> list:
+    """mlx-lm's generate with 8-bit KV from the first token: (token, logprob) per step
+    (``model``: one without our ``install``, whose caches mlx-lm's would not be)."""
     steps = generate_step(
         mx.array(prompt), model, max_tokens=n, kv_bits=8, kv_group_size=64, quantized_kv_start=0
     )
     return [(int(t), logprobs[int(t)].item()) for t, logprobs in steps]
 
 
-def _mlx_lm_one_pass(path: Path, prompt: list[int], n: int) -> list:
+def _mlx_lm_one_pass(model, prompt: list[int], n: int) -> list:
     """mlx-lm's caches as its generate uses them (a ``KVCache`` for the first forward,
     ``to_quantized`` after it, ``QuantizedKVCache`` from then on), the whole prompt in
     one forward as our runner feeds it."""
-    model, _ = load(str(path))
     cache = [KVCache() for _ in model.layers]
     logits = model(mx.array(prompt)[None], cache=cache)[0, -1]
     cache = [layer.to_quantized(group_size=64, bits=8) for layer in cache]
@@ -158,7 +173,7 @@ def _mlx_lm_one_pass(path: Path, prompt: list[int], n: int) -> list:
 
 @pytest.mark.parametrize("which", ["smollm2", "slow-llama"])
 def test_8_bit_greedy_equals_mlx_lm_kv_bits_8(
-    which: str, smollm2_path: Path, tiny_models_dir: Path
+    which: str, smollm2, smollm2_path: Path, tiny_models_dir: Path
 ) -> None:
     """Ours against mlx-lm's own quantized KV: the same tokens as its ``generate_step``
     (``kv_bits=8, quantized_kv_start=0``), and the same logprobs as its caches fed the
@@ -171,16 +186,17 @@ def test_8_bit_greedy_equals_mlx_lm_kv_bits_8(
     install(model, KVQuantSpec(8, 64), which)
     prompt, n = tokenizer.encode(QUESTION), 40
     ours = _serve(_runner(model, prefill_step_size=512), [[_request(0, prompt, n)]], n)["r0"]
-    generated = _mlx_lm_generate(path, prompt, n)
+    plain = smollm2(None) if which == "smollm2" else load(str(path))[0]
+    generated = _mlx_lm_generate(plain, prompt, n)
     assert [t for t, _ in ours] == [t for t, _ in generated]
     assert max(abs(a - b) for (_, a), (_, b) in zip(ours, generated, strict=True)) < 0.1
-    same_passes = _mlx_lm_one_pass(path, prompt, n)
+    same_passes = _mlx_lm_one_pass(plain, prompt, n)
     assert [t for t, _ in ours] == [t for t, _ in same_passes]
     assert max(abs(a - b) for (_, a), (_, b) in zip(ours, same_passes, strict=True)) < 1e-5
 
 
-def test_four_at_once_equal_each_alone(smollm2_path: Path, tokenizer) -> None:
-    model, n = _model(smollm2_path, 8), 12
+def test_four_at_once_equal_each_alone(smollm2, tokenizer) -> None:
+    model, n = smollm2(8), 12
     texts = [
         "The capital of France is",
         "Once upon a time, in a land far away, there lived a",
@@ -200,18 +216,22 @@ def test_four_at_once_equal_each_alone(smollm2_path: Path, tokenizer) -> None:
         assert _same(joined[rid], alone[rid]), rid
 
 
-def test_a_pool_serves_the_model_with_quantized_kv(make_pool, smollm2_path: Path) -> None:
-    pool = make_pool(smollm2_path.parent, cache={"enabled": True}, fresh_profile=True)
-    name = smollm2_path.name
-    pool.model_settings.put(name, {"kv_bits": 8})
+def test_a_pool_serves_the_model_with_quantized_kv(make_pool) -> None:
+    """The pool's load on the tiny slow-llama (the same load path as SmolLM2's, whose
+    profile measurement would cost this test half a minute; the built-in model served
+    with 8-bit KV: tests/api/test_kv_quant_api.py)."""
+    pool = make_pool(cache={"enabled": True})
+    pool.model_settings.put("slow-llama", {"kv_bits": 8})
 
     async def main() -> None:
-        engine = await pool.get_engine(name)
+        engine = await pool.get_engine("slow-llama")
         assert engine.kv_quant == KVQuantSpec(8, 32)
         # Its prefix cache holds quantized blocks (tests/integration/test_kv_quant_cache.py).
         assert engine.prefix_cache is not None
         assert set(engine.prefix_cache.layout) == {"quantized:8:32"}
-        assert engine.guard.dims.kv_bytes_per_token == cache_bytes_per_token(engine.loaded.model)
+        model = engine.loaded.model
+        assert engine.guard.dims.kv_bytes_per_token == cache_bytes_per_token(model)
+        assert cache_bytes_per_token(model) <= 0.55 * cache_bytes_per_token(model, full=True)
         assert engine_status(engine)["kv_bits"] == 8
 
     asyncio.run(main())

@@ -9,7 +9,9 @@ row reaches N, every row then); the caches' kinds never mix.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -29,12 +31,27 @@ START = 16
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_path: Path):
-    return load(str(smollm2_path))[1]
+def plain(smollm2_path: Path, tiny_models_dir: Path) -> Callable[[str], tuple[Any, Any]]:
+    """(model, tokenizer) of "smollm2" or "slow-llama" without our ``install`` (what
+    mlx-lm's own quantized KV runs on), loaded once for the module: the references
+    only run forwards on it, each with caches of its own."""
+    loaded: dict[str, tuple[Any, Any]] = {}
+
+    def get(which: str) -> tuple[Any, Any]:
+        if which not in loaded:
+            path = smollm2_path if which == "smollm2" else tiny_models_dir / "slow-llama"
+            loaded[which] = load(str(path))[:2]
+        return loaded[which]
+
+    return get
 
 
-def _mlx_lm_generate(path: Path, prompt: list[int], n: int, start: int, group: int = 64) -> list:
-    model, _ = load(str(path))
+@pytest.fixture(scope="module")
+def tokenizer(plain):
+    return plain("smollm2")[1]
+
+
+def _mlx_lm_generate(model, prompt: list[int], n: int, start: int, group: int = 64) -> list:
     steps = generate_step(
         mx.array(prompt),
         model,
@@ -46,10 +63,9 @@ def _mlx_lm_generate(path: Path, prompt: list[int], n: int, start: int, group: i
     return [(int(t), logprobs[int(t)].item()) for t, logprobs in steps]
 
 
-def _mlx_lm_one_pass(path: Path, prompt: list[int], n: int, start: int) -> list:
+def _mlx_lm_one_pass(model, prompt: list[int], n: int, start: int) -> list:
     """mlx-lm's caches quantized by its own ``maybe_quantize_kv_cache`` after every
     forward, the whole prompt in one forward as our runner feeds it."""
-    model, _ = load(str(path))
     cache = [KVCache() for _ in model.layers]
     out, feed = [], mx.array(prompt)[None]
     for _ in range(n):
@@ -66,7 +82,7 @@ def _mlx_lm_one_pass(path: Path, prompt: list[int], n: int, start: int) -> list:
 @pytest.mark.parametrize("which", ["smollm2", "slow-llama"])
 @pytest.mark.parametrize("prompt_kind", ["long", "short"])
 def test_alone_equals_mlx_lm_with_quantized_kv_start(
-    which: str, prompt_kind: str, smollm2_path: Path, tiny_models_dir: Path
+    which: str, prompt_kind: str, smollm2_path: Path, tiny_models_dir: Path, plain
 ) -> None:
     """A prompt past N (quantized after its prefill) and one shorter than N (its
     decoding crosses N): mlx-lm's tokens from its generate, and its logprobs from its
@@ -81,9 +97,10 @@ def test_alone_equals_mlx_lm_with_quantized_kv_start(
     assert (len(prompt) > START) == (prompt_kind == "long")
     n = 40
     ours = _serve(_runner(model, prefill_step_size=512), [[_request(0, prompt, n)]], n)["r0"]
-    generated = _mlx_lm_generate(path, prompt, n, START)
+    reference = plain(which)[0]
+    generated = _mlx_lm_generate(reference, prompt, n, START)
     assert [t for t, _ in ours] == [t for t, _ in generated]
-    same_passes = _mlx_lm_one_pass(path, prompt, n, START)
+    same_passes = _mlx_lm_one_pass(reference, prompt, n, START)
     assert [t for t, _ in ours] == [t for t, _ in same_passes]
     assert max(abs(a - b) for (_, a), (_, b) in zip(ours, same_passes, strict=True)) < 1e-5
 
@@ -144,7 +161,7 @@ def test_four_at_once_quantize_when_the_longest_row_reaches_n(
 
 
 def test_a_row_joining_a_quantized_batch_is_quantized_as_it_joins(
-    smollm2_path: Path, tokenizer
+    smollm2_path: Path, tokenizer, plain
 ) -> None:
     """Three rows decode past N; a fourth arrives: its prompt is prefilled in full
     precision (all but its last token, as every batch row's) and quantized as it joins
@@ -164,7 +181,7 @@ def test_a_row_joining_a_quantized_batch_is_quantized_as_it_joins(
             break
     ours = got["r3"][:24]
     reference = _mlx_lm_generate(
-        smollm2_path, list(late.prompt_ids), 24, late.num_prompt_tokens - 1, 32
+        plain("smollm2")[0], list(late.prompt_ids), 24, late.num_prompt_tokens - 1, 32
     )
     assert [t for t, _ in ours] == [t for t, _ in reference]
 
