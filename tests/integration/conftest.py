@@ -32,6 +32,14 @@ def pool_settings(
     )
 
 
+@pytest.fixture(scope="session")
+def mlx_probe_profiles(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Auto-profiles measured under ``MLXProbe`` (MLX's own accounting, no process
+    footprint), shared by the tests that load their models with it: each model is
+    measured once per settings under that probe, never mixed with the real probe's."""
+    return tmp_path_factory.mktemp("mlx-probe-profiles")
+
+
 @pytest.fixture
 def make_pool(tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path) -> Iterator:
     """Build an EnginePool on a running MLX worker; everything is torn down after.
@@ -40,10 +48,11 @@ def make_pool(tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path) -> Iter
 
     Models reuse the session's auto-profiles for the same settings, as a restart
     would. ``fresh_profile``: measure at load (tests of the measurement, and tests
-    that swap in a probe of their own: its readings must not reach other tests),
-    into ``profiles`` when given: a folder that only tests with the same made-up
-    readings share."""
-    made: list[tuple[EnginePool, MLXWorker, bool]] = []
+    that swap in a probe of their own: its readings must not reach other tests).
+    ``profiles``: a folder of profiles measured under the test's own probe instead
+    (``mlx_probe_profiles``), shared only by tests that load with that probe."""
+    # (pool, worker, whose profiles it reuses: "session", "own" or None, measured fresh)
+    made: list[tuple[EnginePool, MLXWorker, str | None]] = []
 
     def make(
         model_dir: Path = tiny_models_dir,
@@ -55,23 +64,27 @@ def make_pool(tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path) -> Iter
         profiles: Path | None = None,
         **scheduler: float,
     ) -> EnginePool:
-        assert profiles is None or fresh_profile, "profiles: a folder of fresh_profile's own"
-        if not fresh_profile or profiles is not None:
+        assert not (fresh_profile and profiles), "measure fresh, or reuse ``profiles``"
+        if not fresh_profile:
             share_profiles(tmp_path, profiles or profiles_dir)
         worker = MLXWorker()
         worker.start()
         settings = pool_settings(tmp_path, model_dir, cache, memory, **scheduler)
         pool = EnginePool(settings, worker, clock, busy_wait_s=busy_wait_s)
-        made.append((pool, worker, not fresh_profile))
+        reuses = None if fresh_profile else "own" if profiles else "session"
+        made.append((pool, worker, reuses))
         return pool
 
     yield make
     for pool, worker, _ in made:
         asyncio.run(pool.close())
         worker.stop()
-    for pool, _, shared in made:
+    for pool, _, reuses in made:
         own_probe = type(pool.probe) is not MemoryProbe
-        assert not (shared and own_probe), "a test's own probe: make_pool(fresh_profile=True)"
+        assert not (reuses == "session" and own_probe), (
+            "a test's own probe: make_pool(fresh_profile=True) or profiles=mlx_probe_profiles"
+        )
+        assert not (reuses == "own" and not own_probe), "the real probe: the session's profiles"
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ real MLX memory.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from omlx.engine.pool import EnginePool
 from omlx.engine.stream import RequestStream
@@ -73,8 +74,10 @@ def prompts(n: int) -> list[list[int]]:
     return [[5 + (i * 7 + j) % 400 for j in range(PROMPT)] for i in range(n)]
 
 
-def test_concurrent_prompts_that_cannot_all_fit_queue_and_all_complete(make_pool) -> None:
-    pool = make_pool(fresh_profile=True, max_concurrent_requests=8, prefill_step_size=512)
+def test_concurrent_prompts_that_cannot_all_fit_queue_and_all_complete(
+    make_pool, mlx_probe_profiles: Path
+) -> None:
+    pool = make_pool(profiles=mlx_probe_profiles, max_concurrent_requests=8, prefill_step_size=512)
 
     async def main() -> None:
         # Room for two of these prompts at once, not three.
@@ -94,8 +97,8 @@ def test_concurrent_prompts_that_cannot_all_fit_queue_and_all_complete(make_pool
     asyncio.run(main())
 
 
-def test_an_ample_ceiling_defers_nothing(make_pool) -> None:
-    pool = make_pool(fresh_profile=True, max_concurrent_requests=8, prefill_step_size=512)
+def test_an_ample_ceiling_defers_nothing(make_pool, mlx_probe_profiles: Path) -> None:
+    pool = make_pool(profiles=mlx_probe_profiles, max_concurrent_requests=8, prefill_step_size=512)
 
     async def main() -> None:
         engine, _, _ = await load_with_ceiling(pool, room_bytes=4000 * MB)
@@ -108,8 +111,8 @@ def test_an_ample_ceiling_defers_nothing(make_pool) -> None:
     asyncio.run(main())
 
 
-def test_the_gate_ends_a_prefill_when_memory_drifted(make_pool) -> None:
-    pool = make_pool(fresh_profile=True, max_concurrent_requests=8, prefill_step_size=128)
+def test_the_gate_ends_a_prefill_when_memory_drifted(make_pool, mlx_probe_profiles: Path) -> None:
+    pool = make_pool(profiles=mlx_probe_profiles, max_concurrent_requests=8, prefill_step_size=128)
 
     async def main() -> None:
         engine, probe, hard = await load_with_ceiling(pool, room_bytes=120 * MB)

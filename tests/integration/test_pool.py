@@ -254,7 +254,7 @@ def made_up_profiles(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_enforcer_publishes_pauses_evicts_and_ends_work(make_pool, made_up_profiles):
     # The readings are made up (a few MB): a pinned KV capacity replaces the load-time
     # auto-profile's measured one, which would rightly refuse such a ceiling.
-    pool = make_pool(fresh_profile=True, profiles=made_up_profiles, memory=PINNED)
+    pool = make_pool(profiles=made_up_profiles, memory=PINNED)
     probe = pool.probe = SetProbe()
 
     async def main() -> None:
@@ -311,7 +311,7 @@ def test_the_enforcer_reads_again_after_an_eviction_before_ending_anything(
     """Over the hard limit with the cache off, an idle model evicted gets memory under
     it: the running request goes on (the stale reading used to end it)."""
     # Made-up readings: see above.
-    pool = make_pool(fresh_profile=True, profiles=made_up_profiles, memory=PINNED)
+    pool = make_pool(profiles=made_up_profiles, memory=PINNED)
     probe = pool.probe = WeightsProbe(pool)
 
     async def main() -> None:
@@ -338,7 +338,7 @@ def test_a_pause_above_the_soft_limit_is_counted_and_its_deferrals_logged(
     make_pool, made_up_profiles, caplog: pytest.LogCaptureFixture
 ):
     # Made-up readings: see above.
-    pool = make_pool(fresh_profile=True, profiles=made_up_profiles, memory=PINNED)
+    pool = make_pool(profiles=made_up_profiles, memory=PINNED)
     probe = pool.probe = SetProbe()
     caplog.set_level(logging.INFO, logger="omlx")
 

@@ -31,8 +31,9 @@ from omlx.memory.budget import CANARY_FRACTION, Limits, held_tokens_peak_bytes
 from omlx.memory.probe import PEAK_WINDOW_S
 from tests.integration.test_memory_admission import MARGIN, MB, MLXProbe, generate
 
-# Mixed lengths, so long prefills run beside requests already decoding.
-LENGTHS = (1500, 300, 1200, 200, 900, 1500, 250, 700)
+# Mixed lengths, so long prefills (two 512-token chunks) run beside requests already
+# decoding; the ceiling is set from the longest, so the flood cannot all fit at once.
+LENGTHS = (750, 150, 600, 100, 450, 750, 125, 350)
 
 
 def _prompts() -> list[list[int]]:
@@ -116,10 +117,17 @@ async def _flood(pool, room_bytes: int):
 
 
 def test_a_flood_near_the_ceiling_is_throttled_not_ended(
-    make_pool, two_models_dir: Path, caplog: pytest.LogCaptureFixture, cpu_burner: None
+    make_pool,
+    two_models_dir: Path,
+    mlx_probe_profiles: Path,
+    caplog: pytest.LogCaptureFixture,
+    cpu_burner: None,
 ) -> None:
     pool = make_pool(
-        two_models_dir, fresh_profile=True, max_concurrent_requests=8, prefill_step_size=512
+        two_models_dir,
+        profiles=mlx_probe_profiles,
+        max_concurrent_requests=8,
+        prefill_step_size=512,
     )
     caplog.set_level(logging.INFO, logger="omlx")
 

@@ -61,10 +61,13 @@ def _room_for_one(engine, num_tokens: int, room_bytes: int) -> int:
 
 
 def test_a_prompt_that_cannot_fit_beside_another_model_s_request_queues_for_it(
-    make_pool, two_models_dir: Path
+    make_pool, two_models_dir: Path, mlx_probe_profiles: Path
 ) -> None:
     pool = make_pool(
-        two_models_dir, max_concurrent_requests=8, prefill_step_size=512, fresh_profile=True
+        two_models_dir,
+        max_concurrent_requests=8,
+        prefill_step_size=512,
+        profiles=mlx_probe_profiles,
     )
 
     async def main() -> None:
@@ -96,13 +99,16 @@ def test_a_prompt_that_cannot_fit_beside_another_model_s_request_queues_for_it(
 
 
 def test_a_busy_model_does_not_overtake_another_model_s_waiting_request(
-    make_pool, two_models_dir: Path
+    make_pool, two_models_dir: Path, mlx_probe_profiles: Path
 ) -> None:
     """First come, first served across models: while model a's request waits for
     model b's memory, b's later short request (which would fit beside b's own)
     waits behind it, so a steady stream of b's requests cannot starve a's."""
     pool = make_pool(
-        two_models_dir, max_concurrent_requests=8, prefill_step_size=512, fresh_profile=True
+        two_models_dir,
+        max_concurrent_requests=8,
+        prefill_step_size=512,
+        profiles=mlx_probe_profiles,
     )
 
     async def main() -> None:
