@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -11,7 +12,8 @@ import pytest
 
 from omlx.api.output_budget import CLAMPED_HEADER
 from omlx.api.server import Server
-from tests.fixtures.servers import aborted_count, wait_aborted
+from tests.fixtures.frozen_probe import FrozenProbe
+from tests.fixtures.servers import aborted_count, live_server, wait_aborted
 
 MODEL = "tiny-llama"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -304,36 +306,42 @@ def test_completions_echo_prefixes_the_prompt(client: openai.OpenAI) -> None:
 
 
 def test_a_prompt_over_the_memory_limit_is_400_with_the_numbers(
-    client: openai.OpenAI, server: Server
+    tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path
 ) -> None:
+    """The front door refuses a prompt whose cache cannot fit under the limit beside the
+    loaded model, with the numbers; a tiny prompt under the same limit is served. The
+    readings are frozen once the model is loaded (tests/fixtures/frozen_probe.py, a
+    fake): the live baseline is this whole test process's footprint, which moved by
+    more than tiny-llama's whole KV capacity here between the test's reading and the
+    requests in full runs (the long prompt's own tokenizing, earlier tests' garbage)."""
     import dataclasses
-    import gc
 
-    # The live baseline is this whole test process's footprint: collect earlier tests'
-    # garbage before the idle reading it starts from, not between it and the request.
-    gc.collect()
-    chat(client, max_tokens=1)  # loaded
-    engine = next(e for e in server.pool.loaded() if e.name == MODEL)
-    guard = engine.guard
-    before = guard.limits
-    long_prompt = "the cache " * 1950  # ~3,900 tokens: ~90 MB of KV, within the window
-    # Room for a tiny prompt beside the model and the margin, and for about half the long
-    # prompt's KV, so the limit sits ~40 MB from both answers (the footprint still moves
-    # in a full run). The KV capacity also keeps its safety canary (2% of the limit) free.
-    half_long_kv = guard.dims.kv_bytes_per_token * 1950
-    room = guard.baseline_bytes + before.transient_margin_bytes + half_long_kv
-    ceiling = int(room / 0.98) + 1
-    guard.publish(dataclasses.replace(before, hard_bytes=ceiling))
-    try:
+    with live_server(
+        tmp_path, tiny_models_dir, scheduler={"prefill_step_size": 64}, profiles=profiles_dir
+    ) as srv:
+        probe = srv.pool.probe = FrozenProbe()
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
+        chat(client, max_tokens=1)  # loaded, measured with real readings
+        probe.held = probe.reading(fresh=True).in_use_bytes
+        chat(client, max_tokens=1)  # the idle baseline observed at the frozen figure
+        guard = next(e for e in srv.pool.loaded() if e.name == MODEL).guard
+        before = guard.limits
+        # The lowest limit whose KV capacity holds 1024 tokens (the capacity keeps the
+        # measured transient and a canary free): a 16-token prompt's cache (272 columns
+        # as it grows) fits, a ~2,400-token one does not.
+        low, ceiling = guard.baseline_bytes, before.hard_bytes
+        while ceiling - low > 2**16:
+            mid = (low + ceiling) // 2
+            guard.publish(dataclasses.replace(before, hard_bytes=mid))
+            low, ceiling = (low, mid) if (guard.max_kv_tokens or 0) >= 1024 else (mid, ceiling)
+        guard.publish(dataclasses.replace(before, hard_bytes=ceiling))
         with pytest.raises(openai.BadRequestError) as info:
-            chat(client, [{"role": "user", "content": long_prompt}])
+            chat(client, [{"role": "user", "content": "the cache " * 1200}])
         err = info.value.response.json()["error"]
         assert err["code"] == "prefill_memory_exceeded" and err["type"] == "invalid_request_error"
         assert err["limit_bytes"] == ceiling and err["estimated_bytes"] > ceiling
         assert "memory limit" in err["message"]
         assert chat(client, max_tokens=2).choices[0].finish_reason == "length"
-    finally:
-        guard.publish(before)
 
 
 @pytest.mark.parametrize(
