@@ -67,6 +67,11 @@ def _claude(conn: Connection) -> LaunchPlan:
         "ANTHROPIC_SMALL_FAST_MODEL": conn.model,
         # No telemetry or update checks to Anthropic's servers from a local setup.
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        # Claude Code opens its system prompt with an attribution line whose hash
+        # changes with each session's first message: a restarted session would share
+        # no prefix with the last one, and recompute its ~12k-token system prompt and
+        # tools. Off, the prefix cache serves them (benchmarks/README.md, agent_traffic).
+        "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
     }
     if conn.context_window is not None:
         # Claude Code's own setting for a model it does not know: without it, it

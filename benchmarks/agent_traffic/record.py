@@ -44,10 +44,17 @@ PACKAGES = {
 }
 SECRET_HEADERS = {"authorization", "x-api-key", "cookie", "api-key"}
 MODEL = "agent-model"
-PROMPT = (
-    "List the files in this directory, then show me what notes.txt says, "
-    "and tell me in one sentence what the project is."
-)
+# The user's message, per session. Session 2 is the same tool, version and settings
+# started again in the same project with a new question: what a user's next session of
+# the day sends (the same system prompt and tools, a different first user message).
+PROMPTS = {
+    1: (
+        "List the files in this directory, then show me what notes.txt says, "
+        "and tell me in one sentence what the project is."
+    ),
+    2: "How many lines does main.py have, and what does it print? Check, then answer briefly.",
+}
+PROMPT = PROMPTS[1]
 
 
 class Log:
@@ -129,19 +136,21 @@ def make_handler(log: Log, tool_calls: int) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def agent_command(tool: str, npm_prefix: Path, base_url: str, work: Path) -> tuple[list[str], dict]:
+def agent_command(
+    tool: str, npm_prefix: Path, base_url: str, work: Path, prompt: str = PROMPT
+) -> tuple[list[str], dict]:
     """The CLI invocation ``omlx launch`` would make, in non-interactive mode."""
     plan = launch_plan(tool, Connection(base_url, None, MODEL))
     program = str(npm_prefix / "node_modules" / ".bin" / plan.program)
     extra = {
-        "claude": ["-p", PROMPT, "--dangerously-skip-permissions", "--output-format", "text"],
+        "claude": ["-p", prompt, "--dangerously-skip-permissions", "--output-format", "text"],
         "codex": [
             "exec",
             "--skip-git-repo-check",
             "--dangerously-bypass-approvals-and-sandbox",
-            PROMPT,
+            prompt,
         ],
-        "opencode": ["run", PROMPT],
+        "opencode": ["run", prompt],
     }[tool]
     home = work / "home"
     env = {
@@ -181,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--npm-prefix", type=Path, default=Path("/tmp/agents-npm"))
     parser.add_argument("--tool-calls", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument(
+        "--session", type=int, choices=sorted(PROMPTS), default=1, help="which user prompt"
+    )
     args = parser.parse_args(argv)
 
     log = Log()
@@ -190,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="agent-rec-"))
     try:
         project = make_project(work)
-        command, env = agent_command(args.tool, args.npm_prefix, base_url, work)
+        prompt = PROMPTS[args.session]
+        command, env = agent_command(args.tool, args.npm_prefix, base_url, work, prompt)
         env["PWD"] = str(project)  # opencode takes its directory from PWD, not the cwd
         started = time.time()
         done = subprocess.run(
@@ -214,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         "package": PACKAGES[args.tool],
         "version": version.stdout.split()[0] if version.stdout else "",
         "work_dir": str(work),
-        "prompt": PROMPT,
+        "session": args.session,
+        "prompt": prompt,
         "exit_code": done.returncode,
         "requests": log.requests,
     }

@@ -4,7 +4,7 @@ how much of them the server reused from its prefix cache.
     .venv/bin/python benchmarks/agent_traffic/replay.py --servers omlx,mlx-lm
     .venv/bin/python benchmarks/agent_traffic/replay.py --servers rapid-mlx,rapid-mlx+chat
     .venv/bin/python benchmarks/agent_traffic/replay.py --servers omlx --tools codex \
-        --json-out /tmp/replay.json
+        --sessions 1 --json-out /tmp/replay.json
 
 Each server starts fresh (one at a time: the machine has 2 shared cores) on a model with
 SmolLM2's tokenizer and chat template (so the prompts are the built-in model's: Claude
@@ -22,6 +22,14 @@ message as omlx writes them for a template without tools (mlx_lm.server would dr
 them: SmolLM2's template has no tools), so both compute the same prompt. Reuse of a
 turn = cached prompt tokens / the previous agent turn's prompt tokens (the context the
 turn extends).
+
+``--sessions 1,2`` (default) replays every tool's session 1, then every tool's session 2
+(``sessions/<tool>-2.json``: the same tool started again in the same project with a new
+user message), against the one running server, as a user's day goes: the server is not
+restarted between them. A later session's first agent turn extends nothing; its reuse is
+cached tokens / the tokens its prompt shares with the last session's first (system
+prompt and tools; shared_prefix.py counts them on the converted prompt, so a server's
+own rendering of a native request can cache a few tokens more or less).
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 import peer_servers as ps  # noqa: E402
 from run_peers import MODEL, WORK, ensure_model, make_spec  # noqa: E402
 
-from benchmarks.agent_traffic import sessions, to_chat  # noqa: E402
+from benchmarks.agent_traffic import sessions, shared_prefix, to_chat  # noqa: E402
 from benchmarks.agent_traffic.usage import read_stream  # noqa: E402
 
 CHAT_ONLY = {"mlx-lm"}
@@ -61,18 +69,20 @@ class Turn:
     cached_tokens: int | None
     output_tokens: int | None
     reuse: float | None = None  # cached / previous agent turn's prompt
+    session: int = 1
+    # A later session's first agent turn: the tokens its prompt shares with the last
+    # session's first (system prompt and tools), and cached / those.
+    shared_tokens: int | None = None
+    shared_reuse: float | None = None
 
 
 def prepared(request: dict[str, Any], model: str, out_tokens: int, chat_only: bool) -> tuple:
     """(path, body) to send for a recorded request."""
     kind, body = request["kind"], {**request["body"], "model": model}
-    if kind == "responses":
+    if chat_only:
+        body, kind = to_chat.request_as_chat(kind, body), "chat"
+    elif kind == "responses":
         body["tools"] = to_chat.flat_tools(body.get("tools") or [])
-    if chat_only and kind != "chat":
-        convert = to_chat.from_anthropic if kind == "anthropic" else to_chat.from_responses
-        body, kind = convert(body), "chat"
-    if chat_only and body.get("tools"):
-        body = to_chat.tools_in_system(body)
     body["stream"] = True
     if kind == "chat":
         body.update(max_tokens=out_tokens, ignore_eos=True, stream_options={"include_usage": True})
@@ -86,11 +96,17 @@ def prepared(request: dict[str, Any], model: str, out_tokens: int, chat_only: bo
 
 
 def replay_tool(
-    client: httpx.Client, tool: str, model: str, args: argparse.Namespace, chat_only: bool
+    client: httpx.Client,
+    tool: str,
+    session: int,
+    model: str,
+    args: argparse.Namespace,
+    chat_only: bool,
 ) -> list[Turn]:
     turns: list[Turn] = []
     previous_prompt: int | None = None
-    for index, request in enumerate(sessions.model_requests(sessions.load(tool))):
+    shared = args.shared.get(tool) if session > 1 else None
+    for index, request in enumerate(sessions.model_requests(sessions.load(tool, session))):
         kind, path, body = prepared(request, model, args.output_tokens, chat_only)
         started = time.perf_counter()
         with client.stream("POST", path, json=body) as reply:
@@ -109,15 +125,19 @@ def replay_tool(
             seen.prompt_tokens,
             seen.cached_tokens,
             seen.output_tokens,
+            session=session,
         )
         if turn.agent:
             if previous_prompt and turn.cached_tokens is not None:
                 turn.reuse = turn.cached_tokens / previous_prompt
+            elif shared and turn.cached_tokens is not None:
+                turn.shared_tokens, turn.shared_reuse = shared, turn.cached_tokens / shared
             previous_prompt = turn.prompt_tokens
         turns.append(turn)
         print(
-            f"  {tool} #{index} {kind}: ttft {turn.ttft_s:.2f}s prompt {turn.prompt_tokens} "
-            f"cached {turn.cached_tokens} reuse {turn.reuse}",
+            f"  {tool} s{session} #{index} {kind}: ttft {turn.ttft_s:.2f}s prompt "
+            f"{turn.prompt_tokens} cached {turn.cached_tokens} reuse {turn.reuse} "
+            f"shared reuse {turn.shared_reuse}",
             flush=True,
         )
     return turns
@@ -146,14 +166,26 @@ def run_server(name: str, models: Path, args: argparse.Namespace) -> list[Turn]:
         with httpx.Client(base_url=base, timeout=httpx.Timeout(1800, connect=10)) as client:
             warm_up(client, spec.model)
             turns = []
-            for tool in args.tools.split(","):
-                turns += replay_tool(client, tool, spec.model, args, chat_only)
+            # Every tool's session 1, then every tool's session 2, against the one
+            # running server: a user's day, the server never restarted between them.
+            for session in args.sessions:
+                for tool in args.tools.split(","):
+                    turns += replay_tool(client, tool, session, spec.model, args, chat_only)
             return turns
     finally:
         server.stop()
 
 
 def summary(turns: list[Turn]) -> dict[str, Any]:
+    """Totals over all turns, and per session under ``sessions``."""
+    found = totals(turns)
+    numbers = sorted({t.session for t in turns})
+    if len(numbers) > 1:
+        found["sessions"] = {n: totals([t for t in turns if t.session == n]) for n in numbers}
+    return found
+
+
+def totals(turns: list[Turn]) -> dict[str, Any]:
     agent = [t for t in turns if t.agent]
     later = [t for t in agent if t.reuse is not None]
     prompt = sum(t.prompt_tokens or 0 for t in turns)
@@ -164,14 +196,30 @@ def summary(turns: list[Turn]) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "computed_tokens": prompt - cached,
-        "min_reuse": round(min((t.reuse for t in later), default=0.0), 3),
+        "min_reuse": round(min((t.reuse for t in later), default=0.0), 4),
     }
+
+
+def shared_tokens(tools: list[str]) -> dict[str, int]:
+    """Per tool, the prompt tokens session 2's first agent turn shares with session 1's."""
+    tokenizer = shared_prefix.load_tokenizer()
+    found = {}
+    for tool in tools:
+        check = shared_prefix.compare(tool, tokenizer)
+        print("shared prefix:", json.dumps(check), flush=True)
+        found[tool] = check["shared_tokens"]
+    return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--servers", default="omlx,mlx-lm")
     parser.add_argument("--tools", default=",".join(sessions.TOOLS))
+    parser.add_argument(
+        "--sessions",
+        default="1,2",
+        help="recorded sessions to replay, in order, against one running server",
+    )
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--context", type=int, default=65536)
     parser.add_argument(
@@ -183,6 +231,8 @@ def main() -> None:
     parser.add_argument("--peer-venvs", type=Path, default=WORK / "venvs")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
+    args.sessions = [int(n) for n in args.sessions.split(",")]
+    args.shared = shared_tokens(args.tools.split(",")) if max(args.sessions) > 1 else {}
     base_models = ensure_model(WORK / "base")
     models = WORK / f"agent-models-{args.shape}-{args.context}"
     if args.shape == "smollm2":

@@ -17,8 +17,14 @@ ENDPOINTS = {
 }
 
 
-def load(tool: str) -> dict[str, Any]:
-    return json.loads((SESSIONS / f"{tool}.json").read_text())
+def path(tool: str, session: int = 1) -> Path:
+    """Session 1 is ``<tool>.json`` (the first recording); session n, ``<tool>-<n>.json``:
+    the same tool started again in the same project with another user message."""
+    return SESSIONS / (f"{tool}.json" if session == 1 else f"{tool}-{session}.json")
+
+
+def load(tool: str, session: int = 1) -> dict[str, Any]:
+    return json.loads(path(tool, session).read_text())
 
 
 def model_requests(session: dict[str, Any]) -> list[dict[str, Any]]:

@@ -33,8 +33,13 @@ def turns_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
             other = result["turns"][index]
             cached, prompt = other["cached_tokens"], other["prompt_tokens"]
             reuse = _pct(other["reuse"]) or "-"
+            if other.get("shared_reuse") is not None:
+                # A later session's first turn: reuse of the prefix it shares with the last.
+                reuse = f"{_pct(other['shared_reuse'])} of {other['shared_tokens']} shared"
             cells.append(f"{cached}/{prompt}, {reuse}, {other['ttft_s']:.2f} s")
-        label = f"{turn['tool']} #{turn['index']}" + ("" if turn["agent"] else " (title)")
+        session = turn.get("session", 1)
+        label = f"{turn['tool']} {'' if session == 1 else f's{session} '}#{turn['index']}"
+        label += "" if turn["agent"] else " (title)"
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
@@ -43,11 +48,15 @@ def totals_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
     lines = ["| server | wall s | TTFT sum s | prompt tokens | computed | cached | lowest reuse |"]
     lines.append("|---|---|---|---|---|---|---|")
     for name, result in runs:
-        s = result["summary"]
-        lines.append(
-            f"| {name} | {s['wall_s']} | {s['ttft_sum_s']} | {s['prompt_tokens']} | "
-            f"{s['computed_tokens']} | {s['cached_tokens']} | {_pct(s['min_reuse'])} |"
-        )
+        rows = [(name, result["summary"])]
+        # Per session too, when the run replayed several against one server.
+        for number, part in (result["summary"].get("sessions") or {}).items():
+            rows.append((f"{name}, session {number}", part))
+        for label, s in rows:
+            lines.append(
+                f"| {label} | {s['wall_s']} | {s['ttft_sum_s']} | {s['prompt_tokens']} | "
+                f"{s['computed_tokens']} | {s['cached_tokens']} | {_pct(s['min_reuse'])} |"
+            )
     return lines
 
 

@@ -123,3 +123,13 @@ def tools_in_system(body: dict[str, Any]) -> dict[str, Any]:
         if original.get("tool_calls"):
             written["tool_calls"] = original["tool_calls"]
     return {k: v for k, v in body.items() if k != "tools"} | {"messages": messages}
+
+
+def request_as_chat(kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A recorded request's body as a Chat Completions body with the tools in the system
+    message: the prompt text every server computes in the replay's converted mode."""
+    if kind == "anthropic":
+        body = from_anthropic(body)
+    elif kind == "responses":
+        body = from_responses(body)
+    return tools_in_system(body) if body.get("tools") else body

@@ -24,6 +24,7 @@ import pytest
 
 from tests.agents.conftest import KEY, MODEL, NPM_BIN, AgentRun, agent_program
 from tests.fixtures.agent_models import AFTER_TOOL_TEXT, PONG_TEXT, ask_for_call
+from tests.fixtures.prom import scrape, value
 
 pytestmark = [pytest.mark.spawns, pytest.mark.agents]
 
@@ -52,6 +53,26 @@ def test_claude_code_tool_round_trip(agent: AgentRun) -> None:
     # a plain `echo` without asking, a stricter one would refuse it otherwise).
     out = agent.launch("claude", "-p", ask_for_call("Bash"), "--allowedTools", "Bash")
     assert AFTER_TOOL_TEXT in output_of(out)
+
+
+def test_a_new_claude_code_session_reuses_the_last_ones_prompt(agent: AgentRun) -> None:
+    """A user restarts Claude Code with a new question: as ``omlx launch`` starts it,
+    the new session's requests reuse the last session's system prompt and tools from
+    the prefix cache. (Claude Code's own attribution line, whose hash changes with each
+    session's first message, would open the prompt with new text: 25 of ~12k tokens
+    shared, measured with benchmarks/agent_traffic's recordings.)"""
+    agent_program("npm", "node_modules", ".bin", "claude")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    output_of(agent.launch("claude", "-p", "say hi"))
+    before = scrape(agent.base_url, headers)
+    assert PONG_TEXT in output_of(agent.launch("claude", "-p", "what is in this folder?"))
+    after = scrape(agent.base_url, headers)
+
+    def new(name: str) -> float:
+        return value(after, name, model=MODEL) - value(before, name, model=MODEL)
+
+    prompt, cached = new("omlx_prompt_tokens_total"), new("omlx_cached_prompt_tokens_total")
+    assert prompt > 5000 and cached >= 0.9 * prompt, (prompt, cached)
 
 
 # --- Codex: the Responses API -----------------------------------------------------------
