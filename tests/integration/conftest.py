@@ -50,7 +50,8 @@ def make_pool(tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path) -> Iter
     would. ``fresh_profile``: measure at load (tests of the measurement, and tests
     that swap in a probe of their own: its readings must not reach other tests).
     ``profiles``: a folder of profiles measured under the test's own probe instead
-    (``mlx_probe_profiles``), shared only by tests that load with that probe."""
+    (``mlx_probe_profiles``, or a module's own for made-up readings), shared only by
+    tests that load with the same probe."""
     # (pool, worker, whose profiles it reuses: "session", "own" or None, measured fresh)
     made: list[tuple[EnginePool, MLXWorker, str | None]] = []
 
