@@ -279,6 +279,13 @@ _OWN_CACHE = (
     "omlx's batch and prefix cache take mlx-lm's cache types only"
 )
 _UNTRIED = "not yet checked against mlx-vlm's own generate on a tiny model"
+# A family whose processor only its checkpoints carry, as code (trust_remote_code).
+_OWN_PROCESSOR_CODE = (
+    "mlx-vlm 0.7.10 has no processor for it: its checkpoints ship their own as Python code "
+    "in the model folder ({}), which transformers loads only with trust_remote_code, and "
+    "omlx loads the model without it: nothing would build its image prompts, and "
+    "mlx-vlm's own generate gives no reference answer to check omlx's against"
+)
 REFUSED: dict[str, str] = {
     **dict.fromkeys(
         (
@@ -352,6 +359,14 @@ REFUSED: dict[str, str] = {
     "Siglip2ImageProcessor (NaFlex patches), which needs PyTorch (omlx installs none): "
     "mlx-vlm's load falls back to the bare tokenizer and its own generate cannot take an "
     "image, so there is no reference answer to check omlx's against",
+    # Run on a tiny model of each whose processor_config.json names its own module, as the
+    # published checkpoints' do (mlx-community/llm-jp-4-vl-9b-mlx-4bit's processor loads from
+    # transformers_modules; tencent/Youtu-VL-4B-Instruct's too): mlx-vlm's load, called as
+    # omlx calls it, raises ValueError ("contains custom code which must be executed ...
+    # pass the argument `trust_remote_code=True`"). With a stand-in processor and
+    # trust_remote_code, mlx-vlm's generate runs both models: only the processor is missing.
+    "llmjpvl": _OWN_PROCESSOR_CODE.format("processing_llmjpvl.py"),
+    "youtu_vl": _OWN_PROCESSOR_CODE.format("processing_youtu_vl.py"),
     # Checked: mlx-vlm's add_image_token turns a 3-token prompt with one image token into
     # 578 rows, and a prompt already expanded to 576 image tokens (578) into 1153.
     "multi_modality": "mlx-vlm's model inserts 576 feature rows at each image token of the "
@@ -406,10 +421,8 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(
         (
             "jina_vlm",
-            "llmjpvl",
             "moondream2",
             "muse_spark",
-            "youtu_vl",
         ),
         _UNTRIED,
     ),

@@ -290,6 +290,22 @@ def test_every_mlx_vlm_vision_family_is_served_or_refused_with_a_reason() -> Non
     assert _vision_model_types() == set(FAMILIES) | set(REFUSED)
 
 
+def test_a_family_refused_for_its_checkpoints_processor_code_has_none_in_mlx_vlm() -> None:
+    # llmjpvl's and youtu_vl's processors ship as code in their checkpoints (REFUSED says
+    # why). A new mlx-vlm that ships one of its own (its main branch has, for llmjpvl)
+    # fails here until the family is tried against mlx-vlm's own generate.
+    import mlx_vlm.models
+
+    refused = sorted(name for name, why in REFUSED.items() if "trust_remote_code" in why)
+    assert refused == ["llmjpvl", "youtu_vl"]
+    root = Path(mlx_vlm.models.__file__).parent
+    for name in refused:
+        sources = [f.read_text(encoding="utf-8") for f in (root / name).glob("*.py")]
+        assert sources and not any(
+            "ProcessorMixin" in s or "install_auto_processor_patch" in s for s in sources
+        ), name
+
+
 def test_a_checkpoints_model_type_of_another_name_finds_its_family() -> None:
     # Published checkpoints carry the model types mlx-vlm remaps (FastVLM's llava_qwen2,
     # Bunny's bunny-llama, LFM2-VL's lfm2-vl): each finds the family mlx-vlm loads.
