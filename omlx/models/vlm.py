@@ -447,6 +447,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     except (ValueError, OSError, KeyError, RuntimeError, TypeError) as exc:
         raise ModelLoadError(f"cannot load '{info.name}' from {info.path}: {exc}") from exc
     _require_served_caches(info, model.language_model)
+    _require_image_processor(info, traits, processor)
     processor = _processor(processor, model)
     config = _served_config(info, model)
     token, token_id = _image_token(processor, config, traits)
@@ -470,6 +471,18 @@ def _require_served_caches(info: ModelInfo, language_model: Any) -> None:
             _mlx_lm_cache(cache)
     except ValueError as exc:
         raise ModelLoadError(f"cannot load '{info.name}': its language model keeps {exc}") from exc
+
+
+def _require_image_processor(info: ModelInfo, traits: Family, processor: Any) -> None:
+    """A family whose processor loads its tokenizer from the Hub: mlx-vlm's load gives
+    the bare tokenizer where it could not (no image path), a clear load error here."""
+    if traits.hub_tokenizer is not None and not hasattr(processor, "tokenizer"):
+        raise ModelLoadError(
+            f"cannot load '{info.name}': mlx-vlm's {info.model_type} processor loads its "
+            f"tokenizer from the Hugging Face Hub repo {traits.hub_tokenizer} at every load, "
+            "which could not be reached and is not in the Hub cache: connect once (or "
+            "download that repo) so huggingface_hub caches it"
+        )
 
 
 def _served_config(info: ModelInfo, model: Any) -> dict[str, Any]:

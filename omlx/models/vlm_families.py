@@ -64,7 +64,9 @@ class Family:
     prompt's ids (the prefill, the prefix cache, the guard, usage) match the rows.
     ``image_rows``: each image is one placeholder id (``image_token_id``) that the
     model replaces by this many rows; omlx writes the id once a row, so the prompt's
-    ids count the rows (the same rule, as image_blocks)."""
+    ids count the rows (the same rule, as image_blocks). ``hub_tokenizer``: the Hub
+    repo mlx-vlm's processor loads its tokenizer from, whatever the model's folder
+    holds (a load that could not reach it is refused, naming it)."""
 
     image_text: str | None = None
     image_token: str | None = None
@@ -78,6 +80,7 @@ class Family:
     max_images: int | None = None
     image_blocks: BlockRule | None = None
     image_rows: RowRule | None = None
+    hub_tokenizer: str | None = None
 
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -202,6 +205,16 @@ FAMILIES: dict[str, Family] = {
     # rows). Its embedding offers a prefix mask (BOS and image attending each other),
     # which mlx-vlm's generate does not give the language model: causal, as there.
     "moondream3": Family(image_text="", image_token_id=0, max_images=1),
+    # Moondream 2: moondream3's processor and layout (its embedding the same) over a
+    # phi-style decoder. mlx-vlm's processor loads its tokenizer from the Hub repo
+    # moondream/starmie-v1 at every load (the checkpoint's own is stale); unreachable
+    # and uncached, mlx-vlm falls back to the bare tokenizer, which takes no image.
+    "moondream2": Family(
+        image_text="",
+        image_token_id=0,
+        max_images=1,
+        hub_tokenizer="moondream/starmie-v1",
+    ),
     # Step-3.7: a step3p5 decoder (sliding-window layers, experts); the processor takes
     # one <im_patch> a prompt and writes every image's tokens there: one image a prompt.
     "step3p7": Family(max_images=1),
@@ -418,14 +431,15 @@ REFUSED: dict[str, str] = {
     "(each image resized to its own aspect, with tgt_sizes and image_bound beside them), "
     "where omlx's image path takes one pixel array a prompt (the memory gate prices its "
     "shape)",
-    **dict.fromkeys(
-        (
-            "jina_vlm",
-            "moondream2",
-            "muse_spark",
-        ),
-        _UNTRIED,
-    ),
+    # Run on a tiny model (a sliding-window layer and a full one without rope, 4 experts,
+    # a 2-layer tower; the tiny audio config transformers' config requires), mlx-vlm's
+    # MuseSparkProcessor: stream_generate raises "[metal_kernel] No Metal back-end"
+    # (qk_norm_rope). mlx-lm's text muse_spark is left out of the breadth test likewise.
+    "muse_spark": "its language model runs mlx-vlm 0.7.10's Metal-only kernels (its "
+    "attention's qk_norm_rope, its norms and expert routing: mx.fast.metal_kernel, no "
+    "other path): on MLX's CPU backend, where omlx is checked, mlx-vlm's own generate "
+    "raises 'No Metal back-end', so there is no reference answer to check omlx's against",
+    "jina_vlm": _UNTRIED,
 }
 
 

@@ -21,6 +21,7 @@ from omlx.models.vlm import load_vlm
 from omlx.models.vlm_families import ALIASES, FAMILIES, REFUSED
 from omlx.models.vlm_families import family as family_of
 from tests.api.test_vision import ask, chat, png
+from tests.fixtures.tiny_vlm_configs_vfam1 import STARMIE_REPO, cache_starmie, offline_hub
 from tests.fixtures.tiny_vlms import build_tiny_vlm
 
 # model name -> (family, the processor's image side, why it runs one at a time or None)
@@ -73,6 +74,9 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # The same placeholder, written by mlx-vlm's generate around a bare tokenizer: 729
     # rows (its image processor's fixed 384 pixels, whatever the side here).
     "tiny-llava-bunny": ("llava_bunny", 384, None),
+    # moondream3's processor and layout over a phi-style decoder (vfam1); its tokenizer
+    # from a Hub cache of the module's own (tiny_vlm_configs_vfam1.cache_starmie).
+    "tiny-moondream2": ("moondream2", 378, None),
 }
 # Families whose language model keeps linear-attention / convolution / SSM states
 # (ArraysCache), with the KV bytes a token adds to their attention layers (float32):
@@ -97,11 +101,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("tiny-vlm-families")
     for seed, (name, (family, side, _)) in enumerate(MODELS.items()):
         build_tiny_vlm(root / name, family, seed=seed, image_size=side)
-    with live_server(
-        tmp_path_factory.mktemp("base"),
-        root,
-        scheduler={"max_concurrent_requests": 8, "prefill_step_size": 64},
-    ) as srv:
+    hub = cache_starmie(tmp_path_factory.mktemp("hub"), root / "tiny-moondream2")
+    with (
+        offline_hub(hub),
+        live_server(
+            tmp_path_factory.mktemp("base"),
+            root,
+            scheduler={"max_concurrent_requests": 8, "prefill_step_size": 64},
+        ) as srv,
+    ):
         yield srv
 
 
@@ -373,3 +381,17 @@ def test_a_prompt_counts_the_rows_its_model_embeds_where_they_outnumber_its_toke
     assert rows > ids.shape[1]
     reply = chat(client, model, ask(png(80), text=TEXT), MAX_TOKENS)
     assert reply.usage.prompt_tokens == rows
+
+
+def test_a_moondream2_whose_hub_tokenizer_cannot_be_read_is_a_load_error_naming_it(
+    tmp_path: Path,
+) -> None:
+    # mlx-vlm's load falls back to the bare tokenizer (no image path) when its processor
+    # cannot read moondream/starmie-v1: offline with an empty Hub cache here.
+    folder = build_tiny_vlm(tmp_path / "tiny-moondream2", "moondream2", image_size=378)
+    info = ModelInfo("some-moondream", folder, "moondream2", "vlm", 1)
+    with offline_hub(tmp_path / "empty-hub"), pytest.raises(ModelLoadError) as error:
+        load_vlm(info)
+    message = str(error.value)
+    assert "'some-moondream'" in message and STARMIE_REPO in message
+    assert "could not be reached" in message
