@@ -21,6 +21,7 @@ import mlx.core as mx
 from omlx.engine.compiled import CompiledDecode
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
 from omlx.mlx_types import CacheLayer, LanguageModel, item_int, prompt_cache
+from omlx.models.vlm import TextModel
 from omlx.scheduler import TokenLogprob
 
 # Free MLX's buffer cache now and then, as generate_step does.
@@ -149,6 +150,8 @@ class SoloSequence:
         self._one_pass_max = (
             prefill_step_size if output_head(model) else min(_ONE_PASS_MAX, prefill_step_size)
         )
+        if isinstance(model, TextModel) and model.chunk_attends_both_ways:
+            self._one_pass_max = 1
 
     @property
     def cache(self) -> list[CacheLayer]:

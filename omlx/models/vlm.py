@@ -24,6 +24,7 @@ from omlx.errors import ModelLoadError
 from omlx.memory.dims import hidden_size
 from omlx.memory.vision import VisionDims, vision_dims
 from omlx.mlx_types import flat_parameters
+from omlx.models.cross_attention import CrossAttentionStates, batched_forward
 from omlx.models.discovery import ModelInfo
 from omlx.models.vlm_families import Family, family, refusal
 
@@ -36,31 +37,6 @@ log = logging.getLogger(__name__)
 # the last image, and every decode step, sits at its index (its cache offset): the
 # shared decode batch needs no per-row state. The shift depends on the prompt's
 # images only, and the prefix cache keys image prompts by their images' hashes.
-
-
-class CrossAttentionStates(ArraysCache):
-    """The cache of a cross-attention layer (mllama): the prompt's image states
-    (rows, image tokens, hidden), which mlx-vlm's generate gives the language
-    model with every decode step. Held in the cache, they travel with the
-    sequence into the decode batch and out of it. ``offset`` 0: mllama's layer
-    reads it, and takes its text-only path when a prompt has no image."""
-
-    offset = 0
-
-    def __init__(self, size: int = 1, left_padding: list[int] | None = None):
-        super().__init__(size, left_padding)
-
-    @property
-    def states(self) -> mx.array | None:
-        return self.cache[0]
-
-    def hold(self, states: mx.array) -> None:
-        self[0] = states
-
-    def extract(self, idx: int) -> CrossAttentionStates:
-        row = CrossAttentionStates()
-        row.cache = [c[idx : idx + 1] if c is not None else None for c in self.cache]
-        return row
 
 
 class StateCache(ArraysCache):
@@ -136,6 +112,13 @@ class TextModel(nn.Module):
     def layers(self) -> list[Any]:
         return list(self.language_model.layers)
 
+    @property
+    def chunk_attends_both_ways(self) -> bool:
+        """A forward's tokens attend each other both ways (mllama's cross layers'
+        text-only path): a text prompt feeds its last token apart, as mlx-vlm's
+        generate does, never in one pass with the rest."""
+        return bool(self._cross_layers)
+
     def make_cache(self) -> list[_Layer]:
         # mlx-lm's cache types in the language model's own layout (sliding windows
         # included): the batch and the prefix cache know them.
@@ -156,24 +139,21 @@ class TextModel(nn.Module):
         ``prompt_inputs``: PromptEmbedding.prompt_inputs, with each of its chunks."""
         kwargs = dict(prompt_inputs)
         if self._cross_layers and cache is not None:
-            self._cross_attend(cache, kwargs)
+            states = kwargs.get("cross_attention_states")
+            if states is None:
+                # A text chunk or a decode step: each row's own states (or none).
+                return batched_forward(
+                    self.language_model, inputs, cache, self._cross_layers, input_embeddings
+                )
+            # An image prompt's prefill (one row, with its masks): mlx-vlm's forward.
+            held: CrossAttentionStates = cache[self._cross_layers[0]]
+            held.hold(states)
         if self._mrope:
             chunk = positions if positions is not None else _index_positions(inputs, cache)
             kwargs["position_ids"] = chunk.transpose(1, 2, 0) if self._mrope_axes_last else chunk
         out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **kwargs)
         logits: mx.array = out.logits if hasattr(out, "logits") else out
         return logits
-
-    def _cross_attend(self, cache: list[Any], kwargs: dict[str, Any]) -> None:
-        """A prefill chunk brings the image states: the first cross layer's cache
-        keeps them; later steps (decode) get them from there, as mlx-vlm's
-        generate passes them (without the prompt's masks) at every step."""
-        held: CrossAttentionStates = cache[self._cross_layers[0]]
-        states = kwargs.get("cross_attention_states")
-        if states is not None:
-            held.hold(states)
-        elif held.states is not None:
-            kwargs["cross_attention_states"] = held.states
 
 
 def _vlm_caches(language_model: Any) -> list[Any]:

@@ -161,9 +161,11 @@ FAMILIES: dict[str, Family] = {
     "idefics3": Family(),
     "smolvlm": Family(),
     # Llama 3.2 Vision: no image tokens in the sequence; cross-attention layers attend
-    # the tower's states (held in their cache: models/vlm.py), under the prompt's
-    # per-token masks at prefill and with none at decode, as mlx-vlm's generate does.
-    # The last prompt token takes its mask row, so the prompt goes in one forward.
+    # the tower's states (held in their cache, a row's own in a batch:
+    # models/cross_attention.py), under the prompt's per-token masks at prefill and
+    # with none at decode, as mlx-vlm's generate does; a row without images takes
+    # their text-only path. The last prompt token takes its mask row, so the prompt
+    # goes in one forward.
     "mllama": Family(
         prompt_inputs=(
             "cross_attention_states",
@@ -171,9 +173,6 @@ FAMILIES: dict[str, Family] = {
             "full_text_row_masked_out_mask",
         ),
         whole_prompt=True,
-        one_at_a_time="mllama's cross-attention layers take one array of image states for "
-        "the whole batch, and a prompt without images takes another path (mlx-vlm's): rows "
-        "with other images, or none, cannot share a forward",
         no_prefix_cache="mllama keeps a prompt's image states in its cross-attention layers' "
         "cache, not per token: the prefix cache's blocks cannot hold them",
     ),

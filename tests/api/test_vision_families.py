@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import openai
@@ -31,7 +32,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-smolvlm": ("smolvlm", 56, None),
     "tiny-qwen3-vl": ("qwen3_vl", 96, None),
     "tiny-paligemma": ("paligemma", 28, "bidirectional"),
-    "tiny-mllama": ("mllama", 28, "cross-attention"),
+    "tiny-mllama": ("mllama", 28, None),
     # Families added since (after the first ones, so theirs keep their seeds).
     "tiny-idefics2": ("idefics2", 56, None),
     "tiny-qwen3-vl-moe": ("qwen3_vl_moe", 96, None),
@@ -263,6 +264,75 @@ def test_mllama_image_of_one_tile_matches_mlx_vlm(
     assert answer(client, "tiny-mllama", ask(png(87, (28, 28)), text=TEXT)) == expected
     engine = next(e for e in server.pool.loaded() if e.name == "tiny-mllama")
     assert engine.loaded.vision.dims.tiled_cross_attention  # the image gate prices its states
+
+
+def _mllama_reference(server: Server, images: list[Path], text: str) -> list[tuple[bytes, float]]:
+    """mlx-vlm's own greedy generate on the prompt the server builds for tiny-mllama
+    (each image's marker after the text; none: a text-only prompt), each token with
+    its logprob."""
+    from mlx_vlm import load, stream_generate
+
+    folder = next(i.path for i in server.pool.available().values() if i.name == "tiny-mllama")
+    vlm, processor = load(str(folder))
+    markers = processor.image_token * len(images)
+    prompt = f"<|im_start|>user\n{text}{markers}<|im_end|>\n<|im_start|>assistant\n"
+    pieces = stream_generate(
+        vlm,
+        processor,
+        prompt,
+        image=[str(i) for i in images] or None,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+    )
+    spell = TokenText(processor.tokenizer)
+    return [
+        (spell.piece(p.token)[1], float(p.logprobs[p.token]))
+        for p in pieces
+        if p.finish_reason is None
+    ]
+
+
+def _scored(client: openai.OpenAI, messages: list[dict]) -> list[tuple[bytes, float]]:
+    kwargs: dict = {"max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True}
+    reply = client.chat.completions.create(model="tiny-mllama", messages=messages, **kwargs)
+    return [(bytes(t.bytes), t.logprob) for t in reply.choices[0].logprobs.content]
+
+
+def _same(got: list[tuple[bytes, float]], expected: list[tuple[bytes, float]]) -> bool:
+    return [t for t, _ in got] == [t for t, _ in expected] and all(
+        abs(a - b) <= 1e-4 for (_, a), (_, b) in zip(got, expected, strict=True)
+    )
+
+
+def test_mllama_rows_with_other_images_or_none_share_the_decode_batch(
+    client: openai.OpenAI, server: Server, tmp_path: Path
+) -> None:
+    # One tile, four tiles (of the processor's 4: the same number of states, other
+    # masks at prefill), two images (twice the states: the batch pads the others'
+    # and masks them out), and no image (the cross layers' text-only path).
+    sizes = {"one tile": [(28, 28)], "four tiles": [(40, 50)], "two images": [(28, 28), (40, 50)]}
+    conversations: dict[str, list[dict]] = {}
+    expected: dict[str, list[tuple[bytes, float]]] = {}
+    for e, (name, shapes) in enumerate(sizes.items()):
+        files = []
+        for i, size in enumerate(shapes):
+            files.append(tmp_path / f"{e}-{i}.png")
+            files[-1].write_bytes(png(100 + e + i, size))
+        conversations[name] = ask(*(f.read_bytes() for f in files), text=TEXT)
+        expected[name] = _mllama_reference(server, files, TEXT)
+    conversations["text only"] = [{"role": "user", "content": TEXT}]
+    expected["text only"] = _mllama_reference(server, [], TEXT)
+    alone = {name: _scored(client, m) for name, m in conversations.items()}
+    with ThreadPoolExecutor(len(conversations)) as pool:
+        replies = list(pool.map(partial(_scored, client), conversations.values()))
+    together = dict(zip(conversations, replies, strict=True))
+    for name in conversations:
+        assert len(expected[name]) == MAX_TOKENS
+        assert _same(alone[name], expected[name]), name
+        assert _same(together[name], alone[name]), name
+    assert len({tuple(t for t, _ in a) for a in alone.values()}) > 1  # the images matter
+    engine = next(e for e in server.pool.loaded() if e.name == "tiny-mllama")
+    assert engine_status(engine)["batching"]["one_at_a_time"] is False
 
 
 @pytest.mark.parametrize("model", [m for m in MODELS if FAMILIES[MODELS[m][0]].max_images == 1])
