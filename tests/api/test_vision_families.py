@@ -73,6 +73,8 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # The same placeholder, written by mlx-vlm's generate around a bare tokenizer: 729
     # rows (its image processor's fixed 384 pixels, whatever the side here).
     "tiny-llava-bunny": ("llava_bunny", 384, None),
+    # Issue 41's untried families (vfam3): the image processor's own 378-pixel crops.
+    "tiny-jina-vlm": ("jina_vlm", 378, "longest row's offset"),
 }
 # Families whose language model keeps linear-attention / convolution / SSM states
 # (ArraysCache), with the KV bytes a token adds to their attention layers (float32):
@@ -218,6 +220,7 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-granite-vision",
         "tiny-fastvlm",
         "tiny-llava-bunny",
+        "tiny-jina-vlm",
         *LINEAR,
     ],
 )
@@ -259,13 +262,15 @@ def test_mllama_image_of_one_tile_matches_mlx_vlm(
 
 @pytest.mark.parametrize("model", [m for m in MODELS if FAMILIES[MODELS[m][0]].max_images == 1])
 def test_a_one_image_family_takes_one_image_a_request_and_says_so(
-    client: openai.OpenAI, model: str
+    client: openai.OpenAI, server: Server, model: str
 ) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, model, ask(png(72), png(73)), MAX_TOKENS)
     error = info.value.response.json()["error"]
     assert error["param"] == "messages[0].content[2]"
-    assert "at most 1 image" in error["message"] and MODELS[model][0] in error["message"]
+    # The model type its config says (jina_vlm's checkpoints say "jvlm").
+    model_type = next(i.model_type for i in server.pool.available().values() if i.name == model)
+    assert "at most 1 image" in error["message"] and f"({model_type})" in error["message"]
     text_only = chat(client, model, [{"role": "user", "content": "hi"}], MAX_TOKENS)
     assert text_only.choices[0].finish_reason in ("length", "stop")
 
