@@ -28,6 +28,7 @@ from omlx.engine.compiled_batch import CompiledBatchStep
 from omlx.engine.draft_model import DraftProposer
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
 from omlx.engine.ngram import NgramDrafter
+from omlx.engine.processor_context import processor_context
 from omlx.engine.row_layout import RowLayouts
 from omlx.engine.speculative import SpecStats, verify_rows
 from omlx.engine.strategy import ExecutionStrategy
@@ -86,15 +87,15 @@ class Row:
         logprobs: int | None = None,
         drafter: NgramDrafter | None = None,
     ) -> Row:
-        context = mx.array(list(fed)) if processors and fed else None
+        context = processor_context(fed) if processors else None
         return cls(request_id, sampler, processors, context, logprobs, drafter)
 
     @property
     def greedy(self) -> bool:
         return not hasattr(self.sampler, "scaled")
 
-    def remember(self, fed: mx.array) -> mx.array | None:
-        if self.processors:
+    def remember(self, fed: mx.array | None) -> mx.array | None:
+        if self.processors and fed is not None:
             ctx = self.context
             self.context = fed if ctx is None else mx.concatenate([ctx, fed])
         return self.context
@@ -214,7 +215,7 @@ class PrefillBatch:
         self._num_cached = [c + n for c, n in zip(self._num_cached, sizes, strict=True)]
         for row, chunk in zip(self.rows, chunks, strict=True):
             if row.processors:
-                row.remember(mx.array(chunk))
+                row.remember(processor_context(chunk))
         self._batch.prompt(chunks)
         done = [i for i, left in enumerate(self._left) if not left]
         if not done:

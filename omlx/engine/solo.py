@@ -20,7 +20,8 @@ import mlx.core as mx
 
 from omlx.engine.compiled import CompiledDecode
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
-from omlx.mlx_types import CacheLayer, LanguageModel, item_int, prompt_cache
+from omlx.engine.processor_context import processor_context
+from omlx.mlx_types import CacheLayer, LanguageModel, int_list, item_int, prompt_cache
 from omlx.models.vlm import TextModel
 from omlx.scheduler import TokenLogprob
 
@@ -141,9 +142,7 @@ class SoloSequence:
         self._y: mx.array | None = None  # sampled, computing, not handed out yet
         self._y_logprobs: PendingLogprobs | None = None
         # Everything fed so far, as a lazy array (only when processors need it).
-        self._context: mx.array | None = (
-            mx.array(self._cached) if processors and self._cached else None
-        )
+        self._context = processor_context(self._cached) if processors else None
         self._num_steps = 0
         # The memory gate's cap on the next prefill chunk (None: none; 0: wait).
         self._cap: int | None = None
@@ -294,7 +293,8 @@ class SoloSequence:
             )
         mx.eval([c.state for c in self._cache])
         self._cached.extend(chunk)
-        self._remember(mx.array(chunk))
+        if self._processors:
+            self._remember(processor_context(chunk))
         end = pos + n
         if self._on_boundary is not None and (
             end % self._block_size == 0 or len(self._prompt) == 1
@@ -302,8 +302,8 @@ class SoloSequence:
             self._on_boundary(end, self._cache)
         mx.clear_cache()
 
-    def _remember(self, fed: mx.array) -> None:
-        if self._processors:
+    def _remember(self, fed: mx.array | None) -> None:
+        if self._processors and fed is not None:
             ctx = self._context
             self._context = fed if ctx is None else mx.concatenate([ctx, fed])
 
@@ -321,7 +321,9 @@ class SoloSequence:
             logits = decoder(fed, self._cache)
         if logits is None:
             logits = last_logits(self._model, fed, self._cache)
-        self._remember(fed)
+        if self._processors:
+            # An embedded prompt's ids may hold image placeholders (processor_context).
+            self._remember(fed if embedded is None else processor_context(int_list(fed)))
         for processor in self._processors:
             logits = processor(self._context, logits)
         y = self._sampler(logits)  # raw logits: see sampling.make_request_sampler

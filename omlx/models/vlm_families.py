@@ -264,6 +264,22 @@ FAMILIES: dict[str, Family] = {
         image_rows=lambda _pixel_shape: 729,
         max_images=1,
     ),
+    # Jina VLM: "<|image|>" becomes a thumbnail's and the tiles' pooled patches
+    # (<im_patch>, a fixed id the image processor writes) between start, column and
+    # end tokens; the features are added to the <im_patch> rows. Its rope takes a
+    # batch's largest cache offset for every row (mlx-vlm 0.7.10's language.py:
+    # ``offset.max().item()``): on a tiny model, the load's output probe found
+    # "batched output differs from solo (row 0, step 0)". One image a prompt: on two,
+    # mlx-vlm's own generate fails ("Cannot reshape array of size 784 into shape
+    # (1,392)": its model takes the crops of one image).
+    "jina_vlm": Family(
+        image_text="<|image|>",
+        image_token_id=151665,
+        max_images=1,
+        one_at_a_time="jina_vlm's rope places every row of a batch at the longest row's "
+        "offset (mlx-vlm's language model), so rows of other lengths would decode at "
+        "wrong positions",
+    ),
     # Cohere Compass: qwen3_vl's image layout, interleaved M-RoPE and deepstack features
     # (its own vision markers), over a Command decoder with sliding-window layers.
     "cohere_compass": Family(
@@ -290,7 +306,6 @@ _OWN_CACHE = (
     "its {} layers keep mlx-vlm's own {} ({}), a cache type mlx-lm has no equivalent of: "
     "omlx's batch and prefix cache take mlx-lm's cache types only"
 )
-_UNTRIED = "not yet checked against mlx-vlm's own generate on a tiny model"
 # A family whose processor only its checkpoints carry, as code (trust_remote_code).
 _OWN_PROCESSOR_CODE = (
     "mlx-vlm 0.7.10 has no processor for it: its checkpoints ship their own as Python code "
@@ -438,7 +453,6 @@ REFUSED: dict[str, str] = {
     "attention's qk_norm_rope, its norms and expert routing: mx.fast.metal_kernel, no "
     "other path): on MLX's CPU backend, where omlx is checked, mlx-vlm's own generate "
     "raises 'No Metal back-end', so there is no reference answer to check omlx's against",
-    "jina_vlm": _UNTRIED,
 }
 
 

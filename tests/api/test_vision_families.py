@@ -78,6 +78,8 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # moondream3's processor and layout over a phi-style decoder (vfam1); its tokenizer
     # from a Hub cache of the module's own (tiny_vlm_configs_vfam1.cache_starmie).
     "tiny-moondream2": ("moondream2", 378, None),
+    # Issue 41's untried families (vfam3): the image processor's own 378-pixel crops.
+    "tiny-jina-vlm": ("jina_vlm", 378, "longest row's offset"),
 }
 # Families whose language model keeps linear-attention / convolution / SSM states
 # (ArraysCache), with the KV bytes a token adds to their attention layers (float32):
@@ -227,6 +229,7 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-granite-vision",
         "tiny-fastvlm",
         "tiny-llava-bunny",
+        "tiny-jina-vlm",
         *LINEAR,
     ],
 )
@@ -337,13 +340,15 @@ def test_mllama_rows_with_other_images_or_none_share_the_decode_batch(
 
 @pytest.mark.parametrize("model", [m for m in MODELS if FAMILIES[MODELS[m][0]].max_images == 1])
 def test_a_one_image_family_takes_one_image_a_request_and_says_so(
-    client: openai.OpenAI, model: str
+    client: openai.OpenAI, server: Server, model: str
 ) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, model, ask(png(72), png(73)), MAX_TOKENS)
     error = info.value.response.json()["error"]
     assert error["param"] == "messages[0].content[2]"
-    assert "at most 1 image" in error["message"] and MODELS[model][0] in error["message"]
+    # The model type its config says (jina_vlm's checkpoints say "jvlm").
+    model_type = next(i.model_type for i in server.pool.available().values() if i.name == model)
+    assert "at most 1 image" in error["message"] and f"({model_type})" in error["message"]
     text_only = chat(client, model, [{"role": "user", "content": "hi"}], MAX_TOKENS)
     assert text_only.choices[0].finish_reason in ("length", "stop")
 
@@ -465,3 +470,68 @@ def test_a_moondream2_whose_hub_tokenizer_cannot_be_read_is_a_load_error_naming_
     message = str(error.value)
     assert "'some-moondream'" in message and STARMIE_REPO in message
     assert "could not be reached" in message
+def penalized_reference(
+    server: Server, model: str, seed: int, penalty: float
+) -> list[tuple[bytes, float]]:
+    """Greedy tokens (bytes, logprob) of mlx-vlm's model on the prompt mlx-vlm builds
+    (its embedding, its language model), each step's logits through mlx-lm's
+    repetition penalty over the prompt's real token ids and the tokens so far, as
+    mlx-lm's generate gives a prompt's ids to its processors (mlx-vlm 0.7.10's
+    generate gives its processors none of an embedded prompt's ids)."""
+    import io
+
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_logits_processors
+    from mlx_vlm import load
+    from mlx_vlm.models.cache import make_prompt_cache
+    from mlx_vlm.utils import prepare_inputs
+    from PIL import Image
+
+    folder = next(i.path for i in server.pool.available().values() if i.name == model)
+    vlm, processor = load(str(folder))
+    prompt = f"<|im_start|>user\n{TEXT}<image><|im_end|>\n<|im_start|>assistant\n"
+    image = Image.open(io.BytesIO(png(seed))).convert("RGB")
+    index = vlm.config.image_token_index
+    out = prepare_inputs(processor, images=[image], prompts=prompt, image_token_index=index)
+    ids = out["input_ids"]
+    embeds = vlm.get_input_embeddings(ids, out["pixel_values"]).inputs_embeds
+    cache = make_prompt_cache(vlm.language_model)
+    logits = vlm.language_model(ids, inputs_embeds=embeds, cache=cache).logits[:, -1]
+    (penalize,) = make_logits_processors(repetition_penalty=penalty)
+    context = [t for t in ids[0].tolist() if t >= 0]
+    spell = TokenText(getattr(processor, "tokenizer", processor))
+    pieces = []
+    for _ in range(MAX_TOKENS):
+        logits = penalize(mx.array(context), logits)
+        token = int(mx.argmax(logits, axis=-1).item())
+        logprob = (logits[0, token] - mx.logsumexp(logits[0])).item()
+        pieces.append((spell.piece(token)[1], float(logprob)))
+        context.append(token)
+        logits = vlm.language_model(mx.array([[token]]), cache=cache).logits[:, -1]
+    return pieces
+
+
+@pytest.mark.parametrize("model", ["tiny-fastvlm", "tiny-llava-bunny"])
+def test_a_repetition_penalty_takes_no_image_placeholder_for_a_token(
+    client: openai.OpenAI, server: Server, model: str
+) -> None:
+    # Their prompts hold -200 once an image row (vlm_families.PLACEHOLDER_ID), which
+    # mlx-lm's repetition penalty, given as a token, would take from the logits' end
+    # (penalizing token vocab-200). The image penalizes nothing: each token and its
+    # logprob are those of mlx-lm's penalty over the prompt's real token ids, and so on
+    # a repeat, a prefix-cache hit on the image's rows.
+    penalty = 10.0
+    expected = penalized_reference(server, model, 90, penalty)
+    for cached in (False, True):
+        reply = client.chat.completions.create(
+            model=model,
+            messages=ask(png(90), text=TEXT),
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logprobs=True,
+            extra_body={"repetition_penalty": penalty},
+        )
+        assert (reply.usage.prompt_tokens_details.cached_tokens > 0) == cached
+        got = [(bytes(t.bytes), t.logprob) for t in reply.choices[0].logprobs.content]
+        assert [piece for piece, _ in got] == [piece for piece, _ in expected]
+        assert [lp for _, lp in got] == pytest.approx([lp for _, lp in expected], abs=1e-4)
