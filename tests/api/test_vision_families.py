@@ -470,6 +470,8 @@ def test_a_moondream2_whose_hub_tokenizer_cannot_be_read_is_a_load_error_naming_
     message = str(error.value)
     assert "'some-moondream'" in message and STARMIE_REPO in message
     assert "could not be reached" in message
+
+
 def penalized_reference(
     server: Server, model: str, seed: int, penalty: float
 ) -> list[tuple[bytes, float]]:
