@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from omlx.errors import ModelLoadError
+from omlx.models.remote_code import require_allowed
 from omlx.quant.estimate import source_config
 from omlx.quant.levels import check_group_size, get_level
 from omlx.quant.names import check_free, temp_dir_for
@@ -137,12 +138,20 @@ def quantize_folder(
     )
 
 
+_NO_CODE_HINT = "the oQ quantizer does not run a model folder's code; quantize it elsewhere"
+
+
 def _load(source: Path) -> tuple[nn.Module, Any]:
     from mlx_lm import load
 
+    # The quantizer never runs a folder's own code (it has no per-model consent).
+    require_allowed(source.name, source, False, _NO_CODE_HINT)
     try:
         # mlx-lm types both of load's result shapes as one union.
-        model, tokenizer = cast("tuple[nn.Module, Any]", load(str(source)))
+        model, tokenizer = cast(
+            "tuple[nn.Module, Any]",
+            load(str(source), tokenizer_config={"trust_remote_code": False}),
+        )
     except Exception as exc:  # mlx-lm raises ValueError, RuntimeError, OSError, KeyError...
         raise ModelLoadError(f"cannot load '{source.name}': {exc}") from exc
     return model, tokenizer
