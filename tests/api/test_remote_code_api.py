@@ -8,6 +8,7 @@ the module ran."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from omlx.api.server import Server
+from omlx.quant.tasks import FINISHED_PHASES
 from tests.fixtures.servers import live_server
 from tests.fixtures.tiny_encoders import build_tiny_decoder_embedder
 from tests.fixtures.tiny_models import build_tiny_model
@@ -59,6 +61,7 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory, marks: Path) -> Path:
         build_tiny_model(root / "code-llm", "llama", seed=0),
         build_tiny_vlm(root / "code-vlm", "llava", seed=0),
         build_tiny_decoder_embedder(root / "code-embedder", seed=1),
+        build_tiny_model(root / "code-quant", "llama", seed=2),
     ):
         ship_code(folder, marks / f"{folder.name}.imported")
     return root
@@ -112,3 +115,27 @@ def test_folder_code_runs_only_once_allowed(
     served = ask(server, name)
     assert served.status_code == 200, served.text
     assert mark.read_text() == "imported"
+
+
+def test_the_quantizer_runs_folder_code_only_once_allowed(
+    server: Server, models_dir: Path, marks: Path
+) -> None:
+    """oQ loads the tokenizer (its calibration text) in a worker process."""
+    tasks = server.base_url + "/admin/api/quant/tasks"
+    body = {"model": "code-quant", "level": "oQ4", "output_name": "code-quant-oq4"}
+    refused = httpx.post(tasks, json=body, timeout=60)
+    assert refused.status_code == 403, refused.text
+    assert "tokenization_marker.py" in refused.json()["error"]["message"]
+    assert not (marks / "code-quant.imported").exists()
+
+    settings = server.base_url + "/admin/api/models/code-quant/settings"
+    assert httpx.put(settings, json={"trust_remote_code": True}, timeout=60).status_code == 200
+    started = httpx.post(tasks, json=body, timeout=60)
+    assert started.status_code == 201, started.text
+    task_url = f"{tasks}/{started.json()['id']}"
+    deadline = time.monotonic() + 180
+    while (task := httpx.get(task_url, timeout=60).json())["phase"] not in FINISHED_PHASES:
+        assert time.monotonic() < deadline, f"task stuck in {task['phase']}"
+        time.sleep(0.2)
+    assert task["phase"] == "done", task["error"]
+    assert (marks / "code-quant.imported").read_text() == "imported"
