@@ -219,6 +219,17 @@ class ModelLoadError(OmlxError):
     code = "model_load_failed"
 
 
+class RemoteCodeNotAllowedError(ModelLoadError):
+    """A model folder ships Python code its loaders would import (an ``auto_map``
+    module, mlx-lm's ``model_file``) and its settings do not allow it
+    (omlx/models/remote_code.py). Not a 500: the server refuses by design until the
+    user sets ``trust_remote_code``."""
+
+    http_status = 403
+    error_type = "permission_error"
+    code = "remote_code_not_allowed"
+
+
 class ArchitectureCrashError(ModelLoadError):
     """The model's architecture killed the probe process running its first forward
     (engine/arch_probe.py): the server will not load it, and keeps serving the others.

@@ -58,7 +58,12 @@ async def start_task(body: TaskBody, request: Request) -> dict[str, Any]:
     state = state_of(request)
     info = state.pool.resolve(body.model)
     return state.quant_tasks.submit(
-        info.name, info.path, body.level, body.group_size, body.output_name
+        info.name,
+        info.path,
+        body.level,
+        body.group_size,
+        body.output_name,
+        trust_remote_code=info.trust_remote_code,
     )
 
 

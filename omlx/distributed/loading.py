@@ -15,6 +15,7 @@ from omlx.distributed.group import Membership
 from omlx.errors import ModelLoadError
 from omlx.models.discovery import ModelInfo
 from omlx.models.loader import LoadedModel, load_model
+from omlx.models.remote_code import library_refusal
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,13 @@ def _load_llm_shard(info: ModelInfo, *, member: Membership, mode: str) -> tuple[
     from mlx_lm.utils import load_tokenizer
 
     try:
-        model, config = mlx_lm_load_model(info.path, lazy=True, strict=False)
+        model, config = mlx_lm_load_model(
+            info.path, lazy=True, strict=False, trust_remote_code=info.trust_remote_code
+        )
     except (ValueError, OSError, KeyError) as exc:
-        raise ModelLoadError(f"cannot load '{info.name}' from {info.path}: {exc}") from exc
+        raise library_refusal(info.name, exc) or ModelLoadError(
+            f"cannot load '{info.name}' from {info.path}: {exc}"
+        ) from exc
     chosen = choose_mode(model, config, member.size, mode, info.name)
     if chosen == "tensor":
         model.shard(member.group)
@@ -51,7 +56,11 @@ def _load_llm_shard(info: ModelInfo, *, member: Membership, mode: str) -> tuple[
         for module in (model, model.model):
             _evaluate_inputs_first(module)
     mx.eval(model.parameters())  # only this rank's weights are read
-    tokenizer = load_tokenizer(info.path, eos_token_ids=config.get("eos_token_id"))
+    tokenizer = load_tokenizer(
+        info.path,
+        {"trust_remote_code": info.trust_remote_code},
+        eos_token_ids=config.get("eos_token_id"),
+    )
     # Every rank has its shard before any forward (mlx-lm's sharded_load does the same).
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=member.group, stream=mx.cpu))
     log.info(

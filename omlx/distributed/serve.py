@@ -4,6 +4,7 @@ when it does."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from typing import Any
@@ -79,6 +80,7 @@ def _follower_runner(
     from omlx.engine.runner import BatchRunner
     from omlx.engine.strategy import ExecutionStrategy
     from omlx.models.discovery import discover_models
+    from omlx.models.model_settings import ModelSettingsStore
 
     info = discover_models(settings.model_dirs).get(name)
     if info is None:
@@ -88,7 +90,11 @@ def _follower_runner(
             f"{', '.join(map(str, settings.model_dirs))}: copy it there on this host",
             param="model",
         )
-    loaded = load_shard(info, member, mode)
+    # Rank 0's catalog applies the model's settings; a follower reads the same file.
+    own = ModelSettingsStore(settings.model_settings_path).get(name)
+    loaded = load_shard(
+        dataclasses.replace(info, trust_remote_code=own.trust_remote_code), member, mode
+    )
     shard = shard_name(member, loaded.config["omlx_parallel"])
     prefix = make_prefix_cache(settings, hot, loaded, shard)
     runner = BatchRunner(

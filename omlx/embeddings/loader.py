@@ -19,6 +19,7 @@ from omlx.embeddings.spec import EmbeddingSpec, embedding_spec
 from omlx.errors import ModelLoadError
 from omlx.mlx_types import flat_parameters
 from omlx.models.discovery import ModelInfo
+from omlx.models.remote_code import require_allowed
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class _DecoderEncoder:
         return self.model.model(ids)
 
 
-def _read_tokenizer(folder: Path) -> Any:
+def _read_tokenizer(folder: Path, trust_remote_code: bool) -> Any:
     """The folder's fast tokenizer; without tokenizer.json, transformers converts the
     older files (vocab.txt, sentencepiece) into one."""
     from tokenizers import Tokenizer
@@ -68,7 +69,9 @@ def _read_tokenizer(folder: Path) -> Any:
         else:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(folder)).backend_tokenizer
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(folder), trust_remote_code=trust_remote_code
+            ).backend_tokenizer
     except Exception as exc:  # tokenizers and transformers raise many types
         raise ModelLoadError(f"cannot read the tokenizer in {folder}: {exc}") from exc
     # Padding and length are ours to decide (a shipped tokenizer.json may pad to 128).
@@ -109,11 +112,18 @@ def _floating(array: Any) -> bool:
     return bool(mx.issubdtype(array.dtype, mx.floating))
 
 
-def _load_decoder(folder: Path) -> Any:
+def _load_decoder(folder: Path, trust_remote_code: bool) -> Any:
     from mlx_lm import load
 
     # mlx-lm types both of load's result shapes as one union.
-    model, _tokenizer = cast("tuple[Any, Any]", load(str(folder)))
+    model, _tokenizer = cast(
+        "tuple[Any, Any]",
+        load(
+            str(folder),
+            tokenizer_config={"trust_remote_code": trust_remote_code},
+            trust_remote_code=trust_remote_code,
+        ),
+    )
     return _DecoderEncoder(model)
 
 
@@ -125,6 +135,7 @@ def is_llm_reranker(info: ModelInfo, spec: EmbeddingSpec) -> bool:
 
 def load_embedding_model(info: ModelInfo) -> EmbeddingModel:
     """Weights, tokenizer and pooling of an embedding folder; ModelLoadError with the reason."""
+    require_allowed(info.name, info.path, info.trust_remote_code)
     start = time.perf_counter()
     try:
         config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
@@ -132,14 +143,14 @@ def load_embedding_model(info: ModelInfo) -> EmbeddingModel:
         if config.get("model_type") == "nomic_bert":
             raise ValueError("NomicBERT encoders are not supported yet")
         if spec.family == "decoder":
-            encoder, head = _load_decoder(info.path), None
+            encoder, head = _load_decoder(info.path, info.trust_remote_code), None
         else:
             encoder, head = _load_bert(info.path, config, spec)
     except ModelLoadError:
         raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"cannot load embedding model '{info.name}': {exc}") from exc
-    tokenizer = _read_tokenizer(info.path)
+    tokenizer = _read_tokenizer(info.path, info.trust_remote_code)
     prompt = None
     if is_llm_reranker(info, spec):
         try:

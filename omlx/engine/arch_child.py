@@ -49,7 +49,12 @@ def main(argv: list[str]) -> int:
     try:
         spec = json.loads(argv[1])
         info = ModelInfo(
-            spec["name"], Path(spec["path"]), spec["model_type"], spec["kind"], spec["size_bytes"]
+            spec["name"],
+            Path(spec["path"]),
+            spec["model_type"],
+            spec["kind"],
+            spec["size_bytes"],
+            spec["trust_remote_code"],
         )
         loaded = load_model(info)
         run_forwards(loaded.model, loaded.vocab_size, int(argv[2]))

@@ -122,6 +122,7 @@ def _spec(info: ModelInfo) -> dict[str, Any]:
         "model_type": info.model_type,
         "kind": info.kind,
         "size_bytes": info.size_bytes,
+        "trust_remote_code": info.trust_remote_code,
     }
 
 

@@ -5,6 +5,7 @@ holds no engine and loads nothing (omlx/engine/residents.py does)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Any, Protocol
@@ -65,7 +66,15 @@ class ModelCatalog:
         if info is None:
             shown = sorted(self.public_name(n) for n in models)
             raise ModelNotFoundError(requested, shown)
-        return with_kind(info, self.model_settings.get(info.name).model_type)
+        return self._as_set(info)
+
+    def _as_set(self, info: ModelInfo) -> ModelInfo:
+        """``info`` as its settings give it: its kind, whether its own code may run."""
+        own = self.model_settings.get(info.name)
+        info = with_kind(info, own.model_type)
+        if own.trust_remote_code:
+            info = dataclasses.replace(info, trust_remote_code=True)
+        return info
 
     def public_name(self, name: str) -> str:
         """What clients see for a model folder: its alias, else its name."""
@@ -128,7 +137,8 @@ class ModelCatalog:
         info = self.available().get(draft)
         if info is None:
             log.error("draft model %s of %s is not in the model dirs: no drafts", draft, name)
-        return info
+            return None
+        return self._as_set(info)
 
     def weights_needed(self, info: ModelInfo) -> int:
         """Bytes of weights loading ``info`` brings in, its draft model's included."""

@@ -57,6 +57,8 @@ class ModelInfo:
     model_type: str  # config.json's model_type, e.g. "llama"
     kind: str  # "llm", "vlm", "embedding" or "rerank"
     size_bytes: int
+    # The model's settings allow its loaders to import the folder's own Python code.
+    trust_remote_code: bool = False
 
 
 def detect_kind(config: dict[str, Any], folder: Path | None = None) -> str:

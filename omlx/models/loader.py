@@ -13,6 +13,7 @@ from typing import Any, cast
 from omlx.errors import ModelLoadError
 from omlx.mlx_types import LanguageModel, flat_parameters
 from omlx.models.discovery import ModelInfo
+from omlx.models.remote_code import library_refusal, require_allowed
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +79,23 @@ def _generation_eos(path: Path) -> set[int]:
 def _load_llm(info: ModelInfo) -> tuple[LanguageModel, Any, dict[str, Any]]:
     from mlx_lm import load  # deferred: importing mlx-lm costs ~1 s at server start
 
+    trust = info.trust_remote_code
     try:
         # mlx-lm types both of load's result shapes as one union (and the model as
-        # nn.Module, which has no __call__ of its own).
+        # nn.Module, which has no __call__ of its own). Its load hands trust_remote_code
+        # to the model file only: the tokenizer's goes in tokenizer_config (else
+        # transformers asks on stdin).
         model, tokenizer, config = cast(
-            "tuple[LanguageModel, Any, dict[str, Any]]", load(str(info.path), return_config=True)
+            "tuple[LanguageModel, Any, dict[str, Any]]",
+            load(
+                str(info.path),
+                tokenizer_config={"trust_remote_code": trust},
+                return_config=True,
+                trust_remote_code=trust,
+            ),
         )
     except ValueError as exc:
-        raise ModelLoadError(
+        raise library_refusal(info.name, exc) or ModelLoadError(
             f"cannot load '{info.name}': unsupported or invalid model ({exc})"
         ) from exc
     except (OSError, KeyError, RuntimeError) as exc:
@@ -97,13 +107,15 @@ def load_model(
     info: ModelInfo,
     load_llm: Callable[[ModelInfo], tuple[LanguageModel, Any, dict[str, Any]]] | None = None,
 ) -> LoadedModel:
-    """Load weights and tokenizer; every failure becomes ModelLoadError with the reason.
+    """Load weights and tokenizer; every failure becomes ModelLoadError with the reason
+    (RemoteCodeNotAllowedError: the folder ships code its settings do not let run).
     ``load_llm``: how a text model's (model, tokenizer, config) is read (a shard of it
     when distributed; default: all of it with mlx-lm's ``load``)."""
     if info.kind not in ("llm", "vlm"):
         raise ModelLoadError(
             f"model '{info.name}' is a {info.kind} model; it cannot serve chat or completions"
         )
+    require_allowed(info.name, info.path, info.trust_remote_code)
     start = time.perf_counter()
     vision = None
     model: LanguageModel

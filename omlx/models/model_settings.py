@@ -26,6 +26,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StrictBool,
     StrictInt,
     ValidationError,
     field_validator,
@@ -145,6 +146,10 @@ class ModelSettings(BaseModel):
     # mlx-lm's quantized_kv_start: a sequence's KV stays full precision until it holds
     # this many tokens, then all of it is quantized (None: 0, from the first token).
     quantized_kv_start: StrictInt | None = Field(None, ge=0)
+    # Let the loaders import Python code the model folder ships (an auto_map's
+    # tokenization_*.py, mlx-lm's model_file): off, such a folder is refused (403).
+    # Applied at the model's next load. Strict: a consent is JSON true, not "yes" or 1.
+    trust_remote_code: StrictBool = False
 
     @property
     def kv_quant(self) -> KVQuantSpec | None:

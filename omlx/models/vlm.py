@@ -26,6 +26,7 @@ from omlx.memory.vision import VisionDims, vision_dims
 from omlx.mlx_types import flat_parameters
 from omlx.models.cross_attention import CrossAttentionStates, batched_forward
 from omlx.models.discovery import ModelInfo
+from omlx.models.remote_code import library_refusal
 from omlx.models.vlm_families import Family, family, refusal
 
 log = logging.getLogger(__name__)
@@ -423,9 +424,12 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
 
     start = time.perf_counter()
     try:
-        model, processor = load(str(info.path))
+        # mlx-vlm's default is True (its AutoProcessor patch, its processors).
+        model, processor = load(str(info.path), trust_remote_code=info.trust_remote_code)
     except (ValueError, OSError, KeyError, RuntimeError, TypeError) as exc:
-        raise ModelLoadError(f"cannot load '{info.name}' from {info.path}: {exc}") from exc
+        raise library_refusal(info.name, exc) or ModelLoadError(
+            f"cannot load '{info.name}' from {info.path}: {exc}"
+        ) from exc
     _require_served_caches(info, model.language_model)
     _require_image_processor(info, traits, processor)
     processor = _processor(processor, model)

@@ -56,20 +56,24 @@ def _clock(seconds: float) -> str:
     return f"{minutes}:{secs:02d}"
 
 
-def _source(model: str, settings: Settings) -> tuple[str, Path]:
+def _source(model: str, settings: Settings) -> tuple[str, Path, bool]:
+    """(name, folder, whether its folder's own code may run: a served model's
+    trust_remote_code setting; a folder given by path has none, so no)."""
     from omlx.models.discovery import discover_models
+    from omlx.models.model_settings import ModelSettingsStore
 
     models = discover_models(settings.model_dirs)
     if model in models:
-        return model, models[model].path
+        own = ModelSettingsStore(settings.model_settings_path).get(model)
+        return model, models[model].path, own.trust_remote_code
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
-        return path.name, path
+        return path.name, path, False
     raise ModelNotFoundError(model, sorted(models))
 
 
 def quantize_command(args: argparse.Namespace, settings: Settings) -> int:
-    name, source = _source(args.model, settings)
+    name, source, trust_remote_code = _source(args.model, settings)
     # Refuse bad input before importing MLX (a second or more).
     get_level(args.level)
     check_group_size(args.group_size)
@@ -79,9 +83,10 @@ def quantize_command(args: argparse.Namespace, settings: Settings) -> int:
 
     bar = ProgressBar()
     try:
-        result = quantize_folder(
-            source, dest, QuantOptions(level=args.level, group_size=args.group_size), bar
+        options = QuantOptions(
+            level=args.level, group_size=args.group_size, trust_remote_code=trust_remote_code
         )
+        result = quantize_folder(source, dest, options, bar)
     except KeyboardInterrupt:
         bar.close()
         print("omlx: quantization cancelled; no output written", file=sys.stderr)

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from omlx.errors import ModelLoadError
+from omlx.models.remote_code import require_allowed
 from omlx.quant.estimate import source_config
 from omlx.quant.levels import check_group_size, get_level
 from omlx.quant.names import check_free, temp_dir_for
@@ -52,6 +53,8 @@ class QuantOptions:
     max_calibration_tokens: int = 1024
     max_eval_tokens: int = 1024
     chunk_tokens: int = 512
+    # The model's setting: its folder's own Python code may run (its tokenizer's).
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +115,7 @@ def quantize_folder(
     shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed run
     try:
         steps.report("loading")
-        model, tokenizer = _load(source)
+        model, tokenizer = _load(source, options.trust_remote_code)
         steps.check()
         plan, ppl_before = _measure_and_plan(model, tokenizer, level, options, steps)
         weights = _quantize(model, plan, steps)
@@ -137,12 +140,20 @@ def quantize_folder(
     )
 
 
-def _load(source: Path) -> tuple[nn.Module, Any]:
+def _load(source: Path, trust_remote_code: bool) -> tuple[nn.Module, Any]:
     from mlx_lm import load
 
+    require_allowed(source.name, source, trust_remote_code)
     try:
         # mlx-lm types both of load's result shapes as one union.
-        model, tokenizer = cast("tuple[nn.Module, Any]", load(str(source)))
+        model, tokenizer = cast(
+            "tuple[nn.Module, Any]",
+            load(
+                str(source),
+                tokenizer_config={"trust_remote_code": trust_remote_code},
+                trust_remote_code=trust_remote_code,
+            ),
+        )
     except Exception as exc:  # mlx-lm raises ValueError, RuntimeError, OSError, KeyError...
         raise ModelLoadError(f"cannot load '{source.name}': {exc}") from exc
     return model, tokenizer

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from omlx.errors import NotFoundError, OutputExistsError, TaskConflictError
+from omlx.models.remote_code import require_allowed
 from omlx.quant.estimate import source_config
 from omlx.quant.levels import check_group_size, get_level
 from omlx.quant.names import (
@@ -63,6 +64,7 @@ class QuantTask:
     level: str
     group_size: int
     output_path: Path
+    trust_remote_code: bool = False  # the model's setting
     created_at: float = field(default_factory=time.time)
     phase: str = "queued"
     fraction: float = 0.0
@@ -136,12 +138,22 @@ class TaskManager:
     # -- API ------------------------------------------------------------------
 
     def submit(
-        self, model: str, source: Path, level: str, group_size: int, output_name: str | None
+        self,
+        model: str,
+        source: Path,
+        level: str,
+        group_size: int,
+        output_name: str | None,
+        *,
+        trust_remote_code: bool = False,
     ) -> dict[str, Any]:
-        """Queue a task; 400 for a bad level / group size / name, 409 for a taken name."""
+        """Queue a task; 400 for a bad level / group size / name, 409 for a taken name,
+        403 for a folder shipping code ``trust_remote_code`` (the model's setting) does
+        not allow."""
         level = get_level(level).name
         check_group_size(group_size)
         source_config(source)
+        require_allowed(model, source, trust_remote_code)
         name = check_output_name(output_name or default_output_name(model, level))
         dest = check_free(self.output_dir / name)
         with self._lock:
@@ -149,7 +161,9 @@ class TaskManager:
                 raise OutputExistsError(
                     f"a queued or running task already writes '{name}'", param="output_name"
                 )
-            task = QuantTask(uuid.uuid4().hex[:12], model, source, level, group_size, dest)
+            task = QuantTask(
+                uuid.uuid4().hex[:12], model, source, level, group_size, dest, trust_remote_code
+            )
             self._tasks[task.id] = task
             self._ensure_runner()
             self._changed.notify_all()
@@ -247,6 +261,7 @@ class TaskManager:
             task.level,
             "--group-size",
             str(task.group_size),
+            *(["--trust-remote-code"] if task.trust_remote_code else []),
             *self._worker_args,
         ]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)

@@ -47,6 +47,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--max-calibration-tokens", type=int, default=1024)
     parser.add_argument("--max-eval-tokens", type=int, default=1024)
+    # The model's trust_remote_code setting (the parent read it).
+    parser.add_argument("--trust-remote-code", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             group_size=args.group_size,
             max_calibration_tokens=args.max_calibration_tokens,
             max_eval_tokens=args.max_eval_tokens,
+            trust_remote_code=args.trust_remote_code,
         )
         result = quantize_folder(args.source, args.dest, options, reporter.progress)
     except Exception as exc:

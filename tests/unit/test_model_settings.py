@@ -116,6 +116,8 @@ def test_reset_forgets_a_model(store, path):
         ("quantized_kv_start", 1.5),
         ("quantized_kv_start", "16"),
         ("model_type", "diffusion"),
+        ("trust_remote_code", "yes"),
+        ("trust_remote_code", 1),
         ("alias", ""),
         ("alias", "/qwen"),
         ("alias", "my model"),
@@ -163,6 +165,15 @@ def test_quantized_kv_start_is_kept_beside_kv_bits_and_defaults_to_0(store, path
         store.update("m", {"quantized_kv_start": -16})
     with pytest.raises(SettingsError, match=r"^quantized_kv_start: Input should be a valid int"):
         store.update("m", {"quantized_kv_start": 16.0})
+
+
+def test_trust_remote_code_is_off_until_set_and_kept_in_the_file(store, path):
+    assert store.get("m").trust_remote_code is False
+    store.update("m", {"trust_remote_code": True})
+    assert json.loads(path.read_text())["m"] == {"trust_remote_code": True}
+    assert ModelSettingsStore(path).get("m").trust_remote_code is True
+    store.update("m", {"trust_remote_code": False})
+    assert ModelSettingsStore(path).get("m").trust_remote_code is False
 
 
 def test_a_failed_update_keeps_the_old_settings(store):

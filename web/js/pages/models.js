@@ -19,6 +19,7 @@ const FIELDS = [
   { name: "kv_bits", label: "KV cache bits", type: "number", step: "4", help: "4 or 8: quantize the KV cache (about half or a quarter of its memory; no speculative decoding); empty: full precision. Applied at the next load." },
   { name: "quantized_kv_start", label: "Quantize KV after (tokens)", type: "number", step: "1", help: "With KV cache bits: a request's KV stays full precision until it holds this many tokens, then all of it is quantized (mlx-lm's quantized_kv_start); empty or 0: from the first token. Applied at the next load." },
   { name: "kv_group_size", label: "KV quantization group", type: "number", step: "32", help: "32, 64 or 128 values per group; empty: 32 (64: fewer bytes on bf16 models, a little more drift)." },
+  { name: "trust_remote_code", label: "Trust remote code", type: "checkbox", help: "Let loading run Python code the model folder ships (an auto_map's tokenization_*.py, a model_file). Off: such a model is refused. Only for folders you trust. Applied at the next load." },
   { name: "temperature", label: "Temperature", type: "number", step: "any" },
   { name: "top_p", label: "Top p", type: "number", step: "any" },
   { name: "top_k", label: "Top k", type: "number", step: "1" },
