@@ -309,9 +309,9 @@ _OWN_CACHE = (
 # A family whose processor only its checkpoints carry, as code (trust_remote_code).
 _OWN_PROCESSOR_CODE = (
     "mlx-vlm 0.7.10 has no processor for it: its checkpoints ship their own as Python code "
-    "in the model folder ({}), which transformers loads only with trust_remote_code, and "
-    "omlx loads the model without it: nothing would build its image prompts, and "
-    "mlx-vlm's own generate gives no reference answer to check omlx's against"
+    "in the model folder ({}), which transformers runs only with trust_remote_code; "
+    "omlx's answers have not been checked against mlx-vlm's generate with that code, so "
+    "omlx does not serve it yet"
 )
 REFUSED: dict[str, str] = {
     **dict.fromkeys(
