@@ -42,6 +42,10 @@ def image_sequence(
     need them (sliding windows: gemma3)."""
     prompt, images = list(request.prompt_ids), request.images
     done = hit.num_tokens if hit is not None else 0
+    if vision.family.bidirectional_images:
+        # Its one forward takes no snapshot; the hook would run only in the chunks of
+        # a prompt the memory gate capped, whose images attended causally: not stored.
+        on_boundary = None
     embedded = None
     # The vision tower runs unless the cache already holds every image token (what
     # follows the last image is text at plain positions, whatever the family).
@@ -66,6 +70,17 @@ def image_sequence(
         block_size=block_size,
         on_boundary=on_boundary,
     )
+
+
+def usable_hit(vision: VisionEncoder, prompt: list[int], hit: CacheHit | None) -> CacheHit | None:
+    """What of a prefix-cache hit the image prompt may take: all of it, or, where the
+    family's image tokens attend each other both ways, only a hit holding every image
+    token (None: prefill from the first token). mlx-vlm's model lays the block mask
+    over a forward from the first token only: after a shorter hit the image's tokens
+    would attend each other causally."""
+    if hit is None or not vision.family.bidirectional_images:
+        return hit
+    return None if vision.image_token_id in prompt[hit.num_tokens :] else hit
 
 
 def _require_row_per_token(vision: VisionEncoder, num_rows: int, num_tokens: int) -> None:

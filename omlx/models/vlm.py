@@ -449,6 +449,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     _require_served_caches(info, model.language_model)
     processor = _processor(processor, model)
     config = _served_config(info, model)
+    traits = family(info.model_type, config["text_config"]) or traits
     token, token_id = _image_token(processor, config, traits)
     text_hidden = hidden_size(config)
     if text_hidden is None:
