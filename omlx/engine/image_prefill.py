@@ -42,10 +42,6 @@ def image_sequence(
     need them (sliding windows: gemma3)."""
     prompt, images = list(request.prompt_ids), request.images
     done = hit.num_tokens if hit is not None else 0
-    if vision.family.bidirectional_images:
-        # Its one forward takes no snapshot; the hook would run only in the chunks of
-        # a prompt the memory gate capped, whose images attended causally: not stored.
-        on_boundary = None
     embedded = None
     # The vision tower runs unless the cache already holds every image token (what
     # follows the last image is text at plain positions, whatever the family).

@@ -216,10 +216,6 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
     cached = again.usage.prompt_tokens_details.cached_tokens
     if traits(model).no_prefix_cache:
         assert cached == 0  # its prompts' KV is never reused (vlm_families.py says why)
-    elif traits(model).bidirectional_images:
-        # Its image prompt prefills in one forward, which takes none of the snapshots
-        # its sliding-window layers' blocks are stored from: no block to reuse.
-        assert cached == 0
     else:
         assert 0 < cached < again.usage.prompt_tokens
     assert answer(client, model, ask(png(seed), text=TEXT)) == expected
@@ -323,17 +319,42 @@ def test_a_bidirectional_image_prompt_takes_a_cache_hit_only_past_its_images(
 ) -> None:
     # mlx-vlm lays the image block mask over a forward from the first token only: a
     # hit ending before (or inside) an image would leave its tokens attending causally.
-    chat(client, "tiny-gemma4-bidirectional", [{"role": "user", "content": "hi"}], 1)
-    engine = next(e for e in server.pool.loaded() if e.name == "tiny-gemma4-bidirectional")
-    vision = engine.loaded.vision
+    visions = {}
+    for model in ("tiny-gemma4-bidirectional", "tiny-gemma4"):
+        chat(client, model, [{"role": "user", "content": "hi"}], 1)
+        visions[model] = next(e for e in server.pool.loaded() if e.name == model).loaded.vision
+    vision = visions["tiny-gemma4-bidirectional"]
     prompt = [5] * 8 + [vision.image_token_id] * 4 + [6] * 8
     for num_tokens in (4, 8, 10):
         assert usable_hit(vision, prompt, CacheHit([], num_tokens)) is None
     past = CacheHit([], 12)
     assert usable_hit(vision, prompt, past) is past
-    causal = next(e for e in server.pool.loaded() if e.name == "tiny-gemma4").loaded.vision
     early = CacheHit([], 4)
-    assert usable_hit(causal, prompt, early) is early
+    assert usable_hit(visions["tiny-gemma4"], prompt, early) is early
+
+
+def test_a_bidirectional_image_prompt_whose_hit_ends_before_its_image_starts_over(
+    client: openai.OpenAI, server: Server, tmp_path: Path
+) -> None:
+    # Two prompts with the same image part after a block of the same text (the prefix
+    # cache's 256 tokens): the second's hit would end before its image, where the
+    # image's tokens could only attend causally. It prefills from its first token and
+    # answers as mlx-vlm does; asked again, its whole prompt but the last token hits.
+    model, shared = "tiny-gemma4-bidirectional", "tell me about the colours and the shapes " * 40
+    chat(client, model, ask(png(90), text=shared + "first"), MAX_TOKENS)
+    expected = mlx_vlm_answer(server, model, 90, tmp_path, shared + "second")
+    for cached in (0, None):
+        reply = client.chat.completions.create(
+            model=model,
+            messages=ask(png(90), text=shared + "second"),
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logprobs=True,
+        )
+        assert [bytes(t.bytes) for t in reply.choices[0].logprobs.content] == expected
+        held = reply.usage.prompt_tokens_details.cached_tokens
+        assert held == (reply.usage.prompt_tokens - 1 if cached is None else cached)
+    assert reply.usage.prompt_tokens > 256
 
 
 def _vision_model_types() -> set[str]:
