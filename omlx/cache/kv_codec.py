@@ -158,6 +158,36 @@ def snapshot(layers: Sequence[Any], since: int = 0) -> Snapshot:
     return state
 
 
+def held_at(layers: Sequence[Any], num_tokens: int) -> list[Any] | None:
+    """``layers`` as they were after their first ``num_tokens`` tokens, where one
+    forward from token 0 filled them (a whole-prompt prefill): KV layers as they are
+    (blocks slice them), windows cut back to there. None where a layer cannot be cut
+    (recurrent or chunked state, a window that was already trimmed or rotated)."""
+    held = []
+    for layer in layers:
+        kind = _stored_type(layer)
+        cut = layer if kind in (KVCache, QuantizedKVCache) else None
+        if kind is RotatingKVCache:
+            cut = _window_at(layer, num_tokens)
+        if cut is None:
+            return None
+        held.append(cut)
+    return held
+
+
+def _window_at(layer: RotatingKVCache, num_tokens: int) -> RotatingKVCache | None:
+    """A copy of an untrimmed window (its tokens in order from 0) holding what a
+    window of its size holds after token ``num_tokens - 1``: its last max_size."""
+    keys, values, offset, keep, max_size, idx = layer.state
+    if keys is None or keep or not num_tokens <= offset == idx == keys.shape[2]:
+        return None
+    first = max(0, num_tokens - max_size)
+    cut = RotatingKVCache(max_size, keep)
+    window = (keys[..., first:num_tokens, :], values[..., first:num_tokens, :])
+    cut.state = (*window, num_tokens, keep, max_size, num_tokens - first)
+    return cut
+
+
 def _window(layer: RotatingKVCache) -> dict[str, mx.array]:
     """A rotating layer's whole window and meta state, exactly as held (unsorted,
     possibly longer than max_size after a multi-token chunk)."""

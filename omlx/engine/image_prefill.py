@@ -68,6 +68,17 @@ def image_sequence(
     )
 
 
+def usable_hit(vision: VisionEncoder, prompt: list[int], hit: CacheHit | None) -> CacheHit | None:
+    """What of a prefix-cache hit the image prompt may take: all of it, or, where the
+    family's image tokens attend each other both ways, only a hit holding every image
+    token (None: prefill from the first token). mlx-vlm's model lays the block mask
+    over a forward from the first token only: after a shorter hit the image's tokens
+    would attend each other causally."""
+    if hit is None or not vision.family.bidirectional_images:
+        return hit
+    return None if vision.image_token_id in prompt[hit.num_tokens :] else hit
+
+
 def _require_row_per_token(vision: VisionEncoder, num_rows: int, num_tokens: int) -> None:
     """The prefill and the prefix cache take one embedding row per prompt token: a
     model that splices more (or fewer) image features than its processor wrote image

@@ -49,7 +49,7 @@ from omlx.engine.compiled import CompiledDecode
 from omlx.engine.compiled_batch import CompiledBatchStep, CompiledSteps
 from omlx.engine.draft_model import DraftModel, DraftProposer
 from omlx.engine.forks import FORK_PAST_OPENING, ChoiceForks
-from omlx.engine.image_prefill import image_sequence
+from omlx.engine.image_prefill import image_sequence, usable_hit
 from omlx.engine.ngram import drafter_for, speculates
 from omlx.engine.openings import share_openings, shares_openings
 from omlx.engine.prompt_stores import PromptStores
@@ -265,6 +265,7 @@ class BatchRunner:
         if self._prefix is not None:
             template = prompt_cache(self._model)
             hit = self._prefix.lookup(request.prompt_ids, template, extra_keys=keys)
+            hit = usable_hit(self._vision, list(request.prompt_ids), hit)
         with mx.stream(self._stream):
             try:
                 sequence = image_sequence(

@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from omlx.cache.kv_codec import held_at
 from omlx.engine.compiled import CompiledDecode
 from omlx.engine.logprobs import PendingLogprobs, pending_logprobs
 from omlx.engine.processor_context import processor_context
@@ -250,10 +251,25 @@ class SoloSequence:
         return self._whole_prompt and not capped and len(self._prompt) > 1
 
     def _prefill_whole(self) -> None:
+        start = len(self._cached)
         embedded = self._whole_rest()
         self._y, self._y_logprobs = self._forward(mx.array(self._prompt), embedded=embedded)
         self._cached.extend(self._prompt)
         self._prompt = []
+        if start == 0:
+            self._whole_boundaries(len(self._cached) - 1)
+
+    def _whole_boundaries(self, last: int) -> None:
+        """The boundary hook at each block end of a prompt one forward filled from
+        its first token, and before its last token, on the windows cut back there."""
+        if self._on_boundary is None or not self._block_size:
+            return
+        ends = list(range(self._block_size, last + 1, self._block_size))
+        for end in ends if ends and ends[-1] == last else [*ends, last]:
+            layers = held_at(self._cache, end)
+            if layers is None:
+                return
+            self._on_boundary(end, layers)
 
     def _whole_rest(self) -> mx.array | None:
         """A whole-prompt sequence's embedded rest of the prompt: its last token too
@@ -296,8 +312,12 @@ class SoloSequence:
         if self._processors:
             self._remember(processor_context(chunk))
         end = pos + n
-        if self._on_boundary is not None and (
-            end % self._block_size == 0 or len(self._prompt) == 1
+        # A whole-prompt sequence's chunks (the gate capped it) attend otherwise than
+        # its one forward would: none of its blocks are stored.
+        if (
+            self._on_boundary is not None
+            and not self._whole_prompt
+            and (end % self._block_size == 0 or len(self._prompt) == 1)
         ):
             self._on_boundary(end, self._cache)
         mx.clear_cache()

@@ -434,6 +434,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     _require_image_processor(info, traits, processor)
     processor = _processor(processor, model)
     config = _served_config(info, model)
+    traits = family(info.model_type, config["text_config"]) or traits
     token, token_id = _image_token(processor, config, traits)
     text_hidden = hidden_size(config)
     if text_hidden is None:

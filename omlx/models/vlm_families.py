@@ -8,8 +8,9 @@ what that path must do differently for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # (the pixels' shape, the tower's patch size) -> (most feature blocks, rows a block).
 BlockRule = Callable[[Sequence[int], int], tuple[int, int]]
@@ -66,7 +67,11 @@ class Family:
     model replaces by this many rows; omlx writes the id once a row, so the prompt's
     ids count the rows (the same rule, as image_blocks). ``hub_tokenizer``: the Hub
     repo mlx-vlm's processor loads its tokenizer from, whatever the model's folder
-    holds (a load that could not reach it is refused, naming it)."""
+    holds (a load that could not reach it is refused, naming it).
+    ``bidirectional_images``: an image's tokens attend each other both ways, under a
+    block mask mlx-vlm's model lays only over a forward from the prompt's first token
+    (whole_prompt with it); a prefix-cache hit serves such a prompt only when it holds
+    every image token."""
 
     image_text: str | None = None
     image_token: str | None = None
@@ -81,6 +86,7 @@ class Family:
     image_blocks: BlockRule | None = None
     image_rows: RowRule | None = None
     hub_tokenizer: str | None = None
+    bidirectional_images: bool = False
 
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -130,6 +136,7 @@ FAMILIES: dict[str, Family] = {
     # own number of soft tokens between the image markers. Per-layer inputs (E2B, E4B):
     # mlx-vlm computes the prompt's from its text tokens only (image tokens as 0), the
     # model slices them by its cache offset; decode steps compute them from their ids.
+    # (Its larger checkpoints' image tokens attend each other both ways: GEMMA4_BIDIRECTIONAL.)
     "gemma4": Family(prompt_inputs=("per_layer_inputs",)),
     # The images first: mlx-vlm places the image features at the prompt's first
     # tokens, and the processor puts images there (then BOS) when the text names none.
@@ -289,6 +296,17 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
+
+# Gemma 4 whose text config says use_bidirectional_attention "vision" (26B A4B and 31B
+# do; E2B and E4B leave it unset): mlx-vlm's language model lets each image's tokens
+# attend each other both ways (mm_token_type_ids, from the processor), in a forward
+# from the prompt's first token only, and so prefills such a prompt in one forward.
+# The prefix cache keeps text prompts; an image prompt takes a hit only past its images.
+GEMMA4_BIDIRECTIONAL = Family(
+    prompt_inputs=("per_layer_inputs", "mm_token_type_ids"),
+    whole_prompt=True,
+    bidirectional_images=True,
+)
 MROPE_FAMILIES = frozenset(name for name, f in FAMILIES.items() if f.mrope)
 
 # Every other model type of mlx-vlm 0.7.10 with a vision tower, and why omlx refuses
@@ -481,8 +499,14 @@ ALIASES: dict[str, str] = {
 }
 
 
-def family(model_type: str) -> Family | None:
-    return FAMILIES.get(ALIASES.get(model_type, model_type))
+def family(model_type: str, text_config: Mapping[str, Any] | None = None) -> Family | None:
+    """The family's entry; ``text_config``: the checkpoint's, as mlx-vlm resolved it
+    (where it changes what the path must do: Gemma 4's bidirectional images)."""
+    name = ALIASES.get(model_type, model_type)
+    bidirectional = (text_config or {}).get("use_bidirectional_attention")
+    if name == "gemma4" and bidirectional == "vision":
+        return GEMMA4_BIDIRECTIONAL
+    return FAMILIES.get(name)
 
 
 def refusal(model_type: str) -> str:

@@ -14,12 +14,14 @@ import openai
 import pytest
 
 from omlx.api.server import Server
+from omlx.cache.prefix import CacheHit
 from omlx.engine.engine_status import engine_status
+from omlx.engine.image_prefill import usable_hit
 from omlx.engine.token_text import TokenText
 from omlx.errors import ModelLoadError
 from omlx.models.discovery import ModelInfo
 from omlx.models.vlm import load_vlm
-from omlx.models.vlm_families import ALIASES, FAMILIES, REFUSED
+from omlx.models.vlm_families import ALIASES, FAMILIES, GEMMA4_BIDIRECTIONAL, REFUSED, Family
 from omlx.models.vlm_families import family as family_of
 from tests.api.test_vision import ask, chat, png
 from tests.fixtures.tiny_vlm_configs_vfam1 import STARMIE_REPO, cache_starmie, offline_hub
@@ -80,7 +82,13 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-moondream2": ("moondream2", 378, None),
     # Issue 41's untried families (vfam3): the image processor's own 378-pixel crops.
     "tiny-jina-vlm": ("jina_vlm", 378, "longest row's offset"),
+    # Gemma 4 as its larger checkpoints are (26B A4B, 31B): an image's tokens attend
+    # each other both ways (GEMMA4_BIDIRECTIONAL).
+    "tiny-gemma4-bidirectional": ("gemma4_bidirectional", 64, None),
 }
+# Models built with another's seed: tiny-gemma4's weights, only the attention flag
+# differs (its images then change the answers: the test below checks it).
+SAME_WEIGHTS = {"tiny-gemma4-bidirectional": "tiny-gemma4"}
 # Families whose language model keeps linear-attention / convolution / SSM states
 # (ArraysCache), with the KV bytes a token adds to their attention layers (float32):
 # layers x (K, V) x KV heads x head_dim x 4, or an MLA layer's latent (16 + 8) x 4.
@@ -93,6 +101,15 @@ LINEAR = {
     "tiny-kimi-k3": (16 + 8) * 4,
 }
 MAX_TOKENS = 10
+
+
+def traits(model: str) -> Family:
+    """The entry omlx serves ``model`` by: its family's, or the variant its config
+    makes it (tiny_vlms.py builds gemma4_bidirectional as a gemma4 checkpoint)."""
+    built = MODELS[model][0]
+    return GEMMA4_BIDIRECTIONAL if built == "gemma4_bidirectional" else FAMILIES[built]
+
+
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.
 TEXT = "describe the colours and the shapes you see in this picture, please"
 
@@ -102,7 +119,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     from tests.fixtures.servers import live_server
 
     root = tmp_path_factory.mktemp("tiny-vlm-families")
-    for seed, (name, (family, side, _)) in enumerate(MODELS.items()):
+    for name, (family, side, _) in MODELS.items():
+        seed = list(MODELS).index(SAME_WEIGHTS.get(name, name))
         build_tiny_vlm(root / name, family, seed=seed, image_size=side)
     hub = cache_starmie(tmp_path_factory.mktemp("hub"), root / "tiny-moondream2")
     with (
@@ -155,7 +173,7 @@ def mlx_vlm_answer(
         image = tmp / f"{seed}.png"
         image.write_bytes(png(seed, size))
         vlm, processor = load(str(folder))
-        marker = FAMILIES[MODELS[model][0]].image_text
+        marker = traits(model).image_text
         marker = processor.image_token if marker is None else marker
         prompt = f"<|im_start|>user\n{text}{marker}<|im_end|>\n<|im_start|>assistant\n"
         pieces = stream_generate(
@@ -207,7 +225,7 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
     again = chat(client, model, ask(png(seed), text=TEXT), MAX_TOKENS)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = again.usage.prompt_tokens_details.cached_tokens
-    if FAMILIES[MODELS[model][0]].no_prefix_cache:
+    if traits(model).no_prefix_cache:
         assert cached == 0  # its prompts' KV is never reused (vlm_families.py says why)
     else:
         assert 0 < cached < again.usage.prompt_tokens
@@ -230,6 +248,7 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-fastvlm",
         "tiny-llava-bunny",
         "tiny-jina-vlm",
+        "tiny-gemma4-bidirectional",
         *LINEAR,
     ],
 )
@@ -239,7 +258,8 @@ def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     # ~60 text tokens, then the image: the 64-token chunks cut its tokens (qwen3_vl's,
     # cohere_compass's and granite4_vision's deepstack features and positions, ERNIE's
     # positions, gemma4's per-layer inputs, are sliced per chunk; gemma3's window wraps;
-    # linear-attention states carry over chunks).
+    # linear-attention states carry over chunks; bidirectional gemma4's prompt goes in
+    # one forward, as mlx-vlm's generate gives it).
     text = "tell me about the colours and the shapes " * 6
     size = (300, 300)
     expected = mlx_vlm_answer(server, model, 60, tmp_path, text, size)
@@ -248,7 +268,7 @@ def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     assert answer(client, model, ask(png(60, size), text=text)) == expected
 
 
-@pytest.mark.parametrize("model", [m for m in MODELS if FAMILIES[MODELS[m][0]].max_images != 1])
+@pytest.mark.parametrize("model", [m for m in MODELS if traits(m).max_images != 1])
 def test_two_images_and_text_alone_answer(client: openai.OpenAI, model: str) -> None:
     two = chat(client, model, ask(png(70), png(71), text="compare them"), MAX_TOKENS)
     one = chat(client, model, ask(png(70), text="compare them"), MAX_TOKENS)
@@ -339,6 +359,7 @@ def test_mllama_rows_with_other_images_or_none_share_the_decode_batch(
 
 
 @pytest.mark.parametrize("model", [m for m in MODELS if FAMILIES[MODELS[m][0]].max_images == 1])
+@pytest.mark.parametrize("model", [m for m in MODELS if traits(m).max_images == 1])
 def test_a_one_image_family_takes_one_image_a_request_and_says_so(
     client: openai.OpenAI, server: Server, model: str
 ) -> None:
@@ -351,6 +372,73 @@ def test_a_one_image_family_takes_one_image_a_request_and_says_so(
     assert "at most 1 image" in error["message"] and f"({model_type})" in error["message"]
     text_only = chat(client, model, [{"role": "user", "content": "hi"}], MAX_TOKENS)
     assert text_only.choices[0].finish_reason in ("length", "stop")
+
+
+def test_gemma4_is_served_by_what_its_text_config_says_of_image_attention(
+    client: openai.OpenAI, server: Server, tmp_path: Path
+) -> None:
+    # Gemma 4 26B A4B and 31B say use_bidirectional_attention "vision", E2B and E4B
+    # nothing: each is served by the entry for its attention (checked against mlx-vlm
+    # above), and text prompts of the bidirectional one keep the prefix cache.
+    # The premise: on the same weights, the flag changes mlx-vlm's answer.
+    assert SAME_WEIGHTS["tiny-gemma4-bidirectional"] == "tiny-gemma4"
+    causal = mlx_vlm_answer(server, "tiny-gemma4", 1, tmp_path)
+    assert mlx_vlm_answer(server, "tiny-gemma4-bidirectional", 1, tmp_path) != causal
+    text = [{"role": "user", "content": TEXT}]
+    for model, entry in (
+        ("tiny-gemma4", FAMILIES["gemma4"]),
+        ("tiny-gemma4-bidirectional", GEMMA4_BIDIRECTIONAL),
+    ):
+        first = chat(client, model, text, MAX_TOKENS)
+        again = chat(client, model, text, MAX_TOKENS)
+        engine = next(e for e in server.pool.loaded() if e.name == model)
+        assert engine.loaded.vision.family is entry
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+        assert first.choices[0].message.content == again.choices[0].message.content
+
+
+def test_a_bidirectional_image_prompt_takes_a_cache_hit_only_past_its_images(
+    client: openai.OpenAI, server: Server
+) -> None:
+    # mlx-vlm lays the image block mask over a forward from the first token only: a
+    # hit ending before (or inside) an image would leave its tokens attending causally.
+    visions = {}
+    for model in ("tiny-gemma4-bidirectional", "tiny-gemma4"):
+        chat(client, model, [{"role": "user", "content": "hi"}], 1)
+        visions[model] = next(e for e in server.pool.loaded() if e.name == model).loaded.vision
+    vision = visions["tiny-gemma4-bidirectional"]
+    prompt = [5] * 8 + [vision.image_token_id] * 4 + [6] * 8
+    for num_tokens in (4, 8, 10):
+        assert usable_hit(vision, prompt, CacheHit([], num_tokens)) is None
+    past = CacheHit([], 12)
+    assert usable_hit(vision, prompt, past) is past
+    early = CacheHit([], 4)
+    assert usable_hit(visions["tiny-gemma4"], prompt, early) is early
+
+
+def test_a_bidirectional_image_prompt_whose_hit_ends_before_its_image_starts_over(
+    client: openai.OpenAI, server: Server, tmp_path: Path
+) -> None:
+    # Two prompts with the same image part after a block of the same text (the prefix
+    # cache's 256 tokens): the second's hit would end before its image, where the
+    # image's tokens could only attend causally. It prefills from its first token and
+    # answers as mlx-vlm does; asked again, its whole prompt but the last token hits.
+    model, shared = "tiny-gemma4-bidirectional", "tell me about the colours and the shapes " * 40
+    chat(client, model, ask(png(90), text=shared + "first"), MAX_TOKENS)
+    expected = mlx_vlm_answer(server, model, 90, tmp_path, shared + "second")
+    for cached in (0, None):
+        reply = client.chat.completions.create(
+            model=model,
+            messages=ask(png(90), text=shared + "second"),
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logprobs=True,
+        )
+        assert [bytes(t.bytes) for t in reply.choices[0].logprobs.content] == expected
+        held = reply.usage.prompt_tokens_details.cached_tokens
+        assert held == (reply.usage.prompt_tokens - 1 if cached is None else cached)
+    assert reply.usage.prompt_tokens > 256
 
 
 def _vision_model_types() -> set[str]:

@@ -137,3 +137,35 @@ def test_a_state_layer_of_the_image_path_round_trips_as_an_arrays_cache() -> Non
     assert type(restored) is StateCache
     assert mx.array_equal(restored[1], mx.arange(16.0).reshape(1, 2, 8)).item()
     assert mx.array_equal(restored[0], mx.ones((1, 3, 8))).item()
+
+
+@pytest.mark.parametrize("cut", [3, WINDOW, WINDOW + 5, 2 * WINDOW + 3])
+def test_a_window_one_forward_filled_cut_back_continues_as_if_fed_only_that_far(cut: int) -> None:
+    """A whole-prompt prefill (one forward from token 0) takes its block snapshots
+    afterwards (kv_codec.held_at): the window cut back to token ``cut`` then answers
+    the next updates as a window fed only that far, through a block round trip."""
+    keys = _tokens(3 * WINDOW)
+    filled, fed = [KVCache(), RotatingKVCache(max_size=WINDOW)], RotatingKVCache(max_size=WINDOW)
+    for layer in filled:
+        layer.update_and_fetch(keys, keys * 2)
+    fed.update_and_fetch(keys[..., :cut, :], keys[..., :cut, :] * 2)
+    held = kv_codec.held_at(filled, cut)
+    assert held is not None and held[0] is filled[0]
+    block = kv_codec.block_tensors(held, 0, cut, kv_codec.snapshot(held))
+    template = [KVCache(), RotatingKVCache(max_size=WINDOW)]
+    restored = kv_codec.restore(template, [block], cut)[1]
+    for n in [1, 3, 1, 1]:
+        more = _tokens(n)
+        got, want = restored.update_and_fetch(more, more), fed.update_and_fetch(more, more)
+        assert mx.array_equal(got[0], want[0]).item() and mx.array_equal(got[1], want[1]).item()
+
+
+def test_only_a_window_one_forward_filled_can_be_cut_back() -> None:
+    chunked, kept = RotatingKVCache(max_size=WINDOW), RotatingKVCache(max_size=WINDOW, keep=2)
+    _feed([chunked], [6, 6, 6])  # the third chunk trimmed the first
+    _feed([kept], [12])
+    state = StateCache(2)
+    assert kv_codec.held_at([chunked], 4) is None
+    assert kv_codec.held_at([kept], 4) is None
+    assert kv_codec.held_at([KVCache(), state], 4) is None
+    assert kv_codec.held_at([RotatingKVCache(max_size=WINDOW)], 4) is None  # empty
