@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from omlx.cache.prefix import PrefixCache
 from omlx.engine.admission import AdmissionSwitch
+from omlx.engine.image_prefill import usable_hit_tokens
 from omlx.engine.memory_gate import StepGate
 from omlx.memory.guard import MemoryGuard
 from omlx.memory.vision import image_bytes
@@ -43,17 +44,22 @@ def step_gate(engine: ModelEngine, worker: ProcessWork, admission: AdmissionSwit
         engine.probe,
         elsewhere=_Elsewhere(worker, weakref.ref(engine)),
         image_bytes=partial(request_image_bytes, loaded.vision, guard),
-        cached_tokens=partial(_cached_tokens, engine.prefix_cache),
+        cached_tokens=partial(_cached_tokens, engine.prefix_cache, loaded.vision),
         admission=admission,
     )
 
 
-def _cached_tokens(prefix_cache: PrefixCache | None, request: Request) -> int:
-    """Prompt tokens the prefix index holds for ``request`` (MLX thread)."""
+def _cached_tokens(
+    prefix_cache: PrefixCache | None, vision: VisionEncoder | None, request: Request
+) -> int:
+    """Prompt tokens the runner will take from the prefix cache for ``request`` (MLX
+    thread): what the index holds, less a hit an image prompt may not take."""
     if prefix_cache is None:
         return 0
-    keys = request.images.keys if request.images is not None else ()
-    return prefix_cache.match(request.prompt_ids, keys)
+    if request.images is None or vision is None:
+        return prefix_cache.match(request.prompt_ids)
+    held = prefix_cache.match(request.prompt_ids, request.images.keys)
+    return usable_hit_tokens(vision, request.prompt_ids, held)
 
 
 def request_image_bytes(vision: VisionEncoder | None, guard: MemoryGuard, request: Request) -> int:

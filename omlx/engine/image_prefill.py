@@ -9,7 +9,7 @@ decode batch like any side sequence.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -74,9 +74,18 @@ def usable_hit(vision: VisionEncoder, prompt: list[int], hit: CacheHit | None) -
     token (None: prefill from the first token). mlx-vlm's model lays the block mask
     over a forward from the first token only: after a shorter hit the image's tokens
     would attend each other causally."""
-    if hit is None or not vision.family.bidirectional_images:
+    if hit is None or usable_hit_tokens(vision, prompt, hit.num_tokens) == hit.num_tokens:
         return hit
-    return None if vision.image_token_id in prompt[hit.num_tokens :] else hit
+    return None
+
+
+def usable_hit_tokens(vision: VisionEncoder, prompt: Sequence[int], num_tokens: int) -> int:
+    """The cached tokens of ``usable_hit``, by count: the memory gate prices a prompt's
+    prefill with the tokens the runner will take from the cache, not with the longest
+    match (a dropped hit prefills from the first token)."""
+    if not vision.family.bidirectional_images:
+        return num_tokens
+    return 0 if vision.image_token_id in prompt[num_tokens:] else num_tokens
 
 
 def _require_row_per_token(vision: VisionEncoder, num_rows: int, num_tokens: int) -> None:

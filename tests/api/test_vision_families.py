@@ -358,7 +358,6 @@ def test_mllama_rows_with_other_images_or_none_share_the_decode_batch(
     assert engine_status(engine)["batching"]["one_at_a_time"] is False
 
 
-@pytest.mark.parametrize("model", [m for m in MODELS if FAMILIES[MODELS[m][0]].max_images == 1])
 @pytest.mark.parametrize("model", [m for m in MODELS if traits(m).max_images == 1])
 def test_a_one_image_family_takes_one_image_a_request_and_says_so(
     client: openai.OpenAI, server: Server, model: str
@@ -418,16 +417,23 @@ def test_a_bidirectional_image_prompt_takes_a_cache_hit_only_past_its_images(
 
 
 def test_a_bidirectional_image_prompt_whose_hit_ends_before_its_image_starts_over(
-    client: openai.OpenAI, server: Server, tmp_path: Path
+    client: openai.OpenAI, server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Two prompts with the same image part after a block of the same text (the prefix
     # cache's 256 tokens): the second's hit would end before its image, where the
     # image's tokens could only attend causally. It prefills from its first token and
     # answers as mlx-vlm does; asked again, its whole prompt but the last token hits.
+    # The memory gate prices each prefill with the cached tokens the runner takes (a
+    # dropped hit is a whole prefill), read here through the gate's own count.
     model, shared = "tiny-gemma4-bidirectional", "tell me about the colours and the shapes " * 40
     chat(client, model, ask(png(90), text=shared + "first"), MAX_TOKENS)
     expected = mlx_vlm_answer(server, model, 90, tmp_path, shared + "second")
+    gate = next(e for e in server.pool.loaded() if e.name == model).gate
+    counted: list[int] = []
+    count = gate._cached_tokens
+    monkeypatch.setattr(gate, "_cached_tokens", lambda r: counted.append(count(r)) or counted[-1])
     for cached in (0, None):
+        counted.clear()
         reply = client.chat.completions.create(
             model=model,
             messages=ask(png(90), text=shared + "second"),
@@ -438,6 +444,7 @@ def test_a_bidirectional_image_prompt_whose_hit_ends_before_its_image_starts_ove
         assert [bytes(t.bytes) for t in reply.choices[0].logprobs.content] == expected
         held = reply.usage.prompt_tokens_details.cached_tokens
         assert held == (reply.usage.prompt_tokens - 1 if cached is None else cached)
+        assert counted and set(counted) == {held}
     assert reply.usage.prompt_tokens > 256
 
 
