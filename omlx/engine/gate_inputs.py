@@ -1,6 +1,7 @@
 """What one engine's memory gate (memory_gate.StepGate) is told besides its own
 model: the process's other work in flight (the MLX worker's other engines and
-scoring tasks), a request's image transient and its cached prompt tokens.
+scoring tasks), a request's image transient, the image states it then holds and
+its cached prompt tokens.
 
 Nothing here refers back to the engine strongly: an unloaded model's weights are
 freed when its last reference goes, not at the next garbage collection.
@@ -18,7 +19,7 @@ from omlx.engine.admission import AdmissionSwitch
 from omlx.engine.image_prefill import usable_hit_tokens
 from omlx.engine.memory_gate import StepGate
 from omlx.memory.guard import MemoryGuard
-from omlx.memory.vision import image_bytes
+from omlx.memory.vision import held_states, image_bytes, state_row_bytes
 from omlx.scheduler import Request
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ def step_gate(engine: ModelEngine, worker: ProcessWork, admission: AdmissionSwit
         engine.probe,
         elsewhere=_Elsewhere(worker, weakref.ref(engine)),
         image_bytes=partial(request_image_bytes, loaded.vision, guard),
+        held_states=partial(request_held_states, loaded.vision),
+        state_row_bytes=state_row_bytes(loaded.vision.dims) if loaded.vision else 0,
         cached_tokens=partial(_cached_tokens, engine.prefix_cache, loaded.vision),
         admission=admission,
     )
@@ -68,6 +71,18 @@ def request_image_bytes(vision: VisionEncoder | None, guard: MemoryGuard, reques
         return 0
     shape = request.images.pixel_values.shape
     return image_bytes(vision.dims, shape, request.num_prompt_tokens, guard.profile)
+
+
+def request_held_states(vision: VisionEncoder | None, request: Request) -> int:
+    """The image state rows the request holds while it runs (mllama's; 0: none)."""
+    if request.images is None or vision is None:
+        return 0
+    return held_states(vision.dims, request.images.pixel_values.shape)
+
+
+def request_held_state_bytes(vision: VisionEncoder | None, request: Request) -> int:
+    """The bytes of ``request_held_states``."""
+    return request_held_states(vision, request) * state_row_bytes(vision.dims) if vision else 0
 
 
 @dataclass(frozen=True, slots=True)

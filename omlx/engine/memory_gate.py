@@ -48,7 +48,9 @@ class Elsewhere(Protocol):
 
 class StepGate:
     """``elsewhere``: the other models' work in flight. ``image_bytes``: the
-    transient of encoding a request's images. ``cached_tokens``: a prompt's
+    transient of encoding a request's images. ``held_states``: the image state
+    rows a request then holds for its whole life (mllama's cross-attention states),
+    ``state_row_bytes`` each. ``cached_tokens``: a prompt's
     tokens the prefix index holds (0 without a prefix cache). ``admission``: the
     pool's one admission switch (the enforcer pauses it above the soft limit)."""
 
@@ -60,6 +62,8 @@ class StepGate:
         *,
         elsewhere: Elsewhere,
         image_bytes: Callable[[Request], int],
+        held_states: Callable[[Request], int] = lambda request: 0,
+        state_row_bytes: int = 0,
         cached_tokens: Callable[[Request], int] = lambda request: 0,
         admission: AdmissionSwitch,
     ):
@@ -68,6 +72,8 @@ class StepGate:
         self.probe = probe
         self._elsewhere = elsewhere
         self._image_bytes = image_bytes
+        self._held_states = held_states
+        self._state_row_bytes = state_row_bytes
         self._cached_tokens = cached_tokens
         self._reading: MemoryReading | None = None  # the last shape's, for its log line
         # The pool's switch, set by its enforcer above the soft limit: admit nothing
@@ -101,6 +107,7 @@ class StepGate:
         # time: plan.KVLoad.allocated); and the tokens computed.
         self._load = KVLoad()
         self._computed_tokens = 0
+        self._computed_states = 0
 
     @property
     def admission_paused(self) -> bool:
@@ -131,11 +138,21 @@ class StepGate:
             mlx_stats.release_cache()
             self.num_reclaims += 1
 
-    def kv_over_capacity(self, num_tokens_in_flight: int, num_rows: int) -> bool:
-        """The running requests' KV (prompts plus output so far; ``num_rows`` rows, each
-        with a hybrid's fixed states) passed the model's KV capacity: decoding grew it
-        after admission."""
-        return not self.guard.kv_fits(num_tokens_in_flight, 0, num_rows)
+    def kv_over_capacity(self, load: KVLoad) -> bool:
+        """The running requests' KV (prompts plus output so far, as the caches hold
+        it; each row with a hybrid's fixed states and its image states) passed the
+        model's KV capacity: decoding grew it after admission."""
+        return not self._kv_fits(load)
+
+    def _kv_fits(self, load: KVLoad) -> bool:
+        """``load`` within the KV capacity, its held image states counted in KV tokens
+        (as a hybrid's fixed states are: ``MemoryGuard.kv_tokens``)."""
+        states = -(-self._states_bytes(load) // max(1, self.guard.dims.kv_bytes_per_token))
+        return self.guard.kv_fits(load.allocated + states, 0, load.rows)
+
+    def _states_bytes(self, load: KVLoad) -> int:
+        """The image states ``load``'s rows hold (each zero-padded to the most)."""
+        return load.held_states * self._state_row_bytes
 
     def cached_tokens(self, request: Request) -> int:
         return self._cached_tokens(request)
@@ -152,6 +169,8 @@ class StepGate:
         # KV the running rows hold now: at least their computed tokens (the
         # padding and growth already allocated are priced again below: conservative).
         self._computed_tokens = load.tokens - sum(c.num_remaining for c in plan)
+        # Rows that run hold their image states already (their encode ran when they started).
+        self._computed_states = load.states
         self._pending_bytes = sum(
             prefill_step_transient_bytes(dims, c.num_tokens, c.num_context_tokens)
             + guard.unmodeled_bytes
@@ -178,7 +197,7 @@ class StepGate:
                 + guard.batch_excess_bytes(chunk)
                 + guard.dims.state_bytes(1)  # its fixed states, made by its first forward
             )
-            self._load = self._load.with_row(n)
+            self._load = self._load.with_row(n, self._held_states(request))
             return True
         self.deferrals[reason] += 1
         return False
@@ -205,8 +224,8 @@ class StepGate:
     def _deferral(self, request: Request, num_running: int, in_flight: int) -> str | None:
         """Why the head of the queue waits ("paused", "kv_capacity", "memory"), or None.
         ``in_flight``: the process's running work (this model's ``num_running``)."""
-        n, load = request.num_prompt_tokens, self._load
-        after = load.with_row(n)  # the batch once it joins: padded, grown (KVLoad)
+        n, load, states = request.num_prompt_tokens, self._load, self._held_states(request)
+        after = load.with_row(n, states)  # the batch once it joins: padded, grown (KVLoad)
         if self.admission_paused:
             log.info(
                 "memadmit %s: deferred a %d-token prompt: admission paused (memory above "
@@ -226,65 +245,73 @@ class StepGate:
             )
             return "memory"
         # The ones admitted earlier in this step count too.
-        if not self.guard.kv_fits(after.allocated, 0, after.rows):
+        if not self._kv_fits(after):
             log.info(
                 "memadmit %s: deferred a %d-token prompt: %d KV columns in flight (%d rows "
-                "padded to %d tokens, grown %d at a time), capacity %s",
+                "padded to %d tokens, grown %d at a time) and %s of image states, capacity %s",
                 self.name,
                 n,
                 after.allocated,
                 after.rows,
                 after.longest,
                 after.step,
+                format_bytes(self._states_bytes(after)),
                 self.guard.max_kv_tokens,
             )
             return "kv_capacity"
         # KV still to come for admitted requests (padded, grown), the step transients of
         # every request that will prefill in the same batch as this one, and the
-        # copy of the decode batch's KV (and every row's fixed states: mlx-lm's
-        # ArraysCache extends by concatenation too) its rows make when this one joins.
-        join = self._join_copy_bytes(after.allocated) + self.guard.dims.state_bytes(after.rows)
-        kv = self._kv_to_come(after, n)
+        # copy of the decode batch's KV (and every row's fixed states, and image states
+        # when a row with images joins: mlx-lm's ArraysCache and CrossAttentionStates
+        # extend by concatenation too) its rows make when this one joins.
+        join = self._join_copy_bytes(after, images=after.states > self._computed_states)
+        kv = self._kv_to_come(after, n) + self._states_to_come(after, states)
         pending = self._pending_bytes + kv + join + self._image_bytes(request)
         reading = plus(self.probe.reading(fresh=True), pending)
         return None if self.guard.admit(n, in_flight, reading) else "memory"
 
-    def _join_copy_bytes(self, num_tokens: int) -> int:
-        """Rows joining the decode batch extend its KV (``num_tokens`` columns with
-        theirs, every row padded to the longest and grown: plan.KVLoad.allocated) into
-        new buffers: the old and the new batch are alive together for a moment."""
-        return self.guard.dims.kv_bytes(num_tokens)
+    def _states_to_come(self, load: KVLoad, num_new_states: int) -> int:
+        """The image states ``load``'s rows will hold beyond those the running rows hold
+        now: the rows admitted this step, and every row's padding to the most when a
+        longer one joins; less the newcomer's own (its image price counts those)."""
+        held = self._computed_states + num_new_states
+        return max(self._states_bytes(load) - held * self._state_row_bytes, 0)
+
+    def _join_copy_bytes(self, load: KVLoad, images: bool = True) -> int:
+        """Rows joining the decode batch extend its KV (``load.allocated`` columns with
+        theirs, every row padded to the longest and grown: plan.KVLoad.allocated) and
+        each row's fixed states into new buffers, and, when a joining row has images
+        (``images``; a row without keeps the batch's array), every row's image states,
+        each padded to the most: the old and the new batch are alive together for a moment."""
+        dims = self.guard.dims
+        held = self._states_bytes(load) if images else 0
+        return dims.kv_bytes(load.allocated) + dims.state_bytes(load.rows) + held
 
     # ---- the forward gate ---------------------------------------------------
 
-    def shape_prefill(
-        self, plan: Sequence[Any], num_running: int, num_running_tokens: int
-    ) -> PrefillShape:
+    def shape_prefill(self, plan: Sequence[Any], num_running: int, load: KVLoad) -> PrefillShape:
         """What this step's prefill chunks may do under the hard limit (a fresh
         reading: others grew): as planned, capped, held, or some ended. Over the
         limit, MLX's free cache is handed back first and the plan shaped again.
-        ``num_running`` requests run, holding ``num_running_tokens`` KV columns (their
-        caches', every row padded to the longest and grown: plan.KVLoad.allocated)."""
+        ``num_running`` requests run, holding ``load`` (their caches' KV columns, every
+        row padded to the longest and grown, and their image states: plan.KVLoad)."""
         if not plan:
             return PrefillShape(None)
-        shape = self._shape(plan, num_running, num_running_tokens)
+        shape = self._shape(plan, num_running, load)
         if shape.cap is not None:
             mlx_stats.release_cache()  # freed buffers count until handed back
             self.num_reclaims += 1
-            shape = self._shape(plan, num_running, num_running_tokens)
+            shape = self._shape(plan, num_running, load)
         return shape
 
-    def _shape(
-        self, plan: Sequence[Any], num_running: int, num_running_tokens: int
-    ) -> PrefillShape:
+    def _shape(self, plan: Sequence[Any], num_running: int, load: KVLoad) -> PrefillShape:
         reading = self._reading = self.probe.reading(fresh=True)
         others = self._others_in_flight(num_running)
         # Requests past their prompt: a row finishing its prompt joins (copies) their
         # batch; and they end and free their memory, so prefill may wait for them.
         decoding_here = self._decoding_here = num_running > len(plan)
         if decoding_here and any(c.num_remaining <= c.num_tokens + 1 for c in plan):
-            join = self._join_copy_bytes(num_running_tokens)
-            reading = plus(reading, join + self.guard.dims.state_bytes(num_running))
+            reading = plus(reading, self._join_copy_bytes(load))
         # Prefill waits as long as other work goes on, however slow the machine: it
         # is ended only when nothing else could free memory (issue 40, defect 13).
         # Another model that waits for memory itself is no reason to wait: two

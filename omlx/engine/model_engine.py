@@ -22,7 +22,7 @@ from omlx.cache.hot import ClearTier
 from omlx.cache.prefix import PrefixCache
 from omlx.engine.admission import AdmissionSwitch
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from omlx.engine.gate_inputs import request_image_bytes, step_gate
+from omlx.engine.gate_inputs import request_held_state_bytes, request_image_bytes, step_gate
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
 from omlx.engine.token_text import LogprobEntry, TokenText
 from omlx.engine.unbatched import serve_one_at_a_time
@@ -179,6 +179,7 @@ class ModelEngine:
             self.guard.check_prefill(
                 request.num_prompt_tokens,
                 image_bytes=request_image_bytes(self.loaded.vision, self.guard, request),
+                held_state_bytes=request_held_state_bytes(self.loaded.vision, request),
             )
         with self._lock:
             if self._refusal is not None:

@@ -245,12 +245,15 @@ class MemoryGuard:
         num_cached_tokens: int = 0,
         extra_bytes: int = 0,
         image_bytes: int = 0,
+        held_state_bytes: int = 0,
     ) -> None:
         """Raise PrefillMemoryExceededError (HTTP 400) for a prompt that cannot fit
         under the hard limit even with nothing else in flight. The estimate goes
         first: its message names the knob that helps. ``extra_bytes``: a chunk's
         transient beyond a prefill's (a scoring pass's logits); ``image_bytes``: the
-        transient of encoding the prompt's images (memory/vision.py)."""
+        transient of encoding the prompt's images (memory/vision.py);
+        ``held_state_bytes``: the image states the request then holds while it runs
+        (mllama's), counted against the KV capacity with its cache."""
         baseline = self.baseline_bytes
         try:
             preflight(
@@ -275,16 +278,18 @@ class MemoryGuard:
                 estimated_bytes=exc.estimated_bytes,
                 limit_bytes=exc.limit_bytes,
             ) from None
-        self._check_capacity(num_prompt_tokens, baseline)
+        self._check_capacity(num_prompt_tokens, baseline, held_state_bytes)
 
-    def _check_capacity(self, num_prompt_tokens: int, baseline: int) -> None:
+    def _check_capacity(self, num_prompt_tokens: int, baseline: int, state_bytes: int) -> None:
         """Refuse a prompt whose cache, alone, passes the KV capacity: its tokens as the
         cache allocates them (grown ``kv_step`` columns at a time, and the first decode
         token: ``allocated_columns``, as admission and preemption count a row) plus a
-        hybrid's fixed states. Conservative: a prompt up to a step short of the capacity
-        is refused, though its cache may end fewer columns past its tokens."""
+        hybrid's fixed states and ``state_bytes`` of image states in KV tokens. Conservative:
+        a prompt up to a step short of the capacity is refused, though its cache may end
+        fewer columns past its tokens."""
         cap = self._capacity(baseline)
-        held = allocated_columns(num_prompt_tokens, self.kv_step)
+        states = -(-state_bytes // max(1, self.dims.kv_bytes_per_token))
+        held = allocated_columns(num_prompt_tokens, self.kv_step) + states
         if cap is None or self.kv_tokens(held, 1) <= cap:
             return
         overhead, batch = self.profile.capacity_terms() if self.profile else (0, None)
@@ -300,10 +305,11 @@ class MemoryGuard:
             unmodeled_bytes=self.unmodeled_bytes,
             batch=batch,
         )
+        images = ", its image states included" if states else ""
         raise PrefillMemoryExceededError(
             f"this prompt ({num_prompt_tokens} tokens, {held} KV columns as its cache "
-            f"grows) needs more KV cache than the {cap} tokens model '{self.model}' can "
-            "hold under the "
+            f"grows{images}) needs more KV cache than the {cap} tokens model "
+            f"'{self.model}' can hold under the "
             f"{format_bytes(self.limits.hard_bytes)} memory limit beside what is loaded now; "
             "shorten the prompt, unload another model, raise memory.max_process_memory, or "
             "load a smaller model",

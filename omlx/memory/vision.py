@@ -70,13 +70,47 @@ def vision_transient_bytes(
     Channels may come last (moondream: crops, height, width, channels).
     Crops or tiles (llava_next, mllama: (..., tiles, channels, height, width)) count
     as images, except mllama's, whose tower attends over an image's tiles at once."""
+    num_images, patches = _images_and_patches(dims, pixel_shape)
+    if not num_images:
+        return 0
+    pixels = _prod(pixel_shape) * _FLOAT32
+    per_patch = _LIVE_HIDDEN_COPIES * dims.hidden_size + dims.intermediate_size
+    activations = num_images * patches * per_patch * dims.dtype_bytes
+    scores = num_images * dims.num_heads * patches * patches * _FLOAT32
+    embeddings = num_prompt_tokens * dims.text_hidden_size * dims.dtype_bytes
+    return pixels + activations + scores + embeddings + held_state_bytes(dims, pixel_shape)
+
+
+def held_states(dims: VisionDims, pixel_shape: Sequence[int]) -> int:
+    """The rows of image states a request keeps for its whole life (mllama: a
+    text-wide row per patch of every tile of every image, in its cross-attention
+    cache); 0 for a model that keeps none (its images become prompt tokens)."""
+    if not dims.tiled_cross_attention:
+        return 0
+    num_images, patches = _images_and_patches(dims, pixel_shape)
+    return num_images * patches
+
+
+def held_state_bytes(dims: VisionDims, pixel_shape: Sequence[int]) -> int:
+    """The bytes of ``held_states``: each row the language model's width."""
+    return held_states(dims, pixel_shape) * state_row_bytes(dims)
+
+
+def state_row_bytes(dims: VisionDims) -> int:
+    """One held state row's bytes (mllama's cross-attention states; 0: none kept)."""
+    return dims.text_hidden_size * dims.dtype_bytes if dims.tiled_cross_attention else 0
+
+
+def _images_and_patches(dims: VisionDims, pixel_shape: Sequence[int]) -> tuple[int, int]:
+    """How many images the tower encodes for ``pixel_shape`` and the patches of each
+    (0 images: a shape the formula does not know)."""
     if len(pixel_shape) == 2:
         num_images, patches = 1, int(pixel_shape[0])
     elif len(pixel_shape) == 3 and pixel_shape[-1] == 3 * dims.patch_size**2:
         # Crops of flat patches (molmo2: crops, patches, a patch's pixels).
         num_images, patches = int(pixel_shape[0]), int(pixel_shape[1])
     elif len(pixel_shape) < 3:
-        return 0
+        return 0, 0
     else:
         num_images = _prod(pixel_shape[:-3])
         height, width = pixel_shape[-2], pixel_shape[-1]
@@ -85,15 +119,7 @@ def vision_transient_bytes(
         patches = max(1, (height // dims.patch_size) * (width // dims.patch_size)) + 1
     if dims.tiled_cross_attention and len(pixel_shape) >= 5:
         num_images, patches = num_images // pixel_shape[-4], patches * pixel_shape[-4]
-    pixels = _prod(pixel_shape) * _FLOAT32
-    per_patch = _LIVE_HIDDEN_COPIES * dims.hidden_size + dims.intermediate_size
-    activations = num_images * patches * per_patch * dims.dtype_bytes
-    scores = num_images * dims.num_heads * patches * patches * _FLOAT32
-    embeddings = num_prompt_tokens * dims.text_hidden_size * dims.dtype_bytes
-    # mllama's cross-attention states: a text-wide row per patch of every tile.
-    held = num_images * patches if dims.tiled_cross_attention else 0
-    states = held * dims.text_hidden_size * dims.dtype_bytes
-    return pixels + activations + scores + embeddings + states
+    return num_images, patches
 
 
 def measured_transient_bytes(estimate: int, measured_peak: int, measured_estimate: int) -> int:

@@ -109,16 +109,34 @@ class KVLoad:
     # mlx-lm's cache growth step (its caches' ``step``, read where MLX is: the
     # engine's assembly); 1: no growth slack, the step's one token a row only.
     step: int = 1
+    # Image states held for a row's whole life (mllama's cross-attention cache:
+    # models/cross_attention.py), counted in state rows: the rows with images, each
+    # zero-padded to the most (``most_states``), and their own sum (``states``).
+    image_rows: int = 0
+    most_states: int = 0
+    states: int = 0
 
     @property
     def allocated(self) -> int:
         """The KV token columns the caches allocate: padding and growth included."""
         return self.rows * allocated_columns(self.longest, self.step)
 
-    def with_row(self, num_tokens: int) -> KVLoad:
-        """The load once a row of ``num_tokens`` joins (the others padded to it)."""
+    @property
+    def held_states(self) -> int:
+        """The image state rows the cross-attention cache holds: padding included."""
+        return self.image_rows * self.most_states
+
+    def with_row(self, num_tokens: int, num_states: int = 0) -> KVLoad:
+        """The load once a row of ``num_tokens`` (holding ``num_states`` image state
+        rows) joins: the others padded to it."""
         return KVLoad(
-            self.rows + 1, max(self.longest, num_tokens), self.tokens + num_tokens, self.step
+            self.rows + 1,
+            max(self.longest, num_tokens),
+            self.tokens + num_tokens,
+            self.step,
+            self.image_rows + (num_states > 0),
+            max(self.most_states, num_states),
+            self.states + num_states,
         )
 
 
@@ -127,13 +145,13 @@ class MemoryView(Protocol):
     StepGate answers from fresh readings and the model's guard). The running load
     comes with each question: the view holds no reference to the scheduler."""
 
-    def kv_over_capacity(self, num_tokens_in_flight: int, num_rows: int) -> bool: ...
+    def kv_over_capacity(self, load: KVLoad) -> bool: ...
     def start_admission(self, chunks: Sequence[PrefillChunk], load: KVLoad) -> None: ...
     def can_admit(self, request: Request, num_running: int) -> bool: ...
     def cached_tokens(self, request: Request) -> int: ...
     def sent_back(self, request: Request) -> None: ...
     def shape_prefill(
-        self, chunks: Sequence[PrefillChunk], num_running: int, num_running_tokens: int
+        self, chunks: Sequence[PrefillChunk], num_running: int, load: KVLoad
     ) -> PrefillShape: ...
     def settle(self, shape: PrefillShape, chunks: Sequence[PrefillChunk]) -> None: ...
     def may_share(self, num_tokens: int, num_cached_tokens: int, num_running: int) -> bool: ...

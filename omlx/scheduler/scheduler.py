@@ -52,6 +52,7 @@ class Scheduler:
         share_openings: bool = False,
         name: str = "",
         kv_step: int = 1,
+        held_states: Callable[[Request], int] = lambda request: 0,
     ):
         if max_running < 1:
             raise ValueError("max_running must be >= 1")
@@ -68,6 +69,8 @@ class Scheduler:
         # The columns the model's KV caches grow by at a time (mlx-lm's ``step``, read
         # by the engine: engine/kv_measure.py); 1 counts them as tokens.
         self.kv_step = kv_step
+        # The image state rows a request holds while it runs (mllama's; 0 for others).
+        self._held_states = held_states
         # Requests preempted, by what ran short ("kv_capacity", "memory").
         self.preemptions: Counter[str] = Counter()
         self._waiting: OrderedDict[str, Request] = OrderedDict()
@@ -87,10 +90,14 @@ class Scheduler:
     @property
     def kv_load(self) -> KVLoad:
         """The running requests' KV (prompt plus generated tokens each) as their caches
-        hold it: each row padded to the longest, grown ``kv_step`` columns at a time
-        (plan.KVLoad). What the memory view prices KV in flight by."""
-        lengths = [r.request.num_prompt_tokens + len(r.new_ids) for r in self._running.values()]
-        return KVLoad(len(lengths), max(lengths, default=0), sum(lengths), self.kv_step)
+        hold it: each row padded to the longest, grown ``kv_step`` columns at a time,
+        with the image states it holds (plan.KVLoad). What the memory view prices KV in
+        flight by."""
+        load = KVLoad(step=self.kv_step)
+        for r in self._running.values():
+            num_tokens = r.request.num_prompt_tokens + len(r.new_ids)
+            load = load.with_row(num_tokens, self._held_states(r.request))
+        return load
 
     @property
     def capacity(self) -> int:
@@ -212,9 +219,7 @@ class Scheduler:
         """Preempt the newest while the running requests' KV passes the capacity
         (decoding grew it after admission) and more than one runs."""
         preempted: list[str] = []
-        while len(self._running) > 1 and memory.kv_over_capacity(
-            self.kv_load.allocated, self.kv_load.rows
-        ):
+        while len(self._running) > 1 and memory.kv_over_capacity(self.kv_load):
             victim = self.newest_running(exclude=self._with_images())
             if victim is None:
                 break
@@ -232,13 +237,13 @@ class Scheduler:
         """The memory gate's shape for the step's chunks, the newest giving way
         while a chunk does not fit and another request runs, here or in another
         model (the process's memory); and the chunks left."""
-        shape = memory.shape_prefill(planned, len(self._running), self.kv_load.allocated)
+        shape = memory.shape_prefill(planned, len(self._running), self.kv_load)
         while shape.ended and (len(self._running) > 1 or memory.others_running()):
             victim = self._give_way(memory, admitted, preempted)
             if victim is None:
                 break
             planned = [c for c in planned if c.request_id != victim]
-            shape = memory.shape_prefill(planned, len(self._running), self.kv_load.allocated)
+            shape = memory.shape_prefill(planned, len(self._running), self.kv_load)
         memory.settle(shape, planned)
         return shape, planned
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from omlx.scheduler.plan import KVLoad
 from tests.integration.test_memory_admission import generate
 
 LONG, SHORT = 1024, 8  # tokens
@@ -38,11 +39,11 @@ def test_kv_checked_against_capacity_covers_a_padded_batch(make_pool) -> None:
         seen: list[tuple[int, int, int]] = []  # (real bytes, rows, bytes counted)
         checked = gate.kv_over_capacity
 
-        def spy(num_tokens_in_flight: int, num_rows: int) -> bool:
+        def spy(load: KVLoad) -> bool:
             real, rows = batch_kv_bytes(engine)
             if rows > 1:
-                seen.append((real, rows, dims.kv_bytes(num_tokens_in_flight)))
-            return checked(num_tokens_in_flight, num_rows)
+                seen.append((real, rows, dims.kv_bytes(load.allocated)))
+            return checked(load)
 
         gate.kv_over_capacity = spy
         long = [5 + j % 400 for j in range(LONG)]
@@ -74,10 +75,10 @@ def test_short_requests_wait_while_their_padded_batch_passes_the_kv_capacity(mak
         most_rows = 0
         checked = engine.gate.kv_over_capacity
 
-        def spy(num_tokens_in_flight: int, num_rows: int) -> bool:
+        def spy(load: KVLoad) -> bool:
             nonlocal most_rows
             most_rows = max(most_rows, batch_kv_bytes(engine)[1])
-            return checked(num_tokens_in_flight, num_rows)
+            return checked(load)
 
         engine.gate.kv_over_capacity = spy
         long = asyncio.ensure_future(

@@ -89,12 +89,12 @@ def test_the_guard_counts_every_row_s_state_at_each_step_of_a_batch(make_pool, m
         seen: list[tuple[int, int, int]] = []  # (real bytes, rows, bytes counted)
         checked = gate.kv_over_capacity
 
-        def spy(num_tokens_in_flight: int, num_rows: int) -> bool:
+        def spy(load: KVLoad) -> bool:
             decode = engine._runner._decode
             real = sum(held_bytes(decode._cache)) if decode.rows else 0
-            tokens = guard.kv_tokens(num_tokens_in_flight, num_rows)  # as the capacity counts
+            tokens = guard.kv_tokens(load.allocated, load.rows)  # as the capacity counts
             seen.append((real, len(decode.rows), guard.dims.kv_bytes(tokens)))
-            return checked(num_tokens_in_flight, num_rows)
+            return checked(load)
 
         gate.kv_over_capacity = spy
         prompts = [[5 + i + j for j in range(24 + 8 * i)] for i in range(4)]
