@@ -23,7 +23,7 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from omlx.errors import ModelLoadError
+from omlx.errors import InvalidRequestError, ModelLoadError
 from omlx.memory.dims import hidden_size
 from omlx.memory.vision import VisionDims, vision_dims
 from omlx.mlx_types import flat_parameters
@@ -257,6 +257,8 @@ class VisionEncoder:
         the render pool."""
         rows = self._image_rows(pixel_shape, extras)
         if rows is not None:
+            num_images = int(pixel_shape[0])
+            _require_one_id_an_image(processed, self.image_token_id, num_images, self.image_text)
             return _spliced(processed, self.image_token_id, rows)
         rule = self.family.image_blocks
         if rule is None:
@@ -342,6 +344,17 @@ def _with_image_run(ids: list[int], token_id: int, length: int) -> list[int]:
     if any(t != token_id for t in ids[first:last]):
         return ids
     return [*ids[:first], *[token_id] * length, *ids[last:]]
+
+
+def _require_one_id_an_image(ids: list[int], token_id: int, num_images: int, text: str) -> None:
+    """An image is one placeholder id: more than the images means the message text
+    wrote the image's marker itself (a placeholder with no image to fill it)."""
+    found = ids.count(token_id)
+    if found != num_images:
+        raise InvalidRequestError(
+            f"the prompt has {found} image placeholders for {num_images} image(s): a "
+            f"message's text writes '{text}' itself; remove it from the text"
+        )
 
 
 def _spliced(ids: list[int], token_id: int, rows: Iterator[int]) -> list[int]:

@@ -299,6 +299,18 @@ def test_phi4_siglip_images_of_two_aspects_take_their_own_rows_as_in_mlx_vlm(
     assert answer(client, "tiny-phi4-siglip", conversation) == expected
 
 
+@pytest.mark.parametrize("model", ["tiny-phi4-siglip", "tiny-fastvlm"])
+def test_an_image_marker_written_in_the_text_is_a_clear_400(
+    client: openai.OpenAI, model: str
+) -> None:
+    # Each "<image>" of the text becomes a placeholder id an image: one the text writes
+    # itself would have no image to fill it.
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, model, ask(png(74), text=f"what is <image> here? {TEXT}"), MAX_TOKENS)
+    message = info.value.response.json()["error"]["message"]
+    assert "2 image placeholders for 1 image" in message and "'<image>'" in message
+
+
 @pytest.mark.parametrize("model", [m for m in MODELS if FAMILIES[MODELS[m][0]].max_images == 1])
 def test_a_one_image_family_takes_one_image_a_request_and_says_so(
     client: openai.OpenAI, model: str
