@@ -141,11 +141,11 @@ def process(
     text: str,
     parts: list[ImagePart],
     image_token_id: int,
-    prompt_ids: Callable[[list[int], Sequence[int]], list[int]],
+    prompt_ids: Callable[[list[int], Sequence[int], dict[str, Any]], list[int]],
 ) -> tuple[list[int], PromptImages]:
     """Token ids of ``text`` with each image's tokens expanded, and the pixels
-    (runs on the render pool). ``prompt_ids``: the processor's ids and the pixels'
-    shape -> the ids omlx prefills, one a row of the model's embedding
+    (runs on the render pool). ``prompt_ids``: the processor's ids, the pixels'
+    shape and its other outputs -> the ids omlx prefills, one a row of the model's embedding
     (VisionEncoder.prompt_ids)."""
     images = [open_image(p) for p in parts]
     out = processor(text=_without_double_bos(processor, text), images=images, return_tensors="np")
@@ -159,7 +159,7 @@ def process(
     count = sum(1 for t in ids if t == image_token_id)
     extras = {k: _on_host(v) for k, v in out.items() if k not in _TEXT_FIELDS}
     pixels = _on_host(out["pixel_values"])
-    ids = prompt_ids(ids, pixels.shape)
+    ids = prompt_ids(ids, pixels.shape, extras)
     return ids, PromptImages(pixels, tuple(p.key for p in parts), count, extras)
 
 

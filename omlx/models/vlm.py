@@ -9,18 +9,21 @@ image tokens' rows replaced by the image features.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from omlx.errors import ModelLoadError
+from omlx.errors import InvalidRequestError, ModelLoadError
 from omlx.memory.dims import hidden_size
 from omlx.memory.vision import VisionDims, vision_dims
 from omlx.mlx_types import flat_parameters
@@ -28,6 +31,7 @@ from omlx.models.cross_attention import CrossAttentionStates, batched_forward
 from omlx.models.discovery import ModelInfo
 from omlx.models.remote_code import library_refusal
 from omlx.models.vlm_families import Family, family, refusal
+from omlx.models.vlm_processors import served_processor
 
 log = logging.getLogger(__name__)
 
@@ -225,38 +229,58 @@ class VisionEncoder:
         text = self.family.image_text
         return self.image_token if text is None else text
 
-    def prompt_ids(self, processed: list[int], pixel_shape: Sequence[int]) -> list[int]:
+    def prompt_ids(
+        self, processed: list[int], pixel_shape: Sequence[int], extras: Mapping[str, Any]
+    ) -> list[int]:
         """The prompt as omlx prefills it, from the processor's ids: one id a row of
         the model's embedding (Family.image_blocks: the image's token repeated once a
-        row of its blocks). Pure: runs on the render pool."""
-        if self.family.image_rows is not None:
-            rows = self.family.image_rows(pixel_shape)
+        row of its blocks). ``extras``: the processor's other outputs. Pure: runs on
+        the render pool."""
+        rows = self._image_rows(pixel_shape, extras)
+        if rows is not None:
+            num_images = int(pixel_shape[0])
+            _require_one_id_an_image(processed, self.image_token_id, num_images, self.image_text)
             return _spliced(processed, self.image_token_id, rows)
         rule = self.family.image_blocks
         if rule is None:
             return processed
-        most, rows = rule(pixel_shape, self.dims.patch_size)
+        most, block = rule(pixel_shape, self.dims.patch_size)
         blocks = min(processed.count(self.image_token_id), most)
-        return _with_image_run(processed, self.image_token_id, blocks * rows)
+        return _with_image_run(processed, self.image_token_id, blocks * block)
 
-    def _model_ids(self, prompt: list[int], pixel_shape: Sequence[int]) -> list[int]:
+    def _model_ids(
+        self, prompt: list[int], pixel_shape: Sequence[int], extras: Mapping[str, Any]
+    ) -> list[int]:
         """``prompt_ids``' inverse as the model takes it: a token a block (the model
         splices the same rows for these as for the processor's ids)."""
-        if self.family.image_rows is not None:
-            return _collapsed(prompt, self.image_token_id, self.family.image_rows(pixel_shape))
+        rows = self._image_rows(pixel_shape, extras)
+        if rows is not None:
+            return _collapsed(prompt, self.image_token_id, rows)
         rule = self.family.image_blocks
         if rule is None:
             return prompt
-        rows = rule(pixel_shape, self.dims.patch_size)[1]
+        block = rule(pixel_shape, self.dims.patch_size)[1]
         return _with_image_run(
-            prompt, self.image_token_id, prompt.count(self.image_token_id) // rows
+            prompt, self.image_token_id, prompt.count(self.image_token_id) // block
         )
+
+    def _image_rows(
+        self, pixel_shape: Sequence[int], extras: Mapping[str, Any]
+    ) -> Iterator[int] | None:
+        """Each image's rows in prompt order, where an image is one placeholder id
+        (Family.image_rows, image_grids); None where it is not."""
+        if self.family.image_grids is not None:
+            grids = np.asarray(extras[self.family.image_grids])
+            return iter([math.prod(int(v) for v in grid) for grid in grids])
+        if self.family.image_rows is not None:
+            return itertools.repeat(self.family.image_rows(pixel_shape))
+        return None
 
     def embed(
         self, input_ids: list[int], pixel_values: Any, extras: dict[str, Any]
     ) -> PromptEmbedding:
         """``input_ids``: the prompt as omlx prefills it (``prompt_ids``)."""
-        ids = mx.array(self._model_ids(input_ids, pixel_values.shape))[None]
+        ids = mx.array(self._model_ids(input_ids, pixel_values.shape, extras))[None]
         # As mlx-vlm's prepare_inputs: lists stay lists (moondream's crop counts, layouts).
         kwargs = {k: v if isinstance(v, (list, str)) else mx.array(v) for k, v in extras.items()}
         # The processor's attention mask, as mlx-vlm's generate passes it (gemma3 needs it).
@@ -283,7 +307,8 @@ class VisionEncoder:
         out = self.processor(text=text, images=[image], return_tensors="np")
         extras = {k: v for k, v in out.items() if k not in _TEXT_FIELDS}
         pixels = out["pixel_values"]
-        return self.prompt_ids([int(t) for t in out["input_ids"][0]], pixels.shape), pixels, extras
+        ids = self.prompt_ids([int(t) for t in out["input_ids"][0]], pixels.shape, extras)
+        return ids, pixels, extras
 
 
 _TEXT_FIELDS = ("input_ids", "attention_mask", "pixel_values")
@@ -302,24 +327,30 @@ def _with_image_run(ids: list[int], token_id: int, length: int) -> list[int]:
     return [*ids[:first], *[token_id] * length, *ids[last:]]
 
 
-def _spliced(ids: list[int], token_id: int, rows: int) -> list[int]:
-    """``ids`` with each image placeholder written ``rows`` times."""
-    return [t for token in ids for t in ([token] * rows if token == token_id else [token])]
+def _require_one_id_an_image(ids: list[int], token_id: int, num_images: int, text: str) -> None:
+    """An image is one placeholder id: more than the images means the message text
+    wrote the image's marker itself (a placeholder with no image to fill it)."""
+    found = ids.count(token_id)
+    if found != num_images:
+        raise InvalidRequestError(
+            f"the prompt has {found} image placeholders for {num_images} image(s): a "
+            f"message's text writes '{text}' itself; remove it from the text"
+        )
 
 
-def _collapsed(ids: list[int], token_id: int, rows: int) -> list[int]:
-    """``_spliced``'s inverse: a placeholder an image. Every image has the same rows
-    (its processor's one size), so a run of adjacent images divides by them."""
+def _spliced(ids: list[int], token_id: int, rows: Iterator[int]) -> list[int]:
+    """``ids`` with each image placeholder written as many times as its image's rows."""
+    return [t for token in ids for t in ([token] * next(rows) if token == token_id else [token])]
+
+
+def _collapsed(ids: list[int], token_id: int, rows: Iterator[int]) -> list[int]:
+    """``_spliced``'s inverse: a placeholder an image, each image's run of rows
+    (its own count, in order) taken as one."""
     out: list[int] = []
-    run = 0
-    for token in [*ids, None]:
-        if token == token_id:
-            run += 1
-            continue
-        out += [token_id] * (run // max(rows, 1))
-        run = 0
-        if token is not None:
-            out.append(token)
+    i = 0
+    while i < len(ids):
+        out.append(ids[i])
+        i += max(next(rows, 1), 1) if ids[i] == token_id else 1
     return out
 
 
@@ -404,12 +435,14 @@ class SplitPromptProcessor:
         return {"input_ids": np.array([ids]), "pixel_values": pixels}
 
 
-def _processor(processor: Any, model: Any) -> Any:
-    """The processor omlx's image path calls: mlx-vlm's, or where mlx-vlm's generate
-    builds the prompt itself around a bare tokenizer, that prompt's builder (with the
-    placeholder it writes: the model config's image_token_index)."""
+def _processor(processor: Any, model: Any, info: ModelInfo) -> Any:
+    """The processor omlx's image path calls: mlx-vlm's (or the one it needs torch for,
+    on transformers' PIL backend), or where mlx-vlm's generate builds the prompt itself
+    around a bare tokenizer, that prompt's builder (with the placeholder it writes:
+    the model config's image_token_index)."""
     from mlx_vlm.models.base import BaseImageProcessor
 
+    processor = served_processor(info.model_type, info.path, processor)
     if isinstance(getattr(processor, "image_processor", None), BaseImageProcessor):
         return SplitPromptProcessor(processor, int(model.config.image_token_index))
     return processor
@@ -432,7 +465,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
         ) from exc
     _require_served_caches(info, model.language_model)
     _require_image_processor(info, traits, processor)
-    processor = _processor(processor, model)
+    processor = _processor(processor, model, info)
     config = _served_config(info, model)
     traits = family(info.model_type, config["text_config"]) or traits
     token, token_id = _image_token(processor, config, traits)

@@ -71,7 +71,9 @@ class Family:
     ``bidirectional_images``: an image's tokens attend each other both ways, under a
     block mask mlx-vlm's model lays only over a forward from the prompt's first token
     (whole_prompt with it); a prefix-cache hit serves such a prompt only when it holds
-    every image token."""
+    every image token. ``image_grids``: as
+    image_rows, but each image's rows are the product of its entry in this output of
+    the processor (its patch grid, which the image's aspect sets)."""
 
     image_text: str | None = None
     image_token: str | None = None
@@ -87,6 +89,7 @@ class Family:
     image_rows: RowRule | None = None
     hub_tokenizer: str | None = None
     bidirectional_images: bool = False
+    image_grids: str | None = None
 
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -287,6 +290,12 @@ FAMILIES: dict[str, Family] = {
         "offset (mlx-vlm's language model), so rows of other lengths would decode at "
         "wrong positions",
     ),
+    # Phi-4 reasoning vision: mlx-vlm's processor (built on transformers' PIL backend:
+    # models/vlm_processors.py) writes -200 for each "<image>"; the model splices the
+    # image's unpadded SigLIP2 NaFlex patches there, as many as its (rows, columns).
+    "phi4_siglip": Family(
+        image_text="<image>", image_token_id=PLACEHOLDER_ID, image_grids="spatial_shapes"
+    ),
     # Cohere Compass: qwen3_vl's image layout, interleaved M-RoPE and deepstack features
     # (its own vision markers), over a Command decoder with sliding-window layers.
     "cohere_compass": Family(
@@ -398,12 +407,6 @@ REFUSED: dict[str, str] = {
     "images first, then the text) and raises without images, where omlx renders the "
     "conversation with the model's chat template and places each image where its message "
     "has it",
-    # Run on a tiny model: Phi4SigLipProcessor.from_pretrained raises (Siglip2ImageProcessor
-    # imports torch) and mlx-vlm's AutoProcessor patch falls back to the tokenizer.
-    "phi4_siglip": "mlx-vlm 0.7.10 loads its image processor as transformers' "
-    "Siglip2ImageProcessor (NaFlex patches), which needs PyTorch (omlx installs none): "
-    "mlx-vlm's load falls back to the bare tokenizer and its own generate cannot take an "
-    "image, so there is no reference answer to check omlx's against",
     # Run on a tiny model of each whose processor_config.json names its own module, as the
     # published checkpoints' do (mlx-community/llm-jp-4-vl-9b-mlx-4bit's processor loads from
     # transformers_modules; tencent/Youtu-VL-4B-Instruct's too): mlx-vlm's load, called as
@@ -431,8 +434,14 @@ REFUSED: dict[str, str] = {
     "phi3_v": "its processor numbers each image (<|image_1|>, <|image_2|>, ...) and marks "
     "the image's tokens with negative ids, not one image token id as omlx's prompt path "
     "takes",
-    "mistral_large3": "mlx-vlm loads its processor through transformers' PixtralProcessor, "
-    "which needs PyTorch (omlx installs none)",
+    # Run on a tiny model: mlx-vlm's load raises ImportError (PixtralProcessor requires
+    # torchvision). pixtral and mistral3 load mlx-vlm's own torch-free processors, which it
+    # registers for those model types only.
+    "mistral_large3": "mlx-vlm 0.7.10 loads its processor as transformers' PixtralProcessor, "
+    "whose module imports the torch image processor (transformers ships a PIL image "
+    "processor for Pixtral, but no processor class around it): without PyTorch (omlx "
+    "installs none) mlx-vlm's load raises ImportError, so there is no reference answer to "
+    "check omlx's against",
     "llama4": _STATES.format("ChunkedKVCache", "chunked attention"),
     # A tiny MiniMax-M3 of 4 layers: ['KVCache', 'KVCache', 'KVCache', 'MiniMaxM3KVCache'].
     "minimax_m3_vl": _STATES.format(

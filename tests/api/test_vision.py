@@ -510,7 +510,7 @@ def _reference_answer(folder: Path, text: str, image: bytes, max_tokens: int) ->
     marker = "<|vision_start|><|image_pad|><|vision_end|>" if qwen else processor.image_token
     prompt = f"<|im_start|>user\n{text}{marker}<|im_end|>\n<|im_start|>assistant\n"
     # The processor's ids as they are: the model given them embeds one row a token.
-    ids, images = process(processor, prompt, [ImagePart(image, "x")], image_id, lambda i, _: i)
+    ids, images = process(processor, prompt, [ImagePart(image, "x")], image_id, lambda i, *_: i)
     extras = {k: mx.array(v) for k, v in images.extras.items()}
     features = model.get_input_embeddings(
         mx.array(ids)[None], mx.array(images.pixel_values), **extras

@@ -23,6 +23,7 @@ from omlx.models.discovery import ModelInfo
 from omlx.models.vlm import load_vlm
 from omlx.models.vlm_families import ALIASES, FAMILIES, GEMMA4_BIDIRECTIONAL, REFUSED, Family
 from omlx.models.vlm_families import family as family_of
+from omlx.models.vlm_processors import served_processor
 from tests.api.test_vision import ask, chat, png
 from tests.fixtures.tiny_vlm_configs_vfam1 import STARMIE_REPO, cache_starmie, offline_hub
 from tests.fixtures.tiny_vlms import build_tiny_vlm
@@ -85,6 +86,9 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # Gemma 4 as its larger checkpoints are (26B A4B, 31B): an image's tokens attend
     # each other both ways (GEMMA4_BIDIRECTIONAL).
     "tiny-gemma4-bidirectional": ("gemma4_bidirectional", 64, None),
+    # Issue 41: its processor on transformers' PIL backend (no torch); each image's rows
+    # its own NaFlex patch grid, at most (96 / 16)^2 (tiny_vlm_configs_notorch.py).
+    "tiny-phi4-siglip": ("phi4_siglip", 96, None),
 }
 # Models built with another's seed: tiny-gemma4's weights, only the attention flag
 # differs (its images then change the answers: the test below checks it).
@@ -173,6 +177,8 @@ def mlx_vlm_answer(
         image = tmp / f"{seed}.png"
         image.write_bytes(png(seed, size))
         vlm, processor = load(str(folder))
+        # The processor omlx serves, where mlx-vlm's needs torch (phi4_siglip's).
+        processor = served_processor(MODELS[model][0], folder, processor)
         marker = traits(model).image_text
         marker = processor.image_token if marker is None else marker
         prompt = f"<|im_start|>user\n{text}{marker}<|im_end|>\n<|im_start|>assistant\n"
@@ -249,6 +255,7 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-llava-bunny",
         "tiny-jina-vlm",
         "tiny-gemma4-bidirectional",
+        "tiny-phi4-siglip",
         *LINEAR,
     ],
 )
@@ -359,6 +366,54 @@ def test_mllama_rows_with_other_images_or_none_share_the_decode_batch(
 
 
 @pytest.mark.parametrize("model", [m for m in MODELS if traits(m).max_images == 1])
+def test_phi4_siglip_images_of_two_aspects_take_their_own_rows_as_in_mlx_vlm(
+    client: openai.OpenAI, server: Server, tmp_path: Path
+) -> None:
+    # SigLIP2 NaFlex: each image is resized to its own patch grid (its aspect kept, at
+    # most 36 patches here) and padded to 36; the model splices each image's unpadded
+    # patches at its -200. The prompt omlx prefills counts each image's own rows, and
+    # the answer is mlx-vlm's generate's with the same processor.
+    from mlx_vlm import load, stream_generate
+    from mlx_vlm.utils import prepare_inputs
+
+    folder = next(i.path for i in server.pool.available().values() if i.name == "tiny-phi4-siglip")
+    vlm, loaded = load(str(folder))
+    processor = served_processor("phi4_siglip", folder, loaded)
+    sizes = [(40, 50), (300, 40)]
+    images = [str(tmp_path / f"{i}.png") for i in range(len(sizes))]
+    for i, (path, size) in enumerate(zip(images, sizes, strict=True)):
+        Path(path).write_bytes(png(90 + i, size))
+    prompt = f"<|im_start|>user\n{TEXT}<image><image><|im_end|>\n<|im_start|>assistant\n"
+    out = prepare_inputs(processor, images=images, prompts=prompt)
+    grids = {int(h) * int(w) for h, w in out["spatial_shapes"].tolist()}
+    assert len(grids) == 2  # the premise: the two images take different numbers of rows
+    extras = {k: out[k] for k in ("spatial_shapes", "pixel_attention_mask")}
+    embedded = vlm.get_input_embeddings(out["input_ids"], out["pixel_values"], **extras)
+    rows = embedded.inputs_embeds.shape[1]
+    pieces = stream_generate(
+        vlm, processor, prompt, image=images, max_tokens=MAX_TOKENS, temperature=0.0
+    )
+    spell = TokenText(processor.tokenizer)
+    expected = [spell.piece(p.token)[1] for p in pieces if p.finish_reason is None]
+    conversation = ask(*(png(90 + i, size) for i, size in enumerate(sizes)), text=TEXT)
+    reply = chat(client, "tiny-phi4-siglip", conversation, MAX_TOKENS)
+    assert reply.usage.prompt_tokens == rows
+    assert answer(client, "tiny-phi4-siglip", conversation) == expected
+
+
+@pytest.mark.parametrize("model", ["tiny-phi4-siglip", "tiny-fastvlm"])
+def test_an_image_marker_written_in_the_text_is_a_clear_400(
+    client: openai.OpenAI, model: str
+) -> None:
+    # Each "<image>" of the text becomes a placeholder id an image: one the text writes
+    # itself would have no image to fill it.
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, model, ask(png(74), text=f"what is <image> here? {TEXT}"), MAX_TOKENS)
+    message = info.value.response.json()["error"]["message"]
+    assert "2 image placeholders for 1 image" in message and "'<image>'" in message
+
+
+@pytest.mark.parametrize("model", [m for m in MODELS if FAMILIES[MODELS[m][0]].max_images == 1])
 def test_a_one_image_family_takes_one_image_a_request_and_says_so(
     client: openai.OpenAI, server: Server, model: str
 ) -> None:
@@ -496,7 +551,7 @@ def test_a_checkpoints_model_type_of_another_name_finds_its_family() -> None:
     assert family_of("bunny-llama") is FAMILIES["llava_bunny"]
 
 
-@pytest.mark.parametrize("model_type", [*sorted(REFUSED), "phi4-siglip"])
+@pytest.mark.parametrize("model_type", [*sorted(REFUSED), "moondream1"])
 def test_a_refused_family_is_a_load_error_naming_it_and_why(
     model_type: str, tmp_path: Path
 ) -> None:
