@@ -44,8 +44,9 @@ def image_sequence(
     done = hit.num_tokens if hit is not None else 0
     embedded = None
     # The vision tower runs unless the cache already holds every image token (what
-    # follows the last image is text at plain positions, whatever the family).
-    if vision.image_token_id in prompt[done:]:
+    # follows the last image is text at plain positions, whatever the family; a
+    # family whose image path embeds text otherwise than by id embeds it there).
+    if vision.image_token_id in prompt[done:] or vision.family.last_token_apart:
         embedded = vision.embed(prompt, images.pixel_values, images.extras)
         _require_row_per_token(vision, embedded.embeddings.shape[1], len(prompt))
         mx.eval(embedded.arrays())
@@ -62,6 +63,7 @@ def image_sequence(
         positions=embedded.positions if embedded else None,
         prompt_inputs=embedded.prompt_inputs if embedded else None,
         whole_prompt=vision.family.whole_prompt,
+        embedded_last=vision.family.last_token_apart,
         logprobs=request.sampling.logprobs,
         block_size=block_size,
         on_boundary=on_boundary,

@@ -532,14 +532,15 @@ class BatchRunner:
 
     def _step_side(self) -> None:
         """One prefill chunk for each side sequence; those down to their last
-        prompt token (or past it: a whole-prompt pass) join the batch."""
+        prompt token (or past it: a whole-prompt pass, a last token fed apart) join
+        the batch."""
         for running in self._sequences.sides():
             seq = running.sequence
             if seq.held:
                 continue
-            if seq.num_pending > 1:
+            if seq.num_pending > 1 or seq.feeds_last_token:
                 seq.step()
-            if seq.num_pending <= 1:
+            if seq.num_pending <= 1 and not seq.feeds_last_token:
                 self._join(self._sequences.pop(running.request_id))
 
     # -- prefix cache ------------------------------------------------------

@@ -110,6 +110,7 @@ class SoloSequence:
         positions: mx.array | None = None,
         prompt_inputs: dict[str, Any] | None = None,
         whole_prompt: bool = False,
+        embedded_last: bool = False,
     ):
         self.request_id = request_id
         # Top alternatives wanted with each token's logprob (None: no logprobs).
@@ -130,6 +131,8 @@ class SoloSequence:
         # first token, and no decode here (the batch takes it from that token): for
         # models whose prompt attends as one (paligemma's bidirectional attention).
         self._whole_prompt = whole_prompt and embeddings is not None
+        # The last token apart with its embedding row, not by id (Family.last_token_apart).
+        self._embedded_last = embedded_last
         self._model = model
         self._sampler = sampler
         self._processors = processors
@@ -150,7 +153,7 @@ class SoloSequence:
         self._one_pass_max = (
             prefill_step_size if output_head(model) else min(_ONE_PASS_MAX, prefill_step_size)
         )
-        if isinstance(model, TextModel) and model.chunk_attends_both_ways:
+        if isinstance(model, TextModel) and model.last_token_apart:
             self._one_pass_max = 1
 
     @property
@@ -245,8 +248,16 @@ class SoloSequence:
         chunked = self._on_boundary is not None or self._embeddings is not None
         return n <= 1 or (not chunked and n <= self._one_pass_max and not capped)
 
+    @property
+    def feeds_last_token(self) -> bool:
+        """Its last prompt token still goes here, with its embedding row, sampling the
+        first token before the batch takes over (Family.last_token_apart)."""
+        return self._embedded_last and self._embeddings is not None and len(self._prompt) == 1
+
     def _in_whole_pass(self) -> bool:
         """Past the gate's cap, a whole-prompt sequence prefills in chunks after all."""
+        if self.feeds_last_token:
+            return True
         capped = self._cap is not None and len(self._prompt) > self._cap
         return self._whole_prompt and not capped and len(self._prompt) > 1
 
@@ -275,7 +286,7 @@ class SoloSequence:
         """A whole-prompt sequence's embedded rest of the prompt: its last token too
         goes with the prompt's inputs (mllama's cross-attention mask row), also
         after the gate's cap chunked the prompt."""
-        if not self._whole_prompt or self._embeddings is None:
+        if not (self._whole_prompt or self._embedded_last) or self._embeddings is None:
             return None
         return self._embeddings[:, len(self._cached) :]
 

@@ -104,6 +104,7 @@ class TextModel(nn.Module):
         mrope: bool = False,
         cross_layers: tuple[int, ...] = (),
         mrope_axes_last: bool = False,
+        last_token_apart: bool = False,
     ):
         super().__init__()
         self.language_model = language_model
@@ -112,17 +113,19 @@ class TextModel(nn.Module):
         self._mrope = mrope
         self._mrope_axes_last = mrope_axes_last
         self._cross_layers = cross_layers
+        self._shared_sources = _kv_shared_sources(language_model)
+        self._last_token_apart = last_token_apart
 
     @property
     def layers(self) -> list[Any]:
         return list(self.language_model.layers)
 
     @property
-    def chunk_attends_both_ways(self) -> bool:
-        """A forward's tokens attend each other both ways (mllama's cross layers'
-        text-only path): a text prompt feeds its last token apart, as mlx-vlm's
-        generate does, never in one pass with the rest."""
-        return bool(self._cross_layers)
+    def last_token_apart(self) -> bool:
+        """A text prompt feeds its last token apart, as mlx-vlm's generate does, never
+        in one pass with the rest: mllama's cross layers' text-only path attends a
+        forward's tokens both ways; Family.last_token_apart (gemma3n)."""
+        return bool(self._cross_layers) or self._last_token_apart
 
     def make_cache(self) -> list[_Layer]:
         # mlx-lm's cache types in the language model's own layout (sliding windows
@@ -143,6 +146,8 @@ class TextModel(nn.Module):
         """``positions``: an image prompt's chunk of (3, 1, tokens) M-RoPE positions;
         ``prompt_inputs``: PromptEmbedding.prompt_inputs, with each of its chunks."""
         kwargs = dict(prompt_inputs)
+        if self._shared_sources and cache is not None:
+            cache = [*cache, *(SharedKV(cache[i]) for i in self._shared_sources)]
         if self._cross_layers and cache is not None:
             states = kwargs.get("cross_attention_states")
             if states is None:
@@ -159,6 +164,40 @@ class TextModel(nn.Module):
         out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **kwargs)
         logits: mx.array = out.logits if hasattr(out, "logits") else out
         return logits
+
+
+class SharedKV:
+    """A KV-shared layer's view of its source layer's cache (gemma3n). mlx-vlm's layer
+    reads ``cache.state[:2]`` as the keys written (its own caches' state); mlx-lm's
+    caches give whole preallocated buffers there (a batch's, its bookkeeping too), so
+    the view gives the keys and values the source layer attended, under the same mask."""
+
+    def __init__(self, source: Any):
+        self._source = source
+
+    @property
+    def offset(self) -> Any:
+        return self._source.offset
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        keys, values = self._source.keys_and_values()
+        return keys, values
+
+
+def _kv_shared_sources(language_model: Any) -> tuple[int, ...]:
+    """The source cache of each KV-shared layer (gemma3n's last layers), in layer order;
+    the model's layers are re-pointed at views appended after its own caches
+    (``TextModel.__call__`` appends them). () where no layer shares another's KV."""
+    inner: Any = getattr(language_model, "model", None)
+    mapping = getattr(inner, "layer_idx_to_cache_idx", None)
+    first = getattr(inner, "first_kv_shared_layer_idx", None)
+    if mapping is None or first is None or first >= len(mapping):
+        return ()
+    sources = tuple(mapping[first:])
+    # A plain list mlx-vlm's forward indexes by layer: its own caches, then the views.
+    inner.layer_idx_to_cache_idx = [*mapping[:first], *range(first, len(mapping))]
+    return sources
 
 
 def _vlm_caches(language_model: Any) -> list[Any]:
@@ -477,7 +516,9 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     tokenizer = TokenizerWrapper(getattr(processor, "tokenizer", processor))
     log.info("loaded vision-language model %s in %.2f s", info.name, time.perf_counter() - start)
     cross = tuple(config["text_config"].get("cross_attention_layers") or ())
-    text_model = TextModel(model.language_model, traits.mrope, cross, traits.mrope_axes_last)
+    text_model = TextModel(
+        model.language_model, traits.mrope, cross, traits.mrope_axes_last, traits.last_token_apart
+    )
     return text_model, tokenizer, config, encoder
 
 

@@ -73,7 +73,12 @@ class Family:
     (whole_prompt with it); a prefix-cache hit serves such a prompt only when it holds
     every image token. ``image_grids``: as
     image_rows, but each image's rows are the product of its entry in this output of
-    the processor (its patch grid, which the image's aspect sets)."""
+    the processor (its patch grid, which the image's aspect sets).
+    ``last_token_apart``: every prompt's last token goes in a forward of its own (an
+    image prompt's with its embedding row and prompt inputs), as mlx-vlm's generate
+    feeds it, where the model's logits depend on the forward's length; and an image
+    prompt's text is embedded by the vision path even after a cache hit holding its
+    images (its image path embeds text otherwise than its text path)."""
 
     image_text: str | None = None
     image_token: str | None = None
@@ -90,6 +95,7 @@ class Family:
     hub_tokenizer: str | None = None
     bidirectional_images: bool = False
     image_grids: str | None = None
+    last_token_apart: bool = False
 
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -141,6 +147,20 @@ FAMILIES: dict[str, Family] = {
     # model slices them by its cache offset; decode steps compute them from their ids.
     # (Its larger checkpoints' image tokens attend each other both ways: GEMMA4_BIDIRECTIONAL.)
     "gemma4": Family(prompt_inputs=("per_layer_inputs",)),
+    # Gemma 3n: per-layer inputs as gemma4's; its last layers attend their source
+    # layers' KV (models/vlm.py SharedKV gives them the keys written, in the batch too).
+    # Checked on a tiny model: mlx-vlm's KV-shared layers rope their queries at the
+    # cache's offset after the forward (shifted by the forward's length), so only a
+    # one-token forward samples as mlx-vlm's generate, which feeds the prompt's last
+    # token apart (an image prompt's with its embedding row: its image path embeds
+    # text tokens unscaled, its text path scaled by sqrt(hidden)).
+    "gemma3n": Family(
+        prompt_inputs=("per_layer_inputs",),
+        last_token_apart=True,
+        one_at_a_time="mlx-vlm's KV-shared layers rope queries by the forward's length: a "
+        "batch's left-padded prompts would sample other tokens than each alone, and the "
+        "batch takes an image prompt's last token by id, not by its embedding row",
+    ),
     # The images first: mlx-vlm places the image features at the prompt's first
     # tokens, and the processor puts images there (then BOS) when the text names none.
     # Bidirectional attention (mlx-vlm's default for PaliGemma: no mask at all): a
@@ -448,11 +468,6 @@ REFUSED: dict[str, str] = {
         "MiniMaxM3KVCache",
         "sparse attention: KV plus a block index's keys, every layer after the first three",
     ),
-    # A tiny model: decode in the batch fails on a mask of 307 keys for a buffer of 562.
-    "gemma3n": "its KV-shared layers read their source layer's keys as `cache.state`, "
-    "which mlx-lm's batch caches (BatchKVCache, BatchRotatingKVCache) give as whole "
-    "preallocated buffers, not the keys written: in omlx's shared decode batch those "
-    "layers would attend unwritten rows",
     "deepseek_v41": _STATES.format("CacheList", "compressed attention pools"),
     # A tiny model: of 5 loads of the same weights, the 2nd and 4th embed the same
     # image's tokens with other rows (its vision tower and projector agree every time).

@@ -89,6 +89,10 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # Issue 41: its processor on transformers' PIL backend (no torch); each image's rows
     # its own NaFlex patch grid, at most (96 / 16)^2 (tiny_vlm_configs_notorch.py).
     "tiny-phi4-siglip": ("phi4_siglip", 96, None),
+    # Issue 41: its last layers read their source layers' KV (models/vlm.py SharedKV),
+    # one request at a time (vlm_families.py says why);
+    # 256-pixel images: its MobileNetV5 tower's fixed 16 x 16 output grid, unresampled.
+    "tiny-gemma3n": ("gemma3n", 256, "by the forward's length"),
 }
 # Models built with another's seed: tiny-gemma4's weights, only the attention flag
 # differs (its images then change the answers: the test below checks it).
@@ -256,6 +260,7 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-jina-vlm",
         "tiny-gemma4-bidirectional",
         "tiny-phi4-siglip",
+        "tiny-gemma3n",
         *LINEAR,
     ],
 )
