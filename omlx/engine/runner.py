@@ -44,7 +44,7 @@ from omlx.cache.hot import ClearTier
 from omlx.cache.kv_codec import num_tokens_held
 from omlx.cache.prefix import AgreeHits, CacheHit, PrefixCache
 from omlx.cache.prefix_index import NO_HIT
-from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
+from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches, merges
 from omlx.engine.compiled import CompiledDecode
 from omlx.engine.compiled_batch import CompiledBatchStep, CompiledSteps
 from omlx.engine.draft_model import DraftModel, DraftProposer
@@ -532,15 +532,20 @@ class BatchRunner:
 
     def _step_side(self) -> None:
         """One prefill chunk for each side sequence; those down to their last
-        prompt token (or past it: a whole-prompt pass) join the batch."""
+        prompt token (or past it: a whole-prompt pass) join the batch, or, where their
+        cache cannot batch (llama4's chunked layers), go on as the solo sequence."""
         for running in self._sequences.sides():
             seq = running.sequence
             if seq.held:
                 continue
             if seq.num_pending > 1:
                 seq.step()
-            if seq.num_pending <= 1:
+            if seq.num_pending > 1:
+                continue
+            if merges(seq.cache) or self._sequences.solo is not None:
                 self._join(self._sequences.pop(running.request_id))
+            else:
+                self._sequences.to_solo(running)
 
     # -- prefix cache ------------------------------------------------------
 
