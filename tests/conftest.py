@@ -41,6 +41,25 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+_frozen_after: list[str] = []  # the module whose leftovers were frozen last
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The same between modules: what earlier modules left alive (their imports' caches,
+    pytest's reports: ~70k objects after tests/api/test_vision_families.py, ~0.1 s a
+    walk, three walks a load) is frozen before the next module's fixtures are made,
+    garbage collected first. A module's own fixtures are made after this and never
+    frozen; a package's (tests/e2e, router, distributed: a browser, tiny-model
+    servers), made in its first module, are, so whatever of theirs sat in reference
+    cycles stays allocated once they are torn down (stopped as before)."""
+    module = item.nodeid.split("::")[0]
+    if _frozen_after[-1:] != [module]:
+        _frozen_after[:] = [module]
+        gc.collect()
+        gc.freeze()
+
+
 @pytest.fixture(scope="session")
 def smollm2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built-in SmolLM2-135M-Instruct, imported once per test session."""

@@ -132,6 +132,12 @@ def asked_logprobs(
     return AskedLogprobs([rows[e].request_id for e in asking], ks, pending)
 
 
+def merges(cache: list[CacheLayer]) -> bool:
+    """Whether every layer of a sequence's cache can join a batch's (mlx-lm's
+    ChunkedKVCache cannot)."""
+    return all(hasattr(layer, "merge") for layer in cache)
+
+
 def merge_caches(caches: Sequence[list[CacheLayer]]) -> list[BatchCacheLayer]:
     """Per-sequence prompt caches (one list of layers each) as one batched cache."""
     batched = []

@@ -44,7 +44,7 @@ from omlx.cache.hot import ClearTier
 from omlx.cache.kv_codec import num_tokens_held
 from omlx.cache.prefix import AgreeHits, CacheHit, PrefixCache
 from omlx.cache.prefix_index import NO_HIT
-from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches
+from omlx.engine.batch import DecodeBatch, PrefillBatch, Row, merge_caches, merges
 from omlx.engine.compiled import CompiledDecode
 from omlx.engine.compiled_batch import CompiledBatchStep, CompiledSteps
 from omlx.engine.draft_model import DraftModel, DraftProposer
@@ -533,15 +533,20 @@ class BatchRunner:
     def _step_side(self) -> None:
         """One prefill chunk for each side sequence; those down to their last
         prompt token (or past it: a whole-prompt pass, a last token fed apart) join
-        the batch."""
+        the batch, or, where their cache cannot batch (llama4's chunked layers), go on as
+        the solo sequence."""
         for running in self._sequences.sides():
             seq = running.sequence
             if seq.held:
                 continue
             if seq.num_pending > 1 or seq.feeds_last_token:
                 seq.step()
-            if seq.num_pending <= 1 and not seq.feeds_last_token:
+            if seq.num_pending > 1 or seq.feeds_last_token:
+                continue
+            if merges(seq.cache) or self._sequences.solo is not None:
                 self._join(self._sequences.pop(running.request_id))
+            else:
+                self._sequences.to_solo(running)
 
     # -- prefix cache ------------------------------------------------------
 

@@ -7,7 +7,8 @@ the plan placed it (scheduler/placement.py), its ``solo.SoloSequence`` and its r
 - SOLO (at most one): prefills and decodes in its own sequence until the plan moves it
   (to the side or into the batch).
 - SIDE, IMAGE_SIDE: prefills there (block-boundary snapshots; images encoded first),
-  then joins the batch at its last prompt token.
+  then joins the batch at its last prompt token (or, where its cache cannot batch and no
+  solo sequence runs, goes on as the solo one).
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ class Sequences:
         self._running[running.request_id] = Running(
             Placement.SIDE, running.sequence, running.request
         )
+
+    def to_solo(self, running: Running) -> None:
+        """A side sequence past its prompt decodes on its own (its cache cannot batch)."""
+        assert self.solo is None, "two solo sequences"
+        running.placement = Placement.SOLO
 
     def pop(self, request_id: str) -> Running:
         return self._running.pop(request_id)

@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from omlx.errors import InvalidRequestError, ModelLoadError
@@ -90,8 +90,9 @@ class StateCache(ArraysCache):
         return row
 
 
-# A language model layer's cache, as the image path makes it.
-_Layer = KVCache | RotatingKVCache | StateCache | CrossAttentionStates
+# mlx-lm's cache of a language model layer of mlx-vlm, and as the image path makes it.
+_Served = KVCache | RotatingKVCache | ChunkedKVCache | StateCache
+_Layer = _Served | CrossAttentionStates
 
 
 class TextModel(nn.Module):
@@ -205,8 +206,10 @@ def _vlm_caches(language_model: Any) -> list[Any]:
     return list(make()) if callable(make) else [KVCache() for _ in language_model.layers]
 
 
-def _mlx_lm_cache(cache: Any) -> KVCache | RotatingKVCache | StateCache:
-    """mlx-lm's equivalent of one of mlx-vlm's own cache layers."""
+def _mlx_lm_cache(cache: Any) -> _Served:
+    """mlx-lm's equivalent of one of mlx-vlm's own cache layers: the classes the text
+    path serves (a ChunkedKVCache cannot batch: the load's probe runs such a model one
+    request at a time, as mlx-lm's llama4)."""
     kind = type(cache).__name__
     if kind == "KVCache":
         return KVCache()
@@ -214,8 +217,11 @@ def _mlx_lm_cache(cache: Any) -> KVCache | RotatingKVCache | StateCache:
         return RotatingKVCache(max_size=cache.max_size, keep=cache.keep)
     if kind == "ArraysCache":
         return StateCache(len(cache.cache))
+    if kind == "ChunkedKVCache":
+        return ChunkedKVCache(cache.chunk_size)
     raise ValueError(
-        f"a {kind} layer (only KVCache, RotatingKVCache and ArraysCache layers are served)"
+        f"a {kind} layer (only KVCache, RotatingKVCache, ChunkedKVCache and ArraysCache "
+        "layers are served)"
     )
 
 

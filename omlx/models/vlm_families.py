@@ -316,6 +316,11 @@ FAMILIES: dict[str, Family] = {
     "phi4_siglip": Family(
         image_text="<image>", image_token_id=PLACEHOLDER_ID, image_grids="spatial_shapes"
     ),
+    # Llama 4: "<|image|>" becomes the image's tiles of <|patch|> rows (the features fill
+    # them) between markers. Chunked attention on three layers of four: mlx-lm's
+    # ChunkedKVCache, which cannot batch (the load's probe serves it one request at a
+    # time, as mlx-lm's text llama4).
+    "llama4": Family(image_text="<|image|>", image_token="<|patch|>"),
     # Cohere Compass: qwen3_vl's image layout, interleaved M-RoPE and deepstack features
     # (its own vision markers), over a Command decoder with sliding-window layers.
     "cohere_compass": Family(
@@ -346,7 +351,7 @@ _DETECT = "a detection / segmentation model (boxes, masks, poses), not a chat mo
 _EMBED = "an embedding model (vectors, not text): serve it as an embedding model"
 _STATES = (
     "its language model keeps {} layers ({}), which omlx's image path (mlx-lm's KVCache, "
-    "RotatingKVCache and ArraysCache layers only) does not take yet"
+    "RotatingKVCache, ChunkedKVCache and ArraysCache layers only) does not take yet"
 )
 # mlx-vlm's own cache classes: omlx's batch and prefix cache take mlx-lm's types only.
 _OWN_CACHE = (
@@ -462,13 +467,18 @@ REFUSED: dict[str, str] = {
     "processor for Pixtral, but no processor class around it): without PyTorch (omlx "
     "installs none) mlx-vlm's load raises ImportError, so there is no reference answer to "
     "check omlx's against",
-    "llama4": _STATES.format("ChunkedKVCache", "chunked attention"),
     # A tiny MiniMax-M3 of 4 layers: ['KVCache', 'KVCache', 'KVCache', 'MiniMaxM3KVCache'].
     "minimax_m3_vl": _STATES.format(
         "MiniMaxM3KVCache",
         "sparse attention: KV plus a block index's keys, every layer after the first three",
     ),
-    "deepseek_v41": _STATES.format("CacheList", "compressed attention pools"),
+    # Its make_cache: [DeepseekV41Cache(layers)], one object for every layer.
+    "deepseek_v41": _OWN_CACHE.format(
+        "decoder",
+        "DeepseekV41Cache",
+        "one object for every layer: each layer's window, compressed and indexer buffers "
+        "and states, and the hand-off from one layer to the next",
+    ),
     # A tiny model: of 5 loads of the same weights, the 2nd and 4th embed the same
     # image's tokens with other rows (its vision tower and projector agree every time).
     "deepseek_vl_v2": "mlx-vlm's model puts other image rows into the same prompt's "

@@ -6,7 +6,9 @@ gemma2 (a batch mask that does not broadcast against its grouped scores).
 The load-time probe finds it; four requests at once all complete with their solo
 answers, and /health's ``batching`` says why. So does a model whose batch runs but
 gives other tokens than each request alone (defect 2: mlx-lm's afm7 and
-longcat_flash_ngram, whose own ``batch_generate`` differs from its solo output)."""
+longcat_flash_ngram, whose own ``batch_generate`` differs from its solo output).
+On the plain strategy (a GPU's) with a prefix cache, llama4's requests prefill on the
+side and, their cache unable to join the batch, decode as the solo sequence."""
 
 from __future__ import annotations
 
@@ -67,6 +69,33 @@ def test_a_model_that_cannot_batch_is_found_at_load_and_serves_one_at_a_time(
         assert batching["one_at_a_time"] and "failed at load" in batching["reason"]
         assert ERRORS[arch] in batching["reason"]
         await _four_at_once_as_alone(engine)
+
+    asyncio.run(main())
+
+
+def test_llama4_on_the_plain_strategy_with_a_prefix_cache_decodes_as_the_solo_sequence(
+    make_pool, models_dir: Path
+) -> None:
+    # The plain strategy (what a GPU runs) prefills a request on the side where the prefix
+    # cache snapshots its layers; llama4's ChunkedKVCache cannot join the batch there, so
+    # it decodes on its own (every request failed with "cannot be batched" before). Its
+    # tokens are those the CPU's fast paths give without a cache.
+    cache = {"enabled": True, "block_size": 16, "hot_cache_max_size": "256MB"}
+    prompts = [[5 + (i * 7 + j) % 300 for j in range(40 + 10 * i)] for i in range(3)]
+
+    async def answers(pool) -> list:
+        engine = await pool.get_engine("llama4")
+        return [await generate(engine, f"r{i}", p, 12) for i, p in enumerate(prompts)]
+
+    fast = asyncio.run(answers(make_pool(models_dir, max_concurrent_requests=8)))
+    plain = make_pool(
+        models_dir, cache=cache, max_concurrent_requests=8, execution_strategy="plain"
+    )
+    assert asyncio.run(answers(plain)) == fast
+    assert plain.load_facts("llama4")["execution_strategy"]["solo_prefill"] is False
+
+    async def main() -> None:
+        await _four_at_once_as_alone(await plain.get_engine("llama4"))
 
     asyncio.run(main())
 
