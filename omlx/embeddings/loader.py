@@ -19,6 +19,7 @@ from omlx.embeddings.spec import EmbeddingSpec, embedding_spec
 from omlx.errors import ModelLoadError
 from omlx.mlx_types import flat_parameters
 from omlx.models.discovery import ModelInfo
+from omlx.models.loader import mlx_lm_load
 from omlx.models.remote_code import require_allowed
 
 log = logging.getLogger(__name__)
@@ -113,17 +114,7 @@ def _floating(array: Any) -> bool:
 
 
 def _load_decoder(folder: Path, trust_remote_code: bool) -> Any:
-    from mlx_lm import load
-
-    # mlx-lm types both of load's result shapes as one union.
-    model, _tokenizer = cast(
-        "tuple[Any, Any]",
-        load(
-            str(folder),
-            tokenizer_config={"trust_remote_code": trust_remote_code},
-            trust_remote_code=trust_remote_code,
-        ),
-    )
+    model, _tokenizer, _config = mlx_lm_load(folder, trust_remote_code)
     return _DecoderEncoder(model)
 
 

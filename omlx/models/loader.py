@@ -76,24 +76,27 @@ def _generation_eos(path: Path) -> set[int]:
     return {e for e in eos or [] if isinstance(e, int)}
 
 
-def _load_llm(info: ModelInfo) -> tuple[LanguageModel, Any, dict[str, Any]]:
+def mlx_lm_load(folder: Path, trust_remote_code: bool) -> tuple[Any, Any, dict[str, Any]]:
+    """mlx-lm's ``load`` of ``folder``: (model, tokenizer, config). mlx-lm hands
+    ``trust_remote_code`` to the model file only: the tokenizer's goes in
+    tokenizer_config (else transformers asks on stdin)."""
     from mlx_lm import load  # deferred: importing mlx-lm costs ~1 s at server start
 
-    trust = info.trust_remote_code
+    # mlx-lm types both of load's result shapes as one union.
+    return cast(
+        "tuple[Any, Any, dict[str, Any]]",
+        load(
+            str(folder),
+            tokenizer_config={"trust_remote_code": trust_remote_code},
+            return_config=True,
+            trust_remote_code=trust_remote_code,
+        ),
+    )
+
+
+def _load_llm(info: ModelInfo) -> tuple[LanguageModel, Any, dict[str, Any]]:
     try:
-        # mlx-lm types both of load's result shapes as one union (and the model as
-        # nn.Module, which has no __call__ of its own). Its load hands trust_remote_code
-        # to the model file only: the tokenizer's goes in tokenizer_config (else
-        # transformers asks on stdin).
-        model, tokenizer, config = cast(
-            "tuple[LanguageModel, Any, dict[str, Any]]",
-            load(
-                str(info.path),
-                tokenizer_config={"trust_remote_code": trust},
-                return_config=True,
-                trust_remote_code=trust,
-            ),
-        )
+        model, tokenizer, config = mlx_lm_load(info.path, info.trust_remote_code)
     except ValueError as exc:
         raise library_refusal(info.name, exc) or ModelLoadError(
             f"cannot load '{info.name}': unsupported or invalid model ({exc})"

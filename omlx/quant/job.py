@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from omlx.errors import ModelLoadError
+from omlx.models.loader import mlx_lm_load
 from omlx.models.remote_code import require_allowed
 from omlx.quant.estimate import source_config
 from omlx.quant.levels import check_group_size, get_level
@@ -141,19 +142,9 @@ def quantize_folder(
 
 
 def _load(source: Path, trust_remote_code: bool) -> tuple[nn.Module, Any]:
-    from mlx_lm import load
-
     require_allowed(source.name, source, trust_remote_code)
     try:
-        # mlx-lm types both of load's result shapes as one union.
-        model, tokenizer = cast(
-            "tuple[nn.Module, Any]",
-            load(
-                str(source),
-                tokenizer_config={"trust_remote_code": trust_remote_code},
-                trust_remote_code=trust_remote_code,
-            ),
-        )
+        model, tokenizer, _config = mlx_lm_load(source, trust_remote_code)
     except Exception as exc:  # mlx-lm raises ValueError, RuntimeError, OSError, KeyError...
         raise ModelLoadError(f"cannot load '{source.name}': {exc}") from exc
     return model, tokenizer
