@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from omlx.errors import InvalidRequestError
+from omlx.memory.vision import pixel_shapes
 
 # Bounds per image and per request: a decoded image costs ~4 bytes per pixel on
 # the processor and the vision tower's transient grows with the image tokens.
@@ -45,7 +46,9 @@ class ImagePart:
 class PromptImages:
     """A prompt's images as the vision tower takes them."""
 
-    pixel_values: Any  # numpy array (images, channels, height, width)
+    # A numpy array (images, channels, height, width); or a list of arrays a prompt,
+    # each at its own size (MiniCPM-V's slices, MiniCPM-o's images: memory.vision.pixel_shapes).
+    pixel_values: Any
     keys: tuple[str, ...]
     num_image_tokens: int
     # What else the family's vision tower takes (e.g. pixtral's image_sizes).
@@ -159,7 +162,8 @@ def process(
     count = sum(1 for t in ids if t == image_token_id)
     extras = {k: _on_host(v) for k, v in out.items() if k not in _TEXT_FIELDS}
     pixels = _on_host(out["pixel_values"])
-    ids = prompt_ids(ids, pixels.shape, extras)
+    # The first array's shape: the families whose rows follow it have one array.
+    ids = prompt_ids(ids, pixel_shapes(pixels)[0], extras)
     return ids, PromptImages(pixels, tuple(p.key for p in parts), count, extras)
 
 
