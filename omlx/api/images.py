@@ -151,7 +151,18 @@ def process(
     shape and its other outputs -> the ids omlx prefills, one a row of the model's embedding
     (VisionEncoder.prompt_ids)."""
     images = [open_image(p) for p in parts]
-    out = processor(text=_without_double_bos(processor, text), images=images, return_tensors="np")
+    text = _without_double_bos(processor, text)
+    try:
+        out = processor(text=text, images=images, return_tensors="np")
+    except ValueError as exc:
+        # mlx-vlm's processors check the prompt's image markers against its images
+        # (MiniCPM-V 4.7's: a marker the message text writes itself has no image).
+        raise InvalidRequestError(
+            f"the model's processor refused the prompt's {len(parts)} image(s): {exc} (a "
+            "message whose text writes the model's image marker itself leaves a marker "
+            "without an image: remove it from the text)",
+            param="messages",
+        ) from exc
     ids = [int(t) for t in out["input_ids"][0]]
     if ids and ids[-1] == image_token_id:
         # The prompt's last token goes through the decode batch by id, not embedded.

@@ -116,3 +116,13 @@ def test_the_memory_gate_prices_the_encode_from_every_slices_own_size(
     each = [vision_transient_bytes(vision.dims, s, tokens) for s in slices]
     embeddings = tokens * vision.dims.text_hidden_size * vision.dims.dtype_bytes
     assert image_bytes(vision.dims, slices, tokens, None) == sum(each) - 4 * embeddings
+
+
+def test_an_image_marker_the_text_writes_is_a_clear_400(client: openai.OpenAI) -> None:
+    # MiniCPM-V 4.7's processor counts the prompt's <|image_pad|> markers against its
+    # images and raises ValueError: a 400 saying so, not an internal error.
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, "tiny-minicpmv4-7", ask(png(74), text=f"what is <|image_pad|> {TEXT}"), 1)
+    message = info.value.response.json()["error"]["message"]
+    assert "processor refused the prompt's 1 image(s)" in message
+    assert "placeholders must match" in message and "remove it from the text" in message
