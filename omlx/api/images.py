@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from omlx.errors import InvalidRequestError
+from omlx.memory.vision import pixel_shapes
 
 # Bounds per image and per request: a decoded image costs ~4 bytes per pixel on
 # the processor and the vision tower's transient grows with the image tokens.
@@ -45,7 +46,9 @@ class ImagePart:
 class PromptImages:
     """A prompt's images as the vision tower takes them."""
 
-    pixel_values: Any  # numpy array (images, channels, height, width)
+    # A numpy array (images, channels, height, width); or a list of arrays a prompt,
+    # each at its own size (MiniCPM-V's slices, MiniCPM-o's images: memory.vision.pixel_shapes).
+    pixel_values: Any
     keys: tuple[str, ...]
     num_image_tokens: int
     # What else the family's vision tower takes (e.g. pixtral's image_sizes).
@@ -148,7 +151,18 @@ def process(
     shape and its other outputs -> the ids omlx prefills, one a row of the model's embedding
     (VisionEncoder.prompt_ids)."""
     images = [open_image(p) for p in parts]
-    out = processor(text=_without_double_bos(processor, text), images=images, return_tensors="np")
+    text = _without_double_bos(processor, text)
+    try:
+        out = processor(text=text, images=images, return_tensors="np")
+    except ValueError as exc:
+        # mlx-vlm's processors check the prompt's image markers against its images
+        # (MiniCPM-V 4.7's: a marker the message text writes itself has no image).
+        raise InvalidRequestError(
+            f"the model's processor refused the prompt's {len(parts)} image(s): {exc} (a "
+            "message whose text writes the model's image marker itself leaves a marker "
+            "without an image: remove it from the text)",
+            param="messages",
+        ) from exc
     ids = [int(t) for t in out["input_ids"][0]]
     if ids and ids[-1] == image_token_id:
         # The prompt's last token goes through the decode batch by id, not embedded.
@@ -159,7 +173,8 @@ def process(
     count = sum(1 for t in ids if t == image_token_id)
     extras = {k: _on_host(v) for k, v in out.items() if k not in _TEXT_FIELDS}
     pixels = _on_host(out["pixel_values"])
-    ids = prompt_ids(ids, pixels.shape, extras)
+    # The first array's shape: the families whose rows follow it have one array.
+    ids = prompt_ids(ids, pixel_shapes(pixels)[0], extras)
     return ids, PromptImages(pixels, tuple(p.key for p in parts), count, extras)
 
 

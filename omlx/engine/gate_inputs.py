@@ -19,7 +19,7 @@ from omlx.engine.admission import AdmissionSwitch
 from omlx.engine.image_prefill import usable_hit_tokens
 from omlx.engine.memory_gate import StepGate
 from omlx.memory.guard import MemoryGuard
-from omlx.memory.vision import held_states, image_bytes, state_row_bytes
+from omlx.memory.vision import held_states, image_bytes, pixel_shapes, state_row_bytes
 from omlx.scheduler import Request
 
 if TYPE_CHECKING:
@@ -69,15 +69,16 @@ def request_image_bytes(vision: VisionEncoder | None, guard: MemoryGuard, reques
     """The transient of encoding the request's images at prefill (0: none)."""
     if request.images is None or vision is None:
         return 0
-    shape = request.images.pixel_values.shape
-    return image_bytes(vision.dims, shape, request.num_prompt_tokens, guard.profile)
+    shapes = pixel_shapes(request.images.pixel_values)
+    return image_bytes(vision.dims, shapes, request.num_prompt_tokens, guard.profile)
 
 
 def request_held_states(vision: VisionEncoder | None, request: Request) -> int:
     """The image state rows the request holds while it runs (mllama's; 0: none)."""
     if request.images is None or vision is None:
         return 0
-    return held_states(vision.dims, request.images.pixel_values.shape)
+    shapes = pixel_shapes(request.images.pixel_values)
+    return sum(held_states(vision.dims, shape) for shape in shapes)
 
 
 def request_held_state_bytes(vision: VisionEncoder | None, request: Request) -> int:

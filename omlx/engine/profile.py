@@ -57,7 +57,7 @@ from omlx.memory.budget import (
     kv_capacity_tokens,
 )
 from omlx.memory.probe import MemoryProbe
-from omlx.memory.vision import vision_transient_bytes
+from omlx.memory.vision import encode_transient_bytes, pixel_shapes
 from omlx.mlx_types import LanguageModel
 from omlx.sizes import format_bytes
 
@@ -186,26 +186,34 @@ def measure_image(vision: VisionEncoder, probe: MemoryProbe, limits: Limits) -> 
 
 def _image_pass(vision: VisionEncoder, probe: MemoryProbe, limits: Limits) -> tuple[int, int]:
     ids, pixels, extras = vision.stress_inputs()
-    estimate = vision_transient_bytes(vision.dims, pixels.shape, len(ids))
+    shapes = pixel_shapes(pixels)
+    estimate = encode_transient_bytes(vision.dims, shapes, len(ids))
     room = limits.hard_bytes - limits.transient_margin_bytes
     room -= probe.reading(fresh=True).resident_bytes
     if estimate > room // 2:
         log.warning(
-            "memprofile: image pass skipped: encoding one %s image needs about %s and %s "
+            "memprofile: image pass skipped: encoding one %s needs about %s and %s "
             "is left; image prompts are priced by the formula alone",
-            "x".join(str(d) for d in pixels.shape[-2:]),
+            _described(shapes),
             format_bytes(estimate),
             format_bytes(max(room, 0)),
         )
         return 0, estimate
     peak = measure(probe, lambda: mx.eval(vision.embed(ids, pixels, extras).arrays()))
     log.info(
-        "memprofile: encoding one %s image peaked at %s (the formula says %s)",
-        "x".join(str(d) for d in pixels.shape[-2:]),
+        "memprofile: encoding one %s peaked at %s (the formula says %s)",
+        _described(shapes),
         format_bytes(peak),
         format_bytes(estimate),
     )
     return peak, estimate
+
+
+def _described(shapes: tuple[tuple[int, ...], ...]) -> str:
+    """The stress image as the tower takes it: one array's sides, or its slices."""
+    if len(shapes) == 1:
+        return "x".join(str(d) for d in shapes[0][-2:]) + " image"
+    return f"image of {len(shapes)} slices"
 
 
 def _choose_and_validate(

@@ -70,6 +70,24 @@ def vision_transient_bytes(
     Channels may come last (moondream: crops, height, width, channels).
     Crops or tiles (llava_next, mllama: (..., tiles, channels, height, width)) count
     as images, except mllama's, whose tower attends over an image's tiles at once."""
+    return encode_transient_bytes(dims, (pixel_shape,), num_prompt_tokens)
+
+
+def encode_transient_bytes(
+    dims: VisionDims, pixel_shapes: Sequence[Sequence[int]], num_prompt_tokens: int
+) -> int:
+    """``vision_transient_bytes`` of a prompt whose pixels are several arrays the tower
+    encodes apart (``pixel_shapes``: MiniCPM-V's slices, each at its own size): the
+    tower's bytes of each, summed (an upper bound: they run one after another), and
+    the prompt's input embeddings once."""
+    tower = sum(_tower_bytes(dims, shape) for shape in pixel_shapes)
+    if not tower:
+        return 0
+    return tower + num_prompt_tokens * dims.text_hidden_size * dims.dtype_bytes
+
+
+def _tower_bytes(dims: VisionDims, pixel_shape: Sequence[int]) -> int:
+    """The pixels, activations, attention scores and held states of one array."""
     num_images, patches = _images_and_patches(dims, pixel_shape)
     if not num_images:
         return 0
@@ -77,8 +95,18 @@ def vision_transient_bytes(
     per_patch = _LIVE_HIDDEN_COPIES * dims.hidden_size + dims.intermediate_size
     activations = num_images * patches * per_patch * dims.dtype_bytes
     scores = num_images * dims.num_heads * patches * patches * _FLOAT32
-    embeddings = num_prompt_tokens * dims.text_hidden_size * dims.dtype_bytes
-    return pixels + activations + scores + embeddings + held_state_bytes(dims, pixel_shape)
+    return pixels + activations + scores + held_state_bytes(dims, pixel_shape)
+
+
+def pixel_shapes(pixel_values: Any) -> tuple[tuple[int, ...], ...]:
+    """The shape of each array the vision tower encodes apart: the processor's one
+    array; or where it gives a prompt's pixels as lists of arrays of their own sizes
+    (a list a prompt: mlx-vlm's MiniCPM-V, an array a slice; MiniCPM-o, an array an
+    image), each array as one image of its own, (1, *its shape)."""
+    if not isinstance(pixel_values, (list, tuple)):
+        return (tuple(int(d) for d in pixel_values.shape),)
+    slices = [s for prompt in pixel_values for s in prompt]
+    return tuple((1, *(int(d) for d in s.shape)) for s in slices)
 
 
 def held_states(dims: VisionDims, pixel_shape: Sequence[int]) -> int:
@@ -132,11 +160,15 @@ def measured_transient_bytes(estimate: int, measured_peak: int, measured_estimat
 
 
 def image_bytes(
-    dims: VisionDims, pixel_shape: Sequence[int], num_prompt_tokens: int, profile: Any
+    dims: VisionDims,
+    pixel_shapes: Sequence[Sequence[int]],
+    num_prompt_tokens: int,
+    profile: Any,
 ) -> int:
-    """What encoding a prompt's images costs, as the guard counts it: the formula,
-    scaled by the load-time image pass of ``profile`` (a KVProfile, or None)."""
-    estimate = vision_transient_bytes(dims, pixel_shape, num_prompt_tokens)
+    """What encoding a prompt's images (each array of ``pixel_shapes``) costs, as the
+    guard counts it: the formula, scaled by the load-time image pass of ``profile``
+    (a KVProfile, or None)."""
+    estimate = encode_transient_bytes(dims, pixel_shapes, num_prompt_tokens)
     if profile is None:
         return estimate
     return measured_transient_bytes(

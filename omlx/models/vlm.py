@@ -25,7 +25,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from omlx.errors import InvalidRequestError, ModelLoadError
 from omlx.memory.dims import hidden_size
-from omlx.memory.vision import VisionDims, vision_dims
+from omlx.memory.vision import VisionDims, pixel_shapes, vision_dims
 from omlx.mlx_types import flat_parameters
 from omlx.models.cross_attention import CrossAttentionStates, batched_forward
 from omlx.models.discovery import ModelInfo
@@ -325,12 +325,14 @@ class VisionEncoder:
         self, input_ids: list[int], pixel_values: Any, extras: dict[str, Any]
     ) -> PromptEmbedding:
         """``input_ids``: the prompt as omlx prefills it (``prompt_ids``)."""
-        ids = mx.array(self._model_ids(input_ids, pixel_values.shape, extras))[None]
-        # As mlx-vlm's prepare_inputs: lists stay lists (moondream's crop counts, layouts).
+        ids = mx.array(self._model_ids(input_ids, pixel_shapes(pixel_values)[0], extras))[None]
+        # As mlx-vlm's prepare_inputs: lists stay lists (moondream's crop counts, layouts;
+        # MiniCPM-V's pixels, a list of slices a prompt, which its model converts).
         kwargs = {k: v if isinstance(v, (list, str)) else mx.array(v) for k, v in extras.items()}
+        pixels = pixel_values if isinstance(pixel_values, list) else mx.array(pixel_values)
         # The processor's attention mask, as mlx-vlm's generate passes it (gemma3 needs it).
         mask = mx.ones(ids.shape, dtype=mx.int32)
-        features = self.model.get_input_embeddings(ids, mx.array(pixel_values), mask=mask, **kwargs)
+        features = self.model.get_input_embeddings(ids, pixels, mask=mask, **kwargs)
         embeds: mx.array = getattr(features, "inputs_embeds", features)
         inputs = {name: _prompt_input(features, kwargs, name) for name in self.family.prompt_inputs}
         if not self.family.mrope:
@@ -352,8 +354,8 @@ class VisionEncoder:
         out = self.processor(text=text, images=[image], return_tensors="np")
         extras = {k: v for k, v in out.items() if k not in _TEXT_FIELDS}
         pixels = out["pixel_values"]
-        ids = self.prompt_ids([int(t) for t in out["input_ids"][0]], pixels.shape, extras)
-        return ids, pixels, extras
+        processed = [int(t) for t in out["input_ids"][0]]
+        return self.prompt_ids(processed, pixel_shapes(pixels)[0], extras), pixels, extras
 
 
 _TEXT_FIELDS = ("input_ids", "attention_mask", "pixel_values")

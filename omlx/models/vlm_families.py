@@ -328,6 +328,20 @@ FAMILIES: dict[str, Family] = {
         mrope=True,
         prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds"),
     ),
+    # MiniCPM-V 4.6: each image a thumbnail and a grid of slices, each its own array at
+    # its own size (a list a prompt, as mlx-vlm's generate passes them; the gate prices
+    # each slice: memory.vision.pixel_shapes); the model adds each slice's features at
+    # its run of <|image_pad|> ids (the processor's image_bound). Qwen3.5's gated-delta
+    # decoder, its M-RoPE positions every token's index.
+    "minicpmv4_6": Family(mrope=True),
+    # MiniCPM-V 4.7: 4.6's slices and decoder; canvas M-RoPE lays the thumbnail and the
+    # slices on one grid (positions from the embedding, shifted as Qwen-VL's).
+    "minicpmv4_7": Family(mrope=True),
+    # MiniCPM-o: "<image>" becomes <image>, a resampler query's <unk> each, </image>;
+    # each image one array at its own aspect (a list a prompt, as 4.6's), over Qwen3-VL's
+    # decoder (its M-RoPE positions every token's index). Images only: its audio tower
+    # and speech head are not fed.
+    "minicpmo": Family(image_text="<image>", image_token="<unk>", mrope=True),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 
@@ -418,14 +432,6 @@ REFUSED: dict[str, str] = {
     "zaya1_vl": "mlx-vlm 0.7.10's own generate cannot run it (its prefill calls the "
     "language model with inputs=, which zaya1_vl's takes as input_ids): there is no "
     "reference answer to check omlx's against",
-    # mlx-vlm's MiniCPMVProcessor (4.7's subclasses it) returns lists, as its generate
-    # passes them; its model adds each slice's features at the image_bound spans.
-    **dict.fromkeys(
-        ("minicpmv4_6", "minicpmv4_7"),
-        "its processor gives a prompt's images as a list of differently sized slice "
-        "arrays (pixel_values, with tgt_sizes and image_bound), where omlx's image path "
-        "takes one pixel array a prompt and prices the encode from its shape",
-    ),
     # mlx-vlm's Plamo2VLProcessor.process: format_prompt(_apply_ja01_template), and
     # "images must be provided" without images.
     "plamo2vl": "its processor rewrites every prompt into one fixed instruction turn (the "
@@ -492,11 +498,6 @@ REFUSED: dict[str, str] = {
     "prompt's own embedding (without images) clears them: omlx prefills a text prompt "
     "without the vision path, so after an image prompt it would take that image's "
     "positions",
-    # Its image processor on two images (40x50, 300x120): arrays of (3, 56, 56) and (3, 84, 28).
-    "minicpmo": "its processor gives the pixels as a list of arrays of different shapes "
-    "(each image resized to its own aspect, with tgt_sizes and image_bound beside them), "
-    "where omlx's image path takes one pixel array a prompt (the memory gate prices its "
-    "shape)",
     # Run on a tiny model (a sliding-window layer and a full one without rope, 4 experts,
     # a 2-layer tower; the tiny audio config transformers' config requires), mlx-vlm's
     # MuseSparkProcessor: stream_generate raises "[metal_kernel] No Metal back-end"

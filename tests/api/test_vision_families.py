@@ -97,6 +97,12 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # one request at a time (vlm_families.py says why);
     # 256-pixel images: its MobileNetV5 tower's fixed 16 x 16 output grid, unresampled.
     "tiny-gemma3n": ("gemma3n", 256, "by the forward's length"),
+    # Issue 41: a list of slice arrays a prompt, each its own size (112-pixel slices:
+    # 4 tokens each; a 300x300 image is a thumbnail and 3x3 slices).
+    "tiny-minicpmv4-6": ("minicpmv4_6", 112, None),
+    "tiny-minicpmv4-7": ("minicpmv4_7", 112, None),
+    # Each image one array at its own aspect, resampled to 8 rows.
+    "tiny-minicpmo": ("minicpmo", 56, None),
 }
 # Models built with another's seed: tiny-gemma4's weights, only the attention flag
 # differs (its images then change the answers: the test below checks it).
@@ -111,6 +117,8 @@ LINEAR = {
     "tiny-qwen3-5-moe": _KV,
     "tiny-nemotron-omni": _KV,
     "tiny-kimi-k3": (16 + 8) * 4,
+    "tiny-minicpmv4-6": _KV,
+    "tiny-minicpmv4-7": _KV,
 }
 MAX_TOKENS = 10
 
@@ -266,6 +274,7 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-phi4-siglip",
         "tiny-llama4",
         "tiny-gemma3n",
+        "tiny-minicpmo",
         *LINEAR,
     ],
 )

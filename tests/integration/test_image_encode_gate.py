@@ -21,7 +21,7 @@ from omlx.api.images import ImagePart, process
 from omlx.engine.stream import RequestStream
 from omlx.errors import MemoryPressureError
 from omlx.memory.budget import Limits, MemoryReading
-from omlx.memory.vision import image_bytes
+from omlx.memory.vision import image_bytes, pixel_shapes
 from omlx.scheduler import Request, SamplingParams
 from tests.fixtures.frozen_probe import FrozenProbe
 from tests.fixtures.tiny_vlms import build_tiny_vlm
@@ -80,7 +80,7 @@ def _tight(engine: Any, request: Request, held: int) -> Limits:
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (low, mid) if fits(mid) else (mid, high)
-    pixels = request.images.pixel_values.shape
+    pixels = pixel_shapes(request.images.pixel_values)
     vision = image_bytes(engine.loaded.vision.dims, pixels, tokens, guard.profile)
     encode = guard.unmodeled_bytes + vision
     assert held + encode + MARGIN > high, "the ceiling would pass the image encode"

@@ -139,3 +139,23 @@ def test_the_towers_width_under_molmo_and_step3p7_names() -> None:
     assert (dims.hidden_size, dims.num_heads, dims.intermediate_size) == (1024, 16, 4096)
     dims = vision_dims(step, text_hidden_size=4096, dtype_bytes=2)
     assert (dims.hidden_size, dims.num_heads, dims.intermediate_size) == (1536, 16, 8960)
+
+
+def test_slices_encoded_apart_are_priced_each_at_its_own_size() -> None:
+    import numpy as np
+
+    from omlx.memory.vision import encode_transient_bytes, pixel_shapes
+
+    # MiniCPM-V's processor: a list of slices a prompt, each its patches in one row
+    # (3, 14, patches x 14): a 32x32-patch thumbnail and two 16x16-patch slices.
+    dims = vision_dims(LLAVA, text_hidden_size=4096, dtype_bytes=2)
+    pixels = [[np.zeros((3, 14, 14 * n), np.float32) for n in (1024, 256, 256)]]
+    shapes = pixel_shapes(pixels)
+    assert shapes == ((1, 3, 14, 14 * 1024), (1, 3, 14, 14 * 256), (1, 3, 14, 14 * 256))
+    assert pixel_shapes(np.zeros((2, 3, 28, 28))) == ((2, 3, 28, 28),)
+    whole = encode_transient_bytes(dims, shapes, 600)
+    each = [vision_transient_bytes(dims, s, 600) for s in shapes]
+    # The tower's part of each slice (its own patches' scores), the embeddings once.
+    assert whole == sum(each) - 2 * 600 * 4096 * 2
+    assert whole > 16 * (1025**2 + 2 * 257**2) * 4
+    assert whole < vision_transient_bytes(dims, (3, 3, 14, 14 * 1024), 600)
