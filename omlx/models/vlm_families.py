@@ -460,13 +460,16 @@ REFUSED: dict[str, str] = {
     "the image's tokens with negative ids, not one image token id as omlx's prompt path "
     "takes",
     # Run on a tiny model: mlx-vlm's load raises ImportError (PixtralProcessor requires
-    # torchvision). pixtral and mistral3 load mlx-vlm's own torch-free processors, which it
-    # registers for those model types only.
-    "mistral_large3": "mlx-vlm 0.7.10 loads its processor as transformers' PixtralProcessor, "
-    "whose module imports the torch image processor (transformers ships a PIL image "
-    "processor for Pixtral, but no processor class around it): without PyTorch (omlx "
-    "installs none) mlx-vlm's load raises ImportError, so there is no reference answer to "
-    "check omlx's against",
+    # torchvision; pixtral and mistral3 load mlx-vlm's own torch-free processors, which it
+    # registers for those model types only). With that processor on transformers' PIL
+    # backend registered for mistral_large3, mlx-vlm's generate runs, and gives two
+    # images whose embedded rows differ the same tokens and logprobs: its decoder
+    # (deepseek_v3's LanguageModel) takes inputs_embeds and drops them.
+    "mistral_large3": "mlx-vlm 0.7.10's model never shows the image to its decoder: the "
+    "language model it takes from deepseek_v3 accepts the embeddings the vision tower "
+    "fills and runs on the token ids alone, so mlx-vlm's own generate answers every image "
+    "alike (and its load needs PyTorch for the checkpoint's PixtralProcessor): there is "
+    "no reference answer that sees the image to check omlx's against",
     # A tiny MiniMax-M3 of 4 layers: ['KVCache', 'KVCache', 'KVCache', 'MiniMaxM3KVCache'].
     "minimax_m3_vl": _STATES.format(
         "MiniMaxM3KVCache",
