@@ -78,7 +78,11 @@ class Family:
     image prompt's with its embedding row and prompt inputs), as mlx-vlm's generate
     feeds it, where the model's logits depend on the forward's length; and an image
     prompt's text is embedded by the vision path even after a cache hit holding its
-    images (its image path embeds text otherwise than its text path)."""
+    images (its image path embeds text otherwise than its text path).
+    ``instruction_turn``: the processor writes one fixed instruction turn around one
+    message's text, its images first (mlx-vlm's MessageFormat.PROMPT_ONLY), and takes
+    no prompt without images: omlx gives it that one user message's text, and answers
+    any other conversation with a 400 (api/prompts.py)."""
 
     image_text: str | None = None
     image_token: str | None = None
@@ -96,6 +100,7 @@ class Family:
     bidirectional_images: bool = False
     image_grids: str | None = None
     last_token_apart: bool = False
+    instruction_turn: bool = False
 
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -328,6 +333,10 @@ FAMILIES: dict[str, Family] = {
         mrope=True,
         prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds"),
     ),
+    # mlx-vlm's Plamo2VLProcessor writes its ja01 instruction turn (a fixed Japanese
+    # instruction, the images' tiles, the text, the answer's heading) around the text it
+    # is given and raises without images; its image rows are <plamo:image> tokens.
+    "plamo2vl": Family(image_text="", image_token="<plamo:image>", instruction_turn=True),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 
@@ -426,12 +435,6 @@ REFUSED: dict[str, str] = {
         "arrays (pixel_values, with tgt_sizes and image_bound), where omlx's image path "
         "takes one pixel array a prompt and prices the encode from its shape",
     ),
-    # mlx-vlm's Plamo2VLProcessor.process: format_prompt(_apply_ja01_template), and
-    # "images must be provided" without images.
-    "plamo2vl": "its processor rewrites every prompt into one fixed instruction turn (the "
-    "images first, then the text) and raises without images, where omlx renders the "
-    "conversation with the model's chat template and places each image where its message "
-    "has it",
     # Run on a tiny model of each whose processor_config.json names its own module, as the
     # published checkpoints' do (mlx-community/llm-jp-4-vl-9b-mlx-4bit's processor loads from
     # transformers_modules; tencent/Youtu-VL-4B-Instruct's too): mlx-vlm's load, called as
