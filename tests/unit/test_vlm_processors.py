@@ -88,7 +88,17 @@ def test_the_pil_siglip2_pixels_are_the_torch_codes_by_hand(tmp_path: Path, budg
     assert out["pixel_attention_mask"].dtype == np.int32
 
 
-def test_mistral_large3_is_refused_while_mlx_vlms_load_needs_torch(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def tiny_mistral_large3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.fixtures.tiny_vlms import build_tiny_vlm
+
+    folder = tmp_path_factory.mktemp("tiny-mistral-large3")
+    return build_tiny_vlm(folder, "mistral_large3", image_size=56)
+
+
+def test_mistral_large3_is_refused_while_mlx_vlms_load_needs_torch(
+    tiny_mistral_large3: Path,
+) -> None:
     # vlm_families.REFUSED's reason, checked: mlx-vlm registers no processor of its own
     # for mistral_large3, so its load takes the checkpoint's PixtralProcessor from
     # transformers, which needs torch.
@@ -97,11 +107,9 @@ def test_mistral_large3_is_refused_while_mlx_vlms_load_needs_torch(tmp_path: Pat
     from mlx_vlm import load
 
     from omlx.models.vlm_families import FAMILIES, REFUSED
-    from tests.fixtures.tiny_vlms import build_tiny_vlm
 
-    folder = build_tiny_vlm(tmp_path / "tiny-mistral-large3", "mistral_large3", image_size=56)
     with pytest.raises(ImportError, match="PixtralProcessor requires the Torchvision"):
-        load(str(folder))
+        load(str(tiny_mistral_large3))
     with pytest.raises(ImportError, match="torch"):
         importlib.import_module("transformers.models.pixtral.processing_pixtral")
     assert "mistral_large3" in REFUSED and "mistral_large3" not in FAMILIES
@@ -133,7 +141,7 @@ class _PixtralOnPil:
 
 
 def test_mlx_vlms_mistral_large3_answers_every_image_alike(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_mistral_large3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # REFUSED's other reason, checked with the processor mlx-vlm's load would build
     # (transformers' torch PixtralProcessor cannot run here: _PixtralOnPil stands in,
@@ -147,13 +155,10 @@ def test_mlx_vlms_mistral_large3_answers_every_image_alike(
     from mlx_vlm.utils import prepare_inputs
     from transformers import AutoProcessor
 
-    from tests.fixtures.tiny_vlms import build_tiny_vlm
-
     # The hook replaces AutoProcessor.from_pretrained; monkeypatch puts it back.
     monkeypatch.setattr(AutoProcessor, "from_pretrained", AutoProcessor.__dict__["from_pretrained"])
     install_auto_processor_patch("mistral_large3", _PixtralOnPil)
-    folder = build_tiny_vlm(tmp_path / "tiny-mistral-large3", "mistral_large3", image_size=56)
-    model, processor = load(str(folder))
+    model, processor = load(str(tiny_mistral_large3))
     prompt = "<|im_start|>user\ndescribe it[IMG]<|im_end|>\n<|im_start|>assistant\n"
     rows, answers = [], []
     for seed in (1, 2):
