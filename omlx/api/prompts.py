@@ -90,6 +90,10 @@ async def render_chat(
 ) -> RenderedPrompt:
     """The model's chat template over OpenAI-style messages (role, content, tool_calls...),
     rendered and tokenized on the render pool; a render past ``timeout_s`` is stopped (400)."""
+    vision = engine.loaded.vision
+    if vision is not None and vision.family.instruction_turn:
+        text, images = _instruction_text(engine, messages, images, tools)
+        return await _with_images(engine, text, images, renderer)
     tokenizer = engine.tokenizer
     render = partial(_chat_text, tokenizer, messages, tools, template_kwargs or {})
     try:
@@ -140,6 +144,36 @@ async def _with_images(
     )
     ids, pixels = await renderer.run(run)
     return RenderedPrompt(text, ids, pixels)
+
+
+def _instruction_text(
+    engine: ModelEngine,
+    messages: list[dict[str, Any]],
+    images: ImageSink | None,
+    tools: list[dict[str, Any]] | None,
+) -> tuple[str, ImageSink]:
+    """The one user message's text (and its images) for a processor that writes its own
+    instruction turn around it (Family.instruction_turn), as mlx-vlm's generate gives it
+    the prompt; a conversation it cannot take is a 400 saying what to send."""
+    family = engine.loaded.info.model_type
+    rule = (
+        f"model '{engine.name}' ({family}) answers one user message with at least one "
+        "image: its processor writes the model's one instruction turn around that "
+        "message's text, its images first, and has no chat template for "
+    )
+    if len(messages) != 1 or messages[0]["role"] != "user":
+        raise InvalidRequestError(
+            rule + "other roles or earlier turns; send the request as one user message",
+            param="messages",
+        )
+    if images is None or not images.parts:
+        raise InvalidRequestError(
+            rule + "text alone; add an image (or use /v1/completions for plain text)",
+            param="messages",
+        )
+    if tools:
+        raise InvalidRequestError(rule + "tools; send the request without tools", param="tools")
+    return str(messages[0]["content"]), images
 
 
 def _chat_text(

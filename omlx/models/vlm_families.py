@@ -78,7 +78,11 @@ class Family:
     image prompt's with its embedding row and prompt inputs), as mlx-vlm's generate
     feeds it, where the model's logits depend on the forward's length; and an image
     prompt's text is embedded by the vision path even after a cache hit holding its
-    images (its image path embeds text otherwise than its text path)."""
+    images (its image path embeds text otherwise than its text path).
+    ``instruction_turn``: the processor writes one fixed instruction turn around one
+    message's text, its images first (mlx-vlm's MessageFormat.PROMPT_ONLY), and takes
+    no prompt without images: omlx gives it that one user message's text, and answers
+    any other conversation with a 400 (api/prompts.py)."""
 
     image_text: str | None = None
     image_token: str | None = None
@@ -96,6 +100,7 @@ class Family:
     bidirectional_images: bool = False
     image_grids: str | None = None
     last_token_apart: bool = False
+    instruction_turn: bool = False
 
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -342,6 +347,10 @@ FAMILIES: dict[str, Family] = {
     # decoder (its M-RoPE positions every token's index). Images only: its audio tower
     # and speech head are not fed.
     "minicpmo": Family(image_text="<image>", image_token="<unk>", mrope=True),
+    # mlx-vlm's Plamo2VLProcessor writes its ja01 instruction turn (a fixed Japanese
+    # instruction, the images' tiles, the text, the answer's heading) around the text it
+    # is given and raises without images; its image rows are <plamo:image> tokens.
+    "plamo2vl": Family(image_text="", image_token="<plamo:image>", instruction_turn=True),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 
@@ -432,12 +441,6 @@ REFUSED: dict[str, str] = {
     "zaya1_vl": "mlx-vlm 0.7.10's own generate cannot run it (its prefill calls the "
     "language model with inputs=, which zaya1_vl's takes as input_ids): there is no "
     "reference answer to check omlx's against",
-    # mlx-vlm's Plamo2VLProcessor.process: format_prompt(_apply_ja01_template), and
-    # "images must be provided" without images.
-    "plamo2vl": "its processor rewrites every prompt into one fixed instruction turn (the "
-    "images first, then the text) and raises without images, where omlx renders the "
-    "conversation with the model's chat template and places each image where its message "
-    "has it",
     # Run on a tiny model of each whose processor_config.json names its own module, as the
     # published checkpoints' do (mlx-community/llm-jp-4-vl-9b-mlx-4bit's processor loads from
     # transformers_modules; tencent/Youtu-VL-4B-Instruct's too): mlx-vlm's load, called as
@@ -466,13 +469,16 @@ REFUSED: dict[str, str] = {
     "the image's tokens with negative ids, not one image token id as omlx's prompt path "
     "takes",
     # Run on a tiny model: mlx-vlm's load raises ImportError (PixtralProcessor requires
-    # torchvision). pixtral and mistral3 load mlx-vlm's own torch-free processors, which it
-    # registers for those model types only.
-    "mistral_large3": "mlx-vlm 0.7.10 loads its processor as transformers' PixtralProcessor, "
-    "whose module imports the torch image processor (transformers ships a PIL image "
-    "processor for Pixtral, but no processor class around it): without PyTorch (omlx "
-    "installs none) mlx-vlm's load raises ImportError, so there is no reference answer to "
-    "check omlx's against",
+    # torchvision; pixtral and mistral3 load mlx-vlm's own torch-free processors, which it
+    # registers for those model types only). With that processor on transformers' PIL
+    # backend registered for mistral_large3, mlx-vlm's generate runs, and gives two
+    # images whose embedded rows differ the same tokens and logprobs: its decoder
+    # (deepseek_v3's LanguageModel) takes inputs_embeds and drops them.
+    "mistral_large3": "mlx-vlm 0.7.10's model never shows the image to its decoder: the "
+    "language model it takes from deepseek_v3 accepts the embeddings the vision tower "
+    "fills and runs on the token ids alone, so mlx-vlm's own generate answers every image "
+    "alike (and its load needs PyTorch for the checkpoint's PixtralProcessor): there is "
+    "no reference answer that sees the image to check omlx's against",
     # A tiny MiniMax-M3 of 4 layers: ['KVCache', 'KVCache', 'KVCache', 'MiniMaxM3KVCache'].
     "minimax_m3_vl": _STATES.format(
         "MiniMaxM3KVCache",

@@ -103,6 +103,10 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-minicpmv4-7": ("minicpmv4_7", 112, None),
     # Each image one array at its own aspect, resampled to 8 rows.
     "tiny-minicpmo": ("minicpmo", 56, None),
+    # Issue 41: its processor writes one instruction turn around one user message, the
+    # images' tiles (28-pixel tiles of 4 patches, a thumbnail when several) first; a
+    # PLaMo 2 decoder of Mamba and attention layers (tiny_vlm_configs_plamo.py).
+    "tiny-plamo2vl": ("plamo2vl", 28, None),
 }
 # Models built with another's seed: tiny-gemma4's weights, only the attention flag
 # differs (its images then change the answers: the test below checks it).
@@ -119,6 +123,7 @@ LINEAR = {
     "tiny-kimi-k3": (16 + 8) * 4,
     "tiny-minicpmv4-6": _KV,
     "tiny-minicpmv4-7": _KV,
+    "tiny-plamo2vl": 2 * _KV,
 }
 MAX_TOKENS = 10
 
@@ -198,6 +203,8 @@ def mlx_vlm_answer(
         marker = traits(model).image_text
         marker = processor.image_token if marker is None else marker
         prompt = f"<|im_start|>user\n{text}{marker}<|im_end|>\n<|im_start|>assistant\n"
+        if traits(model).instruction_turn:
+            prompt = text  # the processor writes the turn (mlx-vlm's PROMPT_ONLY)
         pieces = stream_generate(
             vlm, processor, prompt, image=[str(image)], max_tokens=MAX_TOKENS, temperature=0.0
         )
@@ -295,7 +302,11 @@ def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     assert answer(client, model, ask(png(60, size), text=text)) == expected
 
 
-@pytest.mark.parametrize("model", [m for m in MODELS if traits(m).max_images != 1])
+@pytest.mark.parametrize(
+    "model",
+    # A text-only chat with an instruction-turn family is a 400 (tested below).
+    [m for m in MODELS if traits(m).max_images != 1 and not traits(m).instruction_turn],
+)
 def test_two_images_and_text_alone_answer(client: openai.OpenAI, model: str) -> None:
     two = chat(client, model, ask(png(70), png(71), text="compare them"), MAX_TOKENS)
     one = chat(client, model, ask(png(70), text="compare them"), MAX_TOKENS)
@@ -706,3 +717,69 @@ def test_a_repetition_penalty_takes_no_image_placeholder_for_a_token(
         got = [(bytes(t.bytes), t.logprob) for t in reply.choices[0].logprobs.content]
         assert [piece for piece, _ in got] == [piece for piece, _ in expected]
         assert [lp for _, lp in got] == pytest.approx([lp for _, lp in expected], abs=1e-4)
+
+
+def test_plamo2vl_two_images_go_first_in_its_one_instruction_turn_as_in_mlx_vlm(
+    client: openai.OpenAI, server: Server, tmp_path: Path
+) -> None:
+    # mlx-vlm's Plamo2VLProcessor writes the images (each its tiles, a thumbnail when
+    # several) before the text of its one instruction turn, whatever the message's
+    # order: the answer is mlx-vlm's generate's on that message's text.
+    from mlx_vlm import load, stream_generate
+
+    folder = next(i.path for i in server.pool.available().values() if i.name == "tiny-plamo2vl")
+    vlm, processor = load(str(folder))
+    images = [tmp_path / "a.png", tmp_path / "b.png"]
+    images[0].write_bytes(png(70, (28, 90)))  # 3 tiles and a thumbnail
+    images[1].write_bytes(png(71))
+    pieces = stream_generate(
+        vlm, processor, TEXT, image=[str(i) for i in images], max_tokens=MAX_TOKENS, temperature=0
+    )
+    spell = TokenText(processor.tokenizer)
+    expected = [spell.piece(p.token)[1] for p in pieces if p.finish_reason is None]
+    # The text between the images, after them, or before: the same one turn.
+    parts = ask(png(70, (28, 90)), png(71), text=TEXT)[0]["content"]
+    for order in ([parts[1], parts[0], parts[2]], parts[1:] + parts[:1], parts):
+        messages = [{"role": "user", "content": order}]
+        assert answer(client, "tiny-plamo2vl", messages) == expected
+    one = chat(client, "tiny-plamo2vl", ask(png(71), text=TEXT), MAX_TOKENS)
+    two = chat(client, "tiny-plamo2vl", ask(png(70, (28, 90)), png(71), text=TEXT), MAX_TOKENS)
+    # 4 tiles of 4 patches more.
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens + 2 + 4 * 4
+    # Plain text goes to /v1/completions, as the 400 for a text-only chat says.
+    plain = client.completions.create(model="tiny-plamo2vl", prompt=TEXT, max_tokens=2)
+    assert plain.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize(
+    ("messages", "tools", "change"),
+    [
+        ([{"role": "user", "content": TEXT}], None, "add an image"),
+        (
+            [{"role": "system", "content": "be brief"}, *ask(png(1), text=TEXT)],
+            None,
+            "one user message",
+        ),
+        (
+            [*ask(png(1), text=TEXT), {"role": "assistant", "content": "a square"}, *ask(png(2))],
+            None,
+            "one user message",
+        ),
+        (
+            ask(png(1), text=TEXT),
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "without tools",
+        ),
+    ],
+    ids=["text only", "system message", "two turns", "tools"],
+)
+def test_plamo2vl_says_what_to_send_for_a_conversation_its_processor_cannot_take(
+    client: openai.OpenAI, messages: list[dict], tools: list[dict] | None, change: str
+) -> None:
+    kwargs: dict = {"tools": tools} if tools else {}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tiny-plamo2vl", messages=messages, max_tokens=4, **kwargs
+        )
+    message = info.value.response.json()["error"]["message"]
+    assert "one user message with at least one image" in message and change in message

@@ -10,6 +10,9 @@ test_slow_fast_equivalence holds the two within atol 0.1 (mean 2e-3). An image
 already at its target size is resized to itself by both, so there the arrays must be
 the torch code's exactly: its patch grid, each patch's pixels row-major with channels
 innermost, normalized, then zero rows to the budget with the mask marking them.
+
+mistral_large3's refusal is checked here too: its processor needs torch as well, and
+with a torch-free one in its place mlx-vlm's model still answers without the image.
 """
 
 from __future__ import annotations
@@ -85,20 +88,92 @@ def test_the_pil_siglip2_pixels_are_the_torch_codes_by_hand(tmp_path: Path, budg
     assert out["pixel_attention_mask"].dtype == np.int32
 
 
-def test_mistral_large3_is_refused_while_mlx_vlms_load_needs_torch(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def tiny_mistral_large3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.fixtures.tiny_vlms import build_tiny_vlm
+
+    folder = tmp_path_factory.mktemp("tiny-mistral-large3")
+    return build_tiny_vlm(folder, "mistral_large3", image_size=56)
+
+
+def test_mistral_large3_is_refused_while_mlx_vlms_load_needs_torch(
+    tiny_mistral_large3: Path,
+) -> None:
     # vlm_families.REFUSED's reason, checked: mlx-vlm registers no processor of its own
     # for mistral_large3, so its load takes the checkpoint's PixtralProcessor from
-    # transformers, which needs torch and has no PIL processor class to stand in.
+    # transformers, which needs torch.
     import importlib
 
     from mlx_vlm import load
 
     from omlx.models.vlm_families import FAMILIES, REFUSED
-    from tests.fixtures.tiny_vlms import build_tiny_vlm
 
-    folder = build_tiny_vlm(tmp_path / "tiny-mistral-large3", "mistral_large3", image_size=56)
     with pytest.raises(ImportError, match="PixtralProcessor requires the Torchvision"):
-        load(str(folder))
+        load(str(tiny_mistral_large3))
     with pytest.raises(ImportError, match="torch"):
         importlib.import_module("transformers.models.pixtral.processing_pixtral")
     assert "mistral_large3" in REFUSED and "mistral_large3" not in FAMILIES
+
+
+class _PixtralOnPil:
+    """transformers' PixtralProcessor torch-free, for mlx-vlm's processor hook:
+    mlx-vlm's own port of it (Mistral3Processor: the same [IMG] rows, [IMG_BREAK],
+    [IMG_END]) over transformers' PIL PixtralImageProcessor, with
+    processor_config.json's arguments."""
+
+    @staticmethod
+    def from_pretrained(path: str, **kwargs: Any) -> Any:
+        from mlx_vlm.models.base import load_chat_template
+        from mlx_vlm.models.mistral3.processing_mistral3 import Mistral3Processor
+        from transformers import AutoTokenizer
+        from transformers.models.pixtral.image_processing_pil_pixtral import (
+            PixtralImageProcessorPil,
+        )
+
+        tokenizer = load_chat_template(AutoTokenizer.from_pretrained(path), path)
+        fields = json.loads((Path(path) / "processor_config.json").read_text())
+        return Mistral3Processor(
+            PixtralImageProcessorPil.from_pretrained(path),
+            tokenizer,
+            patch_size=fields["patch_size"],
+            spatial_merge_size=fields["spatial_merge_size"],
+        )
+
+
+def test_mlx_vlms_mistral_large3_answers_every_image_alike(
+    tiny_mistral_large3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # REFUSED's other reason, checked with the processor mlx-vlm's load would build
+    # (transformers' torch PixtralProcessor cannot run here: _PixtralOnPil stands in,
+    # registered by the hook mlx-vlm's pixtral and mistral3 packages register theirs
+    # by): the vision path fills the image tokens' rows with different features for two
+    # images, but mlx-vlm's decoder (deepseek_v3's LanguageModel) takes inputs_embeds
+    # and runs on the token ids alone, so its own generate answers both images alike,
+    # logprobs and all. A new mlx-vlm whose decoder reads them fails here: try the family.
+    from mlx_vlm import load, stream_generate
+    from mlx_vlm.models.base import install_auto_processor_patch
+    from mlx_vlm.utils import prepare_inputs
+    from transformers import AutoProcessor
+
+    # The hook replaces AutoProcessor.from_pretrained; monkeypatch puts it back.
+    monkeypatch.setattr(AutoProcessor, "from_pretrained", AutoProcessor.__dict__["from_pretrained"])
+    install_auto_processor_patch("mistral_large3", _PixtralOnPil)
+    model, processor = load(str(tiny_mistral_large3))
+    prompt = "<|im_start|>user\ndescribe it[IMG]<|im_end|>\n<|im_start|>assistant\n"
+    rows, answers = [], []
+    for seed in (1, 2):
+        image = tmp_path / f"{seed}.png"
+        pixels = np.random.default_rng(seed).integers(0, 256, (40, 50, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(image)
+        inputs = prepare_inputs(processor, images=[str(image)], prompts=prompt)
+        embedded = model.get_input_embeddings(
+            inputs["input_ids"], inputs["pixel_values"], image_sizes=inputs["image_sizes"]
+        )
+        rows.append(np.array(embedded.inputs_embeds))
+        pieces = stream_generate(
+            model, processor, prompt, image=[str(image)], max_tokens=5, temperature=0.0
+        )
+        answers.append([(p.token, float(p.logprobs[p.token])) for p in pieces])
+    # The images' rows differ as much as the token embeddings' size (~0.3) itself.
+    assert np.abs(rows[0] - rows[1]).max() > 0.1
+    assert len(answers[0]) >= 5 and answers[0] == answers[1]
