@@ -78,7 +78,10 @@ class Family:
     image prompt's with its embedding row and prompt inputs), as mlx-vlm's generate
     feeds it, where the model's logits depend on the forward's length; and an image
     prompt's text is embedded by the vision path even after a cache hit holding its
-    images (its image path embeds text otherwise than its text path)."""
+    images (its image path embeds text otherwise than its text path).
+    ``own_cache``: the language model runs on its own ``make_cache()`` (mlx-vlm's cache
+    classes, which mlx-lm's batch and the prefix cache do not take), each request
+    alone; ``one_at_a_time`` and ``no_prefix_cache`` say why."""
 
     image_text: str | None = None
     image_token: str | None = None
@@ -96,9 +99,21 @@ class Family:
     bidirectional_images: bool = False
     image_grids: str | None = None
     last_token_apart: bool = False
+    own_cache: bool = False
 
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+# A family whose language model keeps mlx-vlm's own cache class: each request runs
+# alone on the model's own make_cache() (mlx-lm's batch merges mlx-lm's types only),
+# and the prefix cache (kv_codec.py) has no layout to store and restore it.
+_OWN_CACHE_ALONE = (
+    "its layers keep mlx-vlm's own {} (not mlx-lm's), which omlx's batch cannot merge: "
+    "each request runs alone on the model's own cache"
+)
+_OWN_CACHE_UNSTORED = (
+    "its layers keep mlx-vlm's own {} (KV plus the {}), which the prefix cache has no "
+    "layout to cut into blocks and restore"
+)
 
 # Tested against mlx-vlm's own generate on tiny random models (tests/api/test_vision.py,
 # tests/api/test_vision_families.py).
@@ -328,6 +343,15 @@ FAMILIES: dict[str, Family] = {
         mrope=True,
         prompt_inputs=("visual_pos_masks", "deepstack_visual_embeds"),
     ),
+    # MiniMax M3 VL: Qwen-VL's image layout (start, pads, end) over a decoder whose layers
+    # after the first three are sparse attention, each with mlx-vlm's MiniMaxM3KVCache (KV
+    # plus its block index's keys). A row alone takes plain rope at its cache offset, as
+    # mlx-vlm's generate runs it (its language model builds 3-D positions for batches only).
+    "minimax_m3_vl": Family(
+        own_cache=True,
+        one_at_a_time=_OWN_CACHE_ALONE.format("MiniMaxM3KVCache"),
+        no_prefix_cache=_OWN_CACHE_UNSTORED.format("MiniMaxM3KVCache", "block index's keys"),
+    ),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 
@@ -349,10 +373,6 @@ MROPE_FAMILIES = frozenset(name for name, f in FAMILIES.items() if f.mrope)
 _OCR = "an OCR / document-parsing model (page in, text or layout out), not a chat model"
 _DETECT = "a detection / segmentation model (boxes, masks, poses), not a chat model"
 _EMBED = "an embedding model (vectors, not text): serve it as an embedding model"
-_STATES = (
-    "its language model keeps {} layers ({}), which omlx's image path (mlx-lm's KVCache, "
-    "RotatingKVCache, ChunkedKVCache and ArraysCache layers only) does not take yet"
-)
 # mlx-vlm's own cache classes: omlx's batch and prefix cache take mlx-lm's types only.
 _OWN_CACHE = (
     "its {} layers keep mlx-vlm's own {} ({}), a cache type mlx-lm has no equivalent of: "
@@ -467,11 +487,6 @@ REFUSED: dict[str, str] = {
     "processor for Pixtral, but no processor class around it): without PyTorch (omlx "
     "installs none) mlx-vlm's load raises ImportError, so there is no reference answer to "
     "check omlx's against",
-    # A tiny MiniMax-M3 of 4 layers: ['KVCache', 'KVCache', 'KVCache', 'MiniMaxM3KVCache'].
-    "minimax_m3_vl": _STATES.format(
-        "MiniMaxM3KVCache",
-        "sparse attention: KV plus a block index's keys, every layer after the first three",
-    ),
     # Its make_cache: [DeepseekV41Cache(layers)], one object for every layer.
     "deepseek_v41": _OWN_CACHE.format(
         "decoder",

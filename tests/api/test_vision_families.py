@@ -97,6 +97,10 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # one request at a time (vlm_families.py says why);
     # 256-pixel images: its MobileNetV5 tower's fixed 16 x 16 output grid, unresampled.
     "tiny-gemma3n": ("gemma3n", 256, "by the forward's length"),
+    # Issue 41: mlx-vlm's own cache class (MiniMaxM3KVCache on its sparse layer), one
+    # request at a time on the model's own cache, no prefix cache
+    # (tiny_vlm_configs_owncache.py); 112-pixel images: 16 image tokens.
+    "tiny-minimax-m3-vl": ("minimax_m3_vl", 112, "not mlx-lm's"),
 }
 # Models built with another's seed: tiny-gemma4's weights, only the attention flag
 # differs (its images then change the answers: the test below checks it).
@@ -266,6 +270,7 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-phi4-siglip",
         "tiny-llama4",
         "tiny-gemma3n",
+        "tiny-minimax-m3-vl",
         *LINEAR,
     ],
 )
