@@ -373,10 +373,14 @@ MROPE_FAMILIES = frozenset(name for name, f in FAMILIES.items() if f.mrope)
 _OCR = "an OCR / document-parsing model (page in, text or layout out), not a chat model"
 _DETECT = "a detection / segmentation model (boxes, masks, poses), not a chat model"
 _EMBED = "an embedding model (vectors, not text): serve it as an embedding model"
-# mlx-vlm's own cache classes: omlx's batch and prefix cache take mlx-lm's types only.
+# mlx-vlm's own cache classes: omlx's batch and prefix cache take mlx-lm's types only;
+# the path that runs such a cache one request at a time (Family.own_cache, served for
+# minimax_m3_vl) has not been checked against mlx-vlm's generate on these yet.
 _OWN_CACHE = (
-    "its {} layers keep mlx-vlm's own {} ({}), a cache type mlx-lm has no equivalent of: "
-    "omlx's batch and prefix cache take mlx-lm's cache types only"
+    "its {} layers keep mlx-vlm's own {} ({}), a cache type mlx-lm has no equivalent of "
+    "(omlx's batch and prefix cache take mlx-lm's types only): its answers on omlx's "
+    "one-request-at-a-time path for such caches have not been checked against "
+    "mlx-vlm's own generate yet"
 )
 # A family whose processor only its checkpoints carry, as code (trust_remote_code).
 _OWN_PROCESSOR_CODE = (
