@@ -58,8 +58,10 @@ def _kv_per_token(model: LanguageModel, cache: list[Any], full: bool = False) ->
 
 
 def _opaque(layer: Any) -> bool:
-    """A layer cache of a class omlx has no reader for: no K/V, no parts, no state."""
-    return (
+    """A layer cache of a class omlx has no reader for: mlx-vlm's own (one may hold
+    more than K/V: qwen4_exp's KV subclass keeps its indexer's keys too), or one with
+    no K/V, no parts and no state."""
+    return type(layer).__module__.startswith("mlx_vlm.") or (
         getattr(layer, "caches", None) is None
         and getattr(layer, "keys", None) is None
         and not isinstance(layer, ArraysCache)

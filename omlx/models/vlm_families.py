@@ -352,6 +352,18 @@ FAMILIES: dict[str, Family] = {
         one_at_a_time=_OWN_CACHE_ALONE.format("MiniMaxM3KVCache"),
         no_prefix_cache=_OWN_CACHE_UNSTORED.format("MiniMaxM3KVCache", "block index's keys"),
     ),
+    # Qwen4-Exp: Qwen3.5's tower, image layout and M-RoPE over gated-delta layers and,
+    # every fourth, QSA sparse attention with mlx-vlm's QSAKVCache (KV plus its
+    # indexer's keys and positions); its linear layers keep mlx-vlm's ArraysCache.
+    "qwen4_exp": Family(
+        image_text=_QWEN_IMAGE,
+        mrope=True,
+        own_cache=True,
+        one_at_a_time=_OWN_CACHE_ALONE.format("QSAKVCache"),
+        no_prefix_cache=_OWN_CACHE_UNSTORED.format(
+            "QSAKVCache", "indexer's keys and multimodal positions"
+        ),
+    ),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 
@@ -375,7 +387,7 @@ _DETECT = "a detection / segmentation model (boxes, masks, poses), not a chat mo
 _EMBED = "an embedding model (vectors, not text): serve it as an embedding model"
 # mlx-vlm's own cache classes: omlx's batch and prefix cache take mlx-lm's types only;
 # the path that runs such a cache one request at a time (Family.own_cache, served for
-# minimax_m3_vl) has not been checked against mlx-vlm's generate on these yet.
+# minimax_m3_vl, qwen4_exp) has not been checked against mlx-vlm's generate on these yet.
 _OWN_CACHE = (
     "its {} layers keep mlx-vlm's own {} ({}), a cache type mlx-lm has no equivalent of "
     "(omlx's batch and prefix cache take mlx-lm's types only): its answers on omlx's "
@@ -430,11 +442,6 @@ REFUSED: dict[str, str] = {
     "and ignores images), not a vision-language model",
     "glm5_next": _OWN_CACHE.format(
         "sparse-attention", "PoolingCache", "the indexer's pooled keys, in a CacheList"
-    ),
-    "qwen4_exp": _OWN_CACHE.format(
-        "attention",
-        "QSAKVCache",
-        "KV plus the sparse-attention indexer's raw keys and multimodal positions",
     ),
     "inkling": "mlx-vlm's inkling package imports mlx-audio (its audio feature extractor) "
     "as it loads, which omlx does not install",
