@@ -134,8 +134,12 @@ def asked_logprobs(
 
 def merges(cache: list[CacheLayer]) -> bool:
     """Whether every layer of a sequence's cache can join a batch's (mlx-lm's
-    ChunkedKVCache cannot)."""
-    return all(hasattr(layer, "merge") for layer in cache)
+    ChunkedKVCache cannot; nor mlx-vlm's own classes, Family.own_cache: their merge
+    makes mlx-vlm's batch classes, whose forward is not the lone sequence's)."""
+    return all(
+        hasattr(layer, "merge") and not type(layer).__module__.startswith("mlx_vlm.")
+        for layer in cache
+    )
 
 
 def merge_caches(caches: Sequence[list[CacheLayer]]) -> list[BatchCacheLayer]:

@@ -11,6 +11,11 @@ cache of fixed states only (a pure SSM) grows nothing per token: the guard keeps
 the config's figure for it. The fixed states themselves (mlx-lm's ``ArraysCache``
 layers: convolution, gated-delta and SSM states) are read from the same cache:
 the bytes one sequence holds whatever its length, priced per row (issue 40).
+A cache class omlx has no reader for (mlx-vlm's own, Family.own_cache: KV beside an
+index's keys, compressed groups) is priced by what it grows: every array it holds,
+after a second, longer probe, less after the first, per token between them; what
+it holds beyond that after the longer probe (a window, a step's buffers ahead) is
+priced as fixed state per sequence.
 MLX thread only.
 """
 
@@ -31,6 +36,9 @@ log = logging.getLogger(__name__)
 # Tokens of the one forward that fills the caches' buffers (short: no window or
 # segfault-prone kernel is reached).
 PROBE_TOKENS = 8
+# Tokens the second probe adds for a cache omlx cannot read: a step of mlx-lm's and
+# mlx-vlm's growing buffers (KVCache.step), so a step's growth shows in between.
+GROW_TOKENS = 256
 
 
 def cache_bytes_per_token(model: LanguageModel, *, full: bool = False) -> int:
@@ -38,7 +46,52 @@ def cache_bytes_per_token(model: LanguageModel, *, full: bool = False) -> int:
     holds only fixed states). A quantized KV layer (a model's ``kv_bits``) counts
     quantized, or with ``full`` as it is held before its ``quantized_kv_start``.
     Raises what the model's forward raises."""
-    return sum(_per_token(layer, full) for layer in _probed_cache(model))
+    return _kv_per_token(model, _probed_cache(model), full)
+
+
+def _kv_per_token(model: LanguageModel, cache: list[Any], full: bool = False) -> int:
+    """The bytes per token of a probed cache: its readable layers' K/V slots, and
+    what the others grow by over a longer probe."""
+    opaque = [i for i, layer in enumerate(cache) if _opaque(layer)]
+    known = sum(_per_token(layer, full) for layer in cache if not _opaque(layer))
+    return known + (_grown(model, opaque)[0] if opaque else 0)
+
+
+def _opaque(layer: Any) -> bool:
+    """A layer cache of a class omlx has no reader for: mlx-vlm's own (one may hold
+    more than K/V: qwen4_exp's KV subclass keeps its indexer's keys too), or one with
+    no K/V, no parts and no state."""
+    return type(layer).__module__.startswith("mlx_vlm.") or (
+        getattr(layer, "caches", None) is None
+        and getattr(layer, "keys", None) is None
+        and not isinstance(layer, ArraysCache)
+    )
+
+
+def _grown(model: LanguageModel, layers: list[int]) -> tuple[int, int]:
+    """(bytes per token the ``layers`` of a cache grow by between a probe of
+    ``PROBE_TOKENS`` and one of ``GROW_TOKENS`` more, rounded up; the bytes they hold
+    after the longer one beyond that rate: fixed per sequence)."""
+    short = _probed_cache(model)
+    num_long = PROBE_TOKENS + GROW_TOKENS
+    held = sum(_held_bytes(layer) for layer in (_probed_cache(model, num_long)[i] for i in layers))
+    per_token = max(0, -(-(held - sum(_held_bytes(short[i]) for i in layers)) // GROW_TOKENS))
+    return per_token, max(0, held - per_token * num_long)
+
+
+def _held_bytes(tree: Any, seen: set[int] | None = None) -> int:
+    """Every array an object holds (its attributes, lists, tuples, dicts), once each."""
+    seen = set() if seen is None else seen
+    if id(tree) in seen:
+        return 0
+    seen.add(id(tree))
+    if isinstance(tree, mx.array):
+        return int(tree.nbytes)
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    elif not isinstance(tree, list | tuple):
+        tree = list(getattr(tree, "__dict__", {}).values())
+    return sum(_held_bytes(part, seen) for part in tree)
 
 
 def cache_state_bytes(model: LanguageModel) -> int:
@@ -48,10 +101,10 @@ def cache_state_bytes(model: LanguageModel) -> int:
     return sum(_state_bytes(layer) for layer in _probed_cache(model))
 
 
-def _probed_cache(model: LanguageModel) -> list[Any]:
-    """A fresh cache of one sequence after a forward of ``PROBE_TOKENS`` tokens."""
+def _probed_cache(model: LanguageModel, num_tokens: int = PROBE_TOKENS) -> list[Any]:
+    """A fresh cache of one sequence after a forward of ``num_tokens`` tokens."""
     cache = prompt_cache(model)
-    ids = mx.arange(1, 1 + PROBE_TOKENS, dtype=mx.int32).reshape(1, -1)
+    ids = (mx.arange(num_tokens, dtype=mx.int32) % 64 + 1).reshape(1, -1)
     mx.eval(model(ids, cache=cache))
     return list(cache)
 
@@ -144,8 +197,10 @@ def with_measured_kv(dims: ModelDims, model: LanguageModel, name: str) -> ModelD
     figure (logged beside it) when the measurement cannot run."""
     try:
         cache = _probed_cache(model)
-        measured = sum(_per_token(layer) for layer in cache)
-        state = sum(_state_bytes(layer) for layer in cache)
+        opaque = [i for i, layer in enumerate(cache) if _opaque(layer)]
+        grown, fixed = _grown(model, opaque) if opaque else (0, 0)
+        measured = grown + sum(_per_token(layer) for layer in cache if not _opaque(layer))
+        state = fixed + sum(_state_bytes(layer) for layer in cache)
     except Exception as exc:  # the guard still has the config's (or fallback) figure
         log.warning("memguard %s: KV per token not measured (%s): config figure kept", name, exc)
         return dims

@@ -108,6 +108,7 @@ class BatchRunner:
         # A vision-language model's encoder (omlx.models.vlm.VisionEncoder), or None.
         self._vision = vision
         self._prefix = prefix_cache
+        self._apart = not merges(prompt_cache(model))  # RunnerLayout.apart
         # Whether a burst's requests may start from a shared opening's cache (the
         # scheduler plans openings only then): batched requests of sliceable caches.
         self.shares_openings = shares_openings(model) and not (
@@ -405,6 +406,7 @@ class BatchRunner:
             solo_prefill=self.strategy.solo_prefill,
             snapshots=self._prefix is not None and self._prefix.needs_snapshots,
             batch_compiled=step is not None and step.proven and not step.failed,
+            apart=self._apart,
             min_fork_prompt=self._prefill_step_size + FORK_PAST_OPENING,
         )
 

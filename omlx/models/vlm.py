@@ -106,6 +106,7 @@ class TextModel(nn.Module):
         cross_layers: tuple[int, ...] = (),
         mrope_axes_last: bool = False,
         last_token_apart: bool = False,
+        own_cache: bool = False,
     ):
         super().__init__()
         self.language_model = language_model
@@ -116,6 +117,7 @@ class TextModel(nn.Module):
         self._cross_layers = cross_layers
         self._shared_sources = _kv_shared_sources(language_model)
         self._last_token_apart = last_token_apart
+        self._own_cache = own_cache
 
     @property
     def layers(self) -> list[Any]:
@@ -129,6 +131,8 @@ class TextModel(nn.Module):
         return bool(self._cross_layers) or self._last_token_apart
 
     def make_cache(self) -> list[_Layer]:
+        if self._own_cache:  # Family.own_cache: the model's own classes, run alone
+            return _vlm_caches(self.language_model)
         # mlx-lm's cache types in the language model's own layout (sliding windows
         # included): the batch and the prefix cache know them.
         caches: list[_Layer] = [_mlx_lm_cache(c) for c in _vlm_caches(self.language_model)]
@@ -510,7 +514,8 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
         raise library_refusal(info.name, exc) or ModelLoadError(
             f"cannot load '{info.name}' from {info.path}: {exc}"
         ) from exc
-    _require_served_caches(info, model.language_model)
+    if not traits.own_cache:
+        _require_served_caches(info, model.language_model)
     _require_image_processor(info, traits, processor)
     processor = _processor(processor, model, info)
     config = _served_config(info, model)
@@ -525,7 +530,12 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     log.info("loaded vision-language model %s in %.2f s", info.name, time.perf_counter() - start)
     cross = tuple(config["text_config"].get("cross_attention_layers") or ())
     text_model = TextModel(
-        model.language_model, traits.mrope, cross, traits.mrope_axes_last, traits.last_token_apart
+        model.language_model,
+        traits.mrope,
+        cross,
+        traits.mrope_axes_last,
+        traits.last_token_apart,
+        own_cache=traits.own_cache,
     )
     return text_model, tokenizer, config, encoder
 

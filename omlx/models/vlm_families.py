@@ -82,7 +82,10 @@ class Family:
     ``instruction_turn``: the processor writes one fixed instruction turn around one
     message's text, its images first (mlx-vlm's MessageFormat.PROMPT_ONLY), and takes
     no prompt without images: omlx gives it that one user message's text, and answers
-    any other conversation with a 400 (api/prompts.py)."""
+    any other conversation with a 400 (api/prompts.py).
+    ``own_cache``: the language model runs on its own ``make_cache()`` (mlx-vlm's cache
+    classes, which mlx-lm's batch and the prefix cache do not take), each request
+    alone; ``one_at_a_time`` and ``no_prefix_cache`` say why."""
 
     image_text: str | None = None
     image_token: str | None = None
@@ -101,9 +104,21 @@ class Family:
     image_grids: str | None = None
     last_token_apart: bool = False
     instruction_turn: bool = False
+    own_cache: bool = False
 
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+# A family whose language model keeps mlx-vlm's own cache class: each request runs
+# alone on the model's own make_cache() (mlx-lm's batch merges mlx-lm's types only),
+# and the prefix cache (kv_codec.py) has no layout to store and restore it.
+_OWN_CACHE_ALONE = (
+    "its layers keep mlx-vlm's own {} (not mlx-lm's), which omlx's batch cannot merge: "
+    "each request runs alone on the model's own cache"
+)
+_OWN_CACHE_UNSTORED = (
+    "its layers keep mlx-vlm's own {} (KV plus the {}), which the prefix cache has no "
+    "layout to cut into blocks and restore"
+)
 
 # Tested against mlx-vlm's own generate on tiny random models (tests/api/test_vision.py,
 # tests/api/test_vision_families.py).
@@ -351,6 +366,27 @@ FAMILIES: dict[str, Family] = {
     # instruction, the images' tiles, the text, the answer's heading) around the text it
     # is given and raises without images; its image rows are <plamo:image> tokens.
     "plamo2vl": Family(image_text="", image_token="<plamo:image>", instruction_turn=True),
+    # MiniMax M3 VL: Qwen-VL's image layout (start, pads, end) over a decoder whose layers
+    # after the first three are sparse attention, each with mlx-vlm's MiniMaxM3KVCache (KV
+    # plus its block index's keys). A row alone takes plain rope at its cache offset, as
+    # mlx-vlm's generate runs it (its language model builds 3-D positions for batches only).
+    "minimax_m3_vl": Family(
+        own_cache=True,
+        one_at_a_time=_OWN_CACHE_ALONE.format("MiniMaxM3KVCache"),
+        no_prefix_cache=_OWN_CACHE_UNSTORED.format("MiniMaxM3KVCache", "block index's keys"),
+    ),
+    # Qwen4-Exp: Qwen3.5's tower, image layout and M-RoPE over gated-delta layers and,
+    # every fourth, QSA sparse attention with mlx-vlm's QSAKVCache (KV plus its
+    # indexer's keys and positions); its linear layers keep mlx-vlm's ArraysCache.
+    "qwen4_exp": Family(
+        image_text=_QWEN_IMAGE,
+        mrope=True,
+        own_cache=True,
+        one_at_a_time=_OWN_CACHE_ALONE.format("QSAKVCache"),
+        no_prefix_cache=_OWN_CACHE_UNSTORED.format(
+            "QSAKVCache", "indexer's keys and multimodal positions"
+        ),
+    ),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 
@@ -372,14 +408,14 @@ MROPE_FAMILIES = frozenset(name for name, f in FAMILIES.items() if f.mrope)
 _OCR = "an OCR / document-parsing model (page in, text or layout out), not a chat model"
 _DETECT = "a detection / segmentation model (boxes, masks, poses), not a chat model"
 _EMBED = "an embedding model (vectors, not text): serve it as an embedding model"
-_STATES = (
-    "its language model keeps {} layers ({}), which omlx's image path (mlx-lm's KVCache, "
-    "RotatingKVCache, ChunkedKVCache and ArraysCache layers only) does not take yet"
-)
-# mlx-vlm's own cache classes: omlx's batch and prefix cache take mlx-lm's types only.
+# mlx-vlm's own cache classes: omlx's batch and prefix cache take mlx-lm's types only;
+# the path that runs such a cache one request at a time (Family.own_cache, served for
+# minimax_m3_vl, qwen4_exp) has not been checked against mlx-vlm's generate on these yet.
 _OWN_CACHE = (
-    "its {} layers keep mlx-vlm's own {} ({}), a cache type mlx-lm has no equivalent of: "
-    "omlx's batch and prefix cache take mlx-lm's cache types only"
+    "its {} layers keep mlx-vlm's own {} ({}), a cache type mlx-lm has no equivalent of "
+    "(omlx's batch and prefix cache take mlx-lm's types only): its answers on omlx's "
+    "one-request-at-a-time path for such caches have not been checked against "
+    "mlx-vlm's own generate yet"
 )
 # A family whose processor only its checkpoints carry, as code (trust_remote_code).
 _OWN_PROCESSOR_CODE = (
@@ -430,11 +466,6 @@ REFUSED: dict[str, str] = {
     "glm5_next": _OWN_CACHE.format(
         "sparse-attention", "PoolingCache", "the indexer's pooled keys, in a CacheList"
     ),
-    "qwen4_exp": _OWN_CACHE.format(
-        "attention",
-        "QSAKVCache",
-        "KV plus the sparse-attention indexer's raw keys and multimodal positions",
-    ),
     "inkling": "mlx-vlm's inkling package imports mlx-audio (its audio feature extractor) "
     "as it loads, which omlx does not install",
     # Run on a tiny model: stream_generate raises TypeError ("missing ... 'input_ids'").
@@ -479,11 +510,6 @@ REFUSED: dict[str, str] = {
     "fills and runs on the token ids alone, so mlx-vlm's own generate answers every image "
     "alike (and its load needs PyTorch for the checkpoint's PixtralProcessor): there is "
     "no reference answer that sees the image to check omlx's against",
-    # A tiny MiniMax-M3 of 4 layers: ['KVCache', 'KVCache', 'KVCache', 'MiniMaxM3KVCache'].
-    "minimax_m3_vl": _STATES.format(
-        "MiniMaxM3KVCache",
-        "sparse attention: KV plus a block index's keys, every layer after the first three",
-    ),
     # Its make_cache: [DeepseekV41Cache(layers)], one object for every layer.
     "deepseek_v41": _OWN_CACHE.format(
         "decoder",

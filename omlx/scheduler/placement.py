@@ -66,6 +66,9 @@ class RunnerLayout:
     snapshots: bool = False
     # The batch's compiled decode step is proven (it decodes a lone request faster).
     batch_compiled: bool = False
+    # The model's caches cannot join the batch (batch.merges): every request prefills
+    # aside and decodes as the solo sequence (its model serves one at a time).
+    apart: bool = False
     # Choices of one prompt fork from their leader from this length on (shorter ones:
     # the shared opening covers them); 0: never.
     min_fork_prompt: int = 0
@@ -122,7 +125,7 @@ def place(admitted: Sequence[Request], layout: RunnerLayout) -> Placements:
     where.update({r.request_id: Placement.IMAGE_SIDE for r in with_images})
     if solo:
         where[text[0].request_id] = Placement.SOLO
-    elif layout.snapshots:
+    elif layout.snapshots or layout.apart:
         where.update({r.request_id: Placement.SIDE for r in text})
     else:
         forks = _fork_leaders(text, layout.min_fork_prompt)
@@ -136,9 +139,10 @@ def _solo_move(
 ) -> Placement | None:
     """Where the solo sequence goes: an image prompt's arrival sends it to the batch;
     a text prompt's, to the side while it still prefills a snapshotted cache, else
-    to the batch; alone, to the batch once that decodes it faster."""
+    to the batch; alone, to the batch once that decodes it faster; never where the
+    caches cannot join the batch (``apart``)."""
     solo = layout.solo
-    if solo is None:
+    if solo is None or layout.apart:
         return None
     if with_images:
         return Placement.BATCH

@@ -107,6 +107,12 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # images' tiles (28-pixel tiles of 4 patches, a thumbnail when several) first; a
     # PLaMo 2 decoder of Mamba and attention layers (tiny_vlm_configs_plamo.py).
     "tiny-plamo2vl": ("plamo2vl", 28, None),
+    # Issue 41: mlx-vlm's own cache class (MiniMaxM3KVCache on its sparse layer), one
+    # request at a time on the model's own cache, no prefix cache
+    # (tiny_vlm_configs_owncache.py); 112-pixel images: 16 image tokens.
+    "tiny-minimax-m3-vl": ("minimax_m3_vl", 112, "not mlx-lm's"),
+    # Qwen3.5's layout with QSA sparse layers on mlx-vlm's QSAKVCache, the same path.
+    "tiny-qwen4-exp": ("qwen4_exp", 96, "not mlx-lm's"),
 }
 # Models built with another's seed: tiny-gemma4's weights, only the attention flag
 # differs (its images then change the answers: the test below checks it).
@@ -282,6 +288,8 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-llama4",
         "tiny-gemma3n",
         "tiny-minicpmo",
+        "tiny-minimax-m3-vl",
+        "tiny-qwen4-exp",
         *LINEAR,
     ],
 )

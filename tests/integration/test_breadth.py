@@ -44,7 +44,6 @@ NO_PREFIX_CACHE: dict[str, str] = {
 # config's figure (the measurement must say 0).
 CONFIG_KV_FIGURE: dict[str, str] = {
     **dict.fromkeys(["mamba", "mamba2", "rwkv7"], "recurrent states only: no KV per token"),
-    "deepseek_v41": "its LayerCache (window + compressed groups) has no keys/values to read",
 }
 
 # Types whose mlx-lm output depends on how the prompt is chunked, so "mlx-lm's tokens"
