@@ -138,7 +138,7 @@ async def _with_images(
             param=where,
         )
     await fetch_images(images)
-    text = text.replace(images.marker, vision.image_text)
+    text = vision.with_image_text(text, images.marker)
     run = partial(
         process, vision.processor, text, images.parts, vision.image_token_id, vision.prompt_ids
     )

@@ -82,14 +82,14 @@ def detect_kind(config: dict[str, Any], folder: Path | None = None) -> str:
 
 def _names_a_vision_tower(config: dict[str, Any]) -> bool:
     """A vision tower's config where the families ship it: ``vision_config``; Molmo2's
-    ``vit_config``; Qwen3-Omni's in its thinker's config; Molmo's nowhere (a
-    ``molmo`` model type is a VLM: mlx-lm has none)."""
+    ``vit_config``; Qwen3-Omni's in its thinker's config; Molmo's, Phi-3.5-vision's
+    and Phi-4-multimodal's nowhere (their model types are VLMs: mlx-lm has none)."""
     thinker = config.get("thinker_config")
     return (
         "vision_config" in config
         or "vit_config" in config
         or (isinstance(thinker, dict) and "vision_config" in thinker)
-        or config.get("model_type") == "molmo"
+        or config.get("model_type") in ("molmo", "phi3_v", "phi4mm")
     )
 
 

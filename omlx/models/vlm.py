@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -276,7 +277,25 @@ class VisionEncoder:
     def image_text(self) -> str:
         """What stands for one image in the prompt text (the processor expands it)."""
         text = self.family.image_text
+        if text is not None and self.family.numbered_images is not None:
+            return text.format(n=1)
         return self.image_token if text is None else text
+
+    def with_image_text(self, text: str, marker: str) -> str:
+        """``text`` with each image's ``marker`` replaced by what stands for it (image
+        n's number filled in, where the family numbers them: phi3_v)."""
+        numbered = self.family.image_text
+        if self.family.numbered_images is None or numbered is None:
+            return text.replace(marker, self.image_text)
+        written = re.search(re.escape(numbered).replace(r"\{n\}", r"\d+"), text)
+        if written is not None:
+            # The processor would take it for an image (one it has no pixels for).
+            raise InvalidRequestError(
+                f"a message's text writes the image marker '{written.group()}' itself, "
+                "which this model's processor takes for an image; remove it from the text"
+            )
+        first, *after = text.split(marker)
+        return first + "".join(numbered.format(n=n) + p for n, p in enumerate(after, 1))
 
     def prompt_ids(
         self, processed: list[int], pixel_shape: Sequence[int], extras: Mapping[str, Any]
@@ -285,6 +304,10 @@ class VisionEncoder:
         the model's embedding (Family.image_blocks: the image's token repeated once a
         row of its blocks). ``extras``: the processor's other outputs. Pure: runs on
         the render pool."""
+        numbered = self.family.numbered_images
+        if numbered is not None:
+            expected = sum(numbered(size) for size in np.asarray(extras["image_sizes"]))
+            return _numbered_as_one(processed, self.image_token_id, expected, self.image_text)
         rows = self._image_rows(pixel_shape, extras)
         if rows is not None:
             num_images = int(pixel_shape[0])
@@ -387,6 +410,20 @@ def _require_one_id_an_image(ids: list[int], token_id: int, num_images: int, tex
             f"the prompt has {found} image placeholders for {num_images} image(s): a "
             f"message's text writes '{text}' itself; remove it from the text"
         )
+
+
+def _numbered_as_one(ids: list[int], token_id: int, expected: int, text: str) -> list[int]:
+    """The processor's ids with image n's rows (-n each) written as ``token_id``; more
+    rows than the images' means the message text wrote an image's marker itself (its
+    rows would have no image of their own)."""
+    out = [token_id if t < 0 else t for t in ids]
+    found = out.count(token_id)
+    if found != expected:
+        raise InvalidRequestError(
+            f"the prompt has {found} image rows for its images' {expected}: a message's "
+            f"text writes an image marker such as '{text}' itself; remove it from the text"
+        )
+    return out
 
 
 def _spliced(ids: list[int], token_id: int, rows: Iterator[int]) -> list[int]:

@@ -41,6 +41,19 @@ def fastvit_rows(pixel_shape: Sequence[int]) -> int:
     return (int(height) // 64) * (int(width) // 64)
 
 
+# An image's (height, width) as the processor's image_sizes gives it -> its rows.
+SizeRule = Callable[[Sequence[int]], int]
+
+
+def hd_crop_rows(image_size: Sequence[int]) -> int:
+    """mlx-vlm's phi3_v: the HD transform's (h, w) crops of 336 pixels and the global
+    image, 144 rows each (12 x 12 merged CLIP patches), a separator row between the
+    crops and the global image, and a newline row ending each of the h + 1 rows of
+    12 (the model's count, which its processor writes: calc_num_image_tokens)."""
+    h, w = int(image_size[0]) // 336, int(image_size[1]) // 336
+    return (h * w + 1) * 144 + 1 + (h + 1) * 12
+
+
 @dataclass(frozen=True, slots=True)
 class Family:
     """``image_text``: what stands for one image in the prompt text, when it is not
@@ -105,6 +118,7 @@ class Family:
     last_token_apart: bool = False
     instruction_turn: bool = False
     own_cache: bool = False
+    numbered_images: SizeRule | None = None
 
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -336,6 +350,21 @@ FAMILIES: dict[str, Family] = {
     "phi4_siglip": Family(
         image_text="<image>", image_token_id=PLACEHOLDER_ID, image_grids="spatial_shapes"
     ),
+    # Phi-4-multimodal: phi4_siglip's layout (-200 an "<image>", the image's unpadded
+    # NaFlex patches spliced there) over a phi3-style decoder. Unquantized, mlx-vlm's load
+    # merges the vision LoRA into the decoder's weights and keeps them so for images and
+    # text alike (its get_input_embeddings switches the LoRA only for a prompt with
+    # images or audio: to the vision LoRA, already merged; omlx feeds no audio), checked
+    # on a tiny model: _active_lora "vision" after image and text-only generates. Its
+    # quantized checkpoints carry both LoRAs merged (quant_predicate) and switch nothing.
+    # One weights state either way: the batch and the prefix cache share it.
+    "phi4mm": Family(
+        image_text="<image>", image_token_id=PLACEHOLDER_ID, image_grids="spatial_shapes"
+    ),
+    # Phi-3.5-vision: "<|image_n|>" becomes image n's HD crops, written by the processor
+    # as that many ids -n; the model splices each image's rows at its run's start (a
+    # phi3 decoder: fused projections, Su-scaled rope).
+    "phi3_v": Family(image_text="<|image_{n}|>", image_token_id=-1, numbered_images=hd_crop_rows),
     # Llama 4: "<|image|>" becomes the image's tiles of <|patch|> rows (the features fill
     # them) between markers. Chunked attention on three layers of four: mlx-lm's
     # ChunkedKVCache, which cannot batch (the load's probe serves it one request at a
@@ -491,14 +520,6 @@ REFUSED: dict[str, str] = {
     "generated so far), with logits past the vocabulary for the points; one model-wide "
     "state cannot serve a batch of prompts, nor omlx's decode, which samples from the "
     "vocabulary",
-    "phi4mm": "an image is one placeholder id (-200) that the model splices its features "
-    "into (more embeddings than prompt tokens, with no rule omlx has for them yet); "
-    "unquantized, mlx-vlm also merges its vision LoRA into the language model's "
-    "weights when a prompt has images and takes it out when one has none: text and image "
-    "requests cannot share one model's weights in a batch",
-    "phi3_v": "its processor numbers each image (<|image_1|>, <|image_2|>, ...) and marks "
-    "the image's tokens with negative ids, not one image token id as omlx's prompt path "
-    "takes",
     # Run on a tiny model: mlx-vlm's load raises ImportError (PixtralProcessor requires
     # torchvision; pixtral and mistral3 load mlx-vlm's own torch-free processors, which it
     # registers for those model types only). With that processor on transformers' PIL

@@ -113,6 +113,12 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     "tiny-minimax-m3-vl": ("minimax_m3_vl", 112, "not mlx-lm's"),
     # Qwen3.5's layout with QSA sparse layers on mlx-vlm's QSAKVCache, the same path.
     "tiny-qwen4-exp": ("qwen4_exp", 96, "not mlx-lm's"),
+    # Issue 41: the processor writes image n's HD crops as ids -n (tiny_vlm_configs_phi.py:
+    # mlx-vlm's fixed CLIP ViT-L/14 tower at 336 pixels, whatever the side here).
+    "tiny-phi3-v": ("phi3_v", 336, None),
+    # Issue 41: phi4_siglip's -200 and NaFlex patches (at most (56 / 14)^2 an image), the
+    # unquantized checkpoint's vision LoRA merged by mlx-vlm's load.
+    "tiny-phi4mm": ("phi4mm", 56, None),
 }
 # Models built with another's seed: tiny-gemma4's weights, only the attention flag
 # differs (its images then change the answers: the test below checks it).
@@ -207,7 +213,8 @@ def mlx_vlm_answer(
         # The processor omlx serves, where mlx-vlm's needs torch (phi4_siglip's).
         processor = served_processor(MODELS[model][0], folder, processor)
         marker = traits(model).image_text
-        marker = processor.image_token if marker is None else marker
+        # The first image's marker, where the family numbers them (phi3_v's "<|image_1|>").
+        marker = processor.image_token if marker is None else marker.format(n=1)
         prompt = f"<|im_start|>user\n{text}{marker}<|im_end|>\n<|im_start|>assistant\n"
         if traits(model).instruction_turn:
             prompt = text  # the processor writes the turn (mlx-vlm's PROMPT_ONLY)
@@ -290,6 +297,8 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-minicpmo",
         "tiny-minimax-m3-vl",
         "tiny-qwen4-exp",
+        "tiny-phi3-v",
+        "tiny-phi4mm",
         *LINEAR,
     ],
 )
@@ -439,7 +448,87 @@ def test_phi4_siglip_images_of_two_aspects_take_their_own_rows_as_in_mlx_vlm(
     assert answer(client, "tiny-phi4-siglip", conversation) == expected
 
 
-@pytest.mark.parametrize("model", ["tiny-phi4-siglip", "tiny-fastvlm"])
+def test_phi3_v_images_of_two_aspects_take_their_own_crops_as_in_mlx_vlm(
+    client: openai.OpenAI, server: Server, tmp_path: Path
+) -> None:
+    # The HD transform gives a squarish image one crop (313 rows) and a wide one two
+    # (457): the processor writes each image's rows as ids -1 and -2 and pads the
+    # first image's crops to the second's. The prompt omlx prefills counts each
+    # image's own rows, and the answer is mlx-vlm's generate's on the same prompt.
+    from mlx_vlm import load, stream_generate
+    from mlx_vlm.utils import prepare_inputs
+
+    folder = next(i.path for i in server.pool.available().values() if i.name == "tiny-phi3-v")
+    vlm, processor = load(str(folder))
+    sizes = [(40, 50), (40, 300)]
+    images = [str(tmp_path / f"{i}.png") for i in range(len(sizes))]
+    for i, (path, size) in enumerate(zip(images, sizes, strict=True)):
+        Path(path).write_bytes(png(92 + i, size))
+    marks = "<|image_1|><|image_2|>"
+    prompt = f"<|im_start|>user\n{TEXT}{marks}<|im_end|>\n<|im_start|>assistant\n"
+    ids = prepare_inputs(processor, images=images, prompts=prompt)["input_ids"][0].tolist()
+    rows = [ids.count(-1), ids.count(-2)]
+    assert rows == [313, 457]  # the premise: the images take different numbers of rows
+    pieces = stream_generate(
+        vlm, processor, prompt, image=images, max_tokens=MAX_TOKENS, temperature=0.0
+    )
+    spell = TokenText(processor.tokenizer)
+    expected = [spell.piece(p.token)[1] for p in pieces if p.finish_reason is None]
+    conversation = ask(*(png(92 + i, size) for i, size in enumerate(sizes)), text=TEXT)
+    reply = chat(client, "tiny-phi3-v", conversation, MAX_TOKENS)
+    assert reply.usage.prompt_tokens == len(ids)
+    assert answer(client, "tiny-phi3-v", conversation) == expected
+
+
+def test_a_phi3_v_image_marker_written_in_the_text_is_a_clear_400(client: openai.OpenAI) -> None:
+    # Its processor takes every "<|image_n|>" of the text for an image: one the text
+    # writes itself would be an image with no pixels (or a second copy of one).
+    for written in ("<|image_1|>", "<|image_2|>"):
+        with pytest.raises(openai.BadRequestError) as info:
+            chat(client, "tiny-phi3-v", ask(png(74), text=f"what is {written}? {TEXT}"), 1)
+        message = info.value.response.json()["error"]["message"]
+        assert f"writes the image marker '{written}' itself" in message
+
+
+def test_phi4mm_answers_text_and_images_under_the_vision_lora_as_mlx_vlm(
+    client: openai.OpenAI, server: Server
+) -> None:
+    # Unquantized, mlx-vlm's load merges the vision LoRA into the decoder's weights, and
+    # its generate keeps them so for a text-only prompt too (it switches the LoRA only
+    # for images or audio): one weights state, which the batch and the prefix cache
+    # share. After an image request, a text request answers as mlx-vlm's generate, and
+    # again as a prefix-cache hit. The premise: without the LoRA it would answer otherwise.
+    from mlx_vlm import load, stream_generate
+
+    folder = next(i.path for i in server.pool.available().values() if i.name == "tiny-phi4mm")
+    vlm, processor = load(str(folder))
+    assert vlm._base_weights and vlm._active_lora == "vision"  # a LoRA, merged
+    text = f"{TEXT}, once more"
+    prompt = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    spell = TokenText(processor.tokenizer)
+
+    def generate() -> list[bytes]:
+        pieces = stream_generate(vlm, processor, prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+        return [spell.piece(p.token)[1] for p in pieces if p.finish_reason is None]
+
+    expected = generate()
+    assert vlm._active_lora == "vision"  # a text-only prompt keeps it
+    vlm.apply_base_weights()
+    assert generate() != expected
+    answer(client, "tiny-phi4mm", ask(png(95), text=TEXT))
+    for cached in (False, True):
+        reply = client.chat.completions.create(
+            model="tiny-phi4mm",
+            messages=[{"role": "user", "content": text}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logprobs=True,
+        )
+        assert (reply.usage.prompt_tokens_details.cached_tokens > 0) == cached
+        assert [bytes(t.bytes) for t in reply.choices[0].logprobs.content] == expected
+
+
+@pytest.mark.parametrize("model", ["tiny-phi4-siglip", "tiny-fastvlm", "tiny-phi4mm"])
 def test_an_image_marker_written_in_the_text_is_a_clear_400(
     client: openai.OpenAI, model: str
 ) -> None:

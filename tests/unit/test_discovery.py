@@ -166,10 +166,13 @@ def test_kinds_are_detected_from_config(tmp_path):
         ({"architectures": None}, "llm"),
         ({"architectures": ["Qwen3ForCausalLM"]}, "llm"),
         ({"vision_config": {}}, "vlm"),
-        # Where Molmo2, Qwen3-Omni and Molmo ship theirs (Molmo: nowhere).
+        # Where Molmo2, Qwen3-Omni and Molmo ship theirs (Molmo, Phi-3.5-vision, Phi-4-mm: nowhere).
         ({"architectures": ["Molmo2ForConditionalGeneration"], "vit_config": {}}, "vlm"),
         ({"thinker_config": {"vision_config": {}}}, "vlm"),
         ({"architectures": ["MolmoForCausalLM"], "model_type": "molmo"}, "vlm"),
+        # Phi-3.5-vision's and Phi-4-multimodal's configs as their checkpoints ship them.
+        ({"architectures": ["Phi3VForCausalLM"], "model_type": "phi3_v"}, "vlm"),
+        ({"architectures": ["Phi4MMForCausalLM"], "model_type": "phi4mm"}, "vlm"),
         # A VLM told by its architecture alone; a text seq2seq head is not one.
         ({"architectures": ["LlavaForConditionalGeneration"]}, "vlm"),
         ({"architectures": ["Qwen2_5_VLForConditionalGeneration"]}, "vlm"),
