@@ -106,6 +106,7 @@ class TextModel(nn.Module):
         cross_layers: tuple[int, ...] = (),
         mrope_axes_last: bool = False,
         last_token_apart: bool = False,
+        kept_positions: bool = False,
     ):
         super().__init__()
         self.language_model = language_model
@@ -116,6 +117,7 @@ class TextModel(nn.Module):
         self._cross_layers = cross_layers
         self._shared_sources = _kv_shared_sources(language_model)
         self._last_token_apart = last_token_apart
+        self._kept_positions = kept_positions
 
     @property
     def layers(self) -> list[Any]:
@@ -159,6 +161,11 @@ class TextModel(nn.Module):
             # An image prompt's prefill (one row, with its masks): mlx-vlm's forward.
             held: CrossAttentionStates = cache[self._cross_layers[0]]
             held.hold(states)
+        if self._kept_positions:
+            # Family.kept_positions: the model would rope a forward from the cache's start
+            # by the positions of whichever prompt it saw last (another request's); this
+            # forward's own come with it (an image prompt's input) or from its ids.
+            self.language_model._position_ids = None
         if self._mrope:
             chunk = positions if positions is not None else _index_positions(inputs, cache)
             kwargs["position_ids"] = chunk.transpose(1, 2, 0) if self._mrope_axes_last else chunk
@@ -523,7 +530,12 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     log.info("loaded vision-language model %s in %.2f s", info.name, time.perf_counter() - start)
     cross = tuple(config["text_config"].get("cross_attention_layers") or ())
     text_model = TextModel(
-        model.language_model, traits.mrope, cross, traits.mrope_axes_last, traits.last_token_apart
+        model.language_model,
+        traits.mrope,
+        cross,
+        traits.mrope_axes_last,
+        traits.last_token_apart,
+        kept_positions=traits.kept_positions,
     )
     return text_model, tokenizer, config, encoder
 
