@@ -509,18 +509,18 @@ REFUSED: dict[str, str] = {
     ),
     # A tiny model (tests/fixtures/tiny_vlm_configs_a.py of commit 77e9968): its saved
     # weights hold every parameter mlx-vlm's model has (image_newline, view_separator
-    # too), equal from load to load and unchanged by a forward, so no parameter is drawn
-    # anew at load. Yet in some runs the first image embeddings a process makes differ
-    # from the later ones' in every image row (feature, newline and separator rows
-    # alike: 10 runs of about 50, of 2 to 5 loads each), while the tower's and the
-    # projector's outputs agree (and in none of 5 runs holding the intermediate arrays).
-    # So it is in how the graph deepseek_vl_v2.py's process_image_features builds (its
-    # concatenations, the in-place ``input_embeds[idx, image_indices] = ...``) is
-    # evaluated, not in the fixture.
-    "deepseek_vl_v2": "mlx-vlm's model now and then builds a prompt's image rows "
-    "otherwise from one load of the same weights to the next (the tower's and projector's "
-    "outputs and every parameter agree; the rows process_image_features builds from them "
-    "do not): its answers cannot be checked against mlx-vlm's own generate",
+    # too), equal from load to load and unchanged by a forward: nothing is drawn anew at
+    # load. Yet in some runs get_input_embeddings returns the image rows as the image
+    # token's own text embedding (6 loads of 18, 3 a process, on a busy machine; none
+    # of 5 processes holding the intermediate arrays), while the tower's and the
+    # projector's outputs agree: the in-place assignment that splices the features,
+    # ``input_embeds[idx, image_indices] = images_in_this_batch`` (deepseek_vl_v2.py
+    # line 307, into the lazily embedded tokens), does not take.
+    "deepseek_vl_v2": "mlx-vlm's model now and then leaves a prompt's image rows as the "
+    "image token's text embedding (its in-place splice of the image features into the "
+    "embedded tokens, deepseek_vl_v2.py's process_image_features, does not take in some "
+    "runs of the same weights and image): its answers cannot be checked against mlx-vlm's "
+    "own generate",
     # Its image processor on two images (40x50, 300x120): arrays of (3, 56, 56) and (3, 84, 28).
     "minicpmo": "its processor gives the pixels as a list of arrays of different shapes "
     "(each image resized to its own aspect, with tgt_sizes and image_bound beside them), "

@@ -308,7 +308,8 @@ def test_hunyuan_vl_prompts_after_an_image_prompt_answer_as_on_a_fresh_model(
     # mlx-vlm's language model keeps an image prompt's XD-RoPE positions for its next
     # forward from the cache's start: a text prompt after an image prompt (then a
     # longer one), and another image prompt after those, each answer as mlx-vlm's
-    # generate does on a fresh model.
+    # generate does on a fresh model. Images no other test sends: no prefix-cache hit
+    # spares an image prompt its embedding (which sets the positions the model keeps).
     model = "tiny-hunyuan-vl"
     short, longer = TEXT, f"{TEXT} and tell me more about them"
     expected = {
