@@ -72,10 +72,12 @@ def image_sequence(
 
 def usable_hit(vision: VisionEncoder, prompt: list[int], hit: CacheHit | None) -> CacheHit | None:
     """What of a prefix-cache hit the image prompt may take: all of it, or, where the
-    family's image tokens attend each other both ways, only a hit holding every image
-    token (None: prefill from the first token). mlx-vlm's model lays the block mask
-    over a forward from the first token only: after a shorter hit the image's tokens
-    would attend each other causally."""
+    family embeds images right only from the prompt's first token
+    (Family.images_from_first_token), only a hit holding every image token (None:
+    prefill from the first token). mlx-vlm's model lays the block mask (gemma4's
+    bidirectional images) or the XD-RoPE positions (hunyuan_vl) over a forward from
+    the first token only: after a shorter hit the image's tokens would attend each
+    other causally, or sit at plain positions."""
     if hit is None or usable_hit_tokens(vision, prompt, hit.num_tokens) == hit.num_tokens:
         return hit
     return None
@@ -85,7 +87,7 @@ def usable_hit_tokens(vision: VisionEncoder, prompt: Sequence[int], num_tokens: 
     """The cached tokens of ``usable_hit``, by count: the memory gate prices a prompt's
     prefill with the tokens the runner will take from the cache, not with the longest
     match (a dropped hit prefills from the first token)."""
-    if not vision.family.bidirectional_images:
+    if not vision.family.images_from_first_token:
         return num_tokens
     return 0 if vision.image_token_id in prompt[num_tokens:] else num_tokens
 

@@ -108,6 +108,7 @@ class TextModel(nn.Module):
         mrope_axes_last: bool = False,
         last_token_apart: bool = False,
         own_cache: bool = False,
+        kept_positions: bool = False,
     ):
         super().__init__()
         self.language_model = language_model
@@ -119,6 +120,7 @@ class TextModel(nn.Module):
         self._shared_sources = _kv_shared_sources(language_model)
         self._last_token_apart = last_token_apart
         self._own_cache = own_cache
+        self._kept_positions = kept_positions
 
     @property
     def layers(self) -> list[Any]:
@@ -164,6 +166,11 @@ class TextModel(nn.Module):
             # An image prompt's prefill (one row, with its masks): mlx-vlm's forward.
             held: CrossAttentionStates = cache[self._cross_layers[0]]
             held.hold(states)
+        if self._kept_positions:
+            # Family.kept_positions: the model would rope a forward from the cache's start
+            # by the positions of whichever prompt it saw last (another request's); this
+            # forward's own come with it (an image prompt's input) or from its ids.
+            self.language_model._position_ids = None
         if self._mrope:
             chunk = positions if positions is not None else _index_positions(inputs, cache)
             kwargs["position_ids"] = chunk.transpose(1, 2, 0) if self._mrope_axes_last else chunk
@@ -573,6 +580,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
         traits.mrope_axes_last,
         traits.last_token_apart,
         own_cache=traits.own_cache,
+        kept_positions=traits.kept_positions,
     )
     return text_model, tokenizer, config, encoder
 

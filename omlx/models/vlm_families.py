@@ -98,7 +98,17 @@ class Family:
     any other conversation with a 400 (api/prompts.py).
     ``own_cache``: the language model runs on its own ``make_cache()`` (mlx-vlm's cache
     classes, which mlx-lm's batch and the prefix cache do not take), each request
-    alone; ``one_at_a_time`` and ``no_prefix_cache`` say why."""
+    alone; ``one_at_a_time`` and ``no_prefix_cache`` say why.
+    ``numbered_images``: the text marks image n by ``image_text`` with ``{n}`` filled
+    in, and the processor writes that image's rows itself as negative ids; this rule
+    gives their count from the image's size (phi3_v's HD crops: ``image_sizes``).
+    ``kept_positions``: the language model keeps the rope positions of the last prompt
+    it embedded or prefilled for its next forward from the cache's start, and ropes
+    only that forward by them (hunyuan_vl's XD-RoPE); omlx hands each such forward its
+    own (an image prompt's, the ``position_ids`` prompt input; a text prompt's, none:
+    the model computes them from its ids), and an image prompt goes in one forward
+    (whole_prompt) from its first token: a prefix-cache hit serves it only when it
+    holds every image token."""
 
     image_text: str | None = None
     image_token: str | None = None
@@ -119,6 +129,13 @@ class Family:
     instruction_turn: bool = False
     own_cache: bool = False
     numbered_images: SizeRule | None = None
+    kept_positions: bool = False
+
+    @property
+    def images_from_first_token(self) -> bool:
+        """An image prompt's image tokens are embedded right only by a forward from the
+        prompt's first token: a prefix-cache hit must hold all of them or none."""
+        return self.bidirectional_images or self.kept_positions
 
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -370,6 +387,20 @@ FAMILIES: dict[str, Family] = {
     # ChunkedKVCache, which cannot batch (the load's probe serves it one request at a
     # time, as mlx-lm's text llama4).
     "llama4": Family(image_text="<|image|>", image_token="<|patch|>"),
+    # Hunyuan-VL (HunyuanOCR): the processor writes an image as begin, its merged patch
+    # rows (a newline row a merged row) and end tokens, with XD-RoPE positions (index,
+    # width, height, time) for the prompt; mlx-vlm's language model keeps them for its
+    # next forward from offset 0 and ropes every later forward at plain positions. A
+    # tiny model (image prompt, text prompt, image prompt, each against mlx-vlm on a
+    # fresh model) matches only with each forward's own positions (kept_positions).
+    "hunyuan_vl": Family(
+        prompt_inputs=("position_ids",),
+        whole_prompt=True,
+        kept_positions=True,
+        one_at_a_time="hunyuan_vl's rope places every row of a batch at the batch's shared "
+        "cache index (mlx-vlm's cache_position_offset), not at each row's own offset, so "
+        "rows of other lengths would decode at wrong positions",
+    ),
     # Cohere Compass: qwen3_vl's image layout, interleaved M-RoPE and deepstack features
     # (its own vision markers), over a Command decoder with sliding-window layers.
     "cohere_compass": Family(
@@ -538,19 +569,20 @@ REFUSED: dict[str, str] = {
         "one object for every layer: each layer's window, compressed and indexer buffers "
         "and states, and the hand-off from one layer to the next",
     ),
-    # A tiny model: of 5 loads of the same weights, the 2nd and 4th embed the same
-    # image's tokens with other rows (its vision tower and projector agree every time).
-    "deepseek_vl_v2": "mlx-vlm's model puts other image rows into the same prompt's "
-    "embeddings from one load of the same weights to the next (the tower's and "
-    "projector's outputs agree; the rows it builds from them do not): its answers cannot "
-    "be checked against mlx-vlm's own generate",
-    # A tiny model: a text prompt's logits after an image prompt's embedding differ from
-    # the same prompt's on a fresh model, and match again after a text-only embedding.
-    "hunyuan_vl": "mlx-vlm keeps an image prompt's XD-RoPE positions on its language "
-    "model and applies them to the first forward of the next prompt, until that "
-    "prompt's own embedding (without images) clears them: omlx prefills a text prompt "
-    "without the vision path, so after an image prompt it would take that image's "
-    "positions",
+    # A tiny model (tests/fixtures/tiny_vlm_configs_a.py of commit 77e9968): its saved
+    # weights hold every parameter mlx-vlm's model has (image_newline, view_separator
+    # too), equal from load to load and unchanged by a forward: nothing is drawn anew at
+    # load. Yet in some runs get_input_embeddings returns the image rows as the image
+    # token's own text embedding (6 loads of 18, 3 a process, on a busy machine; none
+    # of 5 processes holding the intermediate arrays), while the tower's and the
+    # projector's outputs agree: the in-place assignment that splices the features,
+    # ``input_embeds[idx, image_indices] = images_in_this_batch`` (deepseek_vl_v2.py
+    # line 307, into the lazily embedded tokens), does not take.
+    "deepseek_vl_v2": "mlx-vlm's model now and then leaves a prompt's image rows as the "
+    "image token's text embedding (its in-place splice of the image features into the "
+    "embedded tokens, deepseek_vl_v2.py's process_image_features, does not take in some "
+    "runs of the same weights and image): its answers cannot be checked against mlx-vlm's "
+    "own generate",
     # Run on a tiny model (a sliding-window layer and a full one without rope, 4 experts,
     # a 2-layer tower; the tiny audio config transformers' config requires), mlx-vlm's
     # MuseSparkProcessor: stream_generate raises "[metal_kernel] No Metal back-end"

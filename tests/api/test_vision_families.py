@@ -119,6 +119,9 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # Issue 41: phi4_siglip's -200 and NaFlex patches (at most (56 / 14)^2 an image), the
     # unquantized checkpoint's vision LoRA merged by mlx-vlm's load.
     "tiny-phi4mm": ("phi4mm", 56, None),
+    # Issue 41: XD-RoPE positions the model keeps between forwards (vlm_families.py says
+    # how omlx gives each forward its own); its processor's own 512-pixel least side.
+    "tiny-hunyuan-vl": ("hunyuan_vl", 512, "shared cache index"),
 }
 # Models built with another's seed: tiny-gemma4's weights, only the attention flag
 # differs (its images then change the answers: the test below checks it).
@@ -299,6 +302,7 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-qwen4-exp",
         "tiny-phi3-v",
         "tiny-phi4mm",
+        "tiny-hunyuan-vl",
         *LINEAR,
     ],
 )
@@ -317,6 +321,46 @@ def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     got = chat(client, model, ask(png(60, size), text=text), MAX_TOKENS)
     assert got.usage.prompt_tokens > 64 >= 2 * ATTENTION_CHUNK
     assert answer(client, model, ask(png(60, size), text=text)) == expected
+
+
+def _mlx_vlm_text_answer(server: Server, model: str, text: str) -> list[bytes]:
+    """mlx-vlm's own greedy generate on a text-only prompt, on a freshly loaded model."""
+    from mlx_vlm import load, stream_generate
+
+    folder = next(i.path for i in server.pool.available().values() if i.name == model)
+    vlm, processor = load(str(folder))
+    prompt = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    pieces = stream_generate(vlm, processor, prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+    spell = TokenText(processor.tokenizer)
+    return [spell.piece(p.token)[1] for p in pieces if p.finish_reason is None]
+
+
+def test_hunyuan_vl_prompts_after_an_image_prompt_answer_as_on_a_fresh_model(
+    client: openai.OpenAI, server: Server, tmp_path: Path
+) -> None:
+    # mlx-vlm's language model keeps an image prompt's XD-RoPE positions for its next
+    # forward from the cache's start: a text prompt after an image prompt (then a
+    # longer one), and another image prompt after those, each answer as mlx-vlm's
+    # generate does on a fresh model. Images no other test sends: no prefix-cache hit
+    # spares an image prompt its embedding (which sets the positions the model keeps).
+    model = "tiny-hunyuan-vl"
+    short, longer = TEXT, f"{TEXT} and tell me more about them"
+    expected = {
+        "image": mlx_vlm_answer(server, model, 80, tmp_path),
+        "text": _mlx_vlm_text_answer(server, model, short),
+        "longer text": _mlx_vlm_text_answer(server, model, longer),
+        "other image": mlx_vlm_answer(server, model, 81, tmp_path),
+    }
+    conversations = {
+        "image": ask(png(80), text=TEXT),
+        "text": [{"role": "user", "content": short}],
+        "longer text": [{"role": "user", "content": longer}],
+        "other image": ask(png(81), text=TEXT),
+    }
+    for name, messages in conversations.items():
+        assert len(expected[name]) == MAX_TOKENS
+        assert answer(client, model, messages) == expected[name], name
+    assert expected["text"] != expected["image"] != expected["other image"]
 
 
 @pytest.mark.parametrize(
@@ -598,16 +642,23 @@ def test_a_bidirectional_image_prompt_takes_a_cache_hit_only_past_its_images(
     assert usable_hit(visions["tiny-gemma4"], prompt, early) is early
 
 
-def test_a_bidirectional_image_prompt_whose_hit_ends_before_its_image_starts_over(
-    client: openai.OpenAI, server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("model", ["tiny-gemma4-bidirectional", "tiny-hunyuan-vl"])
+def test_an_image_prompt_embedded_from_its_first_token_whose_hit_ends_before_it_starts_over(
+    client: openai.OpenAI,
+    server: Server,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    model: str,
 ) -> None:
     # Two prompts with the same image part after a block of the same text (the prefix
     # cache's 256 tokens): the second's hit would end before its image, where the
-    # image's tokens could only attend causally. It prefills from its first token and
-    # answers as mlx-vlm does; asked again, its whole prompt but the last token hits.
+    # image's tokens could only attend causally (bidirectional gemma4) or sit at plain
+    # rope positions (hunyuan_vl). It prefills from its first token and answers as
+    # mlx-vlm does; asked again, its whole prompt but the last token hits.
     # The memory gate prices each prefill with the cached tokens the runner takes (a
     # dropped hit is a whole prefill), read here through the gate's own count.
-    model, shared = "tiny-gemma4-bidirectional", "tell me about the colours and the shapes " * 40
+    assert traits(model).images_from_first_token
+    shared = "tell me about the colours and the shapes " * 40
     chat(client, model, ask(png(90), text=shared + "first"), MAX_TOKENS)
     expected = mlx_vlm_answer(server, model, 90, tmp_path, shared + "second")
     gate = next(e for e in server.pool.loaded() if e.name == model).gate
