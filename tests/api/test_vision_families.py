@@ -26,6 +26,7 @@ from omlx.models.vlm_families import family as family_of
 from omlx.models.vlm_processors import served_processor
 from tests.api.test_vision import ask, chat, png
 from tests.fixtures.tiny_vlm_configs_llama4 import ATTENTION_CHUNK
+from tests.fixtures.tiny_vlm_configs_phi import shallow_phi3_v_tower
 from tests.fixtures.tiny_vlm_configs_vfam1 import STARMIE_REPO, cache_starmie, offline_hub
 from tests.fixtures.tiny_vlms import build_tiny_vlm
 
@@ -159,19 +160,21 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     from tests.fixtures.servers import live_server
 
     root = tmp_path_factory.mktemp("tiny-vlm-families")
-    for name, (family, side, _) in MODELS.items():
-        seed = list(MODELS).index(SAME_WEIGHTS.get(name, name))
-        build_tiny_vlm(root / name, family, seed=seed, image_size=side)
-    hub = cache_starmie(tmp_path_factory.mktemp("hub"), root / "tiny-moondream2")
-    with (
-        offline_hub(hub),
-        live_server(
-            tmp_path_factory.mktemp("base"),
-            root,
-            scheduler={"max_concurrent_requests": 8, "prefill_step_size": 64},
-        ) as srv,
-    ):
-        yield srv
+    with pytest.MonkeyPatch.context() as patch:
+        shallow_phi3_v_tower(patch)
+        for name, (family, side, _) in MODELS.items():
+            seed = list(MODELS).index(SAME_WEIGHTS.get(name, name))
+            build_tiny_vlm(root / name, family, seed=seed, image_size=side)
+        hub = cache_starmie(tmp_path_factory.mktemp("hub"), root / "tiny-moondream2")
+        with (
+            offline_hub(hub),
+            live_server(
+                tmp_path_factory.mktemp("base"),
+                root,
+                scheduler={"max_concurrent_requests": 8, "prefill_step_size": 64},
+            ) as srv,
+        ):
+            yield srv
 
 
 @pytest.fixture(scope="module")
