@@ -19,7 +19,7 @@ from omlx.cache.setup import make_prefix_cache
 from omlx.engine.admission import AdmissionSwitch
 from omlx.engine.batching_verdict import BatchingVerdicts, batching_key
 from omlx.engine.compiled_batch import CompiledSteps
-from omlx.engine.gate_inputs import request_held_states
+from omlx.engine.gate_inputs import request_held_states, request_one_forward
 from omlx.engine.kv_measure import cache_step, with_kv_start, with_measured_kv
 from omlx.engine.model_engine import ModelEngine
 from omlx.engine.output_probe import output_probe
@@ -136,6 +136,7 @@ def _assemble(
         name=loaded.info.name,
         kv_step=cache_step(loaded.model),
         held_states=partial(request_held_states, loaded.vision),
+        one_forward=partial(request_one_forward, loaded.vision),
     )
     unbatched = (
         _probe_batching(loaded, parts, scheduler, strategy, kv_quant) if cluster is None else None

@@ -46,6 +46,7 @@ def step_gate(engine: ModelEngine, worker: ProcessWork, admission: AdmissionSwit
         elsewhere=_Elsewhere(worker, weakref.ref(engine)),
         image_bytes=partial(request_image_bytes, loaded.vision, guard),
         held_states=partial(request_held_states, loaded.vision),
+        one_forward=partial(request_one_forward, loaded.vision),
         state_row_bytes=state_row_bytes(loaded.vision.dims) if loaded.vision else 0,
         cached_tokens=partial(_cached_tokens, engine.prefix_cache, loaded.vision),
         admission=admission,
@@ -79,6 +80,12 @@ def request_held_states(vision: VisionEncoder | None, request: Request) -> int:
         return 0
     shapes = pixel_shapes(request.images.pixel_values)
     return sum(held_states(vision.dims, shape) for shape in shapes)
+
+
+def request_one_forward(vision: VisionEncoder | None, request: Request) -> bool:
+    """Whether the request's prompt prefills in one forward, never in chunks: an image
+    prompt of a family whose model attends it as one (Family.whole_prompt)."""
+    return vision is not None and request.images is not None and vision.family.whole_prompt
 
 
 def request_held_state_bytes(vision: VisionEncoder | None, request: Request) -> int:

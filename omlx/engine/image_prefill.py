@@ -4,7 +4,8 @@ The vision tower and projector turn the prompt's image tokens into input
 embeddings once, when the request starts (the scheduler starts it only in a step
 whose memory gate passed the encode: ``StepGate.may_encode``); the sequence feeds
 them a gated chunk per step (solo.py), and at its last (text) token it joins the
-decode batch like any side sequence.
+decode batch like any side sequence. A family whose text prompts too embed otherwise
+than by id (``embedded_prompts``: gemma3n) prefills them here, embedded without images.
 """
 
 from __future__ import annotations
@@ -46,9 +47,13 @@ def image_sequence(
     # The vision tower runs unless the cache already holds every image token (what
     # follows the last image is text at plain positions, whatever the family; a
     # family whose image path embeds text otherwise than by id embeds it there).
-    if vision.image_token_id in prompt[done:] or vision.family.last_token_apart:
+    if images is None:
+        # A text prompt of a family whose every prompt comes here (embedded_prompts).
+        embedded = vision.embed_text(prompt)
+    elif vision.image_token_id in prompt[done:] or vision.family.last_token_apart:
         embedded = vision.embed(prompt, images.pixel_values, images.extras)
         _require_row_per_token(vision, embedded.embeddings.shape[1], len(prompt))
+    if embedded is not None:
         mx.eval(embedded.arrays())
     return SoloSequence(
         model,

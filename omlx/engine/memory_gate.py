@@ -50,7 +50,8 @@ class StepGate:
     """``elsewhere``: the other models' work in flight. ``image_bytes``: the
     transient of encoding a request's images. ``held_states``: the image state
     rows a request then holds for its whole life (mllama's cross-attention states),
-    ``state_row_bytes`` each. ``cached_tokens``: a prompt's
+    ``state_row_bytes`` each. ``one_forward``: whether a request's prompt prefills in
+    one forward (a whole-prompt image prompt), priced so. ``cached_tokens``: a prompt's
     tokens the prefix index holds (0 without a prefix cache). ``admission``: the
     pool's one admission switch (the enforcer pauses it above the soft limit)."""
 
@@ -63,6 +64,7 @@ class StepGate:
         elsewhere: Elsewhere,
         image_bytes: Callable[[Request], int],
         held_states: Callable[[Request], int] = lambda request: 0,
+        one_forward: Callable[[Request], bool] = lambda request: False,
         state_row_bytes: int = 0,
         cached_tokens: Callable[[Request], int] = lambda request: 0,
         admission: AdmissionSwitch,
@@ -73,6 +75,7 @@ class StepGate:
         self._elsewhere = elsewhere
         self._image_bytes = image_bytes
         self._held_states = held_states
+        self._one_forward = one_forward
         self._state_row_bytes = state_row_bytes
         self._cached_tokens = cached_tokens
         self._reading: MemoryReading | None = None  # the last shape's, for its log line
@@ -190,7 +193,7 @@ class StepGate:
             self.memory_wait = None
         if reason is None:
             guard, n = self.guard, request.num_prompt_tokens
-            chunk = min(n, guard.chunk_tokens)
+            chunk = n if self._one_forward(request) else min(n, guard.chunk_tokens)
             self._pending_bytes += (
                 prefill_step_transient_bytes(guard.dims, chunk, n)
                 + guard.unmodeled_bytes
@@ -263,12 +266,15 @@ class StepGate:
         # every request that will prefill in the same batch as this one, and the
         # copy of the decode batch's KV (and every row's fixed states, and image states
         # when a row with images joins: mlx-lm's ArraysCache and CrossAttentionStates
-        # extend by concatenation too) its rows make when this one joins.
+        # extend by concatenation too) its rows make when this one joins, and the
+        # copy of the others' image states a row's leaving makes once it runs.
         join = self._join_copy_bytes(after, images=after.states > self._computed_states)
         kv = self._kv_to_come(after, n) + self._states_to_come(after, states)
-        pending = self._pending_bytes + kv + join + self._image_bytes(request)
+        copies = join + after.leave_states * self._state_row_bytes
+        pending = self._pending_bytes + kv + copies + self._image_bytes(request)
         reading = plus(self.probe.reading(fresh=True), pending)
-        return None if self.guard.admit(n, in_flight, reading) else "memory"
+        one_forward = self._one_forward(request)
+        return None if self.guard.admit(n, in_flight, reading, one_forward) else "memory"
 
     def _states_to_come(self, load: KVLoad, num_new_states: int) -> int:
         """The image states ``load``'s rows will hold beyond those the running rows hold
@@ -312,6 +318,8 @@ class StepGate:
         decoding_here = self._decoding_here = num_running > len(plan)
         if decoding_here and any(c.num_remaining <= c.num_tokens + 1 for c in plan):
             reading = plus(reading, self._join_copy_bytes(load))
+        if decoding_here:  # a decoding row may leave: the others' image states copied
+            reading = plus(reading, load.leave_states * self._state_row_bytes)
         # Prefill waits as long as other work goes on, however slow the machine: it
         # is ended only when nothing else could free memory (issue 40, defect 13).
         # Another model that waits for memory itself is no reason to wait: two
@@ -347,7 +355,10 @@ class StepGate:
             what = f"prefill chunks capped at {shape.cap} tokens (planned {planned})"
         if shape.ended:
             self.num_gated += len(shape.ended)
-            what += f"; ending {', '.join(shape.ended)}: not even a {shape.cap}-token chunk fits"
+            what += (
+                f"; ending {', '.join(shape.ended)}: not even a {shape.cap}-token chunk "
+                "(or a whole-prompt image prompt's one forward) fits"
+            )
         self.log_over_limit(what, self._reading)
 
     def may_share(self, num_tokens: int, num_cached_tokens: int, num_running: int) -> bool:

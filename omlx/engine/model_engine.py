@@ -22,7 +22,12 @@ from omlx.cache.hot import ClearTier
 from omlx.cache.prefix import PrefixCache
 from omlx.engine.admission import AdmissionSwitch
 from omlx.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from omlx.engine.gate_inputs import request_held_state_bytes, request_image_bytes, step_gate
+from omlx.engine.gate_inputs import (
+    request_held_state_bytes,
+    request_image_bytes,
+    request_one_forward,
+    step_gate,
+)
 from omlx.engine.stream import RequestStream, StreamEvent, deliver
 from omlx.engine.token_text import LogprobEntry, TokenText
 from omlx.engine.unbatched import serve_one_at_a_time
@@ -180,6 +185,7 @@ class ModelEngine:
                 request.num_prompt_tokens,
                 image_bytes=request_image_bytes(self.loaded.vision, self.guard, request),
                 held_state_bytes=request_held_state_bytes(self.loaded.vision, request),
+                one_forward=request_one_forward(self.loaded.vision, request),
             )
         with self._lock:
             if self._refusal is not None:

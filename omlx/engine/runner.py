@@ -256,11 +256,12 @@ class BatchRunner:
                 self._start_batched(row, cache, done, r.prompt_ids[done:])
 
     def _start_with_images(self, request: Request) -> int:
-        """A prompt with images prefills on the side (image_prefill.py). Its blocks
-        are keyed by the images' hashes: their tokens' ids are the same whatever
-        the image. Returns the prompt tokens the prefix cache held."""
+        """A prompt with images (or any, RunnerLayout.embedded_prompts) prefills on the
+        side (image_prefill.py). Its blocks are keyed by the images' hashes: their
+        tokens' ids are the same whatever the image. Returns the prompt tokens the
+        prefix cache held."""
         assert self._vision is not None, "images reached a text-only model"
-        keys = request.images.keys
+        keys = request.images.keys if request.images is not None else ()
         hit = None
         self._stores.track(request, keys)
         if self._prefix is not None:
@@ -405,6 +406,7 @@ class BatchRunner:
             solo=solo,
             solo_prefill=self.strategy.solo_prefill,
             snapshots=self._prefix is not None and self._prefix.needs_snapshots,
+            embedded_prompts=self._vision is not None and self._vision.family.last_token_apart,
             batch_compiled=step is not None and step.proven and not step.failed,
             apart=self._apart,
             min_fork_prompt=self._prefill_step_size + FORK_PAST_OPENING,
@@ -488,7 +490,8 @@ class BatchRunner:
         plan = []
         for seq in self._sequences.prefilling():
             if n := seq.next_prefill_tokens():
-                plan.append(PrefillChunk(seq.request_id, n, seq.num_cached + n, seq.num_pending))
+                context, left = seq.num_cached + n, seq.num_pending
+                plan.append(PrefillChunk(seq.request_id, n, context, left, seq.runs_whole))
         for rid, n, left, whole in self._prefill.plan():
             plan.append(PrefillChunk(rid, n, whole, left))
         return plan

@@ -254,12 +254,15 @@ class SoloSequence:
         first token before the batch takes over (Family.last_token_apart)."""
         return self._embedded_last and self._embeddings is not None and len(self._prompt) == 1
 
+    @property
+    def runs_whole(self) -> bool:
+        """Its next step feeds the rest of its prompt in one forward, never in chunks:
+        the memory gate runs it whole or holds it (throttle: an indivisible chunk)."""
+        return self._y is None and self._whole_prompt and len(self._prompt) > 1
+
     def _in_whole_pass(self) -> bool:
-        """Past the gate's cap, a whole-prompt sequence prefills in chunks after all."""
-        if self.feeds_last_token:
-            return True
-        capped = self._cap is not None and len(self._prompt) > self._cap
-        return self._whole_prompt and not capped and len(self._prompt) > 1
+        # A held one is not stepped (``held``): any other cap it runs past whole.
+        return self.feeds_last_token or self.runs_whole
 
     def _prefill_whole(self) -> None:
         start = len(self._cached)
@@ -284,8 +287,7 @@ class SoloSequence:
 
     def _whole_rest(self) -> mx.array | None:
         """A whole-prompt sequence's embedded rest of the prompt: its last token too
-        goes with the prompt's inputs (mllama's cross-attention mask row), also
-        after the gate's cap chunked the prompt."""
+        goes with the prompt's inputs (mllama's cross-attention mask row)."""
         if not (self._whole_prompt or self._embedded_last) or self._embeddings is None:
             return None
         return self._embeddings[:, len(self._cached) :]
@@ -323,12 +325,8 @@ class SoloSequence:
         if self._processors:
             self._remember(processor_context(chunk))
         end = pos + n
-        # A whole-prompt sequence's chunks (the gate capped it) attend otherwise than
-        # its one forward would: none of its blocks are stored.
-        if (
-            self._on_boundary is not None
-            and not self._whole_prompt
-            and (end % self._block_size == 0 or len(self._prompt) == 1)
+        if self._on_boundary is not None and (
+            end % self._block_size == 0 or len(self._prompt) == 1
         ):
             self._on_boundary(end, self._cache)
         mx.clear_cache()

@@ -195,20 +195,28 @@ class MemoryGuard:
             unmodeled_bytes=p.unmodeled_bytes if p is not None else 0,
         )
 
-    def admit(self, num_prompt_tokens: int, num_in_flight: int, reading: MemoryReading) -> bool:
+    def admit(
+        self,
+        num_prompt_tokens: int,
+        num_in_flight: int,
+        reading: MemoryReading,
+        one_forward: bool = False,
+    ) -> bool:
         """Scheduler admission: False keeps the request queued (re-checked next step).
         Logs each deferral (``memadmit``). The request will be a row of a batched
-        prefill: its row's measured excess counts."""
+        prefill: its row's measured excess counts. ``one_forward``: its prompt goes in
+        one forward, not in chunks (a whole-prompt image prompt)."""
+        chunk_tokens = num_prompt_tokens if one_forward else self.chunk_tokens
+        chunk = min(num_prompt_tokens, chunk_tokens)
         estimate = estimate_prefill(
             self.dims,
             reading,
             num_new_tokens=num_prompt_tokens,
             num_cached_tokens=0,
-            chunk_tokens=self.chunk_tokens,
+            chunk_tokens=chunk_tokens,
             limits=self.limits,
             others_in_flight=num_in_flight > 0,
-            unmodeled_bytes=self.unmodeled_bytes
-            + self.batch_excess_bytes(min(num_prompt_tokens, self.chunk_tokens)),
+            unmodeled_bytes=self.unmodeled_bytes + self.batch_excess_bytes(chunk),
             kv_step=self.kv_step,
         )
         decision = admit(estimate, self.limits, num_in_flight=num_in_flight)
@@ -246,6 +254,7 @@ class MemoryGuard:
         extra_bytes: int = 0,
         image_bytes: int = 0,
         held_state_bytes: int = 0,
+        one_forward: bool = False,
     ) -> None:
         """Raise PrefillMemoryExceededError (HTTP 400) for a prompt that cannot fit
         under the hard limit even with nothing else in flight. The estimate goes
@@ -253,7 +262,8 @@ class MemoryGuard:
         transient beyond a prefill's (a scoring pass's logits); ``image_bytes``: the
         transient of encoding the prompt's images (memory/vision.py);
         ``held_state_bytes``: the image states the request then holds while it runs
-        (mllama's), counted against the KV capacity with its cache."""
+        (mllama's), counted against the KV capacity with its cache; ``one_forward``:
+        the prompt goes in one forward, not in chunks (a whole-prompt image prompt)."""
         baseline = self.baseline_bytes
         try:
             preflight(
@@ -261,7 +271,7 @@ class MemoryGuard:
                 baseline_bytes=baseline,
                 num_new_tokens=num_prompt_tokens - num_cached_tokens,
                 num_cached_tokens=num_cached_tokens,
-                chunk_tokens=self.chunk_tokens,
+                chunk_tokens=num_prompt_tokens if one_forward else self.chunk_tokens,
                 limits=self.limits,
                 unmodeled_bytes=self.unmodeled_bytes + extra_bytes + image_bytes,
                 kv_step=self.kv_step,
@@ -271,6 +281,13 @@ class MemoryGuard:
             if image_bytes:
                 images = f", {format_bytes(image_bytes)} of it to encode its images"
             hint = "send fewer or smaller images, or " + exc.hint if image_bytes else exc.hint
+            if one_forward:
+                images += ", prefilled in one forward (this model attends an image prompt whole)"
+                hint = (
+                    "send a shorter prompt or fewer or smaller images, unload another model, "
+                    "or raise memory.max_process_memory (a smaller prefill_step_size does "
+                    "not help: the model attends the whole image prompt at once)"
+                )
             raise PrefillMemoryExceededError(
                 f"this prompt ({num_prompt_tokens} tokens) needs about "
                 f"{format_bytes(exc.estimated_bytes)} at its prefill peak{images}, over the "

@@ -11,7 +11,8 @@ not fit ended (the scheduler first lets the newest request give way).
 
 One cap for the whole step, not one per request: rows prefilled in one batched
 forward are right-padded to the longest, so only a cap on all of them shrinks
-that forward.
+that forward. An indivisible chunk (a whole-prompt image prompt, whose tokens
+attend as one forward) is never capped: it runs whole, waits, or is ended.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class PlannedChunk(Protocol):
     def num_tokens(self) -> int: ...
     @property
     def num_context_tokens(self) -> int: ...
+    @property
+    def indivisible(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ def _not_fitting(plan: Sequence[PlannedChunk], fits: ChunkFits, cap: int | None)
     ahead = 0
     failing = []
     for chunk in plan:
-        n = chunk.num_tokens if cap is None else min(cap, chunk.num_tokens)
+        n = chunk.num_tokens if cap is None or chunk.indivisible else min(cap, chunk.num_tokens)
         if fits(ahead + n, chunk.num_context_tokens - chunk.num_tokens):
             ahead += n
         else:

@@ -56,11 +56,15 @@ class CrossAttentionStates(ArraysCache):
         self.lengths = None
 
     def filter(self, batch_indices: Any) -> None:
+        """Keep ``batch_indices``' rows. Their states are gathered into a new array
+        (the memory gate prices that copy: ``leave_copy_states``), unless every row
+        with images stays: a row without leaving keeps the array as it is."""
         keep = [int(i) for i in batch_indices]
         kept = [self._image_rank(i) for i in keep if self.num_states[i]]
+        every = len(kept) == len(self.image_rows())
         self.num_states = [self.num_states[i] for i in keep]
         states = self.states
-        if states is not None and kept:
+        if states is not None and kept and not (every and kept == sorted(kept)):
             states = states[mx.array(kept), : max(self.num_states)]
         self[0] = states if kept else None
         self.left_padding = None

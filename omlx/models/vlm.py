@@ -377,6 +377,16 @@ class VisionEncoder:
         shifted = (positions - mx.array(deltas).reshape(1, -1, 1)).astype(mx.int32)
         return PromptEmbedding(embeds, shifted, inputs)
 
+    def embed_text(self, input_ids: list[int]) -> PromptEmbedding:
+        """A prompt without images as mlx-vlm's generate embeds it (its model's
+        get_input_embeddings, no pixels): for families whose text embeds otherwise there
+        than by id (Family.last_token_apart: gemma3n's unscaled rows)."""
+        ids = mx.array(input_ids)[None]
+        features = self.model.get_input_embeddings(ids, None, mask=mx.ones(ids.shape, mx.int32))
+        embeds: mx.array = getattr(features, "inputs_embeds", features)
+        inputs = {name: _prompt_input(features, {}, name) for name in self.family.prompt_inputs}
+        return PromptEmbedding(embeds, None, inputs)
+
     def stress_inputs(self) -> tuple[list[int], Any, dict[str, Any]]:
         """A prompt with one image at the processor's largest size (ids, pixels,
         extras): the auto-profile's image pass."""
@@ -543,6 +553,15 @@ def _processor(processor: Any, model: Any, info: ModelInfo) -> Any:
     return processor
 
 
+def _stop_ids(processor: Any) -> list[int]:
+    """The tokens mlx-vlm's generate stops at: its processor's stopping criteria (the
+    config's eos_token_id with the tokenizer's own; moondream2's Hub tokenizer names
+    another end than its config's <|endoftext|>)."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    stopping = getattr(tokenizer, "stopping_criteria", None)
+    return [int(t) for t in getattr(stopping, "eos_token_ids", None) or ()]
+
+
 def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEncoder]:
     """(text model, tokenizer, config, vision encoder); failures are ModelLoadError."""
     traits = family(info.model_type)
@@ -561,6 +580,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     if not traits.own_cache:
         _require_served_caches(info, model.language_model)
     _require_image_processor(info, traits, processor)
+    stop_ids = _stop_ids(processor)
     processor = _processor(processor, model, info)
     config = _served_config(info, model)
     traits = family(info.model_type, config["text_config"]) or traits
@@ -570,7 +590,7 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
         raise ModelLoadError(f"cannot load '{info.name}': its text config names no hidden size")
     dims = vision_dims(config, text_hidden, _dtype_bytes(model))
     encoder = VisionEncoder(model, processor, info.model_type, traits, token, token_id, dims)
-    tokenizer = TokenizerWrapper(getattr(processor, "tokenizer", processor))
+    tokenizer = TokenizerWrapper(getattr(processor, "tokenizer", processor), eos_token_ids=stop_ids)
     log.info("loaded vision-language model %s in %.2f s", info.name, time.perf_counter() - start)
     cross = tuple(config["text_config"].get("cross_attention_layers") or ())
     text_model = TextModel(

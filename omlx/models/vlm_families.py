@@ -69,7 +69,8 @@ class Family:
     arrays it slices by its cache offset; or, where the embedding output has none,
     the processor's output of that name). ``whole_prompt``: an image prompt
     prefills in one forward with its last token, as mlx-vlm's generate does for
-    it (a prompt that attends as one). ``one_at_a_time``: why the family
+    it (a prompt that attends as one); the memory guard prices it so and never
+    caps it into chunks. ``one_at_a_time``: why the family
     cannot share the decode batch (None: it can). ``no_prefix_cache``: why its
     prompts' KV cannot be reused by another prompt (None: it can). ``max_images``:
     the most images one prompt may carry (None: the API's limit). ``image_blocks``:
@@ -89,9 +90,10 @@ class Family:
     the processor (its patch grid, which the image's aspect sets).
     ``last_token_apart``: every prompt's last token goes in a forward of its own (an
     image prompt's with its embedding row and prompt inputs), as mlx-vlm's generate
-    feeds it, where the model's logits depend on the forward's length; and an image
-    prompt's text is embedded by the vision path even after a cache hit holding its
-    images (its image path embeds text otherwise than its text path).
+    feeds it, where the model's logits depend on the forward's length; and every
+    prompt, a text-only one too, is embedded by the model's get_input_embeddings as
+    mlx-vlm's generate embeds it, even after a cache hit holding its images (it embeds
+    text otherwise than the language model embeds ids).
     ``instruction_turn``: the processor writes one fixed instruction turn around one
     message's text, its images first (mlx-vlm's MessageFormat.PROMPT_ONLY), and takes
     no prompt without images: omlx gives it that one user message's text, and answers
@@ -203,8 +205,9 @@ FAMILIES: dict[str, Family] = {
     # Checked on a tiny model: mlx-vlm's KV-shared layers rope their queries at the
     # cache's offset after the forward (shifted by the forward's length), so only a
     # one-token forward samples as mlx-vlm's generate, which feeds the prompt's last
-    # token apart (an image prompt's with its embedding row: its image path embeds
-    # text tokens unscaled, its text path scaled by sqrt(hidden)).
+    # token apart with its embedding row: its get_input_embeddings embeds every prompt's
+    # text unscaled (a text-only prompt's too), its language model scales ids by
+    # sqrt(hidden) (decode steps); text-only prompts too are embedded there (checked).
     "gemma3n": Family(
         prompt_inputs=("per_layer_inputs",),
         last_token_apart=True,

@@ -4,10 +4,10 @@ A lone text request prefills unbatched (``SOLO``) when the execution strategy al
 it and nothing else runs. Otherwise a text request is a row of the batch (``BATCH``),
 or prefills on the side when the model's caches need a snapshot at each block
 boundary (``SIDE``: recurrent, sliding window); a prompt with images always prefills
-on the side (``IMAGE_SIDE``). The choices of one prompt started together (``n``) wait
-for the first of them, their leader, and fork from its cache (``FORK``) when the prompt
-is longer than a shared opening covers. Side sequences join the batch at their last
-prompt token.
+on the side (``IMAGE_SIDE``), as every prompt of a model that embeds them all does.
+The choices of one prompt started together (``n``) wait for the first of them, their
+leader, and fork from its cache (``FORK``) when the prompt is longer than a shared
+opening covers. Side sequences join the batch at their last prompt token.
 
 The solo sequence moves when others arrive (to the side while it still prefills a
 snapshotted cache, else into the batch), and on its own once its first token is out,
@@ -64,6 +64,9 @@ class RunnerLayout:
     solo_prefill: bool = False
     # The model's caches need block-boundary snapshots: joining requests prefill aside.
     snapshots: bool = False
+    # The model embeds every prompt as mlx-vlm does, text ones too (gemma3n's text rows
+    # unscaled there, scaled by id): each prefills on the image side.
+    embedded_prompts: bool = False
     # The batch's compiled decode step is proven (it decodes a lone request faster).
     batch_compiled: bool = False
     # The model's caches cannot join the batch (batch.merges): every request prefills
@@ -108,8 +111,9 @@ class Placements:
 
 def place(admitted: Sequence[Request], layout: RunnerLayout) -> Placements:
     """Where the requests starting now run, and whether the solo sequence moves."""
-    with_images = [r for r in admitted if r.images]
-    text = [r for r in admitted if not r.images]
+    embedded = [bool(r.images) or layout.embedded_prompts for r in admitted]
+    with_images = [r for r, e in zip(admitted, embedded, strict=True) if e]
+    text = [r for r, e in zip(admitted, embedded, strict=True) if not e]
     solo = bool(
         layout.solo_prefill
         and len(text) == 1

@@ -38,6 +38,9 @@ class PrefillChunk:
     num_context_tokens: int
     # Prompt tokens still to prefill, this chunk included (KV yet to be allocated).
     num_remaining: int
+    # It runs in one forward or not at all: a whole-prompt image prompt, which
+    # mlx-vlm's model attends as one (Family.whole_prompt); the gate never caps it.
+    indivisible: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +128,12 @@ class KVLoad:
     def held_states(self) -> int:
         """The image state rows the cross-attention cache holds: padding included."""
         return self.image_rows * self.most_states
+
+    @property
+    def leave_states(self) -> int:
+        """The image state rows a row's leaving copies: the other rows with images,
+        each padded to the most (the cache gathers them into a new array)."""
+        return max(self.image_rows - 1, 0) * self.most_states
 
     def with_row(self, num_tokens: int, num_states: int = 0) -> KVLoad:
         """The load once a row of ``num_tokens`` (holding ``num_states`` image state

@@ -53,6 +53,7 @@ class Scheduler:
         name: str = "",
         kv_step: int = 1,
         held_states: Callable[[Request], int] = lambda request: 0,
+        one_forward: Callable[[Request], bool] = lambda request: False,
     ):
         if max_running < 1:
             raise ValueError("max_running must be >= 1")
@@ -71,6 +72,8 @@ class Scheduler:
         self.kv_step = kv_step
         # The image state rows a request holds while it runs (mllama's; 0 for others).
         self._held_states = held_states
+        # Whether a request's prompt prefills in one forward (a whole-prompt image prompt).
+        self._one_forward = one_forward
         # Requests preempted, by what ran short ("kv_capacity", "memory").
         self.preemptions: Counter[str] = Counter()
         self._waiting: OrderedDict[str, Request] = OrderedDict()
@@ -275,11 +278,14 @@ class Scheduler:
 
     def _first_chunk(self, request: Request, cached: dict[str, int]) -> PrefillChunk | None:
         """An admitted request's first prefill chunk, as the runner will plan it
-        (its last prompt token goes through the decode step)."""
+        (its last prompt token goes through the decode step; a one-forward prompt's
+        whole rest goes in its first, indivisible, chunk)."""
         done = cached[request.request_id]
         left = request.num_prompt_tokens - done
         if left <= 1:
             return None
+        if self._one_forward(request):
+            return PrefillChunk(request.request_id, left, done + left, left, indivisible=True)
         n = min(self.prefill_step_size, left)
         return PrefillChunk(request.request_id, n, done + n, left)
 

@@ -12,6 +12,7 @@ states' real arrays.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import threading
 from pathlib import Path
@@ -246,3 +247,86 @@ def test_admission_prices_the_copy_a_join_makes_of_every_rows_states(
 
 def _endless() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=100_000)
+
+
+def left_states_seen(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bytes of the batch's image states after every row leaves (the other rows'
+    states gathered into a new array while the old one lives)."""
+    seen: list[int] = []
+    keep = CrossAttentionStates.filter
+
+    def spy(self: CrossAttentionStates, batch_indices: Any) -> None:
+        before = self.states
+        keep(self, batch_indices)
+        if self.states is not None and self.states is not before:
+            seen.append(self.states.nbytes)
+
+    monkeypatch.setattr(CrossAttentionStates, "filter", spy)
+    return seen
+
+
+def test_admission_prices_the_copy_a_leaving_row_makes_of_the_others_states(
+    make_pool, mllama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two mllama image rows decode; a row's leaving gathers the remaining rows' image
+    states into a new array beside the old one. A text request admitted beside them is
+    priced higher than beside the same batch without the second row's states (same KV,
+    same reading) by at least that copy's real bytes, read when the second row leaves;
+    a text row's leaving copies nothing."""
+    pool = make_pool(mllama_dir, fresh_profile=True, memory={"max_kv_tokens": 65536})
+    probe = pool.probe = FrozenProbe()
+    left = left_states_seen(monkeypatch)
+
+    async def main() -> None:
+        engine = await pool.get_engine("tiny-mllama")
+        gate, guard = engine.gate, engine.guard
+        first, second = image_request(engine, "a", seed=6), image_request(engine, "b", seed=7)
+        newcomer = Request("t", second.prompt_ids, second.sampling)
+        for request in (first, second):
+            endless = Request(
+                request.request_id, request.prompt_ids, _endless(), images=request.images
+            )
+            await submit(engine, endless).get()  # its first token: it decodes now
+        hold = threading.Event()
+        pool.worker.post(hold.wait)
+        limits = guard.limits
+        try:
+            probe.held = 1 << 30
+            load = engine._scheduler.kv_load
+            assert load.image_rows == 2 and load.states == 2 * load.most_states
+
+            def lowest(load: KVLoad) -> int:
+                def admits(hard: int) -> bool:
+                    guard.publish(Limits(hard, hard, limits.transient_margin_bytes))
+                    gate.start_admission((), load)
+                    return gate.can_admit(newcomer, 2)
+
+                low, high = probe.held, probe.held + 10_000 * MB
+                while high - low > 1:
+                    mid = (low + high) // 2
+                    low, high = (low, mid) if admits(mid) else (mid, high)
+                return high
+
+            one = dataclasses.replace(load, image_rows=1, states=load.most_states)
+            extra = lowest(load) - lowest(one)
+        finally:
+            guard.publish(limits)
+            probe.held = None
+            hold.set()  # a failed premise fails the test: the worker must not stay blocked
+
+        async def leaves(rid: str, num_running: int) -> None:
+            engine.abort(rid)
+            while engine._scheduler.num_running > num_running:
+                await asyncio.sleep(0.05)
+            await asyncio.wrap_future(pool.worker.submit(lambda: None))  # its step is done
+
+        await leaves("b", 1)  # an image row leaves: the other's states are gathered
+        assert left, "no copy when an image row left"
+        assert extra >= max(left), (extra, left)
+        copied = list(left)
+        await submit(engine, Request("u", second.prompt_ids, _endless())).get()
+        await leaves("u", 1)  # a text row leaves: the states stay as they are
+        assert left == copied
+        engine.abort("a")
+
+    asyncio.run(main())

@@ -119,3 +119,14 @@ def test_the_plan_names_each_chunk_as_the_gate_passed_it_and_the_drafts() -> Non
     assert capped.drafts == (drafts[0],) and capped.speculate
     refused = scheduler.schedule(BudgetView(budget=2), (), drafts)
     assert not refused.speculate and refused.drafts == ()
+
+
+def test_a_model_that_embeds_every_prompt_prefills_text_ones_on_the_image_side() -> None:
+    # gemma3n: mlx-vlm's generate embeds a text-only prompt otherwise than the language
+    # model embeds ids, so every prompt goes the image path (RunnerLayout.embedded_prompts).
+    lone = [_request("a")]
+    layout = RunnerLayout(solo_prefill=True, snapshots=True, embedded_prompts=True)
+    assert place(lone, layout).where == {"a": IMAGE_SIDE}
+    two = place([_request("a"), _request("v", images=object())], layout)
+    assert two.where == {"a": IMAGE_SIDE, "v": IMAGE_SIDE}
+    assert place(lone, RunnerLayout(solo_prefill=True, snapshots=True)).where == {"a": SOLO}

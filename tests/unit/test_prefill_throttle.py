@@ -13,6 +13,7 @@ class Chunk:
     request_id: str
     num_tokens: int
     num_context_tokens: int
+    indivisible: bool = False
 
 
 def room_for(tokens: int):
@@ -54,3 +55,20 @@ def test_the_gate_sees_each_chunks_cached_tokens() -> None:
 
     shape_prefill(PLAN, fits, may_hold=False)
     assert seen == [(512, 512), (1024, 0)]
+
+
+def test_a_whole_prompt_chunk_is_never_capped_the_others_are() -> None:
+    # A whole-prompt image prompt's tokens attend as one forward (mlx-vlm's): capped,
+    # it would answer otherwise. The other chunks shrink around it.
+    plan = [Chunk("w", 512, 512, indivisible=True), Chunk("b", 512, 512)]
+    shape = shape_prefill(plan, room_for(600), may_hold=True)
+    assert shape.cap == 64 and shape.ended == ()
+
+
+def test_a_whole_prompt_chunk_that_does_not_fit_waits_or_ends_never_runs_capped() -> None:
+    whole = [Chunk("w", 512, 512, indivisible=True)]
+    assert shape_prefill(whole, room_for(511), may_hold=True).held
+    shape = shape_prefill(whole, room_for(511), may_hold=False)
+    assert shape.ended == ("w",)
+    # A plain chunk of the same size is capped and runs.
+    assert shape_prefill([Chunk("p", 512, 512)], room_for(511), may_hold=False).cap == 256

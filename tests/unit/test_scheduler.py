@@ -95,6 +95,23 @@ def test_the_plan_s_prefill_cap_is_what_the_runner_runs() -> None:
     ]
 
 
+def test_a_one_forward_prompt_is_planned_as_its_whole_rest_indivisible() -> None:
+    """A whole-prompt image prompt (mlx-vlm's model attends it as one forward) is
+    planned, and so gated, as its whole prompt in one chunk that no cap may split;
+    other prompts take a prefill step."""
+    scheduler = Scheduler(
+        max_running=2,
+        max_waiting=2,
+        prefill_step_size=64,
+        one_forward=lambda r: r.request_id == "w",
+    )
+    for rid in ("w", "t"):
+        scheduler.add(Request(rid, tuple(range(129)), SamplingParams(max_tokens=2)))
+    plan = scheduler.schedule(BudgetView(budget=10**6))
+    chunks = {c.request_id: (c.num_tokens, c.indivisible) for c in plan.chunks}
+    assert chunks == {"w": (129, True), "t": (64, False)}
+
+
 # ---- admission ------------------------------------------------------------
 
 
