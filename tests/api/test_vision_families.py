@@ -95,7 +95,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # Llama 4: chunked attention (ChunkedKVCache, which mlx-lm cannot batch) over 32
     # tokens, fewer than every image prompt here has (tiny_vlm_configs_llama4.py).
     "tiny-llama4": ("llama4", 56, "does not yet support batching"),
-    # Issue 41: its last layers read their source layers' KV (models/vlm.py SharedKV),
+    # Issue 41: its last layers read their source layers' KV (models/vlm_caches.py SharedKV),
     # one request at a time (vlm_families.py says why);
     # 256-pixel images: its MobileNetV5 tower's fixed 16 x 16 output grid, unresampled.
     "tiny-gemma3n": ("gemma3n", 256, "by the forward's length"),
