@@ -45,9 +45,13 @@ def image_sequence(
     embedded = None
     # The vision tower runs unless the cache already holds every image token (what
     # follows the last image is text at plain positions, whatever the family; a
-    # family whose image path embeds text otherwise than by id embeds it there).
-    if vision.image_token_id in prompt[done:] or vision.family.last_token_apart:
+    # family whose image path embeds text otherwise than by id embeds it there,
+    # without the tower: a repeated image is not encoded again).
+    if vision.image_token_id in prompt[done:]:
         embedded = vision.embed(prompt, images.pixel_values, images.extras)
+    elif vision.family.last_token_apart:
+        embedded = vision.embed_text(prompt)
+    if embedded is not None:
         _require_row_per_token(vision, embedded.embeddings.shape[1], len(prompt))
         mx.eval(embedded.arrays())
     return SoloSequence(

@@ -341,6 +341,17 @@ class VisionEncoder:
         shifted = (positions - mx.array(deltas).reshape(1, -1, 1)).astype(mx.int32)
         return PromptEmbedding(embeds, shifted, inputs)
 
+    def embed_text(self, input_ids: list[int]) -> PromptEmbedding:
+        """``embed``'s rows without running the vision tower, for a prompt whose
+        image tokens the prefix cache holds (only its text rows are read): mlx-vlm's
+        embedding path with no pixels embeds text tokens as with them (gemma3n's
+        unscaled rows, its per-layer inputs), and its image tokens by id."""
+        ids = mx.array(input_ids)[None]
+        features = self.model.get_input_embeddings(ids, None, mask=mx.ones(ids.shape, mx.int32))
+        embeds: mx.array = getattr(features, "inputs_embeds", features)
+        inputs = {name: _prompt_input(features, {}, name) for name in self.family.prompt_inputs}
+        return PromptEmbedding(embeds, None, inputs)
+
     def stress_inputs(self) -> tuple[list[int], Any, dict[str, Any]]:
         """A prompt with one image at the processor's largest size (ids, pixels,
         extras): the auto-profile's image pass."""

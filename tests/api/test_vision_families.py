@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -152,6 +153,21 @@ def client(server: Server) -> openai.OpenAI:
 
 
 _REFERENCE: dict[tuple[str, int, str, tuple[int, int]], list[bytes]] = {}
+_PROCESSORS: dict[Path, Any] = {}
+
+
+def mlx_vlm_load(server: Server, model: str) -> tuple[Any, Any]:
+    """mlx-vlm's load of ``model``'s folder: a fresh model each call, its processor
+    loaded once a module (mlx-vlm's phi4_siglip processor takes seconds a load, as
+    its from_pretrained recurses through transformers' auto classes)."""
+    from mlx_vlm import load
+    from mlx_vlm.utils import load_model
+
+    folder = next(i.path for i in server.pool.available().values() if i.name == model)
+    if folder not in _PROCESSORS:
+        vlm, _PROCESSORS[folder] = load(str(folder))
+        return vlm, _PROCESSORS[folder]
+    return load_model(folder), _PROCESSORS[folder]
 
 
 def answer(
@@ -179,12 +195,12 @@ def mlx_vlm_answer(
     template, the image after the text), the image read from a file."""
     key = (model, seed, text, size)
     if key not in _REFERENCE:
-        from mlx_vlm import load, stream_generate
+        from mlx_vlm import stream_generate
 
         folder = next(i.path for i in server.pool.available().values() if i.name == model)
         image = tmp / f"{seed}.png"
         image.write_bytes(png(seed, size))
-        vlm, processor = load(str(folder))
+        vlm, processor = mlx_vlm_load(server, model)
         # The processor omlx serves, where mlx-vlm's needs torch (phi4_siglip's).
         processor = served_processor(MODELS[model][0], folder, processor)
         marker = traits(model).image_text
@@ -311,10 +327,9 @@ def _mllama_reference(server: Server, images: list[Path], text: str) -> list[tup
     """mlx-vlm's own greedy generate on the prompt the server builds for tiny-mllama
     (each image's marker after the text; none: a text-only prompt), each token with
     its logprob."""
-    from mlx_vlm import load, stream_generate
+    from mlx_vlm import stream_generate
 
-    folder = next(i.path for i in server.pool.available().values() if i.name == "tiny-mllama")
-    vlm, processor = load(str(folder))
+    vlm, processor = mlx_vlm_load(server, "tiny-mllama")
     markers = processor.image_token * len(images)
     prompt = f"<|im_start|>user\n{text}{markers}<|im_end|>\n<|im_start|>assistant\n"
     pieces = stream_generate(
@@ -383,11 +398,11 @@ def test_phi4_siglip_images_of_two_aspects_take_their_own_rows_as_in_mlx_vlm(
     # most 36 patches here) and padded to 36; the model splices each image's unpadded
     # patches at its -200. The prompt omlx prefills counts each image's own rows, and
     # the answer is mlx-vlm's generate's with the same processor.
-    from mlx_vlm import load, stream_generate
+    from mlx_vlm import stream_generate
     from mlx_vlm.utils import prepare_inputs
 
     folder = next(i.path for i in server.pool.available().values() if i.name == "tiny-phi4-siglip")
-    vlm, loaded = load(str(folder))
+    vlm, loaded = mlx_vlm_load(server, "tiny-phi4-siglip")
     processor = served_processor("phi4_siglip", folder, loaded)
     sizes = [(40, 50), (300, 40)]
     images = [str(tmp_path / f"{i}.png") for i in range(len(sizes))]
@@ -600,12 +615,10 @@ def test_a_prompt_counts_the_rows_its_model_embeds_where_they_outnumber_its_toke
     # counts the rows.
     import io
 
-    from mlx_vlm import load
     from mlx_vlm.utils import prepare_inputs
     from PIL import Image
 
-    folder = next(i.path for i in server.pool.available().values() if i.name == model)
-    vlm, processor = load(str(folder))
+    vlm, processor = mlx_vlm_load(server, model)
     prompt = f"<|im_start|>user\n{TEXT}<image><|im_end|>\n<|im_start|>assistant\n"
     image = Image.open(io.BytesIO(png(80))).convert("RGB")
     # The inputs mlx-vlm's generate builds (its prompt ids, with -200 where it writes one).
@@ -644,13 +657,11 @@ def penalized_reference(
 
     import mlx.core as mx
     from mlx_lm.sample_utils import make_logits_processors
-    from mlx_vlm import load
     from mlx_vlm.models.cache import make_prompt_cache
     from mlx_vlm.utils import prepare_inputs
     from PIL import Image
 
-    folder = next(i.path for i in server.pool.available().values() if i.name == model)
-    vlm, processor = load(str(folder))
+    vlm, processor = mlx_vlm_load(server, model)
     prompt = f"<|im_start|>user\n{TEXT}<image><|im_end|>\n<|im_start|>assistant\n"
     image = Image.open(io.BytesIO(png(seed))).convert("RGB")
     index = vlm.config.image_token_index
