@@ -708,3 +708,23 @@ def test_a_repetition_penalty_takes_no_image_placeholder_for_a_token(
         got = [(bytes(t.bytes), t.logprob) for t in reply.choices[0].logprobs.content]
         assert [piece for piece, _ in got] == [piece for piece, _ in expected]
         assert [lp for _, lp in got] == pytest.approx([lp for _, lp in expected], abs=1e-4)
+
+
+def test_a_gemma3n_prompt_whose_image_is_cached_runs_no_vision_tower(
+    client: openai.OpenAI, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its last token goes in a forward of its own with its embedding row
+    # (Family.last_token_apart): after a hit holding its image, the row comes from
+    # mlx-vlm's embedding without pixels, not from its 294M-parameter tower again
+    # (the answers stay mlx-vlm's: test_a_repeated_image_prompt_is_a_cache_hit...).
+    from mlx_vlm.models.gemma3n.vision import VisionModel
+
+    runs: list[int] = []
+    tower = VisionModel.__call__
+    monkeypatch.setattr(VisionModel, "__call__", lambda *a, **k: runs.append(1) or tower(*a, **k))
+    conversation = ask(png(95), text=TEXT)
+    first = chat(client, "tiny-gemma3n", conversation, MAX_TOKENS)
+    assert runs == [1]  # the premise: a new image runs the tower, counted here
+    again = chat(client, "tiny-gemma3n", conversation, MAX_TOKENS)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0 and runs == [1]
+    assert again.choices[0].message.content == first.choices[0].message.content
