@@ -306,9 +306,11 @@ class VisionEncoder:
         return PromptEmbedding(embeds, shifted, inputs)
 
     def embed_text(self, input_ids: list[int]) -> PromptEmbedding:
-        """A prompt without images as mlx-vlm's generate embeds it (its model's
-        get_input_embeddings, no pixels): for families whose text embeds otherwise there
-        than by id (Family.last_token_apart: gemma3n's unscaled rows)."""
+        """A prompt as mlx-vlm's generate embeds it without pixels (its model's
+        get_input_embeddings): a text prompt of a family whose text embeds otherwise
+        there than by id (Family.last_token_apart: gemma3n's unscaled rows, its
+        per-layer inputs), or one whose image tokens the prefix cache holds (only its
+        text rows are read, so the vision tower need not run again)."""
         ids = mx.array(input_ids)[None]
         features = self.model.get_input_embeddings(ids, None, mask=mx.ones(ids.shape, mx.int32))
         embeds: mx.array = getattr(features, "inputs_embeds", features)
