@@ -46,14 +46,15 @@ def image_sequence(
     embedded = None
     # The vision tower runs unless the cache already holds every image token (what
     # follows the last image is text at plain positions, whatever the family; a
-    # family whose image path embeds text otherwise than by id embeds it there).
-    if images is None:
-        # A text prompt of a family whose every prompt comes here (embedded_prompts).
-        embedded = vision.embed_text(prompt)
-    elif vision.image_token_id in prompt[done:] or vision.family.last_token_apart:
+    # family whose image path embeds text otherwise than by id embeds it there, without
+    # the tower: a repeated image is not encoded again; a text prompt of such a family
+    # comes here too: RunnerLayout.embedded_prompts).
+    if images is not None and vision.image_token_id in prompt[done:]:
         embedded = vision.embed(prompt, images.pixel_values, images.extras)
-        _require_row_per_token(vision, embedded.embeddings.shape[1], len(prompt))
+    elif images is None or vision.family.last_token_apart:
+        embedded = vision.embed_text(prompt)
     if embedded is not None:
+        _require_row_per_token(vision, embedded.embeddings.shape[1], len(prompt))
         mx.eval(embedded.arrays())
     return SoloSequence(
         model,

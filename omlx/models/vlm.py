@@ -14,14 +14,14 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from omlx.errors import InvalidRequestError, ModelLoadError
@@ -30,7 +30,15 @@ from omlx.memory.vision import VisionDims, pixel_shapes, vision_dims
 from omlx.mlx_types import flat_parameters
 from omlx.models.cross_attention import CrossAttentionStates, batched_forward
 from omlx.models.discovery import ModelInfo
+from omlx.models.image_ids import (
+    collapsed,
+    numbered_as_one,
+    require_one_id_an_image,
+    spliced,
+    with_image_run,
+)
 from omlx.models.remote_code import library_refusal
+from omlx.models.vlm_caches import SharedKV, StateCache, kv_shared_sources
 from omlx.models.vlm_families import Family, family, refusal
 from omlx.models.vlm_processors import served_processor
 
@@ -43,52 +51,6 @@ log = logging.getLogger(__name__)
 # the last image, and every decode step, sits at its index (its cache offset): the
 # shared decode batch needs no per-row state. The shift depends on the prompt's
 # images only, and the prefix cache keys image prompts by their images' hashes.
-
-
-class StateCache(ArraysCache):
-    """mlx-lm's ArraysCache (the batch merges, filters and extracts it, the prefix
-    cache stores it as one) for a linear-attention / convolution layer of mlx-vlm,
-    with the writes mlx-vlm's own ArraysCache adds (qwen3_5's gated-delta layers
-    call ``update_window`` / ``update_recurrent``), less its speculation history."""
-
-    stores_as = ArraysCache
-
-    def update_recurrent(
-        self, index: int, length: int, update: Callable[..., Any]
-    ) -> tuple[mx.array, mx.array]:
-        """``update(state, None)``: the layer's step from its state (``length``
-        bounds mlx-vlm's speculation history, which this cache keeps none of)."""
-        output, state = update(self.cache[index], None)[:2]
-        self[index] = state
-        return output, state
-
-    def update_window(
-        self, index: int, source: mx.array, width: int, *, lengths: mx.array | None = None
-    ) -> mx.array:
-        """The last ``width`` inputs (each row's, before its ``lengths`` end)."""
-        length = source.shape[1] - width
-        if lengths is None:
-            state = mx.contiguous(source[:, length : length + width])
-        else:
-            positions = mx.clip(lengths, 0, length)[:, None] + mx.arange(width)
-            positions = positions.reshape(*positions.shape, *([1] * (source.ndim - 2)))
-            state = mx.take_along_axis(source, positions, axis=1)
-        self[index] = state
-        return state
-
-    @classmethod
-    def merge(cls, caches: list[Any]) -> StateCache:
-        merged: StateCache = super().merge(caches)
-        if all(c.empty() for c in caches):
-            # mlx-lm marks fresh rows with a zero left padding, which qwen3_5 reads as
-            # "no mask" even when a right-padded prefill gives the rows' lengths.
-            merged.left_padding = None
-        return merged
-
-    def extract(self, idx: int) -> StateCache:
-        row = StateCache(len(self.cache))
-        row.cache = [c[idx : idx + 1] if c is not None else None for c in self.cache]
-        return row
 
 
 # mlx-lm's cache of a language model layer of mlx-vlm, and as the image path makes it.
@@ -117,7 +79,7 @@ class TextModel(nn.Module):
         self._mrope = mrope
         self._mrope_axes_last = mrope_axes_last
         self._cross_layers = cross_layers
-        self._shared_sources = _kv_shared_sources(language_model)
+        self._shared_sources = kv_shared_sources(language_model)
         self._last_token_apart = last_token_apart
         self._own_cache = own_cache
         self._kept_positions = kept_positions
@@ -177,40 +139,6 @@ class TextModel(nn.Module):
         out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **kwargs)
         logits: mx.array = out.logits if hasattr(out, "logits") else out
         return logits
-
-
-class SharedKV:
-    """A KV-shared layer's view of its source layer's cache (gemma3n). mlx-vlm's layer
-    reads ``cache.state[:2]`` as the keys written (its own caches' state); mlx-lm's
-    caches give whole preallocated buffers there (a batch's, its bookkeeping too), so
-    the view gives the keys and values the source layer attended, under the same mask."""
-
-    def __init__(self, source: Any):
-        self._source = source
-
-    @property
-    def offset(self) -> Any:
-        return self._source.offset
-
-    @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        keys, values = self._source.keys_and_values()
-        return keys, values
-
-
-def _kv_shared_sources(language_model: Any) -> tuple[int, ...]:
-    """The source cache of each KV-shared layer (gemma3n's last layers), in layer order;
-    the model's layers are re-pointed at views appended after its own caches
-    (``TextModel.__call__`` appends them). () where no layer shares another's KV."""
-    inner: Any = getattr(language_model, "model", None)
-    mapping = getattr(inner, "layer_idx_to_cache_idx", None)
-    first = getattr(inner, "first_kv_shared_layer_idx", None)
-    if mapping is None or first is None or first >= len(mapping):
-        return ()
-    sources = tuple(mapping[first:])
-    # A plain list mlx-vlm's forward indexes by layer: its own caches, then the views.
-    inner.layer_idx_to_cache_idx = [*mapping[:first], *range(first, len(mapping))]
-    return sources
 
 
 def _vlm_caches(language_model: Any) -> list[Any]:
@@ -314,18 +242,18 @@ class VisionEncoder:
         numbered = self.family.numbered_images
         if numbered is not None:
             expected = sum(numbered(size) for size in np.asarray(extras["image_sizes"]))
-            return _numbered_as_one(processed, self.image_token_id, expected, self.image_text)
+            return numbered_as_one(processed, self.image_token_id, expected, self.image_text)
         rows = self._image_rows(pixel_shape, extras)
         if rows is not None:
             num_images = int(pixel_shape[0])
-            _require_one_id_an_image(processed, self.image_token_id, num_images, self.image_text)
-            return _spliced(processed, self.image_token_id, rows)
+            require_one_id_an_image(processed, self.image_token_id, num_images, self.image_text)
+            return spliced(processed, self.image_token_id, rows)
         rule = self.family.image_blocks
         if rule is None:
             return processed
         most, block = rule(pixel_shape, self.dims.patch_size)
         blocks = min(processed.count(self.image_token_id), most)
-        return _with_image_run(processed, self.image_token_id, blocks * block)
+        return with_image_run(processed, self.image_token_id, blocks * block)
 
     def _model_ids(
         self, prompt: list[int], pixel_shape: Sequence[int], extras: Mapping[str, Any]
@@ -334,12 +262,12 @@ class VisionEncoder:
         splices the same rows for these as for the processor's ids)."""
         rows = self._image_rows(pixel_shape, extras)
         if rows is not None:
-            return _collapsed(prompt, self.image_token_id, rows)
+            return collapsed(prompt, self.image_token_id, rows)
         rule = self.family.image_blocks
         if rule is None:
             return prompt
         block = rule(pixel_shape, self.dims.patch_size)[1]
-        return _with_image_run(
+        return with_image_run(
             prompt, self.image_token_id, prompt.count(self.image_token_id) // block
         )
 
@@ -378,9 +306,11 @@ class VisionEncoder:
         return PromptEmbedding(embeds, shifted, inputs)
 
     def embed_text(self, input_ids: list[int]) -> PromptEmbedding:
-        """A prompt without images as mlx-vlm's generate embeds it (its model's
-        get_input_embeddings, no pixels): for families whose text embeds otherwise there
-        than by id (Family.last_token_apart: gemma3n's unscaled rows)."""
+        """A prompt as mlx-vlm's generate embeds it without pixels (its model's
+        get_input_embeddings): a text prompt of a family whose text embeds otherwise
+        there than by id (Family.last_token_apart: gemma3n's unscaled rows, its
+        per-layer inputs), or one whose image tokens the prefix cache holds (only its
+        text rows are read, so the vision tower need not run again)."""
         ids = mx.array(input_ids)[None]
         features = self.model.get_input_embeddings(ids, None, mask=mx.ones(ids.shape, mx.int32))
         embeds: mx.array = getattr(features, "inputs_embeds", features)
@@ -403,60 +333,6 @@ class VisionEncoder:
 
 
 _TEXT_FIELDS = ("input_ids", "attention_mask", "pixel_values")
-
-
-def _with_image_run(ids: list[int], token_id: int, length: int) -> list[int]:
-    """``ids`` with the run of image tokens (first to last: one image's) made
-    ``length`` long; unchanged where other tokens lie inside the run (the request's
-    row check then fails it clearly)."""
-    if token_id not in ids:
-        return ids
-    first = ids.index(token_id)
-    last = len(ids) - ids[::-1].index(token_id)
-    if any(t != token_id for t in ids[first:last]):
-        return ids
-    return [*ids[:first], *[token_id] * length, *ids[last:]]
-
-
-def _require_one_id_an_image(ids: list[int], token_id: int, num_images: int, text: str) -> None:
-    """An image is one placeholder id: more than the images means the message text
-    wrote the image's marker itself (a placeholder with no image to fill it)."""
-    found = ids.count(token_id)
-    if found != num_images:
-        raise InvalidRequestError(
-            f"the prompt has {found} image placeholders for {num_images} image(s): a "
-            f"message's text writes '{text}' itself; remove it from the text"
-        )
-
-
-def _numbered_as_one(ids: list[int], token_id: int, expected: int, text: str) -> list[int]:
-    """The processor's ids with image n's rows (-n each) written as ``token_id``; more
-    rows than the images' means the message text wrote an image's marker itself (its
-    rows would have no image of their own)."""
-    out = [token_id if t < 0 else t for t in ids]
-    found = out.count(token_id)
-    if found != expected:
-        raise InvalidRequestError(
-            f"the prompt has {found} image rows for its images' {expected}: a message's "
-            f"text writes an image marker such as '{text}' itself; remove it from the text"
-        )
-    return out
-
-
-def _spliced(ids: list[int], token_id: int, rows: Iterator[int]) -> list[int]:
-    """``ids`` with each image placeholder written as many times as its image's rows."""
-    return [t for token in ids for t in ([token] * next(rows) if token == token_id else [token])]
-
-
-def _collapsed(ids: list[int], token_id: int, rows: Iterator[int]) -> list[int]:
-    """``_spliced``'s inverse: a placeholder an image, each image's run of rows
-    (its own count, in order) taken as one."""
-    out: list[int] = []
-    i = 0
-    while i < len(ids):
-        out.append(ids[i])
-        i += max(next(rows, 1), 1) if ids[i] == token_id else 1
-    return out
 
 
 def _prompt_input(features: Any, processed: dict[str, Any], name: str) -> Any:

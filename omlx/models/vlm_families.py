@@ -201,7 +201,7 @@ FAMILIES: dict[str, Family] = {
     # (Its larger checkpoints' image tokens attend each other both ways: GEMMA4_BIDIRECTIONAL.)
     "gemma4": Family(prompt_inputs=("per_layer_inputs",)),
     # Gemma 3n: per-layer inputs as gemma4's; its last layers attend their source
-    # layers' KV (models/vlm.py SharedKV gives them the keys written, in the batch too).
+    # layers' KV (models/vlm_caches.py SharedKV gives them the keys written, in the batch too).
     # Checked on a tiny model: mlx-vlm's KV-shared layers rope their queries at the
     # cache's offset after the forward (shifted by the forward's length), so only a
     # one-token forward samples as mlx-vlm's generate, which feeds the prompt's last

@@ -95,7 +95,7 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # Llama 4: chunked attention (ChunkedKVCache, which mlx-lm cannot batch) over 32
     # tokens, fewer than every image prompt here has (tiny_vlm_configs_llama4.py).
     "tiny-llama4": ("llama4", 56, "does not yet support batching"),
-    # Issue 41: its last layers read their source layers' KV (models/vlm.py SharedKV),
+    # Issue 41: its last layers read their source layers' KV (models/vlm_caches.py SharedKV),
     # one request at a time (vlm_families.py says why);
     # 256-pixel images: its MobileNetV5 tower's fixed 16 x 16 output grid, unresampled.
     "tiny-gemma3n": ("gemma3n", 256, "by the forward's length"),
@@ -194,6 +194,21 @@ def client(server: Server) -> openai.OpenAI:
 
 
 _REFERENCE: dict[tuple[str, int, str, tuple[int, int]], list[bytes]] = {}
+_PROCESSORS: dict[Path, Any] = {}
+
+
+def mlx_vlm_load(server: Server, model: str) -> tuple[Any, Any]:
+    """mlx-vlm's load of ``model``'s folder: a fresh model each call, its processor
+    loaded once a module (mlx-vlm's phi4_siglip processor takes seconds a load, as
+    its from_pretrained recurses through transformers' auto classes)."""
+    from mlx_vlm import load
+    from mlx_vlm.utils import load_model
+
+    folder = next(i.path for i in server.pool.available().values() if i.name == model)
+    if folder not in _PROCESSORS:
+        vlm, _PROCESSORS[folder] = load(str(folder))
+        return vlm, _PROCESSORS[folder]
+    return load_model(folder), _PROCESSORS[folder]
 
 
 def answer(
@@ -210,15 +225,6 @@ def answer(
 
 
 @lru_cache(maxsize=1)
-def _mlx_vlm_load(model: str, folder: Path) -> tuple[Any, Any]:
-    """mlx-vlm's model and the processor omlx serves (where mlx-vlm's needs torch:
-    phi4_siglip's), loaded once for a test's references of one model."""
-    from mlx_vlm import load
-
-    vlm, processor = load(str(folder))
-    return vlm, served_processor(MODELS[model][0], folder, processor)
-
-
 def mlx_vlm_answer(
     server: Server,
     model: str,
@@ -235,7 +241,9 @@ def mlx_vlm_answer(
         from mlx_vlm import stream_generate
 
         folder = next(i.path for i in server.pool.available().values() if i.name == model)
-        vlm, processor = _mlx_vlm_load(model, folder)
+        vlm, processor = mlx_vlm_load(server, model)
+        # The processor omlx serves, where mlx-vlm's needs torch (phi4_siglip's).
+        processor = served_processor(MODELS[model][0], folder, processor)
         marker = traits(model).image_text
         # The first image's marker, where the family numbers them (phi3_v's "<|image_1|>").
         marker = processor.image_token if marker is None else marker.format(n=1)
@@ -431,10 +439,9 @@ def _mllama_reference(server: Server, images: list[Path], text: str) -> list[tup
     """mlx-vlm's own greedy generate on the prompt the server builds for tiny-mllama
     (each image's marker after the text; none: a text-only prompt), each token with
     its logprob."""
-    from mlx_vlm import load, stream_generate
+    from mlx_vlm import stream_generate
 
-    folder = next(i.path for i in server.pool.available().values() if i.name == "tiny-mllama")
-    vlm, processor = load(str(folder))
+    vlm, processor = mlx_vlm_load(server, "tiny-mllama")
     markers = processor.image_token * len(images)
     prompt = f"<|im_start|>user\n{text}{markers}<|im_end|>\n<|im_start|>assistant\n"
     pieces = stream_generate(
@@ -503,11 +510,11 @@ def test_phi4_siglip_images_of_two_aspects_take_their_own_rows_as_in_mlx_vlm(
     # most 36 patches here) and padded to 36; the model splices each image's unpadded
     # patches at its -200. The prompt omlx prefills counts each image's own rows, and
     # the answer is mlx-vlm's generate's with the same processor.
-    from mlx_vlm import load, stream_generate
+    from mlx_vlm import stream_generate
     from mlx_vlm.utils import prepare_inputs
 
     folder = next(i.path for i in server.pool.available().values() if i.name == "tiny-phi4-siglip")
-    vlm, loaded = load(str(folder))
+    vlm, loaded = mlx_vlm_load(server, "tiny-phi4-siglip")
     processor = served_processor("phi4_siglip", folder, loaded)
     sizes = [(40, 50), (300, 40)]
     images = [str(tmp_path / f"{i}.png") for i in range(len(sizes))]
@@ -807,12 +814,10 @@ def test_a_prompt_counts_the_rows_its_model_embeds_where_they_outnumber_its_toke
     # counts the rows.
     import io
 
-    from mlx_vlm import load
     from mlx_vlm.utils import prepare_inputs
     from PIL import Image
 
-    folder = next(i.path for i in server.pool.available().values() if i.name == model)
-    vlm, processor = load(str(folder))
+    vlm, processor = mlx_vlm_load(server, model)
     prompt = f"<|im_start|>user\n{TEXT}<image><|im_end|>\n<|im_start|>assistant\n"
     image = Image.open(io.BytesIO(png(80))).convert("RGB")
     # The inputs mlx-vlm's generate builds (its prompt ids, with -200 where it writes one).
@@ -851,13 +856,11 @@ def penalized_reference(
 
     import mlx.core as mx
     from mlx_lm.sample_utils import make_logits_processors
-    from mlx_vlm import load
     from mlx_vlm.models.cache import make_prompt_cache
     from mlx_vlm.utils import prepare_inputs
     from PIL import Image
 
-    folder = next(i.path for i in server.pool.available().values() if i.name == model)
-    vlm, processor = load(str(folder))
+    vlm, processor = mlx_vlm_load(server, model)
     prompt = f"<|im_start|>user\n{TEXT}<image><|im_end|>\n<|im_start|>assistant\n"
     image = Image.open(io.BytesIO(png(seed))).convert("RGB")
     index = vlm.config.image_token_index
@@ -970,3 +973,23 @@ def test_plamo2vl_says_what_to_send_for_a_conversation_its_processor_cannot_take
         )
     message = info.value.response.json()["error"]["message"]
     assert "one user message with at least one image" in message and change in message
+
+
+def test_a_gemma3n_prompt_whose_image_is_cached_runs_no_vision_tower(
+    client: openai.OpenAI, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its last token goes in a forward of its own with its embedding row
+    # (Family.last_token_apart): after a hit holding its image, the row comes from
+    # mlx-vlm's embedding without pixels, not from its 294M-parameter tower again
+    # (the answers stay mlx-vlm's: test_a_repeated_image_prompt_is_a_cache_hit...).
+    from mlx_vlm.models.gemma3n.vision import VisionModel
+
+    runs: list[int] = []
+    tower = VisionModel.__call__
+    monkeypatch.setattr(VisionModel, "__call__", lambda *a, **k: runs.append(1) or tower(*a, **k))
+    conversation = ask(png(95), text=TEXT)
+    first = chat(client, "tiny-gemma3n", conversation, MAX_TOKENS)
+    assert runs == [1]  # the premise: a new image runs the tower, counted here
+    again = chat(client, "tiny-gemma3n", conversation, MAX_TOKENS)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0 and runs == [1]
+    assert again.choices[0].message.content == first.choices[0].message.content

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from omlx.cache import kv_codec
-from omlx.models.vlm import StateCache
+from omlx.models.vlm_caches import StateCache
 
 WINDOW = 8
 HEADS, DIM = 2, 4
