@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omlx.errors import ServiceUnavailableError
+from omlx.memory import mlx_stats
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,9 @@ class Leader:
         if link.rank not in self.lost:
             self.lost[link.rank] = why
             log.error("distributed: rank %d of %d is gone: %s", link.rank, self.world_size, why)
+            # A step's collective with that rank (a decode's next token, computed
+            # ahead) may never finish on this one: nothing may wait for it.
+            mlx_stats.streams_stuck(f"distributed rank {link.rank} is gone")
         with contextlib.suppress(OSError):
             link.sock.close()
 

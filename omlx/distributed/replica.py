@@ -44,6 +44,13 @@ class ReplicatingRunner:
         self._inner = inner
         self._leader = leader
 
+    @property
+    def has_work(self) -> bool:
+        # A lost group runs nothing more: the engine failed its requests, and the clean
+        # ups that would empty the inner runner are skipped (CLEAN_UPS), so its own
+        # count would ask the engine to step, and fail, again and again.
+        return not self._leader.lost and bool(self._inner.has_work)
+
     def raise_if_lost(self) -> None:
         """The 503 naming a lost rank, if one is lost (checked before queueing work)."""
         self._leader.check_alive()

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+from omlx.memory import mlx_stats
+
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5
@@ -154,8 +156,10 @@ class MLXWorker:
         with mx.stream(self.stream):
             while not self._stopping.is_set():
                 self._turn()
-        # Decode steps leave the next token computing asynchronously.
-        mx.synchronize(self.stream)
+        # Decode steps leave the next token computing asynchronously (unless it waits
+        # on a lost distributed rank: then it never finishes, mlx_stats.streams_stuck).
+        if mlx_stats.may_synchronize():
+            mx.synchronize(self.stream)
         self._done.set()
         # Park instead of exiting: MLX's thread-local compile cache is destroyed
         # in the thread's exit handlers and needs the GIL; if that races with

@@ -55,12 +55,35 @@ def sample(reader: object) -> MlxStats:
     return MlxStats(int(mx.get_active_memory()), int(mx.get_cache_memory()), mine)
 
 
+# Why MLX's streams may hold work that never finishes (None: they hold none): a
+# collective whose peer rank died (distributed/control.py). MLX's clear_cache and
+# synchronize wait for the streams, holding the GIL, so one such wait would stop the
+# whole server (its event loop too) from answering; they are skipped from then on.
+_streams_stuck: str | None = None
+
+
+def streams_stuck(why: str) -> None:
+    """Any thread: MLX's streams may never finish what they hold (``why``); the memory
+    it holds stays taken, and nothing waits for the streams from now on."""
+    global _streams_stuck
+    if _streams_stuck is None:
+        log.warning("memguard: MLX's cache is no longer handed back: %s", why)
+    _streams_stuck = why
+
+
+def may_synchronize() -> bool:
+    """Whether waiting for MLX's streams ends (``streams_stuck`` was not called)."""
+    return _streams_stuck is None
+
+
 def release_cache() -> None:
     """MLX thread: hand MLX's cache of freed buffers (and the heap pages they
     leave on the CPU backend) back to the system, so readings count only what
     is in use and the rest of the machine gets the memory."""
     import mlx.core as mx
 
+    if _streams_stuck is not None:
+        return  # clear_cache synchronizes first
     mx.clear_cache()
     trim_heap()
 

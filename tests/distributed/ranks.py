@@ -119,11 +119,13 @@ def ranks_by_hand(
     model: str,
     mode: str,
     env: dict[int, dict[str, str]] | None = None,
+    logs: Path | None = None,
 ) -> Iterator[tuple[str, list]]:
     """The two ranks started as mlx.launch starts them (its ring hostfile, MLX_RANK), but
     without its rule of stopping every rank when one fails: a test can kill rank 1 and
-    watch rank 0. ``env``: settings of one rank (``{1: {"OMLX_...": ...}}``). Yields
-    (rank 0's URL, [rank 0, rank 1] processes)."""
+    watch rank 0. ``env``: settings of one rank (``{1: {"OMLX_...": ...}}``). ``logs``:
+    a folder for each rank's output (``rank0.log``, ``rank1.log``) instead of the
+    test's. Yields (rank 0's URL, [rank 0, rank 1] processes)."""
     port = free_port()
     hostfile = base / "ring.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
@@ -135,11 +137,19 @@ def ranks_by_hand(
             "MLX_RANK": str(rank),
         }
         args = serve_args(base / f"rank{rank}", model_dir, port, model, mode)
+        output = (logs / f"rank{rank}.log").open("wb") if logs else None
         procs.append(
             subprocess.Popen(
-                [sys.executable, *args], cwd=ROOT, env=rank_env, start_new_session=True
+                [sys.executable, *args],
+                cwd=ROOT,
+                env=rank_env,
+                start_new_session=True,
+                stdout=output,
+                stderr=subprocess.STDOUT if output else None,
             )
         )
+        if output is not None:
+            output.close()  # the rank holds its own copy
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, procs)

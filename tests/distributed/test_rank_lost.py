@@ -22,7 +22,12 @@ from tests.distributed.ranks import ranks_by_hand
 def test_a_killed_rank_ends_requests_with_an_error_naming_it(
     split_models_dir: Path, tmp_path: Path
 ) -> None:
-    with ranks_by_hand(tmp_path, split_models_dir, TP_MODEL, "tensor") as (url, procs):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with ranks_by_hand(tmp_path, split_models_dir, TP_MODEL, "tensor", logs=logs) as (
+        url,
+        procs,
+    ):
         client = client_for(url)
         stream = client.chat.completions.create(
             model=TP_MODEL,
@@ -42,8 +47,10 @@ def test_a_killed_rank_ends_requests_with_an_error_naming_it(
         assert time.monotonic() - killed_at < 30
         assert "rank 1 of 2 stopped" in str(info.value)
 
+        # Promptly: rank 0 once froze here (an MLX call waiting on the dead ring's
+        # collective, holding the GIL), and every later request hung.
         with pytest.raises(openai.APIStatusError) as later:
-            client.chat.completions.create(
+            client.with_options(timeout=30).chat.completions.create(
                 model=TP_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
             )
         assert later.value.status_code == 503
@@ -54,3 +61,8 @@ def test_a_killed_rank_ends_requests_with_an_error_naming_it(
         lost = report["ranks"][1]
         assert lost["state"] == "lost" and "closed" in lost["error"]
         assert procs[0].poll() is None  # rank 0 still answers
+        # ... and then idles: its engine once retried the lost group's step in a tight
+        # loop (hundreds of tracebacks a second, a core busy until the server stopped).
+        time.sleep(1.0)
+        failed_steps = (logs / "rank0.log").read_text().count("engine step failed")
+        assert failed_steps <= 2, f"rank 0 retried the lost step {failed_steps} times"
