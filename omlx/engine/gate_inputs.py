@@ -84,8 +84,11 @@ def request_held_states(vision: VisionEncoder | None, request: Request) -> int:
 
 def request_one_forward(vision: VisionEncoder | None, request: Request) -> bool:
     """Whether the request's prompt prefills in one forward, never in chunks: an image
-    prompt of a family whose model attends it as one (Family.whole_prompt)."""
-    return vision is not None and request.images is not None and vision.family.whole_prompt
+    prompt of a family whose model attends it as one (Family.whole_prompt), or any
+    prompt of one whose model attends text prompts so too (Family.whole_text_prompt)."""
+    if vision is None or not vision.family.whole_prompt:
+        return False
+    return request.images is not None or vision.family.whole_text_prompt
 
 
 def request_held_state_bytes(vision: VisionEncoder | None, request: Request) -> int:

@@ -5,7 +5,8 @@ embeddings once, when the request starts (the scheduler starts it only in a step
 whose memory gate passed the encode: ``StepGate.may_encode``); the sequence feeds
 them a gated chunk per step (solo.py), and at its last (text) token it joins the
 decode batch like any side sequence. A family whose text prompts too embed otherwise
-than by id (``embedded_prompts``: gemma3n) prefills them here, embedded without images.
+than by id, or in one forward (``embedded_prompts``: gemma3n, paligemma), prefills them
+here, embedded without images.
 """
 
 from __future__ import annotations

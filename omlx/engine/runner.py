@@ -406,7 +406,7 @@ class BatchRunner:
             solo=solo,
             solo_prefill=self.strategy.solo_prefill,
             snapshots=self._prefix is not None and self._prefix.needs_snapshots,
-            embedded_prompts=self._vision is not None and self._vision.family.last_token_apart,
+            embedded_prompts=self._vision is not None and self._vision.family.embeds_text_prompts,
             batch_compiled=step is not None and step.proven and not step.failed,
             apart=self._apart,
             min_fork_prompt=self._prefill_step_size + FORK_PAST_OPENING,

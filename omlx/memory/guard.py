@@ -263,7 +263,7 @@ class MemoryGuard:
         transient of encoding the prompt's images (memory/vision.py);
         ``held_state_bytes``: the image states the request then holds while it runs
         (mllama's), counted against the KV capacity with its cache; ``one_forward``:
-        the prompt goes in one forward, not in chunks (a whole-prompt image prompt)."""
+        the prompt goes in one forward, not in chunks (gate_inputs.request_one_forward)."""
         baseline = self.baseline_bytes
         try:
             preflight(
@@ -282,11 +282,12 @@ class MemoryGuard:
                 images = f", {format_bytes(image_bytes)} of it to encode its images"
             hint = "send fewer or smaller images, or " + exc.hint if image_bytes else exc.hint
             if one_forward:
-                images += ", prefilled in one forward (this model attends an image prompt whole)"
+                images += ", prefilled in one forward (this model attends the prompt whole)"
+                shorter = " or fewer or smaller images" if image_bytes else ""
                 hint = (
-                    "send a shorter prompt or fewer or smaller images, unload another model, "
-                    "or raise memory.max_process_memory (a smaller prefill_step_size does "
-                    "not help: the model attends the whole image prompt at once)"
+                    f"send a shorter prompt{shorter}, unload another model, or raise "
+                    "memory.max_process_memory (a smaller prefill_step_size does not help: "
+                    "the model attends the whole prompt at once)"
                 )
             raise PrefillMemoryExceededError(
                 f"this prompt ({num_prompt_tokens} tokens) needs about "

@@ -70,7 +70,11 @@ class Family:
     the processor's output of that name). ``whole_prompt``: an image prompt
     prefills in one forward with its last token, as mlx-vlm's generate does for
     it (a prompt that attends as one); the memory guard prices it so and never
-    caps it into chunks. ``one_at_a_time``: why the family
+    caps it into chunks. ``whole_text_prompt``: a text-only prompt too prefills in one
+    forward (on the image side, embedded without images): mlx-vlm's model declines
+    chunked prefill for every prompt (paligemma's bidirectional prompt: fed in chunks,
+    or its last token apart, its earlier tokens would not attend the later ones, and
+    the answer drifts from mlx-vlm's). ``one_at_a_time``: why the family
     cannot share the decode batch (None: it can). ``no_prefix_cache``: why its
     prompts' KV cannot be reused by another prompt (None: it can). ``max_images``:
     the most images one prompt may carry (None: the API's limit). ``image_blocks``:
@@ -119,6 +123,7 @@ class Family:
     mrope_axes_last: bool = False
     prompt_inputs: tuple[str, ...] = ()
     whole_prompt: bool = False
+    whole_text_prompt: bool = False
     one_at_a_time: str | None = None
     no_prefix_cache: str | None = None
     max_images: int | None = None
@@ -138,6 +143,12 @@ class Family:
         """An image prompt's image tokens are embedded right only by a forward from the
         prompt's first token: a prefix-cache hit must hold all of them or none."""
         return self.bidirectional_images or self.kept_positions
+
+    @property
+    def embeds_text_prompts(self) -> bool:
+        """A text-only prompt too prefills on the image side, embedded as mlx-vlm's
+        generate embeds it (RunnerLayout.embedded_prompts)."""
+        return self.last_token_apart or self.whole_text_prompt
 
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -219,10 +230,14 @@ FAMILIES: dict[str, Family] = {
     # tokens, and the processor puts images there (then BOS) when the text names none.
     # Bidirectional attention (mlx-vlm's default for PaliGemma: no mask at all): a
     # batch's left padding would be attended, and a prompt's KV depends on every
-    # token of its prefill chunk, so no other prompt may reuse it.
+    # token of its prefill chunk, so no other prompt may reuse it. mlx-vlm's
+    # chunked_prefill_policy declines chunks then, for a text-only prompt too: fed as
+    # 42 tokens then its last, tiny-paligemma's 43-token text prompt answered as
+    # mlx-vlm for 6 tokens, then not; in one forward, all 10 (whole_text_prompt).
     "paligemma": Family(
         image_text="",
         whole_prompt=True,
+        whole_text_prompt=True,
         one_at_a_time="paligemma attends bidirectionally with no mask: in a batch, its rows "
         "would attend the other rows' padding",
         no_prefix_cache="paligemma attends bidirectionally: a token's KV depends on the "

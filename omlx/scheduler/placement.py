@@ -65,7 +65,8 @@ class RunnerLayout:
     # The model's caches need block-boundary snapshots: joining requests prefill aside.
     snapshots: bool = False
     # The model embeds every prompt as mlx-vlm does, text ones too (gemma3n's text rows
-    # unscaled there, scaled by id): each prefills on the image side.
+    # unscaled there, scaled by id; paligemma's text prompt in one forward): each
+    # prefills on the image side.
     embedded_prompts: bool = False
     # The batch's compiled decode step is proven (it decodes a lone request faster).
     batch_compiled: bool = False

@@ -1,12 +1,13 @@
-"""A whole-prompt image prompt under a memory ceiling (issue 41).
+"""A whole prompt (an image prompt, or paligemma's text one) under a memory ceiling
+(issue 41).
 
 mlx-vlm prefills a whole-prompt family's image prompt (paligemma's bidirectional
-attention, mllama, gemma4's bidirectional images) in one forward, and its tokens
-attend as that forward lets them: prefilled in chunks, its answer can differ. The
-memory guard prices such a prompt as one forward at the front door and at admission,
-and its forward gate runs it whole, holds it, or ends it, never caps it into chunks.
-These tests run tiny-paligemma on the real path under ceilings read from the guard's
-own figures (a chunked prefill fits them, the one forward does not).
+attention, mllama, gemma4's bidirectional images) in one forward, paligemma's text-only
+prompt too, and its tokens attend as that forward lets them: prefilled in chunks, its
+answer can differ. The memory guard prices such a prompt as one forward at the front
+door and at admission, and its forward gate runs it whole, holds it, or ends it, never
+caps it into chunks. These tests run tiny-paligemma on the real path under ceilings
+read from the guard's own figures (a chunked prefill fits them, the one forward does not).
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ def image_request(engine: Any, rid: str) -> Request:
     return Request(rid, tuple(ids), sampling, images=images)
 
 
+def text_request(engine: Any, rid: str) -> Request:
+    """A long text-only prompt: paligemma's model attends it whole too
+    (Family.whole_text_prompt)."""
+    tokenizer = engine.loaded.vision.processor.tokenizer
+    ids = tokenizer.encode("describe the colours and the shapes of a garden " * 40)
+    sampling = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    return Request(rid, tuple(ids), sampling)
+
+
+PROMPTS = {"image": image_request, "text": text_request}
+
+
 async def outcome(engine: Any, request: Request) -> tuple[str, int] | OmlxError:
     """The request's text and output tokens, or the error it ended with."""
     stream, text = submit(engine, request), ""
@@ -75,12 +88,14 @@ def lowest_hard(passes: Any, low: int, high: int) -> int:
     return high
 
 
-def test_the_front_door_prices_a_whole_prompt_image_prompt_as_one_forward(
-    make_pool, paligemma_dir: Path
+@pytest.mark.parametrize("kind", PROMPTS)
+def test_the_front_door_prices_a_whole_prompt_as_one_forward(
+    make_pool, paligemma_dir: Path, kind: str
 ) -> None:
     """Under a ceiling its chunked prefill would fit but its one forward does not, the
-    image prompt is refused at once (400, saying why and what helps), not queued to
-    be prefilled in chunks; without the ceiling it is served."""
+    prompt (with an image, or text alone) is refused at once (400, saying why and what
+    helps), not queued to be prefilled in chunks; without the ceiling it is served."""
+    make_request = PROMPTS[kind]
     pool = make_pool(
         paligemma_dir,
         memory={"max_kv_tokens": 65536, "max_process_memory": "6GB"},
@@ -89,7 +104,7 @@ def test_the_front_door_prices_a_whole_prompt_image_prompt_as_one_forward(
 
     async def main() -> None:
         engine = await pool.get_engine("tiny-paligemma")
-        guard, request = engine.guard, image_request(engine, "free")
+        guard, request = engine.guard, make_request(engine, "free")
         assert request.num_prompt_tokens > 2 * STEP
         free = await outcome(engine, request)
         assert isinstance(free, tuple) and free[1] == MAX_TOKENS
@@ -117,11 +132,11 @@ def test_the_front_door_prices_a_whole_prompt_image_prompt_as_one_forward(
             with pytest.raises(
                 PrefillMemoryExceededError, match="prefilled in one forward"
             ) as error:
-                submit(engine, image_request(engine, "chunked"))
+                submit(engine, make_request(engine, "chunked"))
             assert "prefill_step_size does not help" in str(error.value)
         finally:
             guard.publish(limits)
-        assert await outcome(engine, image_request(engine, "whole")) == free
+        assert await outcome(engine, make_request(engine, "whole")) == free
 
     asyncio.run(main())
 
