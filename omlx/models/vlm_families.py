@@ -450,6 +450,18 @@ FAMILIES: dict[str, Family] = {
             "QSAKVCache", "indexer's keys and multimodal positions"
         ),
     ),
+    # GLM-5-Next: GLM's image markers over a decoder of hyper-connections, linear
+    # attention (mlx-vlm's ArraysCache) and NoPE MLA sparse attention, each such layer a
+    # CacheList of KVCaches and, where its indexer picks keys, a PoolingCache (the
+    # indexer's pooled keys); no rope positions: a row alone needs none.
+    "glm5_next": Family(
+        image_text="<|begin_of_image|><|image|><|end_of_image|>",
+        own_cache=True,
+        one_at_a_time=_OWN_CACHE_ALONE.format("CacheList (a PoolingCache inside)"),
+        no_prefix_cache=_OWN_CACHE_UNSTORED.format(
+            "CacheList (a PoolingCache inside)", "indexer's pooled keys"
+        ),
+    ),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 
@@ -473,7 +485,8 @@ _DETECT = "a detection / segmentation model (boxes, masks, poses), not a chat mo
 _EMBED = "an embedding model (vectors, not text): serve it as an embedding model"
 # mlx-vlm's own cache classes: omlx's batch and prefix cache take mlx-lm's types only;
 # the path that runs such a cache one request at a time (Family.own_cache, served for
-# minimax_m3_vl, qwen4_exp) has not been checked against mlx-vlm's generate on these yet.
+# minimax_m3_vl, qwen4_exp, glm5_next) has not been checked against mlx-vlm's generate
+# on these yet.
 _OWN_CACHE = (
     "its {} layers keep mlx-vlm's own {} ({}), a cache type mlx-lm has no equivalent of "
     "(omlx's batch and prefix cache take mlx-lm's types only): its answers on omlx's "
@@ -526,9 +539,6 @@ REFUSED: dict[str, str] = {
     # mlx-vlm's get_input_embeddings ignores any image: only the text tokens are embedded.
     "qwen3_5_text": "a text-only Qwen3.5 (no vision tower: mlx-vlm embeds the text tokens "
     "and ignores images), not a vision-language model",
-    "glm5_next": _OWN_CACHE.format(
-        "sparse-attention", "PoolingCache", "the indexer's pooled keys, in a CacheList"
-    ),
     "inkling": "mlx-vlm's inkling package imports mlx-audio (its audio feature extractor) "
     "as it loads, which omlx does not install",
     # Run on a tiny model: stream_generate raises TypeError ("missing ... 'input_ids'").

@@ -124,6 +124,9 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # Issue 41: XD-RoPE positions the model keeps between forwards (vlm_families.py says
     # how omlx gives each forward its own); its processor's own 512-pixel least side.
     "tiny-hunyuan-vl": ("hunyuan_vl", 512, "shared cache index"),
+    # Issue 41: mlx-vlm's own CacheList with a PoolingCache (its indexer's pooled keys)
+    # and ArraysCache, the own-cache path (tiny_vlm_configs_glm5.py): at most 16 tokens.
+    "tiny-glm5-next": ("glm5_next", 112, "not mlx-lm's"),
 }
 # Models built with another's seed: tiny-gemma4's weights, only the attention flag
 # differs (its images then change the answers: the test below checks it).
@@ -350,6 +353,7 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-phi3-v",
         "tiny-phi4mm",
         "tiny-hunyuan-vl",
+        "tiny-glm5-next",
         *LINEAR,
     ],
 )
