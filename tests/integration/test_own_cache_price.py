@@ -17,6 +17,7 @@ import pytest
 from omlx.engine.engine_status import engine_status
 from tests.fixtures.tiny_vlms import build_tiny_vlm
 from tests.integration.test_memory_admission import generate
+from tests.integration.test_own_cache import filled
 
 MODEL = "tiny-glm5-next"
 DEEPSEEK = "tiny-deepseek-v41"
@@ -42,13 +43,6 @@ def held_bytes(cache: list[Any]) -> int:
             arrays += list(getattr(part, "cache", None) or [])
             total += sum(a.nbytes for a in arrays if a is not None)
     return total
-
-
-def filled(model: Any, num_tokens: int) -> list[Any]:
-    """A fresh cache of the model's own after a forward of ``num_tokens`` tokens."""
-    cache = model.make_cache()
-    mx.eval(model(mx.arange(1, num_tokens + 1).reshape(1, -1), cache=cache))
-    return cache
 
 
 def test_the_guard_prices_a_glm5_next_token_by_what_its_cache_grows_by(make_pool, models) -> None:
