@@ -39,6 +39,10 @@ PROBE_TOKENS = 8
 # Tokens the second probe adds for a cache omlx cannot read: a step of mlx-lm's and
 # mlx-vlm's growing buffers (KVCache.step), so a step's growth shows in between.
 GROW_TOKENS = 256
+# The first of those probes: a prefill forward, past mlx-vlm's DECODE_BLOCK_SIZE (8),
+# as a prompt's are: buffers only such a forward makes (glm5_next's projected K/V) are
+# in both probes, and only their growth is priced per token.
+GROW_FROM_TOKENS = 32
 
 
 def cache_bytes_per_token(model: LanguageModel, *, full: bool = False) -> int:
@@ -70,10 +74,10 @@ def _opaque(layer: Any) -> bool:
 
 def _grown(model: LanguageModel, layers: list[int]) -> tuple[int, int]:
     """(bytes per token the ``layers`` of a cache grow by between a probe of
-    ``PROBE_TOKENS`` and one of ``GROW_TOKENS`` more, rounded up; the bytes they hold
-    after the longer one beyond that rate: fixed per sequence)."""
-    short = _probed_cache(model)
-    num_long = PROBE_TOKENS + GROW_TOKENS
+    ``GROW_FROM_TOKENS`` and one of ``GROW_TOKENS`` more, rounded up; the bytes they
+    hold after the longer one beyond that rate: fixed per sequence)."""
+    short = _probed_cache(model, GROW_FROM_TOKENS)
+    num_long = GROW_FROM_TOKENS + GROW_TOKENS
     held = sum(_held_bytes(layer) for layer in (_probed_cache(model, num_long)[i] for i in layers))
     per_token = max(0, -(-(held - sum(_held_bytes(short[i]) for i in layers)) // GROW_TOKENS))
     return per_token, max(0, held - per_token * num_long)

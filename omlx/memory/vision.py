@@ -106,7 +106,9 @@ def pixel_shapes(pixel_values: Any) -> tuple[tuple[int, ...], ...]:
     if not isinstance(pixel_values, (list, tuple)):
         return (tuple(int(d) for d in pixel_values.shape),)
     slices = [s for prompt in pixel_values for s in prompt]
-    return tuple((1, *(int(d) for d in s.shape)) for s in slices)
+    # deepseek_v41's processor gives a record an image (its span's start, its patches).
+    arrays = [getattr(s, "patches", s) for s in slices]
+    return tuple((1, *(int(d) for d in a.shape)) for a in arrays)
 
 
 def held_states(dims: VisionDims, pixel_shape: Sequence[int]) -> int:

@@ -514,7 +514,8 @@ def _served_config(info: ModelInfo, model: Any) -> dict[str, Any]:
 def _text_config(model: Any) -> dict[str, Any]:
     """The language model's config as mlx-vlm resolved it (defaults filled in), so
     the memory guard reads the real text dims of nested VLM configs."""
-    text = getattr(model.config, "thinker_config", model.config).text_config
+    config = getattr(model.config, "thinker_config", model.config)
+    text = getattr(config, "text_config", config)  # deepseek_v41's: flat, at its root
     fields = getattr(text, "__dataclass_fields__", None)
     return {k: getattr(text, k) for k in fields} if fields else dict(vars(text))
 

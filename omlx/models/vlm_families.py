@@ -465,6 +465,31 @@ FAMILIES: dict[str, Family] = {
             "QSAKVCache", "indexer's keys and multimodal positions"
         ),
     ),
+    # GLM-5-Next: GLM's image markers over a decoder of hyper-connections, linear
+    # attention (mlx-vlm's ArraysCache) and NoPE MLA sparse attention, each such layer a
+    # CacheList of KVCaches and, where its indexer picks keys, a PoolingCache (the
+    # indexer's pooled keys); no rope positions: a row alone needs none.
+    "glm5_next": Family(
+        image_text="<|begin_of_image|><|image|><|end_of_image|>",
+        own_cache=True,
+        one_at_a_time=_OWN_CACHE_ALONE.format("CacheList (a PoolingCache inside)"),
+        no_prefix_cache=_OWN_CACHE_UNSTORED.format(
+            "CacheList (a PoolingCache inside)", "indexer's pooled keys"
+        ),
+    ),
+    # DeepSeek-V4.1: its processor expands each placeholder into the image's span (start,
+    # a row of aligner features a grid row, a newline row each, end) and gives records of
+    # each span's start and patches as pixels; one DeepseekV41Cache holds every layer's
+    # window, compressed groups and indexer keys. Its config is flat (text at the root).
+    # Checked on a tiny model without Engram layers (their hash tables are checkpoint files).
+    "deepseek_v41": Family(
+        image_text="<｜deepseek_image｜>",
+        own_cache=True,
+        one_at_a_time=_OWN_CACHE_ALONE.format("DeepseekV41Cache"),
+        no_prefix_cache=_OWN_CACHE_UNSTORED.format(
+            "DeepseekV41Cache", "compressed groups and indexer keys of every layer"
+        ),
+    ),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 
@@ -486,15 +511,6 @@ MROPE_FAMILIES = frozenset(name for name, f in FAMILIES.items() if f.mrope)
 _OCR = "an OCR / document-parsing model (page in, text or layout out), not a chat model"
 _DETECT = "a detection / segmentation model (boxes, masks, poses), not a chat model"
 _EMBED = "an embedding model (vectors, not text): serve it as an embedding model"
-# mlx-vlm's own cache classes: omlx's batch and prefix cache take mlx-lm's types only;
-# the path that runs such a cache one request at a time (Family.own_cache, served for
-# minimax_m3_vl, qwen4_exp) has not been checked against mlx-vlm's generate on these yet.
-_OWN_CACHE = (
-    "its {} layers keep mlx-vlm's own {} ({}), a cache type mlx-lm has no equivalent of "
-    "(omlx's batch and prefix cache take mlx-lm's types only): its answers on omlx's "
-    "one-request-at-a-time path for such caches have not been checked against "
-    "mlx-vlm's own generate yet"
-)
 # A family whose processor only its checkpoints carry, as code (trust_remote_code).
 _OWN_PROCESSOR_CODE = (
     "mlx-vlm 0.7.10 has no processor for it: its checkpoints ship their own as Python code "
@@ -541,9 +557,6 @@ REFUSED: dict[str, str] = {
     # mlx-vlm's get_input_embeddings ignores any image: only the text tokens are embedded.
     "qwen3_5_text": "a text-only Qwen3.5 (no vision tower: mlx-vlm embeds the text tokens "
     "and ignores images), not a vision-language model",
-    "glm5_next": _OWN_CACHE.format(
-        "sparse-attention", "PoolingCache", "the indexer's pooled keys, in a CacheList"
-    ),
     "inkling": "mlx-vlm's inkling package imports mlx-audio (its audio feature extractor) "
     "as it loads, which omlx does not install",
     # Run on a tiny model: stream_generate raises TypeError ("missing ... 'input_ids'").
@@ -580,13 +593,6 @@ REFUSED: dict[str, str] = {
     "fills and runs on the token ids alone, so mlx-vlm's own generate answers every image "
     "alike (and its load needs PyTorch for the checkpoint's PixtralProcessor): there is "
     "no reference answer that sees the image to check omlx's against",
-    # Its make_cache: [DeepseekV41Cache(layers)], one object for every layer.
-    "deepseek_v41": _OWN_CACHE.format(
-        "decoder",
-        "DeepseekV41Cache",
-        "one object for every layer: each layer's window, compressed and indexer buffers "
-        "and states, and the hand-off from one layer to the next",
-    ),
     # A tiny model (tests/fixtures/tiny_vlm_configs_a.py of commit 77e9968): its saved
     # weights hold every parameter mlx-vlm's model has (image_newline, view_separator
     # too), equal from load to load and unchanged by a forward: nothing is drawn anew at

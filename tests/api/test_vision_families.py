@@ -124,6 +124,12 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # Issue 41: XD-RoPE positions the model keeps between forwards (vlm_families.py says
     # how omlx gives each forward its own); its processor's own 512-pixel least side.
     "tiny-hunyuan-vl": ("hunyuan_vl", 512, "shared cache index"),
+    # Issue 41: mlx-vlm's own CacheList with a PoolingCache (its indexer's pooled keys)
+    # and ArraysCache, the own-cache path (tiny_vlm_configs_glm5.py): at most 16 tokens.
+    "tiny-glm5-next": ("glm5_next", 112, "not mlx-lm's"),
+    # One DeepseekV41Cache for every layer; image spans laid out by its own processor's
+    # records (tiny_vlm_configs_deepseek_v41.py): 56-pixel images, 2x2 aligner cells.
+    "tiny-deepseek-v41": ("deepseek_v41", 56, "not mlx-lm's"),
 }
 # Models built with another's seed: tiny-gemma4's weights, only the attention flag
 # differs (its images then change the answers: the test below checks it).
@@ -347,6 +353,8 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-phi3-v",
         "tiny-phi4mm",
         "tiny-hunyuan-vl",
+        "tiny-glm5-next",
+        "tiny-deepseek-v41",
         *LINEAR,
     ],
 )

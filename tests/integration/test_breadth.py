@@ -44,6 +44,9 @@ NO_PREFIX_CACHE: dict[str, str] = {
 # config's figure (the measurement must say 0).
 CONFIG_KV_FIGURE: dict[str, str] = {
     **dict.fromkeys(["mamba", "mamba2", "rwkv7"], "recurrent states only: no KV per token"),
+    # Its LayerCache measured from a prefill of 32 tokens to one of 288 (kv_measure.py).
+    "deepseek_v41": "its tiny model's layers keep a 16-token window only (no compressed "
+    "layers): a fixed state a sequence, no KV per token",
 }
 
 # Types whose mlx-lm output depends on how the prompt is chunked, so "mlx-lm's tokens"
