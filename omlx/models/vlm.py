@@ -39,8 +39,9 @@ from omlx.models.image_ids import (
 )
 from omlx.models.remote_code import library_refusal
 from omlx.models.vlm_caches import SharedKV, StateCache, kv_shared_sources
-from omlx.models.vlm_families import Family, family, refusal
+from omlx.models.vlm_families import Family, family
 from omlx.models.vlm_processors import served_processor
+from omlx.models.vlm_refusals import refusal
 
 log = logging.getLogger(__name__)
 

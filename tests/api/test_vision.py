@@ -570,4 +570,4 @@ def test_a_vlm_family_not_served_is_a_clear_load_error(client: openai.OpenAI) ->
         chat(client, "tiny-florence2", ask(png(150)))
     message = error_of(info.value)["message"]
     assert "florence2" in message and "not supported" in message and "qwen3_vl" in message
-    assert "not a chat model" in message  # the reason (vlm_families.REFUSED)
+    assert "not a chat model" in message  # the reason (vlm_refusals.REFUSED)

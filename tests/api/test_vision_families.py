@@ -22,9 +22,10 @@ from omlx.engine.token_text import TokenText
 from omlx.errors import ModelLoadError
 from omlx.models.discovery import ModelInfo
 from omlx.models.vlm import load_vlm
-from omlx.models.vlm_families import ALIASES, FAMILIES, GEMMA4_BIDIRECTIONAL, REFUSED, Family
+from omlx.models.vlm_families import ALIASES, FAMILIES, GEMMA4_BIDIRECTIONAL, Family
 from omlx.models.vlm_families import family as family_of
 from omlx.models.vlm_processors import served_processor
+from omlx.models.vlm_refusals import REFUSED
 from tests.api.test_vision import ask, chat, png
 from tests.fixtures.tiny_vlm_configs_llama4 import ATTENTION_CHUNK
 from tests.fixtures.tiny_vlm_configs_phi import shallow_phi3_v_tower

@@ -99,14 +99,15 @@ def tiny_mistral_large3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_mistral_large3_is_refused_while_mlx_vlms_load_needs_torch(
     tiny_mistral_large3: Path,
 ) -> None:
-    # vlm_families.REFUSED's reason, checked: mlx-vlm registers no processor of its own
+    # vlm_refusals.REFUSED's reason, checked: mlx-vlm registers no processor of its own
     # for mistral_large3, so its load takes the checkpoint's PixtralProcessor from
     # transformers, which needs torch.
     import importlib
 
     from mlx_vlm import load
 
-    from omlx.models.vlm_families import FAMILIES, REFUSED
+    from omlx.models.vlm_families import FAMILIES
+    from omlx.models.vlm_refusals import REFUSED
 
     with pytest.raises(ImportError, match="PixtralProcessor requires the Torchvision"):
         load(str(tiny_mistral_large3))
