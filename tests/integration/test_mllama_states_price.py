@@ -166,6 +166,23 @@ def test_a_second_image_request_waits_while_two_rows_states_pass_the_capacity(
     asyncio.run(main())
 
 
+def lowest_limit(guard: Any, gate: Any, held: int, load: KVLoad, request: Request, n: int) -> int:
+    """The lowest hard limit (bisected to the byte, from what is ``held``) under which
+    the gate admits ``request`` (``n`` choices) beside ``load``: its admission price."""
+    margin = guard.limits.transient_margin_bytes
+
+    def admits(hard: int) -> bool:
+        guard.publish(Limits(hard, hard, margin))
+        gate.start_admission((), load)
+        return bool(gate.can_admit(request, n))
+
+    low, high = held, held + 10_000 * MB
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if admits(mid) else (mid, high)
+    return high
+
+
 def joined_states_seen(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The bytes of the decode batch's image states after every join (a row's
     states concatenated with the batch's, each zero-padded to the most)."""
@@ -215,16 +232,7 @@ def test_admission_prices_the_copy_a_join_makes_of_every_rows_states(
             text = Request("t", image.prompt_ids, image.sampling)
 
             def lowest(request: Request) -> int:
-                def admits(hard: int) -> bool:
-                    guard.publish(Limits(hard, hard, limits.transient_margin_bytes))
-                    gate.start_admission((), load)
-                    return gate.can_admit(request, 1)
-
-                low, high = probe.held, probe.held + 10_000 * MB
-                while high - low > 1:
-                    mid = (low + high) // 2
-                    low, high = (low, mid) if admits(mid) else (mid, high)
-                return high
+                return lowest_limit(guard, gate, probe.held, load, request, 1)
 
             image_price, text_price = lowest(image), lowest(text)
             encode = gate._image_bytes(image)
@@ -296,16 +304,7 @@ def test_admission_prices_the_copy_a_leaving_row_makes_of_the_others_states(
             assert load.image_rows == 2 and load.states == 2 * load.most_states
 
             def lowest(load: KVLoad) -> int:
-                def admits(hard: int) -> bool:
-                    guard.publish(Limits(hard, hard, limits.transient_margin_bytes))
-                    gate.start_admission((), load)
-                    return gate.can_admit(newcomer, 2)
-
-                low, high = probe.held, probe.held + 10_000 * MB
-                while high - low > 1:
-                    mid = (low + high) // 2
-                    low, high = (low, mid) if admits(mid) else (mid, high)
-                return high
+                return lowest_limit(guard, gate, probe.held, load, newcomer, 2)
 
             one = dataclasses.replace(load, image_rows=1, states=load.most_states)
             extra = lowest(load) - lowest(one)
