@@ -42,6 +42,7 @@ from omlx.models.vlm_caches import SharedKV, StateCache, kv_shared_sources
 from omlx.models.vlm_families import Family, family
 from omlx.models.vlm_processors import served_processor
 from omlx.models.vlm_refusals import refusal
+from omlx.models.vlm_rope import rope_each_token
 
 log = logging.getLogger(__name__)
 
@@ -456,6 +457,9 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
         ) from exc
     if not traits.own_cache:
         _require_served_caches(info, model.language_model)
+    # LongRoPE's short or long factors by each token's position, not the batch's longest
+    # row's (models/vlm_rope.py): a batched row answers as it would alone.
+    rope_each_token(model.language_model)
     _require_image_processor(info, traits, processor)
     stop_ids = _stop_ids(processor)
     processor = _processor(processor, model, info)
