@@ -135,8 +135,8 @@ def test_a_short_row_beside_one_past_the_threshold_answers_as_alone_and_as_mlx_v
     assert short_prompt + short_tokens < THRESHOLD
     assert alone == expected
     # The long row decodes throughout the short one's life: the short joins its batch
-    # once the long's first token came, and the long has 30 more steps to go.
-    long_tokens = 48
+    # once the long's first token came, and the long has 159 steps to go.
+    long_tokens = 160
     long = Streamed(client, LONG, long_tokens)
     long.start()
     assert long.started.wait(60)
