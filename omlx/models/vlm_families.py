@@ -490,6 +490,14 @@ FAMILIES: dict[str, Family] = {
             "DeepseekV41Cache", "compressed groups and indexer keys of every layer"
         ),
     ),
+    # Inkling: the processor writes a row of image tokens for each 40-pixel patch (no
+    # resize); an HMLP tower embeds each patch to one row. Each decoder layer keeps a
+    # CacheList of KV and its short convolutions' states (mlx-lm's CacheList of a
+    # KVCache and an ArraysCache: the batch and the prefix cache take them); sliding
+    # layers attend within a window of the plain KV, under a learned relative bias.
+    # No audio: mlx-vlm's processor loads its audio feature extractor (mlx_audio.dsp),
+    # which omlx installs for that, and omlx feeds it none.
+    "inkling": Family(),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 

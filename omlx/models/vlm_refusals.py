@@ -58,8 +58,6 @@ REFUSED: dict[str, str] = {
     # mlx-vlm's get_input_embeddings ignores any image: only the text tokens are embedded.
     "qwen3_5_text": "a text-only Qwen3.5 (no vision tower: mlx-vlm embeds the text tokens "
     "and ignores images), not a vision-language model",
-    "inkling": "mlx-vlm's inkling package imports mlx-audio (its audio feature extractor) "
-    "as it loads, which omlx does not install",
     # Run on a tiny model: stream_generate raises TypeError ("missing ... 'input_ids'").
     "zaya1_vl": "mlx-vlm 0.7.10's own generate cannot run it (its prefill calls the "
     "language model with inputs=, which zaya1_vl's takes as input_ids): there is no "

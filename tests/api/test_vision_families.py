@@ -131,6 +131,9 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # One DeepseekV41Cache for every layer; image spans laid out by its own processor's
     # records (tiny_vlm_configs_deepseek_v41.py): 56-pixel images, 2x2 aligner cells.
     "tiny-deepseek-v41": ("deepseek_v41", 56, "not mlx-lm's"),
+    # Issue 41: a CacheList a layer (KV and its short convolutions' states: mlx-lm's
+    # classes, batched and cached); the processor's fixed 40-pixel patches, one row each.
+    "tiny-inkling": ("inkling", 40, None),
 }
 # Models built with another's seed: tiny-gemma4's weights, only the attention flag
 # differs (its images then change the answers: the test below checks it).
@@ -356,6 +359,7 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-hunyuan-vl",
         "tiny-glm5-next",
         "tiny-deepseek-v41",
+        "tiny-inkling",
         *LINEAR,
     ],
 )
