@@ -26,6 +26,11 @@ MLX_AUDIO_PKG="mlx-audio==0.6.2"
 # time, where omlx.grammar's torch stub stands in; their real runtime deps
 # (numpy, pydantic, transformers, typing-extensions) come with omlx already.
 GRAMMAR_PKGS=("xgrammar==0.2.8" "apache-tvm-ffi==0.1.15")
+# OpenCV, for the tests only: mlx-vlm's multi_modality (DeepSeek-VL, Janus) imports cv2,
+# which omlx leaves optional (a ~46 MB macOS wheel for one family; README.md, "Images":
+# a load without it says to install this pin, omlx/models/vlm_refusals.py OPTIONAL_MODULES).
+# Headless: no GUI libraries. --no-deps: numpy comes with omlx.
+TEST_OPENCV_PKG="opencv-python-headless==4.14.0.94"
 PY="$VENV/bin/python"
 # The real coding agents the compatibility matrix runs (tests/agents), pinned: a bump
 # that breaks one fails the suite (README.md, "Coding agents"). Installed for `test`
@@ -94,6 +99,14 @@ python_env() {
     "$PY" -m compileall -q omlx >/dev/null
 }
 
+test_packages() {
+    local stamp="$VENV/.omlx-test-stamp"
+    [ "$(cat "$stamp" 2>/dev/null)" = "$TEST_OPENCV_PKG" ] && return 0
+    log "installing $TEST_OPENCV_PKG (the tests' optional modules)"
+    "$PY" -m pip install -q --no-deps "$TEST_OPENCV_PKG"
+    echo "$TEST_OPENCV_PKG" >"$stamp"
+}
+
 aider_python() {
     # aider-chat 0.86.2 requires Python 3.10 to 3.12.
     for c in python3.12 python3.11 python3.10 python3; do
@@ -134,6 +147,7 @@ test)
     # The fast lane needs no browser, Xvfb or Qt: the base packages do.
     system_packages "${fast:-test}"
     python_env
+    test_packages
     if [ -z "$fast" ]; then agent_tools; fi
     log "ruff"
     "$VENV/bin/ruff" check .

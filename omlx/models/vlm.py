@@ -24,7 +24,7 @@ import numpy as np
 from mlx_lm.models.cache import CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from omlx.errors import InvalidRequestError, ModelLoadError
+from omlx.errors import InvalidRequestError, ModelLoadError, ModuleMissingError
 from omlx.memory.dims import hidden_size
 from omlx.memory.vision import VisionDims, pixel_shapes, vision_dims
 from omlx.mlx_types import flat_parameters
@@ -41,7 +41,7 @@ from omlx.models.remote_code import library_refusal
 from omlx.models.vlm_caches import SharedKV, StateCache, kv_shared_sources
 from omlx.models.vlm_families import Family, family
 from omlx.models.vlm_processors import served_processor
-from omlx.models.vlm_refusals import refusal
+from omlx.models.vlm_refusals import missing_module, refusal
 
 log = logging.getLogger(__name__)
 
@@ -446,6 +446,9 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     traits = family(info.model_type)
     if traits is None:
         raise ModelLoadError(f"cannot load '{info.name}': {refusal(info.model_type)}")
+    missing = missing_module(info.model_type)
+    if missing is not None:
+        raise ModuleMissingError(f"cannot load '{info.name}': {missing}")
     from mlx_vlm.utils import load  # deferred: heavy import
 
     start = time.perf_counter()
