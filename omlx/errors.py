@@ -240,6 +240,17 @@ class ArchitectureCrashError(ModelLoadError):
     code = "model_architecture_crashed"
 
 
+class ModuleMissingError(ModelLoadError):
+    """A served family's model imports a Python module omlx leaves optional (mlx-vlm's
+    multi_modality imports OpenCV's cv2: models/vlm_refusals.py OPTIONAL_MODULES), and
+    it does not import here. Not a 500: nothing failed; the message names the package
+    to install."""
+
+    http_status = 501
+    error_type = "invalid_request_error"
+    code = "model_needs_module"
+
+
 class ImageEmbeddingMismatchError(OmlxError):
     """A vision model embedded a prompt into more (or fewer) rows than the prompt has
     tokens: omlx prefills one row per token, so it refuses the request rather than

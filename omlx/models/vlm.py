@@ -21,10 +21,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from omlx.errors import InvalidRequestError, ModelLoadError
+from omlx.errors import InvalidRequestError, ModelLoadError, ModuleMissingError
 from omlx.memory.dims import hidden_size
 from omlx.memory.vision import VisionDims, pixel_shapes, vision_dims
 from omlx.mlx_types import flat_parameters
@@ -41,7 +41,7 @@ from omlx.models.remote_code import library_refusal
 from omlx.models.vlm_caches import SharedKV, StateCache, kv_shared_sources
 from omlx.models.vlm_families import Family, family
 from omlx.models.vlm_processors import served_processor
-from omlx.models.vlm_refusals import refusal
+from omlx.models.vlm_refusals import missing_module, refusal
 from omlx.models.vlm_rope import rope_each_token
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 
 # mlx-lm's cache of a language model layer of mlx-vlm, and as the image path makes it.
-_Served = KVCache | RotatingKVCache | ChunkedKVCache | StateCache
+_Served = KVCache | RotatingKVCache | ChunkedKVCache | StateCache | CacheList
 _Layer = _Served | CrossAttentionStates
 
 
@@ -161,9 +161,11 @@ def _mlx_lm_cache(cache: Any) -> _Served:
         return StateCache(len(cache.cache))
     if kind == "ChunkedKVCache":
         return ChunkedKVCache(cache.chunk_size)
+    if kind == "CacheList":  # a layer's several caches (inkling's KV and convolutions)
+        return CacheList(*(_mlx_lm_cache(c) for c in cache.caches))
     raise ValueError(
         f"a {kind} layer (only KVCache, RotatingKVCache, ChunkedKVCache and ArraysCache "
-        "layers are served)"
+        "layers, and CacheLists of them, are served)"
     )
 
 
@@ -445,6 +447,9 @@ def load_vlm(info: ModelInfo) -> tuple[TextModel, Any, dict[str, Any], VisionEnc
     traits = family(info.model_type)
     if traits is None:
         raise ModelLoadError(f"cannot load '{info.name}': {refusal(info.model_type)}")
+    missing = missing_module(info.model_type)
+    if missing is not None:
+        raise ModuleMissingError(f"cannot load '{info.name}': {missing}")
     from mlx_vlm.utils import load  # deferred: heavy import
 
     start = time.perf_counter()

@@ -490,6 +490,23 @@ FAMILIES: dict[str, Family] = {
             "DeepseekV41Cache", "compressed groups and indexer keys of every layer"
         ),
     ),
+    # Inkling: the processor writes a row of image tokens for each 40-pixel patch (no
+    # resize); an HMLP tower embeds each patch to one row. Each decoder layer keeps a
+    # CacheList of KV and its short convolutions' states (mlx-lm's CacheList of a
+    # KVCache and an ArraysCache: the batch and the prefix cache take them); sliding
+    # layers attend within a window of the plain KV, under a learned relative bias.
+    # No audio: mlx-vlm's processor loads its audio feature extractor (mlx_audio.dsp),
+    # which omlx installs for that, and omlx feeds it none.
+    "inkling": Family(),
+    # DeepSeek-VL / Janus: mlx-vlm's processor is the bare tokenizer beside its own image
+    # processor (a 384-pixel square); its generate writes the config's image token between
+    # the text before and after the first "<image>" (SplitPromptProcessor, as
+    # llava_bunny's), and the model splices the image's 576 SigLIP rows at the first image
+    # token (its text after a second image dropped: one image). Its module imports cv2
+    # (optional: models/vlm_refusals.py OPTIONAL_MODULES).
+    "multi_modality": Family(
+        image_text="<image>", image_rows=lambda _pixel_shape: 576, max_images=1
+    ),
 }
 SUPPORTED_FAMILIES = frozenset(FAMILIES)
 

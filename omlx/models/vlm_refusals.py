@@ -4,6 +4,8 @@ tests/api/test_vision_families.py fails when mlx-vlm adds a type in neither tabl
 
 from __future__ import annotations
 
+import importlib
+
 from omlx.models.vlm_families import ALIASES, SUPPORTED_FAMILIES
 
 # Every other model type of mlx-vlm 0.7.10 with a vision tower, and why omlx refuses
@@ -58,8 +60,6 @@ REFUSED: dict[str, str] = {
     # mlx-vlm's get_input_embeddings ignores any image: only the text tokens are embedded.
     "qwen3_5_text": "a text-only Qwen3.5 (no vision tower: mlx-vlm embeds the text tokens "
     "and ignores images), not a vision-language model",
-    "inkling": "mlx-vlm's inkling package imports mlx-audio (its audio feature extractor) "
-    "as it loads, which omlx does not install",
     # Run on a tiny model: stream_generate raises TypeError ("missing ... 'input_ids'").
     "zaya1_vl": "mlx-vlm 0.7.10's own generate cannot run it (its prefill calls the "
     "language model with inputs=, which zaya1_vl's takes as input_ids): there is no "
@@ -72,12 +72,6 @@ REFUSED: dict[str, str] = {
     # trust_remote_code, mlx-vlm's generate runs both models: only the processor is missing.
     "llmjpvl": _OWN_PROCESSOR_CODE.format("processing_llmjpvl.py"),
     "youtu_vl": _OWN_PROCESSOR_CODE.format("processing_youtu_vl.py"),
-    # Checked: mlx-vlm's add_image_token turns a 3-token prompt with one image token into
-    # 578 rows, and a prompt already expanded to 576 image tokens (578) into 1153.
-    "multi_modality": "mlx-vlm's model inserts 576 feature rows at each image token of the "
-    "prompt itself (more embeddings than prompt tokens, with no rule omlx has for them "
-    "yet), and its vision module imports OpenCV (cv2), which omlx does not "
-    "install",
     "molmo_point": "a pointing model: its decode steps predict image points from state "
     "mlx-vlm keeps on the model object for one prompt (the image's patch keys, the ids "
     "generated so far), with logits past the vocabulary for the points; one model-wide "
@@ -124,3 +118,31 @@ def refusal(model_type: str) -> str:
     why = REFUSED.get(ALIASES.get(model_type, model_type), "not a family mlx-vlm 0.7.10 has")
     served = ", ".join(sorted(SUPPORTED_FAMILIES))
     return f"vision-language family '{model_type}' is not supported: {why} (served: {served})"
+
+
+# Served families whose mlx-vlm module imports a module omlx does not install: the
+# module, and the package (pinned as the tests install it: setup.sh TEST_OPENCV_PKG) a
+# load without it says to install. mlx-vlm's multi_modality imports cv2 at its top for
+# the hybrid (SAM) tower's resize: opencv-python-headless is a 46 MB macOS wheel (4.14.0.94,
+# arm64), too much to carry in the app for one family.
+OPTIONAL_MODULES: dict[str, tuple[str, str]] = {
+    "multi_modality": ("cv2", "opencv-python-headless==4.14.0.94"),
+}
+
+
+def missing_module(model_type: str) -> str | None:
+    """What to install to load a vision model of ``model_type``, where its family needs
+    an optional module that does not import here (None: nothing missing)."""
+    name = ALIASES.get(model_type, model_type)
+    if name not in OPTIONAL_MODULES:
+        return None
+    module, package = OPTIONAL_MODULES[name]
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return (
+            f"vision-language family '{model_type}' needs the Python module '{module}', "
+            f"which omlx does not install ({exc}): install it into omlx's environment with "
+            f"`pip install --no-deps {package}` (the Mac app cannot load this family)"
+        )
+    return None

