@@ -27,6 +27,8 @@ from omlx.models.vlm_families import family as family_of
 from omlx.models.vlm_processors import served_processor
 from omlx.models.vlm_refusals import REFUSED
 from tests.api.test_vision import ask, chat, png
+from tests.fixtures.tiny_vlm_configs_a import shallow_fastvlm_tower
+from tests.fixtures.tiny_vlm_configs_gemma3n import shallow_gemma3n_tower
 from tests.fixtures.tiny_vlm_configs_llama4 import ATTENTION_CHUNK
 from tests.fixtures.tiny_vlm_configs_phi import shallow_phi3_v_tower
 from tests.fixtures.tiny_vlm_configs_vfam1 import STARMIE_REPO, cache_starmie, offline_hub
@@ -175,7 +177,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
     root = tmp_path_factory.mktemp("tiny-vlm-families")
     with pytest.MonkeyPatch.context() as patch:
+        # mlx-vlm's fixed-size towers, shallow (their docstrings say what stays theirs).
         shallow_phi3_v_tower(patch)
+        shallow_gemma3n_tower(patch)
+        shallow_fastvlm_tower(patch)
         for name, (family, side, _) in MODELS.items():
             seed = SEEDS.get(name, list(MODELS).index(SAME_WEIGHTS.get(name, name)))
             build_tiny_vlm(root / name, family, seed=seed, image_size=side)
