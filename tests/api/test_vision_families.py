@@ -991,7 +991,7 @@ def test_a_gemma3n_prompt_whose_image_is_cached_runs_no_vision_tower(
 ) -> None:
     # Its last token goes in a forward of its own with its embedding row
     # (Family.last_token_apart): after a hit holding its image, the row comes from
-    # mlx-vlm's embedding without pixels, not from its 294M-parameter tower again
+    # mlx-vlm's embedding without pixels, not from its MobileNetV5 tower again
     # (the answers stay mlx-vlm's: test_a_repeated_image_prompt_is_a_cache_hit...).
     from mlx_vlm.models.gemma3n.vision import VisionModel
 
