@@ -27,6 +27,8 @@ from omlx.models.vlm_families import family as family_of
 from omlx.models.vlm_processors import served_processor
 from omlx.models.vlm_refusals import REFUSED
 from tests.api.test_vision import ask, chat, png
+from tests.fixtures.tiny_vlm_configs_a import shallow_fastvlm_tower
+from tests.fixtures.tiny_vlm_configs_gemma3n import shallow_gemma3n_tower
 from tests.fixtures.tiny_vlm_configs_llama4 import ATTENTION_CHUNK
 from tests.fixtures.tiny_vlm_configs_phi import shallow_phi3_v_tower
 from tests.fixtures.tiny_vlm_configs_vfam1 import STARMIE_REPO, cache_starmie, offline_hub
@@ -182,7 +184,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
     root = tmp_path_factory.mktemp("tiny-vlm-families")
     with pytest.MonkeyPatch.context() as patch:
+        # mlx-vlm's fixed-size towers, shallow (their docstrings say what stays theirs).
         shallow_phi3_v_tower(patch)
+        shallow_gemma3n_tower(patch)
+        shallow_fastvlm_tower(patch)
         for name, (family, side, _) in MODELS.items():
             seed = SEEDS.get(name, list(MODELS).index(SAME_WEIGHTS.get(name, name)))
             build_tiny_vlm(root / name, family, seed=seed, image_size=side)
@@ -998,7 +1003,7 @@ def test_a_gemma3n_prompt_whose_image_is_cached_runs_no_vision_tower(
 ) -> None:
     # Its last token goes in a forward of its own with its embedding row
     # (Family.last_token_apart): after a hit holding its image, the row comes from
-    # mlx-vlm's embedding without pixels, not from its 294M-parameter tower again
+    # mlx-vlm's embedding without pixels, not from its MobileNetV5 tower again
     # (the answers stay mlx-vlm's: test_a_repeated_image_prompt_is_a_cache_hit...).
     from mlx_vlm.models.gemma3n.vision import VisionModel
 
