@@ -69,7 +69,9 @@ def test_start_health_crash_restart_and_quit(make_controller):
 
 
 def test_hang_is_reported_and_stop_is_bounded(make_controller):
-    policy = SupervisorPolicy(**{**_fields(FAST), "stop_timeout_s": 1.0})
+    # /health's timeout and the stop's wait are what a hang costs: each poll and the
+    # stop wait their full length here, so both are short.
+    policy = SupervisorPolicy(**{**_fields(FAST), "health_timeout_s": 0.5, "stop_timeout_s": 0.5})
     controller, _ = make_controller(policy=policy)
     controller.dispatch("start").result()
     wait_for(lambda: _running(controller), what="the server to run")
@@ -99,7 +101,10 @@ def test_hang_is_reported_and_stop_is_bounded(make_controller):
 
 
 def test_crash_loop_ends_in_error_with_the_reason(make_controller):
-    controller, _ = make_controller(extra=("--max-process-memory", "bogus"))
+    # Backoff 0.1, 0.2, 0.4 s: the loop, not the waits, is what is under test (FAST's
+    # 0.5 s base is checked by test_start_health_crash_restart_and_quit).
+    policy = SupervisorPolicy(**{**_fields(FAST), "backoff_base_s": 0.1})
+    controller, _ = make_controller(policy=policy, extra=("--max-process-memory", "bogus"))
     controller.dispatch("start").result()
     wait_for(lambda: controller.status.state is ServerState.ERROR, 60, "the error state")
     status = controller.status

@@ -71,10 +71,26 @@ def e2e_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def e2e_profiles(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One ``profiles`` folder for the servers on e2e_models_dir: a model's auto-profile
+    and an architecture's probe verdict, measured by one server, are reused by the next,
+    as by a restart of one (each server keeps its own settings and logs)."""
+    return tmp_path_factory.mktemp("e2e-profiles")
+
+
+def base_sharing_profiles(base: Path, profiles: Path) -> Path:
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "profiles").symlink_to(profiles, target_is_directory=True)
+    return base
+
+
 @pytest.fixture(scope="module")
-def admin_url(e2e_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def admin_url(
+    e2e_models_dir: Path, e2e_profiles: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     """``omlx serve`` (the real CLI, so it writes logs/server.log) without a key."""
-    base = tmp_path_factory.mktemp("e2e-base")
+    base = base_sharing_profiles(tmp_path_factory.mktemp("e2e-base"), e2e_profiles)
     with serve_process(base, e2e_models_dir, "--max-concurrent-requests", "8") as (_, url):
         yield url
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 from playwright.sync_api import expect
 
-from tests.e2e.conftest import open_page, screenshot
+from tests.e2e.conftest import base_sharing_profiles, open_page, screenshot
 
 # Each page and an element that shows it rendered with live data.
 PAGES = {
@@ -355,11 +355,12 @@ def test_quantization_task_runs_to_done_from_the_ui(page, admin_url: str) -> Non
     assert done["phase"] == "done" and done["result"]["bits_per_weight"] > 0
 
 
-def test_login_page_when_a_key_is_set(browser, e2e_models_dir, tmp_path) -> None:
+def test_login_page_when_a_key_is_set(browser, e2e_models_dir, e2e_profiles, tmp_path) -> None:
     from tests.fixtures.servers import serve_process
 
     key = "sk-e2e-secret"
-    with serve_process(tmp_path / "base", e2e_models_dir, "--api-key", key) as (_, url):
+    base = base_sharing_profiles(tmp_path / "base", e2e_profiles)
+    with serve_process(base, e2e_models_dir, "--api-key", key) as (_, url):
         context, page, problems = open_page(browser, url)
         page.goto(f"{url}/admin/#/models")
         expect(page).to_have_url(f"{url}/admin/#/login?next=models")

@@ -182,9 +182,10 @@ def test_a_running_download_shows_progress_and_cancels(
     download_page, hub: FakeHub, download_server: tuple[str, Path]
 ) -> None:
     page = download_page
-    # ~36 MB at 2 MB/s: huggingface_hub writes a file in 10 MB pieces, so the bar
-    # moves after ~5 s and the download would need ~18 s: time to watch and cancel.
-    hub.bytes_per_s = 2_000_000
+    # ~36 MB: huggingface_hub writes a file in 10 MiB pieces. The first 12 MB come at
+    # once, so the bar moves at once; the rest at 2 MB/s would need ~12 s more: time
+    # to watch and cancel.
+    hub.bytes_per_s, hub.unthrottled_bytes = 2_000_000, 12_000_000
     try:
         search(page, "wide-llama")
         page.locator(f'tr[data-repo="{SLOW}"] [data-action="download"]').click()
@@ -197,7 +198,7 @@ def test_a_running_download_shows_progress_and_cancels(
         task.locator('[data-action="cancel"]').click()
         expect(task).to_have_attribute("data-phase", "cancelled", timeout=30_000)
     finally:
-        hub.bytes_per_s = None
+        hub.bytes_per_s, hub.unthrottled_bytes = None, 0
     names = [m["id"] for m in httpx.get(download_server[0] + "/v1/models").json()["data"]]
     assert not any("wide-llama" in n for n in names)
     task.locator('[data-action="delete"]').click()
