@@ -30,7 +30,9 @@ def client(
     with live_server(
         tmp_path_factory.mktemp("base"),
         smollm2_path.parent,
-        scheduler={"max_concurrent_requests": 4},
+        # The settings of test_structured_builtin.py's and test_tool_grammar.py's servers:
+        # SmolLM2's auto-profile, measured here, is reused there (profiles_dir).
+        scheduler={"max_concurrent_requests": 8},
         profiles=profiles_dir,
     ) as server:
         yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
