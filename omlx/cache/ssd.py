@@ -14,6 +14,7 @@ and its temp files): anything else there is never touched.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -155,7 +156,8 @@ class SSDStore:
         self._generation = 0  # bumped by clear(); older queued writes are void
         self._closed = False
         self._stop = threading.Event()
-        self._queue: queue.Queue[_WriteItem] = queue.Queue(queue_size)
+        # None: close()'s wake-up, so the writer stops now rather than at its next poll.
+        self._queue: queue.Queue[_WriteItem | None] = queue.Queue(queue_size)
 
         self._rebuild_index()
         self._writer = threading.Thread(
@@ -268,9 +270,11 @@ class SSDStore:
             self._total_bytes = 0
         while True:
             try:
-                self._queue.get_nowait()
+                item = self._queue.get_nowait()
             except queue.Empty:
                 break
+            if item is None:  # close()'s wake-up, not a write (the writer still stops)
+                continue
             with self._lock:
                 self._counters.discarded += 1
                 self._finish_one_locked()
@@ -292,6 +296,8 @@ class SSDStore:
             self._closed = True
         flushed = self.flush(timeout_s)
         self._stop.set()
+        with contextlib.suppress(queue.Full):  # full: the writer is awake and sees the stop
+            self._queue.put_nowait(None)
         self._writer.join(max(0.0, deadline - time.monotonic()) + 0.5)
         return flushed
 
@@ -312,6 +318,8 @@ class SSDStore:
             try:
                 item = self._queue.get(timeout=0.05)
             except queue.Empty:
+                item = None
+            if item is None:
                 if self._stop.is_set():
                     return
                 continue

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
+import psutil
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
@@ -28,6 +29,7 @@ from omlx.engine.pool import EnginePool
 from omlx.engine.stream import RequestStream
 from omlx.engine.token_text import TokenText
 from omlx.engine.worker import MLXWorker
+from omlx.memory.footprint import ProcessFootprint
 from omlx.scheduler import Request, SamplingParams
 from tests.fixtures.breadth_models import EXCLUDED, OVERRIDES, build_breadth_model, model_types
 from tests.integration.conftest import pool_settings
@@ -93,9 +95,23 @@ def pool(breadth_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     worker.start()
     base = tmp_path_factory.mktemp("breadth-base")
     # Four requests at a time and 64-token chunks: the load's auto-profile stresses
-    # no more than that (it is most of each load), and long prompts are chunked.
+    # no more than that (it is most of each load), and long prompts are chunked. No
+    # burst window: a request alone starts at once, and the four that run together
+    # arrive as one (``_Client.generate_together``), taken in the same step.
+    # A ceiling 2 GiB above what this process holds now (room for any tiny model): the
+    # auto-profile's safety canary is 2% of it, ~70-100 MiB, where this machine's RAM
+    # made it 256 MiB, whose fill cost ~0.13 s of CPU a load (test_auto_profile.py
+    # checks the canary itself).
+    held = ProcessFootprint.for_this_platform().bytes_of(psutil.Process())  # as the guard reads
+    memory = {"max_process_memory": held + 2 * 1024**3}
     settings = pool_settings(
-        base, breadth_dir, CACHE, max_concurrent_requests=4, prefill_step_size=64
+        base,
+        breadth_dir,
+        CACHE,
+        memory,
+        max_concurrent_requests=4,
+        prefill_step_size=64,
+        burst_window_ms=0,
     )
     engines = EnginePool(settings, worker)
     yield engines
@@ -141,9 +157,25 @@ class _Client:
 
     async def generate(self, prompt: list[int]) -> tuple[list[int], list[float], int]:
         """(tokens, their logprobs, prompt tokens served from the prefix cache)."""
+        [answer] = await self.generate_together([prompt])
+        return answer
+
+    async def generate_together(
+        self, prompts: list[list[int]]
+    ) -> list[tuple[list[int], list[float], int]]:
+        """Each prompt's answer, the prompts submitted as one arrival (the MLX thread
+        takes them in the same step)."""
         params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, logprobs=0)
-        stream = RequestStream(f"breadth-{next(_ids)}", asyncio.get_running_loop())
-        self.engine.submit(Request(stream.request_id, tuple(prompt), params), stream)
+        loop = asyncio.get_running_loop()
+        pairs = []
+        for prompt in prompts:
+            stream = RequestStream(f"breadth-{next(_ids)}", loop)
+            pairs.append((Request(stream.request_id, tuple(prompt), params), stream))
+        self.engine.submit_together(pairs)
+        streams = [stream for _, stream in pairs]
+        return await asyncio.gather(*(self._answer(stream) for stream in streams))
+
+    async def _answer(self, stream: RequestStream) -> tuple[list[int], list[float], int]:
         tokens, logprobs, cached = [], [], 0
         while True:
             event = await stream.get()
@@ -188,7 +220,7 @@ def test_served_as_mlx_lm_serves_it(
                 if exact:
                     assert tokens == _reference(model, prompt, NUM_TOKENS)
             # (b) four at once == each alone
-            together = await asyncio.gather(*(client.generate(p) for p in prompts))
+            together = await client.generate_together(prompts)
             for (tokens, lps, _), (solo_tokens, solo_lps, _) in zip(together, solo, strict=True):
                 assert tokens == solo_tokens
                 assert lps == pytest.approx(solo_lps, abs=1e-4)
