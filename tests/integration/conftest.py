@@ -89,9 +89,12 @@ def make_pool(tiny_models_dir: Path, tmp_path: Path, profiles_dir: Path) -> Iter
 
 
 @pytest.fixture(scope="session")
-def two_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two slow-llama models (different weights): tests of one ceiling shared by two."""
+def two_models_dir(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two slow-llama models (different weights): tests of one ceiling shared by two.
+    slow-a is ``tiny_models_dir``'s slow-llama (the same seed), linked: its auto-profile
+    and batching verdict are kept by the folder's real path, so one measured under the
+    same probe and settings is reused, as at a restart, instead of measured again."""
     root = tmp_path_factory.mktemp("two-slow")
-    build_tiny_model(root / "slow-a", "slow-llama", seed=2)
+    (root / "slow-a").symlink_to(tiny_models_dir / "slow-llama", target_is_directory=True)
     build_tiny_model(root / "slow-b", "slow-llama", seed=3)
     return root
