@@ -132,12 +132,15 @@ def test_the_guard_counts_what_the_caches_allocate_alone_and_batched(make_pool) 
     check(steps, dims)
 
 
-def test_a_quantized_cache_is_counted_as_it_grows(make_pool) -> None:
+def test_a_quantized_cache_is_counted_as_it_grows(make_pool, tmp_path: Path) -> None:
     """The same with the model's KV quantized to 8 bits (omlx's batch form grows by
-    mlx-lm's ``QuantizedKVCache.step``); slow-llama: its 64-wide heads quantize."""
-    pool = make_pool(max_concurrent_requests=8, prefill_step_size=512)
-    pool.model_settings.put("slow-llama", {"kv_bits": 8})
-    steps, dims = run(pool, "slow-llama")
+    mlx-lm's ``QuantizedKVCache.step``), on a tiny llama with 64-wide heads (they
+    quantize in groups of 32; tiny-llama's 16-wide ones do not)."""
+    build_tiny_model(tmp_path / "models" / "tiny-llama-64", num_attention_heads=2, hidden_size=128)
+    pool = make_pool(tmp_path / "models", max_concurrent_requests=8, prefill_step_size=512)
+    pool.model_settings.put("tiny-llama-64", {"kv_bits": 8})
+    steps, dims = run(pool, "tiny-llama-64")
+    assert dims.head_dim == 64
     check(steps, dims)
 
 

@@ -35,6 +35,8 @@ pytestmark = pytest.mark.slow
 QUESTION = "Explain how a canal lock lets a boat climb a hill, step by step."
 # Tokens of its answer the drift is read at.
 ANSWER_TOKENS = 160
+# Tokens of it that show 4-bit KV drifting further than 8-bit.
+PREMISE_TOKENS = 40
 
 
 def _model(path: Path, bits: int | None, group_size: int = DEFAULT_KV_GROUP_SIZE):
@@ -63,18 +65,28 @@ def tokenizer(smollm2_path: Path):
     return load(str(smollm2_path))[1]
 
 
-def _decode_logprobs(model, prompt: list[int], answer: list[int]) -> mx.array:
-    """The logprob of each token of ``answer`` as a request reads them: the prompt in
-    one forward, then one token per forward (a quantized cache's first forward attends
-    in full precision, every later one over the quantized K/V)."""
+def _decode_logprobs(
+    model, prompt: list[int], answer: list[int] | int
+) -> tuple[list[int], mx.array]:
+    """The tokens of ``answer`` (given a count: the model's greedy answer of that
+    many) and the logprob of each as a request reads them: the prompt in one forward,
+    then one token per forward (a quantized cache's first forward attends in full
+    precision, every later one over the quantized K/V)."""
+    forced = answer if isinstance(answer, list) else None
+    n = len(forced) if forced is not None else int(answer)
     cache = prompt_cache(model)
-    logits = [model(mx.array(prompt)[None], cache=cache)[0, -1]]
-    for token in answer[:-1]:
-        logits.append(model(mx.array([[token]]), cache=cache)[0, -1])
-        mx.eval(logits[-1])
-    stacked = mx.stack(logits).astype(mx.float32)
-    logprobs = stacked - mx.logsumexp(stacked, axis=-1, keepdims=True)
-    return mx.take_along_axis(logprobs, mx.array(answer)[:, None], axis=-1)[:, 0]
+    logits = model(mx.array(prompt)[None], cache=cache)[0, -1]
+    tokens: list[int] = []
+    logprobs = []
+    for i in range(n):
+        row = logits.astype(mx.float32)
+        row = row - mx.logsumexp(row)
+        tokens.append(forced[i] if forced is not None else int(mx.argmax(row)))
+        logprobs.append(row[tokens[-1]])
+        mx.eval(logprobs[-1])
+        if i + 1 < n:
+            logits = model(mx.array([[tokens[-1]]]), cache=cache)[0, -1]
+    return tokens, mx.stack(logprobs)
 
 
 def test_8_bit_kv_meets_the_issues_drift_bar(smollm2, tokenizer) -> None:
@@ -84,20 +96,20 @@ def test_8_bit_kv_meets_the_issues_drift_bar(smollm2, tokenizer) -> None:
     quantized KV gives our logprobs: test_8_bit_greedy_equals_mlx_lm_kv_bits_8, so
     the drift is 8-bit affine KV's, not our cache's). Prose the model did not write
     drifts further (0.017) and is not the bar's measure: benchmarks/README.md."""
-    model = smollm2(None)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": QUESTION}], add_generation_prompt=True
     )
-    answer = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=ANSWER_TOKENS)]
+    # The answer and its full-precision logprobs in one pass (the tokens mlx-lm's
+    # generate_step picks too).
+    answer, full = _decode_logprobs(smollm2(None), prompt, ANSWER_TOKENS)
     assert len(set(answer)) > ANSWER_TOKENS // 3  # an answer, not a loop
-    full = _decode_logprobs(model, prompt, answer)
-    drift = {
-        bits: mx.mean(mx.abs(_decode_logprobs(smollm2(bits), prompt, answer) - full))
-        for bits in (8, 4)
-    }
-    assert drift[8].item() <= 0.01
-    # The cache really is quantized: 4 bits drift further than 8.
-    assert drift[4].item() > 2 * drift[8].item() > 0
+    drift = mx.abs(_decode_logprobs(smollm2(8), prompt, answer)[1] - full)
+    assert mx.mean(drift).item() <= 0.01
+    # The cache really is quantized: 4 bits drift further than 8, on the answer's
+    # first PREMISE_TOKENS (measured 20x there, 17x over the whole answer).
+    head = answer[:PREMISE_TOKENS]
+    drift_4 = mx.abs(_decode_logprobs(smollm2(4), prompt, head)[1] - full[:PREMISE_TOKENS])
+    assert mx.mean(drift_4).item() > 2 * mx.mean(drift[:PREMISE_TOKENS]).item() > 0
 
 
 def test_kv_per_token_is_the_quantized_size(smollm2) -> None:

@@ -95,7 +95,10 @@ def test_alone_equals_mlx_lm_with_quantized_kv_start(
     if prompt_kind == "short":
         prompt = prompt[:6]
     assert (len(prompt) > START) == (prompt_kind == "long")
-    n = 40
+    # 24 tokens: the short prompt's decoding crosses N with 13 of them left to read
+    # over the quantized cache (a mismatch shows at the first: logprobs within 1e-5).
+    n = 24
+    assert len(prompt) + n >= START + 8
     ours = _serve(_runner(model, prefill_step_size=512), [[_request(0, prompt, n)]], n)["r0"]
     reference = plain(which)[0]
     generated = _mlx_lm_generate(reference, prompt, n, START)
