@@ -481,7 +481,11 @@ FAMILIES: dict[str, Family] = {
     # a row of aligner features a grid row, a newline row each, end) and gives records of
     # each span's start and patches as pixels; one DeepseekV41Cache holds every layer's
     # window, compressed groups and indexer keys. Its config is flat (text at the root).
-    # Checked on a tiny model without Engram layers (their hash tables are checkpoint files).
+    # Engram layers (real checkpoints': layers 1 and 14) hash each token's n-grams from
+    # a token history mlx-vlm keeps on that cache (fresh each request, carried over
+    # prefill chunks) and read their tables' rows from the checkpoint's safetensors
+    # (mlx-vlm's load maps them, given the folder): checked on tiny models with and
+    # without one (tests/api/test_vision_families.py).
     "deepseek_v41": Family(
         image_text="<｜deepseek_image｜>",
         own_cache=True,

@@ -140,6 +140,9 @@ MODELS: dict[str, tuple[str, int, str | None]] = {
     # config's image token) and 576 rows an image (mlx-vlm pads every image to 384 pixels);
     # its module imports cv2, which the tests install (test_vlm_optional_modules.py).
     "tiny-multi-modality": ("multi_modality", 384, None),
+    # Issue 41: deepseek_v41 with an Engram layer (tiny_vlm_configs_deepseek_v41.py): its
+    # n-gram history on each request's own cache, its hash table read from the file.
+    "tiny-deepseek-v41-engram": ("deepseek_v41_engram", 56, "not mlx-lm's"),
 }
 # Models built with another's seed: tiny-gemma4's weights, only the attention flag
 # differs (its images then change the answers: the test below checks it).
@@ -147,7 +150,7 @@ SAME_WEIGHTS = {"tiny-gemma4-bidirectional": "tiny-gemma4"}
 # Seeds follow MODELS' row order; a row checked on a branch whose table was shorter keeps
 # the seed it was checked with (a random tiny model of another seed may answer every
 # image alike: tiny-phi4mm at its row's index).
-SEEDS = {"tiny-phi4mm": 46}
+SEEDS = {"tiny-phi4mm": 46, "tiny-deepseek-v41-engram": 58}
 # Families whose language model keeps linear-attention / convolution / SSM states
 # (ArraysCache), with the KV bytes a token adds to their attention layers (float32):
 # layers x (K, V) x KV heads x head_dim x 4, or an MLA layer's latent (16 + 8) x 4.
@@ -167,9 +170,12 @@ MAX_TOKENS = 10
 
 def traits(model: str) -> Family:
     """The entry omlx serves ``model`` by: its family's, or the variant its config
-    makes it (tiny_vlms.py builds gemma4_bidirectional as a gemma4 checkpoint)."""
+    makes it (tiny_vlms.py builds gemma4_bidirectional as a gemma4 checkpoint,
+    deepseek_v41_engram as a deepseek_v41 one)."""
     built = MODELS[model][0]
-    return GEMMA4_BIDIRECTIONAL if built == "gemma4_bidirectional" else FAMILIES[built]
+    if built == "gemma4_bidirectional":
+        return GEMMA4_BIDIRECTIONAL
+    return FAMILIES[built.removesuffix("_engram")]
 
 
 # Long enough that gemma3's 16-token sliding window rotates during the prompt.
@@ -368,6 +374,7 @@ def test_a_repeated_image_prompt_is_a_cache_hit_that_matches_mlx_vlm(
         "tiny-hunyuan-vl",
         "tiny-glm5-next",
         "tiny-deepseek-v41",
+        "tiny-deepseek-v41-engram",
         "tiny-inkling",
         "tiny-multi-modality",
         *LINEAR,
@@ -388,6 +395,28 @@ def test_an_image_cut_by_prefill_chunks_matches_mlx_vlm(
     got = chat(client, model, ask(png(60, size), text=text), MAX_TOKENS)
     assert got.usage.prompt_tokens > 64 >= 2 * ATTENTION_CHUNK
     assert answer(client, model, ask(png(60, size), text=text)) == expected
+
+
+def test_an_engram_n_gram_across_a_prefill_chunk_boundary_matches_mlx_vlm(
+    client: openai.OpenAI, server: Server
+) -> None:
+    # deepseek_v41's Engram hashes each token with the 3 before it, from the token
+    # history its cache keeps: in a text prompt whose last 64-token chunk (the server's
+    # prefill_step_size) holds only its last 1 to 3 tokens, their n-grams reach into the
+    # chunk before, as in mlx-vlm's one-forward prefill.
+    model = "tiny-deepseek-v41-engram"
+    tokenizer = mlx_vlm_load(server, model)[1].tokenizer
+    words = ("colours", "shapes", "of", "the", "garden", "a")
+    for n in range(200):
+        text = " ".join(words[i % len(words)] for i in range(n))
+        prompt = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+        if 65 < len(tokenizer.encode(prompt)) <= 67:
+            break
+    expected = _mlx_vlm_text_answer(server, model, text)
+    messages = [{"role": "user", "content": text}]
+    assert 65 < chat(client, model, messages, MAX_TOKENS).usage.prompt_tokens <= 67
+    assert len(expected) == MAX_TOKENS
+    assert answer(client, model, messages) == expected
 
 
 def _mlx_vlm_text_answer(server: Server, model: str, text: str) -> list[bytes]:
