@@ -20,6 +20,18 @@ log = logging.getLogger(__name__)
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
+# Modules whose tables stay in the checkpoint's files, read a few rows a forward:
+# deepseek_v41's Engram hash tables (~100 GB a layer in a real checkpoint), which
+# mlx-vlm's load maps and leaves in the parameter tree unread.
+_FILE_MAPPED = frozenset({"OffloadedEngramEmbedding"})
+
+
+def _file_mapped_bytes(module: Any) -> int:
+    """Bytes of ``module``'s parameters it reads from the files, never holds."""
+    mapped = (m for _, m in module.named_modules() if type(m).__name__ in _FILE_MAPPED)
+    return sum(p.nbytes for m in mapped for _, p in flat_parameters(m))
+
+
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     info: ModelInfo
@@ -42,7 +54,8 @@ class LoadedModel:
         module = self.vision.model if self.vision is not None else self.model
         try:
             params = flat_parameters(module)
-            return int(sum(p.nbytes for _, p in params)) or self.info.size_bytes
+            held = sum(p.nbytes for _, p in params) - _file_mapped_bytes(module)
+            return int(held) or self.info.size_bytes
         except Exception:
             return self.info.size_bytes
 

@@ -419,6 +419,23 @@ def test_an_engram_n_gram_across_a_prefill_chunk_boundary_matches_mlx_vlm(
     assert answer(client, model, messages) == expected
 
 
+def test_a_loaded_engram_model_is_priced_without_the_tables_it_reads_from_its_files(
+    client: openai.OpenAI, server: Server
+) -> None:
+    # mlx-vlm maps deepseek_v41's Engram hash tables from the safetensors and reads the
+    # rows a forward looks up (a real checkpoint's: ~100 GB a layer): the pool prices
+    # the weights the model holds, every other tensor of its file.
+    import mlx.core as mx
+
+    model = "tiny-deepseek-v41-engram"
+    answer(client, model, [{"role": "user", "content": TEXT_ONLY}])
+    engine = next(e for e in server.pool.loaded() if e.name == model)
+    tensors = mx.load(str(engine.loaded.info.path / "model.safetensors"))
+    table = tensors.pop("language_model.layers.1.engram.embed.weight")
+    assert table.nbytes > 0
+    assert engine.loaded.weights_bytes() == sum(t.nbytes for t in tensors.values())
+
+
 def _mlx_vlm_text_answer(server: Server, model: str, text: str) -> list[bytes]:
     """mlx-vlm's own greedy generate on a text-only prompt, on a freshly loaded model."""
     from mlx_vlm import load, stream_generate
