@@ -56,6 +56,7 @@ class ModelInfo:
     path: Path
     model_type: str  # config.json's model_type, e.g. "llama"
     kind: str  # "llm", "vlm", "embedding" or "rerank"
+    # Bytes of weights a load brings in: the safetensors, less tensors it maps.
     size_bytes: int
     # The model's settings allow its loaders to import the folder's own Python code.
     trust_remote_code: bool = False
@@ -144,6 +145,32 @@ def _weights_bytes(folder: Path) -> int | None:
         return None
 
 
+# Tensors mlx-vlm maps from the files and reads a few rows a forward, never loading
+# them whole: deepseek_v41's Engram hash tables (~384M rows a layer in a real
+# checkpoint; models/loader.py leaves them out of a loaded model's price too).
+_FILE_MAPPED_TENSORS = {"deepseek_v41": ".engram.embed."}
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+def _mapped_bytes(folder: Path, config: dict[str, Any]) -> int:
+    """Bytes of the folder's safetensors that a model of ``config`` maps, not loads."""
+    part = _FILE_MAPPED_TENSORS.get(str(config.get("model_type")))
+    if part is None:
+        return 0
+    total = 0
+    try:
+        for shard in folder.glob("*.safetensors"):
+            with shard.open("rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(min(length, _MAX_HEADER_BYTES)))
+            offsets = (t["data_offsets"] for k, t in header.items() if part in k)
+            total += sum(end - start for start, end in offsets)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        log.warning("%s: unreadable safetensors header, priced whole (%s)", folder, exc)
+        return 0
+    return total
+
+
 def _model_at(folder: Path, name: str) -> ModelInfo | None:
     if not (folder / "config.json").is_file():
         return None
@@ -151,6 +178,7 @@ def _model_at(folder: Path, name: str) -> ModelInfo | None:
     size = _weights_bytes(folder)
     if config is None or not size:
         return None
+    size -= _mapped_bytes(folder, config)
     return ModelInfo(
         name, folder, str(config.get("model_type", "unknown")), detect_kind(config, folder), size
     )

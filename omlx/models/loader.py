@@ -21,7 +21,7 @@ _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 
 
 # Modules whose tables stay in the checkpoint's files, read a few rows a forward:
-# deepseek_v41's Engram hash tables (~100 GB a layer in a real checkpoint), which
+# deepseek_v41's Engram hash tables (~384M rows a layer in a real checkpoint), which
 # mlx-vlm's load maps and leaves in the parameter tree unread.
 _FILE_MAPPED = frozenset({"OffloadedEngramEmbedding"})
 

@@ -423,8 +423,9 @@ def test_a_loaded_engram_model_is_priced_without_the_tables_it_reads_from_its_fi
     client: openai.OpenAI, server: Server
 ) -> None:
     # mlx-vlm maps deepseek_v41's Engram hash tables from the safetensors and reads the
-    # rows a forward looks up (a real checkpoint's: ~100 GB a layer): the pool prices
-    # the weights the model holds, every other tensor of its file.
+    # rows a forward looks up (a real checkpoint's: ~384M rows a layer): the pool prices
+    # the weights the model holds, every other tensor of its file, before its load
+    # (the fit check's figure) and after.
     import mlx.core as mx
 
     model = "tiny-deepseek-v41-engram"
@@ -433,7 +434,11 @@ def test_a_loaded_engram_model_is_priced_without_the_tables_it_reads_from_its_fi
     tensors = mx.load(str(engine.loaded.info.path / "model.safetensors"))
     table = tensors.pop("language_model.layers.1.engram.embed.weight")
     assert table.nbytes > 0
-    assert engine.loaded.weights_bytes() == sum(t.nbytes for t in tensors.values())
+    held = sum(t.nbytes for t in tensors.values())
+    assert engine.loaded.weights_bytes() == held
+    info = server.pool.available()[model]
+    file_bytes = (info.path / "model.safetensors").stat().st_size
+    assert info.size_bytes == file_bytes - table.nbytes
 
 
 def _mlx_vlm_text_answer(server: Server, model: str, text: str) -> list[bytes]:
