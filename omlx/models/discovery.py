@@ -9,6 +9,7 @@ in progress write into hidden temp folders).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import Iterable
@@ -160,15 +161,34 @@ def _mapped_bytes(folder: Path, config: dict[str, Any]) -> int:
     total = 0
     try:
         for shard in folder.glob("*.safetensors"):
-            with shard.open("rb") as f:
-                length = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(min(length, _MAX_HEADER_BYTES)))
-            offsets = (t["data_offsets"] for k, t in header.items() if part in k)
-            total += sum(end - start for start, end in offsets)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        log.warning("%s: unreadable safetensors header, priced whole (%s)", folder, exc)
+            stat = shard.stat()
+            mapped = _shard_mapped_bytes(shard, part, stat.st_size, stat.st_mtime_ns, stat.st_ino)
+            if mapped is None:
+                return 0
+            total += mapped
+    except OSError as exc:
+        log.warning("%s: unreadable safetensors, priced whole (%s)", folder, exc)
         return 0
     return total
+
+
+# Discovery runs on every request (ModelCatalog.resolve): a shard's header is parsed
+# once per version of the file (size, mtime, inode), not per request.
+@functools.lru_cache(maxsize=4096)
+def _shard_mapped_bytes(
+    shard: Path, part: str, _size: int, _mtime_ns: int, _inode: int
+) -> int | None:
+    """Bytes of ``shard``'s tensors whose names hold ``part``; None (logged once per
+    version of the file) when its header cannot be read."""
+    try:
+        with shard.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(length, _MAX_HEADER_BYTES)))
+        offsets = (t["data_offsets"] for k, t in header.items() if part in k)
+        return int(sum(end - start for start, end in offsets))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        log.warning("%s: unreadable safetensors header, priced whole (%s)", shard, exc)
+        return None
 
 
 def _model_at(folder: Path, name: str) -> ModelInfo | None:
